@@ -1,0 +1,1 @@
+"""dsi: Distributed Speculative Inference."""

@@ -1,0 +1,38 @@
+"""The error hierarchy of dsi: one base class and a few precise subclasses.
+
+Every error raised on purpose by the library derives from :class:`DSIError`, so callers can
+catch everything of ours with one ``except``. Messages name the offending value and what is
+allowed (``lookahead=0 must be >= 1``).
+"""
+
+from __future__ import annotations
+
+
+class DSIError(Exception):
+    """Base class of every error raised on purpose by dsi."""
+
+
+class ConfigError(DSIError, ValueError):
+    """An argument or configuration value is invalid (bad lookahead, temperature, prompt...)."""
+
+
+class ModelError(DSIError):
+    """A model misbehaved or cannot be used (wrong output shape, NaN logits, load failure)."""
+
+
+class VocabularyMismatchError(ModelError, ValueError):
+    """Target and drafter do not share one vocabulary."""
+
+
+class WorkerError(DSIError, RuntimeError):
+    """A target server or the drafter failed while serving a request."""
+
+
+class TaskCancelled(DSIError):
+    """Raised inside a model forward that noticed its cancel flag; never escapes the engine."""
+
+
+def require(condition: bool, message: str) -> None:
+    """Raise :class:`ConfigError` with ``message`` unless ``condition`` holds."""
+    if not condition:
+        raise ConfigError(message)

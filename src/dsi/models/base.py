@@ -1,0 +1,114 @@
+"""The model interface the engines run on: a language model hands out sessions, and a session
+is one token sequence with its KV cache.
+
+A session is extended with new tokens and returns the next-token logits of every position it
+just processed; it can be truncated back to a prefix (rolling back the cache). Each target
+server and the drafter own one session each, so several sessions of one model may run at once
+in different threads (sharing the model's read-only weights).
+
+Cancellation is cooperative: ``extend`` receives a flag (anything with ``is_set()`` and
+``wait(timeout)``, e.g. ``threading.Event``) and checks it between steps (tokens, layers, sleep
+slices). On cancellation it raises :class:`dsi.errors.TaskCancelled` and leaves the session
+exactly as it was before the call.
+
+This module knows nothing about torch, sampling or the algorithm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from dsi.errors import ConfigError, ModelError
+
+
+class CancelFlag(Protocol):
+    """What a forward may check to notice it should stop (``threading.Event`` fits)."""
+
+    def is_set(self) -> bool: ...
+
+    def wait(self, timeout: float | None = None) -> bool: ...
+
+
+@runtime_checkable
+class ModelSession(Protocol):
+    """One token sequence and its cache."""
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """The tokens processed so far (the cached prefix)."""
+        ...
+
+    def extend(self, tokens: Sequence[int], cancel: CancelFlag | None = None) -> np.ndarray:
+        """Process ``tokens`` after the current sequence in one forward.
+
+        Returns next-token logits, ``[len(tokens), vocab_size]``: row i is the distribution of the
+        token following ``self.tokens + tokens[: i + 1]``. Raises ``TaskCancelled`` if ``cancel``
+        is set during the forward, leaving the session unchanged.
+        """
+        ...
+
+    def truncate(self, length: int) -> None:
+        """Drop everything after the first ``length`` tokens (``0 <= length <= len(tokens)``)."""
+        ...
+
+    def close(self) -> None:
+        """Release the session's resources (cache memory)."""
+        ...
+
+
+@runtime_checkable
+class LanguageModel(Protocol):
+    """A causal language model that hands out independent sessions."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def new_session(self) -> ModelSession: ...
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def forward_rows(
+    session: ModelSession,
+    context: Sequence[int],
+    num_rows: int,
+    cancel: CancelFlag | None = None,
+) -> np.ndarray:
+    """Bring ``session`` to ``context`` reusing its cache; return the last ``num_rows`` logit rows.
+
+    The cache is truncated to the longest common prefix with ``context`` (but never beyond
+    ``len(context) - num_rows``, so the rows asked for are computed) and only the rest is run.
+    Row i of the result is the next-token distribution after
+    ``context[: len(context) - num_rows + i + 1]``.  # [num_rows, vocab_size]
+    """
+    if not 1 <= num_rows <= len(context):
+        raise ConfigError(f"{num_rows=} must be in [1, len(context)={len(context)}]")
+    keep = min(common_prefix_length(session.tokens, context), len(context) - num_rows)
+    if keep < len(session.tokens):
+        session.truncate(keep)
+    rows = session.extend(context[keep:], cancel)
+    return rows[-num_rows:]
+
+
+def check_logits(row: np.ndarray, vocab_size: int, what: str) -> np.ndarray:
+    """Validate one logit row from user code: shape ``[vocab_size]`` and no NaN."""
+    arr = np.asarray(row)
+    if arr.shape != (vocab_size,):
+        raise ModelError(f"{what} returned logits of shape {arr.shape}; expected ({vocab_size},)")
+    if not np.issubdtype(arr.dtype, np.number):
+        raise ModelError(f"{what} returned logits of dtype {arr.dtype}; expected a float array")
+    if np.isnan(arr).any():
+        raise ModelError(f"{what} returned NaN logits")
+    if np.isposinf(arr).any():
+        raise ModelError(f"{what} returned +inf logits")
+    return arr

@@ -1,0 +1,72 @@
+"""``CallableLM``: any Python next-token function as a language model (target or drafter).
+
+The function receives the whole context as a tuple of token ids and returns the logits of the
+next token, ``[vocab_size]``. There is no real cache: the session keeps the token list and
+calls the function once per new position, checking the cancel flag between positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from dsi.errors import ConfigError, TaskCancelled
+from dsi.models.base import CancelFlag, check_logits
+
+NextLogits = Callable[[tuple[int, ...]], np.ndarray]
+
+
+class CallableLM:
+    """A language model defined by ``next_logits(context) -> logits [vocab_size]``."""
+
+    def __init__(self, next_logits: NextLogits, vocab_size: int, name: str = "callable") -> None:
+        if not callable(next_logits):
+            raise ConfigError(f"next_logits={next_logits!r} must be callable")
+        if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 2:
+            raise ConfigError(f"vocab_size={vocab_size!r} must be an integer >= 2")
+        self.next_logits = next_logits
+        self._vocab_size = vocab_size
+        self.name = name
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    def new_session(self) -> CallableSession:
+        return CallableSession(self)
+
+    def __repr__(self) -> str:
+        return f"CallableLM(name={self.name!r}, vocab_size={self._vocab_size})"
+
+
+class CallableSession:
+    """A token list; each ``extend`` calls the model's function once per new token."""
+
+    def __init__(self, model: CallableLM) -> None:
+        self._model = model
+        self._tokens: list[int] = []
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return tuple(self._tokens)
+
+    def extend(self, tokens: Sequence[int], cancel: CancelFlag | None = None) -> np.ndarray:
+        vocab = self._model.vocab_size
+        context = list(self._tokens)
+        rows = np.empty((len(tokens), vocab), dtype=np.float64)  # [n, V]
+        for i, token in enumerate(tokens):
+            if cancel is not None and cancel.is_set():
+                raise TaskCancelled("forward cancelled")
+            context.append(int(token))
+            rows[i] = check_logits(self._model.next_logits(tuple(context)), vocab, repr(self._model))
+        self._tokens = context
+        return rows
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= len(self._tokens):
+            raise ConfigError(f"truncate {length=} must be in [0, {len(self._tokens)}]")
+        del self._tokens[length:]
+
+    def close(self) -> None:
+        self._tokens = []

@@ -1,0 +1,91 @@
+"""``WithLatency``: wrap any model so each forward takes a fixed wall-clock time.
+
+The first forward of a session (the prefill) takes ``ttft`` seconds, every later one ``tpot``
+seconds, whatever the number of new tokens: the memory-bound regime the DSI paper simulates.
+The wrapped model's own compute time counts towards that latency (the forward lasts
+``max(latency, compute)``), so emulated timings stay accurate for cheap inner models. The wait
+is interruptible: a set cancel flag ends it at once and restores the session.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from dsi.errors import ConfigError, TaskCancelled
+from dsi.models.base import CancelFlag, LanguageModel, ModelSession
+
+_SPIN_S = 0.0003  # final stretch of a wait done by polling, for sub-millisecond precision
+
+
+def _check_latency(name: str, value: float) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not value >= 0:
+        raise ConfigError(f"{name}={value!r} must be a number of seconds >= 0")
+    return float(value)
+
+
+def precise_wait(seconds: float, cancel: CancelFlag | None) -> bool:
+    """Wait ``seconds`` (or until ``cancel`` is set). Returns True if cancelled."""
+    deadline = time.perf_counter() + seconds
+    flag = cancel if cancel is not None else threading.Event()
+    remaining = seconds
+    while remaining > _SPIN_S:
+        if flag.wait(remaining - _SPIN_S):
+            return True
+        remaining = deadline - time.perf_counter()
+    while time.perf_counter() < deadline:
+        if flag.is_set():
+            return True
+        time.sleep(0)
+    return flag.is_set()
+
+
+class WithLatency:
+    """A model whose sessions take ``ttft`` s for their first forward and ``tpot`` s after."""
+
+    def __init__(self, model: LanguageModel, ttft: float, tpot: float) -> None:
+        self.model = model
+        self.ttft = _check_latency("ttft", ttft)
+        self.tpot = _check_latency("tpot", tpot)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    def new_session(self) -> LatencySession:
+        return LatencySession(self.model.new_session(), self.ttft, self.tpot)
+
+    def __repr__(self) -> str:
+        return f"WithLatency({self.model!r}, ttft={self.ttft}, tpot={self.tpot})"
+
+
+class LatencySession:
+    def __init__(self, inner: ModelSession, ttft: float, tpot: float) -> None:
+        self._inner = inner
+        self._ttft = ttft
+        self._tpot = tpot
+        self._prefilled = False
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return self._inner.tokens
+
+    def extend(self, tokens: Sequence[int], cancel: CancelFlag | None = None) -> np.ndarray:
+        start = time.perf_counter()
+        latency = self._tpot if self._prefilled else self._ttft
+        before = len(self._inner.tokens)
+        rows = self._inner.extend(tokens, cancel)
+        if precise_wait(latency - (time.perf_counter() - start), cancel):
+            self._inner.truncate(before)
+            raise TaskCancelled("forward cancelled")
+        self._prefilled = True
+        return rows
+
+    def truncate(self, length: int) -> None:
+        self._inner.truncate(length)
+
+    def close(self) -> None:
+        self._inner.close()
