@@ -1,1 +1,43 @@
-"""dsi: Distributed Speculative Inference."""
+"""dsi: Distributed Speculative Inference (Timor et al., ICLR 2025).
+
+Lossless LLM decoding in which a drafter drafts without waiting while a pool of target servers
+verifies overlapping draft windows in parallel. Public API::
+
+    import dsi
+    result = dsi.generate(target=..., drafter=..., prompt=[...], max_new_tokens=64)
+    result.tokens, result.stats.acceptance_rate
+"""
+
+from dsi.engine import (
+    GenerationAborted,
+    GenerationResult,
+    GenerationStats,
+    Request,
+    build_decoder,
+    generate,
+)
+from dsi.errors import (
+    ConfigError,
+    DSIError,
+    ModelError,
+    VocabularyMismatchError,
+    WorkerError,
+)
+from dsi.sampling import SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError",
+    "DSIError",
+    "GenerationAborted",
+    "GenerationResult",
+    "GenerationStats",
+    "ModelError",
+    "Request",
+    "SamplingParams",
+    "VocabularyMismatchError",
+    "WorkerError",
+    "build_decoder",
+    "generate",
+]

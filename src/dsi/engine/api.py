@@ -1,0 +1,158 @@
+"""The public entry points: :func:`generate` for one call, :func:`build_decoder` to keep workers.
+
+Everything a caller passes is validated here, once, with errors that name the value and what
+is allowed; the engines below assume valid input.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Protocol
+
+from dsi.engine.ar import AutoregressiveDecoder
+from dsi.engine.dsi import DSIDecoder
+from dsi.engine.request import Request, TokenCallback
+from dsi.engine.result import GenerationResult
+from dsi.engine.si import SpeculativeDecoder
+from dsi.errors import ConfigError, VocabularyMismatchError, require
+from dsi.models.base import LanguageModel
+from dsi.sampling import SamplingParams
+
+METHODS = ("dsi", "si", "ar")
+TRANSPORTS = ("threads",)
+
+
+class Decoder(Protocol):
+    method: str
+
+    def generate(
+        self, request: Request, on_tokens: TokenCallback | None = None, abort: threading.Event | None = None
+    ) -> GenerationResult: ...
+
+    def close(self) -> None: ...
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_model(model: object, role: str) -> LanguageModel:
+    if not (hasattr(model, "new_session") and hasattr(model, "vocab_size")):
+        raise ConfigError(
+            f"{role}={model!r} is not a language model (needs vocab_size and new_session(); "
+            "wrap a next-token function in dsi.models.CallableLM)"
+        )
+    return model  # type: ignore[return-value]
+
+
+def build_decoder(
+    *,
+    target: LanguageModel,
+    drafter: LanguageModel | None = None,
+    method: str = "dsi",
+    lookahead: int = 5,
+    num_target_servers: int = 2,
+    transport: str = "threads",
+) -> Decoder:
+    """A decoder that keeps its workers (threads, caches) across requests; ``close()`` it."""
+    require(method in METHODS, f"method={method!r} must be one of {', '.join(METHODS)}")
+    require(_is_int(lookahead) and lookahead >= 1, f"lookahead={lookahead!r} must be an integer >= 1")
+    require(
+        _is_int(num_target_servers) and num_target_servers >= 1,
+        f"num_target_servers={num_target_servers!r} must be an integer >= 1",
+    )
+    require(transport in TRANSPORTS, f"transport={transport!r} must be one of {', '.join(TRANSPORTS)}")
+    target = _check_model(target, "target")
+    if method == "ar":
+        return AutoregressiveDecoder(target)
+    if drafter is None:
+        raise ConfigError(f"method={method!r} needs a drafter model")
+    drafter = _check_model(drafter, "drafter")
+    if drafter.vocab_size != target.vocab_size:
+        raise VocabularyMismatchError(
+            f"drafter vocab_size={drafter.vocab_size} differs from target vocab_size="
+            f"{target.vocab_size}; target and drafter must share one vocabulary"
+        )
+    if method == "si":
+        return SpeculativeDecoder(target, drafter, lookahead)
+    from dsi.transport.threads import ThreadTargetPool
+
+    return DSIDecoder(
+        drafter, lookahead, lambda on_event: ThreadTargetPool(target, num_target_servers, on_event)
+    )
+
+
+def make_request(
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    sampling: SamplingParams,
+    eos_token_id: int | None,
+    vocab_size: int,
+) -> Request:
+    """Validate the per-request arguments and bundle them."""
+    require(
+        _is_int(max_new_tokens) and max_new_tokens >= 1,
+        f"max_new_tokens={max_new_tokens!r} must be an integer >= 1",
+    )
+    require(
+        isinstance(sampling, SamplingParams),
+        f"sampling={sampling!r} must be a dsi.SamplingParams",
+    )
+    if isinstance(prompt, str | bytes):
+        raise ConfigError("prompt must be a sequence of token ids; tokenize text first")
+    try:
+        tokens = tuple(prompt)
+    except TypeError:
+        raise ConfigError(f"prompt={prompt!r} must be a sequence of token ids") from None
+    require(len(tokens) > 0, "prompt is empty; it needs at least one token id")
+    for i, token in enumerate(tokens):
+        if not (_is_int(token) or hasattr(token, "__index__")) or isinstance(token, bool):
+            raise ConfigError(f"prompt[{i}]={token!r} is not an integer token id")
+        if not 0 <= int(token) < vocab_size:
+            raise ConfigError(f"prompt[{i}]={int(token)} is outside the vocabulary [0, {vocab_size})")
+    if eos_token_id is not None:
+        require(
+            _is_int(eos_token_id) and 0 <= eos_token_id < vocab_size,
+            f"eos_token_id={eos_token_id!r} must be None or a token id in [0, {vocab_size})",
+        )
+    return Request(tuple(int(t) for t in tokens), max_new_tokens, sampling, eos_token_id)
+
+
+def generate(
+    *,
+    target: LanguageModel,
+    drafter: LanguageModel | None = None,
+    prompt: Sequence[int],
+    method: str = "dsi",
+    max_new_tokens: int,
+    lookahead: int = 5,
+    num_target_servers: int = 2,
+    sampling: SamplingParams | None = None,
+    transport: str = "threads",
+    eos_token_id: int | None = None,
+    on_tokens: TokenCallback | None = None,
+    abort: threading.Event | None = None,
+) -> GenerationResult:
+    """Generate up to ``max_new_tokens`` tokens after ``prompt`` with non-SI, SI or DSI.
+
+    Greedy output (``temperature=0``) is token for token the target's own greedy output;
+    sampled output has exactly the target's distribution, and for a fixed seed it is the same
+    for any number of target servers and any timing. ``on_tokens`` receives each committed
+    token as it is committed (streaming). Workers are started for this call and stopped before
+    it returns; use :func:`build_decoder` to keep them across calls.
+    """
+    sampling = SamplingParams() if sampling is None else sampling
+    decoder = build_decoder(
+        target=target,
+        drafter=drafter,
+        method=method,
+        lookahead=lookahead,
+        num_target_servers=num_target_servers,
+        transport=transport,
+    )
+    try:
+        request = make_request(prompt, max_new_tokens, sampling, eos_token_id, target.vocab_size)
+        return decoder.generate(request, on_tokens, abort)
+    finally:
+        decoder.close()

@@ -1,0 +1,40 @@
+"""Non-SI: plain autoregressive decoding with the target, one forward per token.
+
+The reference every other method must reproduce (greedy) or match in distribution (sampling).
+Sampling draws each token with the BONUS uniform of its absolute position.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from dsi.engine.request import Output, Request, TokenCallback
+from dsi.engine.result import GenerationResult
+from dsi.engine.stats import GenerationStats
+from dsi.models.base import LanguageModel, forward_rows
+from dsi.sampling import bonus, process_logits
+
+
+class AutoregressiveDecoder:
+    """Non-SI decoding on one session of ``target`` (kept across requests for cache reuse)."""
+
+    method = "ar"
+
+    def __init__(self, target: LanguageModel) -> None:
+        self._session = target.new_session()
+
+    def generate(
+        self, request: Request, on_tokens: TokenCallback | None = None, abort: threading.Event | None = None
+    ) -> GenerationResult:
+        stats = GenerationStats(method=self.method)
+        out = Output(request, stats, on_tokens, abort)
+        while not out.finished:
+            out.check_abort()
+            row = forward_rows(self._session, out.tokens, 1)[-1]  # [V]
+            stats.target_forwards += 1
+            out.commit(bonus(process_logits(row, request.sampling), request.sampling, len(out.tokens)))
+            stats.bonus_tokens += 1
+        return GenerationResult(out.finalize(), stats)
+
+    def close(self) -> None:
+        self._session.close()

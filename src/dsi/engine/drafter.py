@@ -1,0 +1,144 @@
+"""The drafter thread of DSI: it drafts continuously and never waits for a verification.
+
+The orchestrator calls :meth:`DraftWorker.restart` with a new epoch and the committed tokens
+(at the start and after every rejection). The worker cancels its running forward, rolls its
+session back to the longest common prefix, and drafts up to ``limit`` tokens, reporting each as
+a :class:`Draft` event and finally a :class:`DraftsDone`. Events carry the epoch so that drafts
+of an abandoned context are recognised and ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from dsi.errors import TaskCancelled
+from dsi.models.base import LanguageModel, forward_rows
+from dsi.sampling import SamplingParams, draft_token, process_logits
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Draft:
+    epoch: int
+    index: int  # position in the draft, 0 = first token after the committed context
+    token: int
+    q: np.ndarray | None  # [V] processed drafter distribution; None when greedy
+
+
+@dataclass(frozen=True)
+class DraftsDone:
+    epoch: int
+    count: int  # drafts produced in this epoch
+
+
+@dataclass(frozen=True)
+class DrafterFailed:
+    epoch: int
+    error: str
+    exception: BaseException
+
+
+@dataclass(frozen=True)
+class _Job:
+    epoch: int
+    context: tuple[int, ...]
+    limit: int
+    sampling: SamplingParams
+    eos_token_id: int | None
+    cancel: threading.Event
+
+
+class DraftWorker:
+    """Drafts on its own thread with its own session of ``model``."""
+
+    def __init__(self, model: LanguageModel, on_event: Callable[[object], None]) -> None:
+        self._model = model
+        self._on_event = on_event
+        self._cond = threading.Condition()
+        self._job: _Job | None = None
+        self._closed = False
+        self.forwards = 0  # drafter forwards started (read by the orchestrator for stats)
+        self._thread = threading.Thread(target=self._run, name="dsi-drafter", daemon=True)
+        self._thread.start()
+
+    def restart(
+        self,
+        epoch: int,
+        context: tuple[int, ...],
+        limit: int,
+        sampling: SamplingParams,
+        eos_token_id: int | None,
+    ) -> None:
+        """Abandon the current drafts and start drafting ``limit`` tokens after ``context``."""
+        with self._cond:
+            if self._job is not None:
+                self._job.cancel.set()
+            self._job = _Job(epoch, context, limit, sampling, eos_token_id, threading.Event())
+            self._cond.notify()
+
+    def stop(self) -> None:
+        """Abandon the current job (the thread stays, idle)."""
+        with self._cond:
+            if self._job is not None:
+                self._job.cancel.set()
+            self._job = None
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def close(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._closed = True
+            if self._job is not None:
+                self._job.cancel.set()
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    def _next_job(self) -> _Job | None:
+        with self._cond:
+            while not self._closed and (self._job is None or self._job.cancel.is_set()):
+                self._cond.wait()
+            return None if self._closed else self._job
+
+    def _run(self) -> None:
+        session = self._model.new_session()
+        try:
+            while (job := self._next_job()) is not None:
+                try:
+                    self._draft(session, job)
+                except TaskCancelled:
+                    continue
+                except Exception as exc:
+                    log.exception("drafter failed")
+                    self._on_event(DrafterFailed(job.epoch, f"{type(exc).__name__}: {exc}", exc))
+                with self._cond:
+                    if self._job is job:
+                        self._job = None
+        finally:
+            session.close()
+
+    def _draft(self, session, job: _Job) -> None:
+        params, cancel = job.sampling, job.cancel
+        count = 0
+        if job.limit > 0:
+            self.forwards += 1
+            row = forward_rows(session, job.context, 1, cancel)[-1]  # [V]
+            while True:
+                position = len(job.context) + count
+                q = process_logits(row, params) if not params.greedy else None  # [V]
+                token = draft_token(q, params, position) if q is not None else int(np.argmax(row))
+                if cancel.is_set():
+                    raise TaskCancelled("drafts abandoned")
+                self._on_event(Draft(job.epoch, count, token, q))
+                count += 1
+                if count >= job.limit or token == job.eos_token_id:
+                    break
+                self.forwards += 1
+                row = session.extend([token], cancel)[-1]
+        self._on_event(DraftsDone(job.epoch, count))

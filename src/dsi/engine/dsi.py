@@ -1,0 +1,254 @@
+"""DSI: the orchestrator of one drafter thread and a pool of target servers.
+
+Timor et al., "Distributed Speculative Inference", ICLR 2025; see docs/architecture.md. State of
+one request: ``committed`` (prompt + verified tokens), the ``draft`` after the last (re)start
+point ``base``, and the verification *windows* sent for it. Relative position r counts from
+``base``:
+
+- window 0 is the zero-draft task on ``base`` itself (the non-SI chain); it decides r = 0;
+- window m >= 1 has context ``base + draft[: m k]`` and decides r in ((m-1) k, m k]: its rows
+  compare drafts (m-1) k + 1 ... m k, the last row deciding the first draft of the next window.
+
+Which window decides a position depends only on ``base``, never on timing. Results are applied
+strictly in window order; an early result waits, stored, for its turn. A rejection commits the
+correction token, preempts every outstanding task (all of them contain the rejected draft),
+rolls the drafter back and restarts with a new zero-draft task. Where the drafter stopped early
+(its model gave out before the token limit without EOS) the target's row gives a bonus token.
+A position whose draft is still being computed waits for it (at most one drafter step), so the
+output never depends on timing. Only the target commits EOS.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+
+from dsi.engine.drafter import Draft, DrafterFailed, DraftsDone, DraftWorker
+from dsi.engine.request import Output, Request, TokenCallback
+from dsi.engine.result import GenerationResult
+from dsi.engine.stats import GenerationStats
+from dsi.errors import WorkerError
+from dsi.models.base import LanguageModel
+from dsi.sampling import bonus, decide
+from dsi.transport.base import TargetPool, TaskAborted, TaskFailed, TaskResult, VerifyTask
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.5  # how often a waiting orchestrator checks that its workers are still alive
+
+
+@dataclass
+class _Window:
+    index: int
+    first: int  # first relative position decided
+    last: int  # last relative position decided (inclusive); context = base + draft[:last]
+    task_id: int
+    result: TaskResult | None = None
+
+
+class DSIDecoder:
+    """DSI over ``pool`` (SP target servers) and a drafter thread on ``drafter``.
+
+    Build it once and call :meth:`generate` for each request (one request at a time), then
+    :meth:`close`. The pool must have been created with this decoder's :attr:`events`
+    queue's ``put`` as its ``on_event`` callback (see :func:`dsi.engine.api.build_decoder`).
+    """
+
+    method = "dsi"
+
+    def __init__(self, drafter: LanguageModel, lookahead: int, pool_factory) -> None:
+        self.lookahead = lookahead
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self._task_ids = itertools.count()
+        self._epochs = itertools.count(1)
+        self.pool: TargetPool = pool_factory(self.events.put)
+        try:
+            self._drafter = DraftWorker(drafter, self.events.put)
+        except BaseException:
+            self.pool.close()
+            raise
+
+    def generate(
+        self, request: Request, on_tokens: TokenCallback | None = None, abort: threading.Event | None = None
+    ) -> GenerationResult:
+        run = _DSIRun(self, request, on_tokens, abort)
+        try:
+            run.loop()
+        finally:
+            run.stop()
+        return GenerationResult(run.out.finalize(), run.stats)
+
+    def close(self) -> None:
+        self._drafter.close()
+        self.pool.close()
+
+
+class _DSIRun:
+    """The state of one request inside a :class:`DSIDecoder`."""
+
+    def __init__(
+        self, decoder: DSIDecoder, request: Request, on_tokens: TokenCallback | None, abort: threading.Event | None
+    ) -> None:
+        self.decoder = decoder
+        self.request = request
+        self.k = decoder.lookahead
+        self.pool = decoder.pool
+        self.drafter = decoder._drafter
+        self.stats = GenerationStats(
+            method="dsi", lookahead=self.k, num_target_servers=self.pool.num_servers
+        )
+        self.out = Output(request, self.stats, on_tokens, abort)
+        self._drafter_forwards_at_start = self.drafter.forwards
+        self.epoch = 0
+        self.base: tuple[int, ...] = ()
+        self.draft: list[int] = []
+        self.qs: list = []
+        self.drafter_done = False
+        self.windows: dict[int, _Window] = {}
+        self.outstanding: dict[int, int] = {}  # task_id -> window index (current epoch)
+        self.stale: set[int] = set()  # cancelled task ids whose events may still arrive
+
+    # ---- main loop -------------------------------------------------------------------------
+    def loop(self) -> None:
+        if self.out.finished:
+            return
+        self.restart()
+        while not self.out.finished:
+            try:
+                event = self.decoder.events.get(timeout=_POLL_S)
+            except queue.Empty:
+                self.out.check_abort()
+                self.check_workers()
+                continue
+            self.handle(event)
+            self.out.check_abort()
+            self.apply()
+
+    def stop(self) -> None:
+        """Cancel whatever is still running for this request; collect late statistics."""
+        if self.outstanding:
+            self.pool.cancel(list(self.outstanding))
+            self.stale.update(self.outstanding)
+            self.outstanding.clear()
+        self.drafter.stop()
+        self.stats.drafter_forwards = self.drafter.forwards - self._drafter_forwards_at_start
+
+    def check_workers(self) -> None:
+        if self.pool.alive_servers() == 0:
+            raise WorkerError("no target server is alive")
+        if not self.drafter.is_alive():
+            raise WorkerError("the drafter thread died")
+
+    # ---- events ------------------------------------------------------------------------------
+    def handle(self, event: object) -> None:
+        if isinstance(event, Draft):
+            if event.epoch == self.epoch and event.index == len(self.draft):
+                self.draft.append(event.token)
+                self.qs.append(event.q)
+                self.stats.drafted_tokens += 1
+                self.submit_ready_windows()
+        elif isinstance(event, DraftsDone):
+            if event.epoch == self.epoch:
+                self.drafter_done = True
+                self.submit_ready_windows()
+        elif isinstance(event, TaskResult):
+            self.stats.target_forwards += 1
+            self.stats.target_busy_s += event.compute_s
+            index = self.outstanding.pop(event.task_id, None)
+            if index is None:  # computed on a context a rejection made stale
+                self.stale.discard(event.task_id)
+                self.stats.wasted_target_s += event.compute_s
+            else:
+                self.windows[index].result = event
+        elif isinstance(event, TaskAborted):
+            self.stats.target_forwards += 1
+            self.stats.target_busy_s += event.compute_s
+            self.stats.wasted_target_s += event.compute_s
+            self.stale.discard(event.task_id)
+            self.outstanding.pop(event.task_id, None)
+        elif isinstance(event, TaskFailed):
+            raise WorkerError(f"target server {event.server_id} failed: {event.error}") from event.exception
+        elif isinstance(event, DrafterFailed):
+            raise WorkerError(f"the drafter failed: {event.error}") from event.exception
+
+    # ---- windows -----------------------------------------------------------------------------
+    def restart(self) -> None:
+        """Start a new epoch on the committed tokens: zero-draft task + fresh drafting."""
+        if self.outstanding:
+            self.pool.cancel(list(self.outstanding))
+            self.stats.preempted_tasks += len(self.outstanding)
+            self.stale.update(self.outstanding)
+            self.outstanding.clear()
+        self.epoch = next(self.decoder._epochs)
+        self.base = tuple(self.out.tokens)
+        self.draft, self.qs, self.windows = [], [], {}
+        self.drafter_done = False
+        self.submit_window(0, 0, 0)
+        self.drafter.restart(
+            self.epoch, self.base, self.out.remaining, self.request.sampling, self.request.eos_token_id
+        )
+
+    def submit_window(self, index: int, first: int, last: int) -> None:
+        task_id = next(self.decoder._task_ids)
+        context = self.base + tuple(self.draft[:last])
+        self.windows[index] = _Window(index, first, last, task_id)
+        self.outstanding[task_id] = index
+        self.stats.verify_tasks += 1
+        self.pool.submit(VerifyTask(task_id, context, last - first + 1, self.request.sampling))
+
+    def submit_ready_windows(self) -> None:
+        k = self.k
+        while True:
+            index = len(self.windows)  # next window to send
+            first, last = (index - 1) * k + 1, index * k
+            if len(self.draft) >= last:
+                self.submit_window(index, first, last)
+                continue
+            if self.drafter_done:
+                # final, partial window: decide the remaining drafts (and one bonus position if
+                # the drafter stopped before the token limit without drafting EOS)
+                count = len(self.draft)
+                stopped_early = count < self.out.remaining and (
+                    not self.draft or self.draft[-1] != self.request.eos_token_id
+                )
+                need_last = count if stopped_early else count - 1
+                if need_last >= first:
+                    self.submit_window(index, first, need_last)
+            return
+
+    # ---- decisions ---------------------------------------------------------------------------
+    def apply(self) -> None:
+        """Decide every position whose deciding result (and draft) is available, in order."""
+        params = self.request.sampling
+        while not self.out.finished:
+            r = len(self.out.tokens) - len(self.base)
+            window = self.windows.get(0 if r == 0 else (r - 1) // self.k + 1)
+            if window is None or window.result is None:
+                return
+            row = r - window.first
+            result = window.result
+            position = len(self.out.tokens)
+            if r < len(self.draft):
+                if params.greedy:
+                    target_token = int(result.tokens[row])
+                    token, accepted = target_token, target_token == self.draft[r]
+                else:
+                    decision = decide(result.probs[row], self.draft[r], self.qs[r], params, position)
+                    token, accepted = decision.token, decision.accepted
+                self.out.commit(token)
+                if accepted:
+                    self.stats.accepted_tokens += 1
+                    continue
+                self.stats.rejections += 1
+            elif self.drafter_done:
+                probs = result.probs[row] if result.probs is not None else None
+                token = int(result.tokens[row]) if probs is None else bonus(probs, params, position)
+                self.out.commit(token)
+                self.stats.bonus_tokens += 1
+            else:
+                return  # the draft for this position is still being computed
+            if not self.out.finished:
+                self.restart()

@@ -1,0 +1,89 @@
+"""A generation request and the committed output every engine appends to.
+
+:class:`Output` owns the committed token sequence of one request: it appends tokens, streams
+them to the caller's callback, and knows when generation is over (``max_new_tokens`` reached,
+or the target committed EOS). Engines only decide *which* token comes next.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dsi.engine.stats import GenerationStats
+from dsi.errors import DSIError
+from dsi.sampling import SamplingParams
+
+TokenCallback = Callable[[list[int]], None]
+
+
+class GenerationAborted(DSIError):
+    """The caller's abort flag was set (e.g. the HTTP client went away)."""
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    eos_token_id: int | None = None
+
+
+class Output:
+    """The committed sequence of one request (prompt + new tokens)."""
+
+    def __init__(
+        self,
+        request: Request,
+        stats: GenerationStats,
+        on_tokens: TokenCallback | None = None,
+        abort: threading.Event | None = None,
+    ) -> None:
+        self.request = request
+        self.stats = stats
+        self.tokens: list[int] = list(request.prompt)
+        self._on_tokens = on_tokens
+        self._abort = abort
+        self._start = time.perf_counter()
+        self.finished = request.max_new_tokens <= 0
+
+    @property
+    def new_count(self) -> int:
+        return len(self.tokens) - len(self.request.prompt)
+
+    @property
+    def remaining(self) -> int:
+        return self.request.max_new_tokens - self.new_count
+
+    def commit(self, token: int) -> None:
+        if self.finished:
+            raise RuntimeError("commit after the output finished")
+        self.tokens.append(token)
+        if self.new_count == 1:
+            self.stats.time_to_first_token_s = time.perf_counter() - self._start
+        if token == self.request.eos_token_id:
+            self.finished = True
+            self.stats.finish_reason = "stop"
+        elif self.new_count >= self.request.max_new_tokens:
+            self.finished = True
+            self.stats.finish_reason = "length"
+        if self._on_tokens is not None:
+            self._on_tokens([token])
+
+    def check_abort(self) -> None:
+        if self._abort is not None and self._abort.is_set():
+            raise GenerationAborted("generation aborted by the caller")
+
+    def new_tokens(self) -> list[int]:
+        return self.tokens[len(self.request.prompt) :]
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self._start
+
+    def finalize(self) -> list[int]:
+        self.stats.new_tokens = self.new_count
+        self.stats.wall_time_s = self.elapsed()
+        return self.new_tokens()
+

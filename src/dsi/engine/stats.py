@@ -1,0 +1,69 @@
+"""Telemetry of one generation: counters every engine fills in, and derived rates.
+
+Glossary: a *draft* is a drafter token proposed for a position; it is *accepted* or
+*rejected* when the target decides that position. A *verification task* asks one target server
+to score some positions; a task is *preempted* when a rejection makes its context stale before
+its result is used (dropped from a queue, stopped mid-forward, or discarded on arrival).
+*Wasted target time* is server time spent on tasks whose results were not used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    method: str
+    new_tokens: int = 0
+    drafted_tokens: int = 0  # drafts produced, including ones later abandoned
+    accepted_tokens: int = 0  # drafts accepted by the target
+    rejections: int = 0  # drafts rejected (each yields a correction token)
+    bonus_tokens: int = 0  # target tokens committed where no draft existed
+    verify_tasks: int = 0  # verification tasks submitted to target servers
+    preempted_tasks: int = 0  # tasks made stale by a rejection
+    target_forwards: int = 0  # target forwards run to completion or aborted
+    drafter_forwards: int = 0
+    target_busy_s: float = 0.0  # summed target server time
+    wasted_target_s: float = 0.0  # target server time on preempted tasks
+    num_target_servers: int = 1
+    lookahead: int = 0
+    wall_time_s: float = 0.0
+    time_to_first_token_s: float = 0.0
+    finish_reason: str = "length"  # "length" | "stop"
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts over decided drafts (0 when no draft was decided)."""
+        decided = self.accepted_tokens + self.rejections
+        return self.accepted_tokens / decided if decided else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Mean run of consecutive accepted drafts, runs ending at a rejection or at the end."""
+        if self.accepted_tokens + self.rejections == 0:
+            return 0.0
+        return self.accepted_tokens / (self.rejections + 1)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
+
+    @property
+    def target_utilisation(self) -> float:
+        """Target server busy time over (wall time x number of servers)."""
+        capacity = self.wall_time_s * self.num_target_servers
+        return self.target_busy_s / capacity if capacity > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        extra = data.pop("extra")
+        data.update(
+            acceptance_rate=self.acceptance_rate,
+            mean_accepted_length=self.mean_accepted_length,
+            tokens_per_second=self.tokens_per_second,
+            target_utilisation=self.target_utilisation,
+        )
+        data.update(extra)
+        return data

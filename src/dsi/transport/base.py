@@ -1,0 +1,76 @@
+"""The target-pool seam: what the DSI orchestrator asks of a pool of target servers.
+
+A pool runs :class:`VerifyTask` s on ``num_servers`` target servers and reports back through
+the ``on_event`` callback it was built with (from its own threads): a :class:`TaskResult`, a
+:class:`TaskAborted` (a running task stopped by ``cancel``) or a :class:`TaskFailed`. Each task
+runs on at most one server. ``cancel`` drops queued tasks silently and asks running ones to
+stop between steps. Transports (threads, processes, Ray) implement this protocol; the engine
+never knows which one it talks to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from dsi.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class VerifyTask:
+    """Score the last ``num_rows`` positions of ``context`` with the target.
+
+    Row i of the answer is the target's next-token distribution after
+    ``context[: len(context) - num_rows + i + 1]``.
+    """
+
+    task_id: int
+    context: tuple[int, ...]
+    num_rows: int
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
+class TaskResult:
+    task_id: int
+    server_id: int
+    tokens: np.ndarray  # [num_rows] int64, argmax of each processed row
+    probs: np.ndarray | None  # [num_rows, V] float64 processed distributions; None when greedy
+    compute_s: float  # server time spent on the task
+
+
+@dataclass(frozen=True)
+class TaskAborted:
+    task_id: int
+    server_id: int
+    compute_s: float  # server time spent before the cancel took effect
+
+
+@dataclass(frozen=True)
+class TaskFailed:
+    task_id: int
+    server_id: int
+    error: str  # "ExceptionType: message"
+    exception: BaseException | None = None
+
+
+PoolEvent = TaskResult | TaskAborted | TaskFailed
+EventSink = Callable[[object], None]
+
+
+class TargetPool(Protocol):
+    """``num_servers`` target servers working through submitted tasks."""
+
+    @property
+    def num_servers(self) -> int: ...
+
+    def submit(self, task: VerifyTask) -> None: ...
+
+    def cancel(self, task_ids: Iterable[int]) -> None: ...
+
+    def alive_servers(self) -> int: ...
+
+    def close(self) -> None: ...
