@@ -59,8 +59,11 @@ class DSIDecoder:
 
     method = "dsi"
 
-    def __init__(self, drafter: LanguageModel, lookahead: int, pool_factory) -> None:
+    def __init__(self, drafter: LanguageModel, lookahead: int, pool_factory, trace: bool = False) -> None:
         self.lookahead = lookahead
+        # with trace=True, each request's ("submit", task_id, context) and ("apply", task_id,
+        # position) records are kept here, for tests of the algorithm's invariants
+        self.trace: list[tuple] | None = [] if trace else None
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self._task_ids = itertools.count()
         self._epochs = itertools.count(1)
@@ -197,6 +200,8 @@ class _DSIRun:
         self.windows[index] = _Window(index, first, last, task_id)
         self.outstanding[task_id] = index
         self.stats.verify_tasks += 1
+        if self.decoder.trace is not None:
+            self.decoder.trace.append(("submit", task_id, context))
         self.pool.submit(VerifyTask(task_id, context, last - first + 1, self.request.sampling))
 
     def submit_ready_windows(self) -> None:
@@ -220,6 +225,11 @@ class _DSIRun:
             return
 
     # ---- decisions ---------------------------------------------------------------------------
+    def commit(self, token: int, result: TaskResult) -> None:
+        if self.decoder.trace is not None:
+            self.decoder.trace.append(("apply", result.task_id, len(self.out.tokens)))
+        self.out.commit(token)
+
     def apply(self) -> None:
         """Decide every position whose deciding result (and draft) is available, in order."""
         params = self.request.sampling
@@ -238,7 +248,7 @@ class _DSIRun:
                 else:
                     decision = decide(result.probs[row], self.draft[r], self.qs[r], params, position)
                     token, accepted = decision.token, decision.accepted
-                self.out.commit(token)
+                self.commit(token, result)
                 if accepted:
                     self.stats.accepted_tokens += 1
                     continue
@@ -246,7 +256,7 @@ class _DSIRun:
             elif self.drafter_done:
                 probs = result.probs[row] if result.probs is not None else None
                 token = int(result.tokens[row]) if probs is None else bonus(probs, params, position)
-                self.out.commit(token)
+                self.commit(token, result)
                 self.stats.bonus_tokens += 1
             else:
                 return  # the draft for this position is still being computed

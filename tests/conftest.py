@@ -1,0 +1,84 @@
+"""Shared test helpers: small deterministic models, a latency-jitter wrapper, exact laws."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from dsi.models import CallableLM
+from dsi.models.synthetic import SyntheticTarget
+from dsi.sampling import SamplingParams, process_logits
+
+
+class Jitter:
+    """Wrap a model so every forward sleeps a random time in [0, max_s] (seeded per session)."""
+
+    def __init__(self, model, max_s: float, seed: int = 0) -> None:
+        self.model = model
+        self.max_s = max_s
+        self._seeds = itertools.count(seed * 1000)
+        self._lock = threading.Lock()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    def new_session(self):
+        with self._lock:
+            seed = next(self._seeds)
+        return _JitterSession(self.model.new_session(), self.max_s, random.Random(seed))
+
+
+class _JitterSession:
+    def __init__(self, inner, max_s, rng):
+        self._inner, self._max_s, self._rng = inner, max_s, rng
+
+    @property
+    def tokens(self):
+        return self._inner.tokens
+
+    def extend(self, tokens, cancel=None):
+        time.sleep(self._rng.uniform(0.0, self._max_s))
+        return self._inner.extend(tokens, cancel)
+
+    def truncate(self, length):
+        self._inner.truncate(length)
+
+    def close(self):
+        self._inner.close()
+
+
+def random_lm(vocab_size: int, seed: int, sharpness: float = 1.0) -> CallableLM:
+    """A model whose logits are a seeded pseudo-random function of the whole context."""
+    return CallableLM(SyntheticTarget(vocab_size, seed, sharpness), vocab_size, name=f"random(seed={seed})")
+
+
+def exact_sequence_law(model: CallableLM, prompt, length: int, params: SamplingParams) -> dict:
+    """P(next ``length`` tokens = y) for every y, from the model's processed distributions."""
+    law = {(): 1.0}
+    for _ in range(length):
+        nxt = {}
+        for seq, prob in law.items():
+            p = process_logits(model.next_logits(tuple(prompt) + seq), params)
+            for token in np.flatnonzero(p):
+                nxt[seq + (int(token),)] = prob * p[token]
+        law = nxt
+    return law
+
+
+@pytest.fixture
+def no_thread_leak():
+    """Fail if a dsi worker thread is still alive after the test."""
+    yield
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        alive = [t.name for t in threading.enumerate() if t.name.startswith("dsi-") and t.is_alive()]
+        if not alive:
+            return
+        time.sleep(0.01)
+    pytest.fail(f"leaked threads: {alive}")

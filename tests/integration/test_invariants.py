@@ -1,0 +1,122 @@
+"""DSI's invariants, checked on a trace of every submitted and applied verification task."""
+
+from __future__ import annotations
+
+import pytest
+
+import dsi
+from dsi.engine.api import make_request
+from dsi.engine.dsi import DSIDecoder
+from dsi.models import WithLatency, synthetic_pair
+from dsi.transport.threads import ThreadTargetPool
+from tests.conftest import Jitter
+
+
+def traced_run(acceptance, lookahead, servers, sampling, tokens=60, seed=0, jitter=0.002):
+    target, drafter = synthetic_pair(acceptance, vocab_size=16, seed=seed)
+    target = Jitter(target, jitter, seed)
+    decoder = DSIDecoder(
+        drafter, lookahead, lambda sink: ThreadTargetPool(target, servers, sink), trace=True
+    )
+    try:
+        request = make_request([1, 2, 3], tokens, sampling, None, 16)
+        result = decoder.generate(request)
+    finally:
+        decoder.close()
+    return result, decoder.trace
+
+
+@pytest.mark.parametrize("acceptance, lookahead, servers", [(0.5, 2, 3), (0.8, 4, 7), (0.3, 1, 2), (0.9, 3, 1)])
+@pytest.mark.parametrize("greedy", [True, False])
+def test_only_results_on_committed_contexts_are_applied(acceptance, lookahead, servers, greedy, no_thread_leak):
+    sampling = dsi.SamplingParams() if greedy else dsi.SamplingParams(temperature=1.0, seed=3)
+    result, trace = traced_run(acceptance, lookahead, servers, sampling)
+    final = (1, 2, 3) + tuple(result.tokens)
+    contexts = {task_id: ctx for kind, task_id, ctx in trace if kind == "submit"}
+    applied = [(task_id, position) for kind, task_id, position in trace if kind == "apply"]
+    assert [p for _, p in applied] == list(range(3, len(final)))  # every position once, in order
+    for task_id, position in applied:
+        ctx = contexts[task_id]
+        # the row used was computed on a context that is entirely committed up to this position
+        assert len(ctx) >= position
+        assert final[:position] == ctx[:position]
+    # every task whose context contains a rejected token was made stale and never applied
+    used = {t for t, _ in applied}
+    for task_id, ctx in contexts.items():
+        if final[: len(ctx)] != ctx[: len(final)]:
+            first_wrong = next(i for i, (a, b) in enumerate(zip(final, ctx)) if a != b)
+            assert all(t != task_id or p <= first_wrong for t, p in applied)
+    if result.stats.rejections:
+        assert result.stats.preempted_tasks > 0
+        assert set(contexts) - used
+
+
+def test_zero_draft_task_starts_every_segment(no_thread_leak):
+    result, trace = traced_run(0.6, 3, 4, dsi.SamplingParams(), tokens=50)
+    submits = [ctx for kind, _, ctx in trace if kind == "submit"]
+    final = (1, 2, 3) + tuple(result.tokens)
+    committed_lengths = set(range(3, len(final)))
+    # a zero-draft task (context entirely committed, ending right after a restart) exists for
+    # the start and for each rejection
+    zero_draft = [ctx for ctx in submits if final[: len(ctx)] == ctx and len(ctx) in committed_lengths]
+    assert len(zero_draft) >= result.stats.rejections + 1
+
+
+def test_dsi_is_never_slower_than_non_si_and_beats_si_with_emulated_latencies(no_thread_leak):
+    """Ratios in one run, with generous margins (the benchmark measures them precisely)."""
+    times = {}
+    for acceptance in (0.0, 0.7):
+        target, drafter = synthetic_pair(acceptance, vocab_size=16, seed=1, target_tpot=0.02, drafter_tpot=0.002)
+        for method in ("ar", "si", "dsi"):
+            out = dsi.generate(
+                target=target, drafter=drafter, prompt=[1, 2], method=method, max_new_tokens=30,
+                lookahead=3, num_target_servers=5,
+            )
+            times[(acceptance, method)] = out.stats.wall_time_s
+    assert times[(0.0, "dsi")] < 1.3 * times[(0.0, "ar")]
+    assert times[(0.7, "dsi")] < times[(0.7, "si")]
+    assert times[(0.7, "dsi")] < 0.8 * times[(0.7, "ar")]
+
+
+def test_stats_are_consistent(no_thread_leak):
+    result, _ = traced_run(0.7, 3, 3, dsi.SamplingParams(), tokens=80)
+    s = result.stats
+    assert s.new_tokens == 80 == len(result.tokens)
+    assert s.accepted_tokens + s.rejections + s.bonus_tokens == 80
+    assert s.drafted_tokens >= s.accepted_tokens + s.rejections
+    assert 0.0 < s.acceptance_rate < 1.0
+    assert s.mean_accepted_length == pytest.approx(s.accepted_tokens / (s.rejections + 1))
+    assert s.verify_tasks >= s.rejections + 1
+    assert s.wasted_target_s <= s.target_busy_s
+    assert 0.0 < s.target_utilisation <= 1.0
+    d = result.to_dict()
+    assert d["stats"]["acceptance_rate"] == s.acceptance_rate and d["token_ids"] == result.tokens
+
+
+def test_generation_can_be_aborted(no_thread_leak):
+    import threading
+
+    target, drafter = synthetic_pair(0.5, target_tpot=0.01, drafter_tpot=0.001)
+    abort = threading.Event()
+    seen = []
+
+    def on_tokens(tokens):
+        seen.extend(tokens)
+        if len(seen) >= 5:
+            abort.set()
+
+    with pytest.raises(dsi.GenerationAborted):
+        dsi.generate(target=target, drafter=drafter, prompt=[1], max_new_tokens=500, on_tokens=on_tokens, abort=abort)
+    assert 5 <= len(seen) < 500
+
+
+def test_a_preempted_running_forward_frees_its_server(no_thread_leak):
+    """Never-accepting drafter, slow target with one server: each rejection must abort the
+    running stale window at once, so DSI keeps pace with non-SI instead of queueing."""
+    target, drafter = synthetic_pair(0.0, vocab_size=16, seed=2)
+    target = WithLatency(target, ttft=0.01, tpot=0.01)
+    out = dsi.generate(target=target, drafter=drafter, prompt=[1], max_new_tokens=15, lookahead=1, num_target_servers=1)
+    ref = dsi.generate(target=target, prompt=[1], method="ar", max_new_tokens=15)
+    assert out.tokens == ref.tokens
+    assert out.stats.preempted_tasks > 0
+    assert out.stats.wall_time_s < 2.0 * ref.stats.wall_time_s

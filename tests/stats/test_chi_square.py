@@ -1,0 +1,64 @@
+"""Seeded chi-square tests: DSI and SI sampling have exactly the target's multi-token law.
+
+Each sample is one generation with its own seed (seeds 0..N-1, fixed, so the test is
+deterministic). The expected law of the 3-token continuation is computed exactly from the
+target's processed distributions. alpha = 1e-4.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy.stats import chisquare
+
+import dsi
+from dsi.engine.api import build_decoder, make_request
+from tests.conftest import exact_sequence_law, random_lm
+
+ALPHA = 1e-4
+N_SAMPLES = 3000
+VOCAB, LENGTH = 3, 3
+PROMPT = (1, 0)
+
+
+def sample_counts(decoder, params_for_seed, law):
+    index = {seq: i for i, seq in enumerate(law)}
+    counts = np.zeros(len(law))
+    for seed in range(N_SAMPLES):
+        request = make_request(PROMPT, LENGTH, params_for_seed(seed), None, VOCAB)
+        counts[index[tuple(decoder.generate(request).tokens)]] += 1
+    return counts
+
+
+@pytest.mark.parametrize("method, lookahead, servers", [("dsi", 1, 2), ("dsi", 2, 3), ("si", 2, 1), ("si", 3, 1)])
+@pytest.mark.parametrize("processing", [dict(temperature=1.0), dict(temperature=0.8, top_k=2, top_p=0.9)])
+def test_sampling_matches_the_target_law(method, lookahead, servers, processing, no_thread_leak):
+    target = random_lm(VOCAB, seed=21, sharpness=1.0)
+    drafter = random_lm(VOCAB, seed=99, sharpness=1.5)  # a poor drafter: many residual draws
+    law = exact_sequence_law(target, PROMPT, LENGTH, dsi.SamplingParams(**processing, seed=0))
+    decoder = build_decoder(
+        target=target, drafter=drafter, method=method, lookahead=lookahead, num_target_servers=servers
+    )
+    try:
+        counts = sample_counts(decoder, lambda s: dsi.SamplingParams(**processing, seed=s), law)
+    finally:
+        decoder.close()
+    expected = np.array(list(law.values())) * N_SAMPLES
+    assert counts.sum() == N_SAMPLES
+    _, p_value = chisquare(counts, expected)
+    assert p_value > ALPHA, f"p={p_value:.2e}: counts {counts} vs expected {np.round(expected, 1)}"
+
+
+def test_the_chi_square_check_detects_a_biased_sampler():
+    """Guard: the same check rejects a sampler that ignores the residual (draft always kept)."""
+    target = random_lm(VOCAB, seed=21, sharpness=1.0)
+    drafter = random_lm(VOCAB, seed=99, sharpness=1.5)
+    params = dsi.SamplingParams(temperature=1.0, seed=0)
+    law = exact_sequence_law(target, PROMPT, LENGTH, params)
+    biased = exact_sequence_law(drafter, PROMPT, LENGTH, params)  # what "always accept" emits
+    rng = np.random.default_rng(0)
+    keys = list(law)
+    draws = rng.choice(len(keys), size=N_SAMPLES, p=np.array([biased[k] for k in keys]))
+    counts = np.bincount(draws, minlength=len(keys))
+    _, p_value = chisquare(counts, np.array(list(law.values())) * N_SAMPLES)
+    assert p_value < ALPHA

@@ -1,0 +1,111 @@
+"""CallableLM sessions, forward_rows cache reuse, WithLatency timing and cancellation."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from dsi.errors import ConfigError, TaskCancelled
+from dsi.models import CallableLM, WithLatency, common_prefix_length, forward_rows, synthetic_pair
+
+
+def counting_model(vocab=6):
+    calls = []
+
+    def next_logits(ctx):
+        calls.append(ctx)
+        return np.arange(vocab, dtype=float) * (len(ctx) % 3)
+
+    return CallableLM(next_logits, vocab), calls
+
+
+def test_common_prefix_length():
+    assert common_prefix_length((1, 2, 3), (1, 2, 4)) == 2
+    assert common_prefix_length((), (1,)) == 0
+    assert common_prefix_length((1, 2), (1, 2, 3)) == 2
+
+
+def test_forward_rows_reuses_the_cache_and_truncates():
+    model, calls = counting_model()
+    session = model.new_session()
+    rows = forward_rows(session, (1, 2, 3), 2)
+    assert rows.shape == (2, 6) and len(calls) == 3
+    calls.clear()
+    forward_rows(session, (1, 2, 3, 4, 5), 1)  # shares (1, 2, 3): only two new tokens run
+    assert calls == [(1, 2, 3, 4), (1, 2, 3, 4, 5)]
+    calls.clear()
+    forward_rows(session, (1, 2, 9), 1)  # diverges at position 2: truncate to (1, 2)
+    assert calls == [(1, 2, 9)] and session.tokens == (1, 2, 9)
+    calls.clear()
+    forward_rows(session, (1, 2, 9), 2)  # asking for 2 rows recomputes the last 2 positions
+    assert calls == [(1, 2), (1, 2, 9)]
+    with pytest.raises(ConfigError, match="num_rows=4"):
+        forward_rows(session, (1, 2, 9), 4)
+
+
+def test_callable_session_cancel_leaves_session_unchanged():
+    flag = threading.Event()
+
+    def next_logits(ctx):
+        if len(ctx) == 3:
+            flag.set()
+        return np.zeros(4)
+
+    session = CallableLM(next_logits, 4).new_session()
+    session.extend([1])
+    with pytest.raises(TaskCancelled):
+        session.extend([2, 3, 4, 5], flag)
+    assert session.tokens == (1,)
+
+
+def test_with_latency_charges_ttft_then_tpot():
+    model = WithLatency(CallableLM(lambda ctx: np.zeros(4), 4), ttft=0.05, tpot=0.01)
+    session = model.new_session()
+    t0 = time.perf_counter()
+    session.extend([1, 2, 3])
+    t1 = time.perf_counter()
+    session.extend([4, 5, 6, 7])
+    t2 = time.perf_counter()
+    assert t1 - t0 >= 0.05 and t2 - t1 >= 0.01  # lower bounds only: never assert an upper time
+    assert (t1 - t0) > (t2 - t1)
+
+
+def test_with_latency_cancel_restores_the_session():
+    model = WithLatency(CallableLM(lambda ctx: np.zeros(4), 4), ttft=0.0, tpot=20.0)
+    session = model.new_session()
+    session.extend([1])
+    flag = threading.Event()
+    threading.Timer(0.05, flag.set).start()
+    t0 = time.monotonic()
+    with pytest.raises(TaskCancelled):
+        session.extend([2, 3], flag)
+    assert time.monotonic() - t0 < 5.0
+    assert session.tokens == (1,)
+
+
+@pytest.mark.parametrize("bad", [-1, "fast", float("nan")])
+def test_with_latency_rejects_bad_latencies(bad):
+    with pytest.raises(ConfigError, match="ttft="):
+        WithLatency(CallableLM(lambda ctx: np.zeros(4), 4), ttft=bad, tpot=0.1)
+
+
+@pytest.mark.parametrize("acceptance", [0.0, 0.3, 0.9, 1.0])
+def test_synthetic_pair_greedy_agreement_matches_acceptance(acceptance):
+    target, drafter = synthetic_pair(acceptance, vocab_size=32, seed=5)
+    rng = np.random.default_rng(0)
+    agree = 0
+    n = 2000
+    for _ in range(n):
+        ctx = tuple(int(t) for t in rng.integers(0, 32, size=rng.integers(1, 6)))
+        agree += int(np.argmax(target.next_logits(ctx)) == np.argmax(drafter.next_logits(ctx)))
+    assert abs(agree / n - acceptance) < 0.04
+
+
+def test_synthetic_pair_with_latency_and_bad_acceptance():
+    target, drafter = synthetic_pair(0.5, target_tpot=0.02, drafter_tpot=0.002)
+    assert isinstance(target, WithLatency) and target.tpot == 0.02 and drafter.ttft == 0.002
+    with pytest.raises(ConfigError, match="acceptance=1.5"):
+        synthetic_pair(1.5)

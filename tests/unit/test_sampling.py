@@ -1,0 +1,225 @@
+"""Verification math: logit processing, counter-based RNG, and exact laws of the decisions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import dsi.sampling as sampling
+from dsi.errors import ConfigError
+from dsi.sampling import (
+    Purpose,
+    SamplingParams,
+    bonus,
+    decide,
+    draft_token,
+    process_logits,
+    residual,
+    sample_from,
+    uniform,
+)
+
+SAMPLE = SamplingParams(temperature=1.0, seed=7)
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"temperature": -0.1}, "temperature=-0.1"),
+        ({"temperature": float("nan")}, "temperature=nan"),
+        ({"top_k": -1}, "top_k=-1"),
+        ({"top_k": 1.5}, "top_k=1.5"),
+        ({"top_p": 0.0}, "top_p=0.0"),
+        ({"top_p": 1.5}, "top_p=1.5"),
+        ({"seed": -1}, "seed=-1"),
+        ({"seed": 2**63}, "seed="),
+        ({"seed": "x"}, "seed='x'"),
+    ],
+)
+def test_sampling_params_reject_bad_values(kwargs, fragment):
+    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(".", r"\.")):
+        SamplingParams(**kwargs)
+
+
+def test_uniform_is_a_pure_function_of_its_key():
+    a = uniform(3, 10, Purpose.ACCEPT)
+    assert a == uniform(3, 10, Purpose.ACCEPT)
+    others = {uniform(4, 10, Purpose.ACCEPT), uniform(3, 11, Purpose.ACCEPT), uniform(3, 10, Purpose.RESIDUAL)}
+    assert a not in others
+    values = np.array([uniform(1, i, Purpose.DRAFT) for i in range(20000)])
+    assert values.min() >= 0.0 and values.max() < 1.0
+    # uniform on [0, 1): mean and decile counts within generous bounds
+    assert abs(values.mean() - 0.5) < 0.01
+    counts = np.histogram(values, bins=10, range=(0, 1))[0]
+    assert counts.min() > 1800 and counts.max() < 2200
+
+
+def test_process_logits_greedy_is_one_hot_of_first_argmax():
+    probs = process_logits(np.array([1.0, 3.0, 3.0, 0.0]), SamplingParams())
+    assert probs.tolist() == [0.0, 1.0, 0.0, 0.0]
+
+
+def test_process_logits_temperature_top_k_top_p():
+    logits = np.log(np.array([0.5, 0.25, 0.15, 0.1]))
+    assert np.allclose(process_logits(logits, SamplingParams(temperature=1.0)), [0.5, 0.25, 0.15, 0.1])
+    hot = process_logits(logits, SamplingParams(temperature=2.0))
+    expected = np.sqrt([0.5, 0.25, 0.15, 0.1])
+    assert np.allclose(hot, expected / expected.sum())
+    top2 = process_logits(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert np.allclose(top2, [2 / 3, 1 / 3, 0, 0])
+    # top_p: smallest prefix reaching 0.7 is {0.5, 0.25}
+    nucleus = process_logits(logits, SamplingParams(temperature=1.0, top_p=0.7))
+    assert np.allclose(nucleus, [2 / 3, 1 / 3, 0, 0])
+    # top_p below the top token's mass keeps exactly that token
+    assert np.allclose(process_logits(logits, SamplingParams(temperature=1.0, top_p=0.1)), [1, 0, 0, 0])
+
+
+def test_top_k_keeps_ties_with_the_kth_value():
+    probs = process_logits(np.array([2.0, 1.0, 1.0, 0.0]), SamplingParams(temperature=1.0, top_k=2))
+    assert (probs > 0).tolist() == [True, True, True, False]
+
+
+def _interval_law(fn, cdf_points):
+    """Exact law of fn(u) for u ~ U[0,1) when fn is constant between consecutive cdf_points."""
+    points = np.unique(np.clip(np.concatenate([[0.0, 1.0], cdf_points]), 0.0, 1.0))
+    law = {}
+    for lo, hi in zip(points[:-1], points[1:], strict=True):
+        if hi > lo:
+            out = fn((lo + hi) / 2)
+            law[out] = law.get(out, 0.0) + (hi - lo)
+    return law
+
+
+def test_sample_from_has_exactly_the_given_law():
+    probs = np.array([0.1, 0.0, 0.35, 0.05, 0.5])
+    law = _interval_law(lambda u: sample_from(probs, u), np.cumsum(probs))
+    assert set(law) == {0, 2, 3, 4}  # never the zero-mass token
+    for token, mass in law.items():
+        assert mass == pytest.approx(probs[token], abs=1e-15)
+    assert sample_from(probs, 0.999999999999) == 4
+
+
+def _decide_law(p, q, params, monkeypatch):
+    """Exact law of the committed token when x ~ q and decide() runs on (p, x, q).
+
+    Enumerates the drafter's draw, the acceptance uniform and the residual uniform over the
+    intervals on which the real functions are constant, by patching the counter-based RNG.
+    """
+    law = np.zeros_like(p)
+    current = {}
+
+    def fake_uniform(seed, position, purpose):
+        return current[purpose]
+
+    monkeypatch.setattr(sampling, "uniform", fake_uniform)
+    for x in np.flatnonzero(q):
+        ratio = min(1.0, p[x] / q[x])
+        res_cdf = np.cumsum(residual(p, q))
+        for u_a_lo, u_a_hi in ((0.0, ratio), (ratio, 1.0)):
+            if u_a_hi <= u_a_lo:
+                continue
+            current[Purpose.ACCEPT] = (u_a_lo + u_a_hi) / 2
+            branch = _interval_law(
+                lambda u: (current.__setitem__(Purpose.RESIDUAL, u), decide(p, int(x), q, params, 0))[1],
+                res_cdf,
+            )
+            for decision, mass in branch.items():
+                law[decision.token] += q[x] * (u_a_hi - u_a_lo) * mass
+    return law
+
+
+@pytest.mark.parametrize("vocab", [2, 3, 5, 8])
+@pytest.mark.parametrize("case", range(6))
+def test_decide_emits_exactly_the_target_law(vocab, case, monkeypatch):
+    rng = np.random.default_rng([vocab, case])
+    p = rng.dirichlet(np.ones(vocab) * 0.7)
+    q = rng.dirichlet(np.ones(vocab) * 0.7)
+    if case == 0:
+        q = p.copy()  # drafter equal to target: residual never used
+    if case == 1:
+        q = np.roll(p, 1)  # shifted drafter: residual carries most of the mass
+    if case == 2:
+        p[0], q[0] = 0.0, q[0] + 0.2  # draft can be a token the target never emits
+        p /= p.sum()
+        q /= q.sum()
+    law = _decide_law(p, q, SAMPLE, monkeypatch)
+    np.testing.assert_allclose(law, p, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_exact_law_of_windowed_decoding_with_residual_and_bonus_branches(k, monkeypatch):
+    """Enumerate SI/DSI windows (k drafts, decide each, bonus after k acceptances, new window
+    after a rejection) over a context-dependent pair, vocab 3, in float64: the law of the first
+    n emitted tokens must equal the target's joint law exactly.
+    """
+    vocab, n = 3, 4
+
+    def dist(seed, context):
+        rng = np.random.default_rng([seed, len(context), *context])
+        return rng.dirichlet(np.ones(vocab) * 0.8)
+
+    def p_of(ctx):
+        return dist(1, ctx)  # target
+
+    def q_of(ctx):
+        return dist(2, ctx)  # drafter
+
+    def bonus_law(p):
+        def run(u):
+            monkeypatch.setattr(sampling, "uniform", lambda *a: u)
+            return bonus(p, SAMPLE, 0)
+
+        return _interval_law(run, np.cumsum(p))
+
+    def law_from(context, left, drafted):
+        """Law of the next `left` tokens; `drafted` = drafts accepted so far in this window."""
+        if left == 0:
+            return {(): 1.0}
+        p = p_of(context)
+        out: dict = {}
+
+        def add(prefix, mass, sub):
+            for rest, m in sub.items():
+                out[prefix + rest] = out.get(prefix + rest, 0.0) + mass * m
+
+        if drafted == k:  # all k drafts accepted: the extra row gives the bonus token
+            for token, mass in bonus_law(p).items():
+                add((token,), mass, law_from(context + (token,), left - 1, 0))
+            return out
+        q = q_of(context)
+        for x in range(vocab):
+            accept = min(1.0, p[x] / q[x])
+            add((x,), q[x] * accept, law_from(context + (x,), left - 1, drafted + 1))
+            res = residual(p, q)
+            for token in range(vocab):
+                if q[x] * (1 - accept) * res[token] > 0:
+                    add((token,), q[x] * (1 - accept) * res[token], law_from(context + (token,), left - 1, 0))
+        return out
+
+    law = law_from((), n, 0)
+    assert len(law) == vocab**n
+    for seq, mass in law.items():
+        expected = np.prod([p_of(seq[:i])[seq[i]] for i in range(n)])
+        assert mass == pytest.approx(expected, abs=1e-13)
+
+
+def test_golden_logits_accept_and_reject():
+    params = SamplingParams(temperature=1.0, seed=0)
+    p = process_logits(np.array([10.0, -np.inf, -np.inf, -np.inf]), params)  # target sure of 0
+    q_same = p.copy()
+    assert decide(p, 0, q_same, params, 5).accepted  # drafter equal to target: always accepted
+    q_disjoint = process_logits(np.array([-np.inf, 10.0, -np.inf, -np.inf]), params)
+    d = decide(p, 1, q_disjoint, params, 5)  # disjoint drafter: always rejected, corrected to 0
+    assert (d.token, d.accepted) == (0, False)
+    greedy = SamplingParams()
+    assert decide(process_logits(np.array([0.0, 2.0, 1.0]), greedy), 1, None, greedy, 0).accepted
+    d = decide(process_logits(np.array([0.0, 2.0, 1.0]), greedy), 2, None, greedy, 0)
+    assert (d.token, d.accepted) == (1, False)
+
+
+def test_draft_and_bonus_tokens_are_keyed_by_position():
+    q = np.full(6, 1 / 6)
+    tokens = [draft_token(q, SAMPLE, pos) for pos in range(200)]
+    assert tokens == [draft_token(q, SAMPLE, pos) for pos in range(200)]
+    assert len(set(tokens)) == 6
+    assert [bonus(q, SAMPLE, pos) for pos in range(50)] != tokens[:50]
