@@ -1,0 +1,136 @@
+"""Wall-clock benchmarks of the engine on synthetic pairs with emulated latencies.
+
+Each scenario fixes drafter and target latencies (``WithLatency``), an acceptance rate, the
+lookahead k and the number of target servers SP. Non-SI, SI and DSI run in the same process,
+one after another, ``repeats`` times each; we report medians and ratios measured in that run,
+plus DSI's wall time against an *ideal* that has no engine overhead:
+
+- all drafts accepted: the drafter's ``ttft + (N - 1) tpot`` plus one target forward for the
+  last window;
+- no draft accepted: non-SI's measured time (DSI then is the non-SI chain);
+- otherwise: the event simulator's replay of the same accept pattern (when available).
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from dsi.engine.api import generate
+from dsi.models.synthetic import synthetic_pair
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    target_ms: float
+    drafter_ms: float
+    acceptance: float
+    lookahead: int
+    servers: int
+    note: str = ""
+
+
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in [
+        Scenario("all-accept", 20.0, 2.0, 1.0, 5, 7, "ideal: drafter alone + one target forward"),
+        Scenario("never-accept", 20.0, 2.0, 0.0, 5, 7, "ideal: non-SI"),
+        Scenario("default", 20.0, 2.0, 0.9, 5, 7, "DSI.md example pair"),
+        Scenario("half-accept", 20.0, 2.0, 0.5, 5, 7),
+        Scenario("vicuna13b-cnndm", 37.7, 2.5, 0.63, 5, 7, "Table 1 row 1, ms"),
+        Scenario("starcoder15b-humaneval", 20.6, 6.8, 0.93, 5, 4, "Table 1 row 5, ms"),
+        Scenario("phi3-14b-alpaca", 49.6, 33.4, 0.87, 1, 2, "Table 1 row 10, ms"),
+    ]
+}
+
+
+def accept_pattern(target, drafter, prompt: list[int], tokens: list[int]) -> list[bool]:
+    """Per output position: does the drafter's greedy token equal the target's?"""
+    inner_t = getattr(target, "model", target)
+    inner_d = getattr(drafter, "model", drafter)
+    pattern = []
+    for i in range(len(tokens)):
+        ctx = tuple(prompt) + tuple(tokens[:i])
+        pattern.append(bool(np.argmax(inner_t.next_logits(ctx)) == np.argmax(inner_d.next_logits(ctx))))
+    return pattern
+
+
+def ideal_dsi_seconds(scenario: Scenario, tokens: int, ar_seconds: float, pattern: list[bool]) -> float | None:
+    """The engine-free DSI time for this run (see the module docstring)."""
+    t, d = scenario.target_ms / 1000, scenario.drafter_ms / 1000
+    if all(pattern):
+        return d + (tokens - 1) * d + t
+    if not any(pattern):
+        return ar_seconds
+    try:
+        from dsi.sim.events import simulate  # the simulator replays the exact accept pattern
+    except ImportError:
+        return None
+    result = simulate(
+        "dsi", target_ttft=t, target_tpot=t, drafter_ttft=d, drafter_tpot=d,
+        lookahead=scenario.lookahead, num_servers=scenario.servers, tokens=tokens, matches=pattern,
+    )
+    return float(result.mean)
+
+
+def run_scenario(
+    scenario: Scenario, tokens: int = 100, repeats: int = 3, seed: int = 0,
+    progress: Callable[[], None] | None = None,
+) -> dict:
+    """Run non-SI, SI and DSI on ``scenario``; return medians, ratios and DSI/ideal."""
+    target, drafter = synthetic_pair(
+        scenario.acceptance, vocab_size=64, seed=seed,
+        target_tpot=scenario.target_ms / 1000, drafter_tpot=scenario.drafter_ms / 1000,
+    )
+    prompt = [1, 2, 3, 4]
+    walls: dict[str, list[float]] = {"ar": [], "si": [], "dsi": []}
+    outputs: dict[str, list[int]] = {}
+    last_stats = {}
+    for _ in range(repeats):
+        for method in walls:
+            out = generate(
+                target=target, drafter=drafter, prompt=prompt, method=method, max_new_tokens=tokens,
+                lookahead=scenario.lookahead, num_target_servers=scenario.servers,
+            )
+            walls[method].append(out.stats.wall_time_s)
+            outputs[method] = out.tokens
+            last_stats[method] = out.stats
+            if progress:
+                progress()
+    med = {m: statistics.median(v) for m, v in walls.items()}
+    pattern = accept_pattern(target, drafter, prompt, outputs["ar"])
+    ideal = ideal_dsi_seconds(scenario, tokens, med["ar"], pattern)
+    dsi_stats = last_stats["dsi"]
+    return {
+        "scenario": asdict(scenario),
+        "tokens": tokens,
+        "repeats": repeats,
+        "median_wall_s": med,
+        "speedup_dsi_vs_ar": med["ar"] / med["dsi"],
+        "speedup_dsi_vs_si": med["si"] / med["dsi"],
+        "speedup_si_vs_ar": med["ar"] / med["si"],
+        "ideal_dsi_s": ideal,
+        "dsi_over_ideal": med["dsi"] / ideal if ideal else None,
+        "identical_outputs": outputs["ar"] == outputs["si"] == outputs["dsi"],
+        "acceptance_rate": dsi_stats.acceptance_rate,
+        "pattern_acceptance": sum(pattern) / len(pattern),
+        "dsi_preempted_tasks": dsi_stats.preempted_tasks,
+        "dsi_wasted_target_s": dsi_stats.wasted_target_s,
+        "dsi_target_utilisation": dsi_stats.target_utilisation,
+    }
+
+
+def machine_info() -> dict:
+    import os
+
+    return {
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+    }
