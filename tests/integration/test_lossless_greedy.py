@@ -63,6 +63,15 @@ def test_eos_is_committed_only_by_the_target(method, no_thread_leak):
     assert out.stats.rejections == 5
 
 
+@pytest.mark.parametrize("method", ["ar", "si", "dsi"])
+def test_any_of_several_eos_ids_stops_generation(method, no_thread_leak):
+    vocab = 8
+    target = CallableLM(lambda ctx: np.eye(vocab)[7 if len(ctx) >= 5 else 2 + len(ctx) % 3] * 5, vocab)
+    drafter = CallableLM(lambda ctx: np.eye(vocab)[2 + len(ctx) % 3] * 5, vocab)
+    out = dsi.generate(target=target, drafter=drafter, prompt=[1], method=method, max_new_tokens=30, eos_token_id=[6, 7])
+    assert out.tokens == [3, 4, 2, 3, 7] and out.finish_reason == "stop"
+
+
 def test_drafter_agreeing_on_eos_stops_generation(no_thread_leak):
     vocab = 5
     model = CallableLM(lambda ctx: np.eye(vocab)[0 if len(ctx) >= 4 else 3] * 5, vocab)

@@ -87,7 +87,7 @@ def make_request(
     prompt: Sequence[int],
     max_new_tokens: int,
     sampling: SamplingParams,
-    eos_token_id: int | None,
+    eos_token_id: int | Sequence[int] | None,
     vocab_size: int,
 ) -> Request:
     """Validate the per-request arguments and bundle them."""
@@ -111,12 +111,21 @@ def make_request(
             raise ConfigError(f"prompt[{i}]={token!r} is not an integer token id")
         if not 0 <= int(token) < vocab_size:
             raise ConfigError(f"prompt[{i}]={int(token)} is outside the vocabulary [0, {vocab_size})")
-    if eos_token_id is not None:
+    if eos_token_id is None:
+        eos: tuple = ()
+    elif _is_int(eos_token_id):
+        eos = (eos_token_id,)
+    else:
+        try:
+            eos = tuple(eos_token_id)
+        except TypeError:
+            eos = (eos_token_id,)
+    for token in eos:
         require(
-            _is_int(eos_token_id) and 0 <= eos_token_id < vocab_size,
-            f"eos_token_id={eos_token_id!r} must be None or a token id in [0, {vocab_size})",
+            _is_int(token) and 0 <= token < vocab_size,
+            f"eos_token_id={eos_token_id!r} must be None, a token id or a list of token ids in [0, {vocab_size})",
         )
-    return Request(tuple(int(t) for t in tokens), max_new_tokens, sampling, eos_token_id)
+    return Request(tuple(int(t) for t in tokens), max_new_tokens, sampling, frozenset(eos))
 
 
 def generate(
@@ -130,7 +139,7 @@ def generate(
     num_target_servers: int = 2,
     sampling: SamplingParams | None = None,
     transport: str = "threads",
-    eos_token_id: int | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
     on_tokens: TokenCallback | None = None,
     abort: threading.Event | None = None,
 ) -> GenerationResult:

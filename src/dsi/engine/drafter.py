@@ -50,7 +50,7 @@ class _Job:
     context: tuple[int, ...]
     limit: int
     sampling: SamplingParams
-    eos_token_id: int | None
+    eos_token_ids: frozenset[int]
     cancel: threading.Event
 
 
@@ -73,13 +73,13 @@ class DraftWorker:
         context: tuple[int, ...],
         limit: int,
         sampling: SamplingParams,
-        eos_token_id: int | None,
+        eos_token_ids: frozenset[int],
     ) -> None:
         """Abandon the current drafts and start drafting ``limit`` tokens after ``context``."""
         with self._cond:
             if self._job is not None:
                 self._job.cancel.set()
-            self._job = _Job(epoch, context, limit, sampling, eos_token_id, threading.Event())
+            self._job = _Job(epoch, context, limit, sampling, eos_token_ids, threading.Event())
             self._cond.notify()
 
     def stop(self) -> None:
@@ -137,7 +137,7 @@ class DraftWorker:
                     raise TaskCancelled("drafts abandoned")
                 self._on_event(Draft(job.epoch, count, token, q))
                 count += 1
-                if count >= job.limit or token == job.eos_token_id:
+                if count >= job.limit or token in job.eos_token_ids:
                     break
                 self.forwards += 1
                 row = session.extend([token], cancel)[-1]

@@ -191,7 +191,7 @@ class _DSIRun:
         self.drafter_done = False
         self.submit_window(0, 0, 0)
         self.drafter.restart(
-            self.epoch, self.base, self.out.remaining, self.request.sampling, self.request.eos_token_id
+            self.epoch, self.base, self.out.remaining, self.request.sampling, self.request.eos_token_ids
         )
 
     def submit_window(self, index: int, first: int, last: int) -> None:
@@ -217,7 +217,7 @@ class _DSIRun:
                 # the drafter stopped before the token limit without drafting EOS)
                 count = len(self.draft)
                 stopped_early = count < self.out.remaining and (
-                    not self.draft or self.draft[-1] != self.request.eos_token_id
+                    not self.draft or self.draft[-1] not in self.request.eos_token_ids
                 )
                 need_last = count if stopped_early else count - 1
                 if need_last >= first:

@@ -28,7 +28,7 @@ class Request:
     prompt: tuple[int, ...]
     max_new_tokens: int
     sampling: SamplingParams = SamplingParams()
-    eos_token_id: int | None = None
+    eos_token_ids: frozenset[int] = frozenset()  # any of these, committed by the target, ends it
 
 
 class Output:
@@ -63,7 +63,7 @@ class Output:
         self.tokens.append(token)
         if self.new_count == 1:
             self.stats.time_to_first_token_s = time.perf_counter() - self._start
-        if token == self.request.eos_token_id:
+        if token in self.request.eos_token_ids:
             self.finished = True
             self.stats.finish_reason = "stop"
         elif self.new_count >= self.request.max_new_tokens:

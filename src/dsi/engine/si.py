@@ -73,7 +73,7 @@ class SpeculativeDecoder:
             token = int(np.argmax(row)) if q is None else draft_token(q, params, len(base) + len(drafts))
             drafts.append(token)
             qs.append(q)
-            if len(drafts) >= count or token == request.eos_token_id:
+            if len(drafts) >= count or token in request.eos_token_ids:
                 break
             row = self._drafter.extend([token])[-1]
             stats.drafter_forwards += 1
