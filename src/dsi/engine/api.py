@@ -18,9 +18,9 @@ from dsi.engine.si import SpeculativeDecoder
 from dsi.errors import ConfigError, VocabularyMismatchError, require
 from dsi.models.base import LanguageModel
 from dsi.sampling import SamplingParams
+from dsi.transport import TRANSPORTS, make_pool
 
 METHODS = ("dsi", "si", "ar")
-TRANSPORTS = ("threads",)
 
 
 class Decoder(Protocol):
@@ -54,6 +54,7 @@ def build_decoder(
     lookahead: int = 5,
     num_target_servers: int = 2,
     transport: str = "threads",
+    transport_options: dict | None = None,
 ) -> Decoder:
     """A decoder that keeps its workers (threads, caches) across requests; ``close()`` it."""
     require(method in METHODS, f"method={method!r} must be one of {', '.join(METHODS)}")
@@ -76,10 +77,10 @@ def build_decoder(
         )
     if method == "si":
         return SpeculativeDecoder(target, drafter, lookahead)
-    from dsi.transport.threads import ThreadTargetPool
-
+    options = dict(transport_options or {})
     return DSIDecoder(
-        drafter, lookahead, lambda on_event: ThreadTargetPool(target, num_target_servers, on_event)
+        drafter, lookahead,
+        lambda on_event: make_pool(transport, target, num_target_servers, on_event, **options),
     )
 
 
@@ -139,6 +140,7 @@ def generate(
     num_target_servers: int = 2,
     sampling: SamplingParams | None = None,
     transport: str = "threads",
+    transport_options: dict | None = None,
     eos_token_id: int | Sequence[int] | None = None,
     on_tokens: TokenCallback | None = None,
     abort: threading.Event | None = None,
@@ -159,6 +161,7 @@ def generate(
         lookahead=lookahead,
         num_target_servers=num_target_servers,
         transport=transport,
+        transport_options=transport_options,
     )
     try:
         request = make_request(prompt, max_new_tokens, sampling, eos_token_id, target.vocab_size)
