@@ -1,0 +1,354 @@
+"""``dsi simulate``, ``dsi heatmap``, ``dsi table``, ``dsi plan``: thin layers over :mod:`dsi.sim`.
+
+Nothing heavy is imported at module level (the simulator is numpy only; matplotlib is imported
+when a figure is drawn, the engine when ``dsi table`` runs its engine column).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from dsi.cli.output import format_table, print_json
+from dsi.errors import ConfigError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    _register_simulate(subparsers)
+    _register_heatmap(subparsers)
+    _register_table(subparsers)
+    _register_plan(subparsers)
+
+
+def _info(args: argparse.Namespace, text: str) -> None:
+    """Progress for people: stderr, silent with --json."""
+    if not args.json:
+        print(text, file=sys.stderr, flush=True)
+
+
+# ---- simulate -----------------------------------------------------------------------------------
+def _register_simulate(subparsers) -> None:
+    p = subparsers.add_parser(
+        "simulate",
+        help="simulate non-SI, SI and DSI for one configuration (offline and event simulators)",
+        description=(
+            "Simulate non-SI, SI and DSI for one (c, a, k): the offline simulator of the paper "
+            "(time units, target forward = 1) and the event simulator of the real algorithm "
+            "(TTFT/TPOT, queueing, preemption)."
+        ),
+    )
+    p.add_argument("--c", type=float, required=True, help="drafter latency / target latency, in (0, 1)")
+    p.add_argument("--a", type=float, required=True, help="acceptance rate, in [0, 1]")
+    p.add_argument("--lookahead", "-k", type=int, required=True, help="drafts per verification window (k >= 1)")
+    p.add_argument("--sp", type=int, default=7, help="target servers for DSI (default 7; must meet Equation 1)")
+    p.add_argument("--tokens", type=int, default=1000, help="tokens to generate (default 1000)")
+    p.add_argument("--repeats", type=int, default=5, help="repeats (default 5)")
+    p.add_argument("--seed", type=int, default=42, help="random seed (default 42)")
+    p.add_argument(
+        "--rng",
+        choices=("pcg64", "legacy"),
+        default="pcg64",
+        help="offline sample stream: pcg64 (default) or legacy (the authors' exact stream)",
+    )
+    e = p.add_argument_group("event simulator (time units; default: target 1, drafter c)")
+    e.add_argument("--target-tpot", type=float, default=1.0, help="target time per output token (default 1)")
+    e.add_argument("--target-ttft", type=float, default=None, help="target time to first token (default: TPOT)")
+    e.add_argument("--drafter-tpot", type=float, default=None, help="drafter time per token (default: c x target TPOT)")
+    e.add_argument("--drafter-ttft", type=float, default=None, help="drafter time to first token (default: its TPOT)")
+    e.add_argument("--preempt-delay", type=float, default=0.0, help="time a preempted server needs to stop (default 0)")
+    e.add_argument("--queue", choices=("fifo", "newest"), default="fifo", help="task queue order (default fifo)")
+    e.add_argument("--no-events", action="store_true", help="offline simulator only")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_simulate)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from dsi.sim import analytic
+    from dsi.sim.events import simulate
+    from dsi.sim.offline import simulate_offline
+
+    offline = simulate_offline(
+        args.c,
+        args.a,
+        args.lookahead,
+        tokens=args.tokens,
+        repeats=args.repeats,
+        seed=args.seed,
+        sp=args.sp,
+        rng=args.rng,
+    )
+    data = offline.to_dict()
+    data["analytic"] = {
+        "nonsi": analytic.nonsi_time(args.tokens),
+        "si_expected": analytic.si_expected_time(args.c, args.a, args.lookahead, args.tokens),
+        "si_tokens_per_iteration": analytic.si_expected_tokens_per_iteration(args.a, args.lookahead),
+        "dsi_offline_expected": analytic.offline_dsi_expected_time(args.c, args.a, args.lookahead, args.tokens),
+        "dsi_lower_bound": analytic.dsi_lower_bound(args.c, args.lookahead, args.tokens),
+    }
+    if not args.no_events:
+        drafter_tpot = args.c * args.target_tpot if args.drafter_tpot is None else args.drafter_tpot
+        common = dict(
+            target_tpot=args.target_tpot,
+            target_ttft=args.target_ttft,
+            drafter_tpot=drafter_tpot,
+            drafter_ttft=args.drafter_ttft,
+            lookahead=args.lookahead,
+            tokens=args.tokens,
+            acceptance=args.a,
+            repeats=args.repeats,
+            seed=args.seed,
+        )
+        events = {
+            "nonsi": simulate("ar", **common),
+            "si": simulate("si", **common),
+            "dsi": simulate("dsi", num_servers=args.sp, queue=args.queue, preempt_delay=args.preempt_delay, **common),
+        }
+        for method, result in events.items():
+            entry = result.to_dict()
+            entry["speedup_vs_nonsi"] = events["nonsi"].mean / result.mean
+            entry["speedup_vs_si"] = events["si"].mean / result.mean
+            data[method]["event"] = entry
+    if args.json:
+        print_json(data)
+        return 0
+    cfg = data["config"]
+    print(
+        f"c={cfg['c']} a={cfg['a']} k={cfg['lookahead']} SP={cfg['sp']} (Equation 1: >= {cfg['required_sp']}) "
+        f"tokens={cfg['tokens']} repeats={cfg['repeats']} seed={cfg['seed']}"
+    )
+    headers = ["method", "offline mean", "vs non-SI", "vs SI"]
+    if not args.no_events:
+        headers += ["event mean", "vs non-SI", "vs SI", "target util.", "wasted target"]
+    rows = []
+    for method, label in (("nonsi", "non-SI"), ("si", "SI"), ("dsi", "DSI")):
+        m = data[method]
+        row = [label, m["mean"], f"{m['speedup_vs_nonsi']:.2f}x", f"{m['speedup_vs_si']:.2f}x"]
+        if not args.no_events:
+            ev = m["event"]
+            row += [
+                ev["mean"],
+                f"{ev['speedup_vs_nonsi']:.2f}x",
+                f"{ev['speedup_vs_si']:.2f}x",
+                f"{ev['utilisation']:.2f}",
+                ev["wasted_target_time"],
+            ]
+        rows.append(row)
+    print(format_table(headers, rows))
+    return 0
+
+
+# ---- heatmap ------------------------------------------------------------------------------------
+def _register_heatmap(subparsers) -> None:
+    from dsi.sim.heatmap import PANELS
+
+    p = subparsers.add_parser(
+        "heatmap",
+        help="Figure 1: speedups of SI and DSI over the (c, a) plane",
+        description=(
+            "Figure 1 of the paper from the offline simulator: for every (c, a) on an ndim x ndim "
+            "grid, each method's best lookahead in 1..ndim (DSI only where Equation 1 holds with "
+            "SP <= --max-sp). Writes heatmap.csv, heatmap.png and heatmap.pdf."
+        ),
+    )
+    p.add_argument("--ndim", type=int, default=20, help="grid points per axis minus one, and largest k (default 20)")
+    p.add_argument("--out", default="heatmap", help="output directory (default ./heatmap)")
+    p.add_argument(
+        "--panel",
+        action="append",
+        choices=None,
+        metavar="PANEL",
+        help=f"panel to draw (repeatable; default all): {', '.join(PANELS)}",
+    )
+    p.add_argument("--tokens", type=int, default=1000, help="tokens per run (default 1000)")
+    p.add_argument("--repeats", type=int, default=5, help="repeats per configuration (default 5)")
+    p.add_argument("--seed", type=int, default=42, help="random seed (default 42)")
+    p.add_argument("--max-sp", type=int, default=7, help="target servers available to DSI (default 7)")
+    p.add_argument("--rng", choices=("pcg64", "legacy"), default="pcg64", help="sample stream (default pcg64)")
+    p.add_argument(
+        "--si-all-k",
+        action="store_true",
+        help="let SI use every k (default: only k valid for DSI under Equation 1, as the authors)",
+    )
+    p.add_argument("--format", action="append", choices=("png", "pdf"), help="figure formats (default png and pdf)")
+    p.add_argument("--no-plot", action="store_true", help="write the CSV only (no matplotlib needed)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print a JSON summary")
+    p.set_defaults(func=cmd_heatmap)
+
+
+def cmd_heatmap(args: argparse.Namespace) -> int:
+    from dsi.sim.files import prepare_out_dir
+    from dsi.sim.heatmap import check_panels, compute_heatmap, write_heatmap
+
+    panels = check_panels(args.panel)
+    prepare_out_dir(args.out)  # fail before simulating
+    result = compute_heatmap(
+        args.ndim,
+        tokens=args.tokens,
+        repeats=args.repeats,
+        seed=args.seed,
+        max_sp=args.max_sp,
+        rng=args.rng,
+        si_all_k=args.si_all_k,
+        progress=not args.no_progress,
+    )
+    files = write_heatmap(result, args.out, panels, plot=not args.no_plot, formats=tuple(args.format or ("png", "pdf")))
+    summary = result.summary()
+    summary["files"] = [str(f) for f in files]
+    if args.json:
+        print_json(summary)
+        return 0
+    print(
+        f"simulated {summary['configs']} configurations ({summary['valid_dsi_configs']} valid for DSI) x "
+        f"{summary['repeats']} repeats x {summary['tokens']} tokens in {summary['simulation_seconds']:.2f} s"
+    )
+    print(
+        f"SI slower than non-SI in {summary['cells_si_slower_than_nonsi']} of {summary['cells']} cells; "
+        f"DSI slower than SI in {summary['cells_dsi_slower_than_si']}, than non-SI in "
+        f"{summary['cells_dsi_slower_than_nonsi']}"
+    )
+    rows = [[p, summary[f"min_{p}"], summary[f"max_{p}"]] for p in panels]
+    print(format_table(["panel", "min ratio", "max ratio"], rows))
+    for f in files:
+        print(f"wrote {f}")
+    return 0
+
+
+# ---- table --------------------------------------------------------------------------------------
+def _register_table(subparsers) -> None:
+    p = subparsers.add_parser(
+        "table",
+        help="Table 1: the paper's DSI/SI speedups beside the offline, event and engine results",
+        description=(
+            "Table 1 of the paper (DSI.md section 6): published DSI/SI, the offline simulator, the "
+            "event simulator, and the real engine on the wall clock with latency-emulated synthetic "
+            "pairs (with each run's engine/ideal ratio). Writes table1.md, table1.csv, table1.png."
+        ),
+    )
+    p.add_argument("--out", default="table1", help="output directory (default ./table1)")
+    p.add_argument("--no-engine", action="store_true", help="skip the engine column (it runs on the wall clock)")
+    p.add_argument("--engine-repeats", type=int, default=2, help="engine runs per method and row (default 2)")
+    p.add_argument("--event-repeats", type=int, default=100, help="event simulator repeats (default 100)")
+    p.add_argument("--offline-repeats", type=int, default=200, help="offline simulator repeats (default 200)")
+    p.add_argument("--tokens", type=int, default=50, help="new tokens per run (default 50, as the paper)")
+    p.add_argument("--rows", type=str, default=None, help="rows to run, e.g. 0,4,6 (default all ten)")
+    p.add_argument("--seed", type=int, default=42, help="simulator seed (default 42)")
+    p.add_argument("--no-plot", action="store_true", help="no bar chart (no matplotlib needed)")
+    p.add_argument("--json", action="store_true", help="print the table as JSON")
+    p.set_defaults(func=cmd_table)
+
+
+def _parse_rows(text: str | None, count: int) -> list[int]:
+    if text is None:
+        return list(range(count))
+    try:
+        rows = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ConfigError(f"--rows={text!r} must be comma-separated row numbers in 0..{count - 1}") from None
+    bad = [r for r in rows if not 0 <= r < count]
+    if bad or not rows:
+        raise ConfigError(f"--rows={text!r} must be comma-separated row numbers in 0..{count - 1}")
+    return rows
+
+
+def cmd_table(args: argparse.Namespace) -> int:
+    from dsi.sim.files import prepare_out_dir
+    from dsi.sim.table import TABLE1, build_table, to_markdown, write_table
+
+    rows = [TABLE1[i] for i in _parse_rows(args.rows, len(TABLE1))]
+    prepare_out_dir(args.out)
+    table = build_table(
+        rows,
+        tokens=args.tokens,
+        offline_repeats=args.offline_repeats,
+        event_repeats=args.event_repeats,
+        seed=args.seed,
+        engine=not args.no_engine,
+        engine_repeats=args.engine_repeats,
+        progress=lambda text: _info(args, text),
+    )
+    files = write_table(table, args.out, plot=not args.no_plot)
+    if args.json:
+        data = table.to_dict()
+        data["files"] = [str(f) for f in files]
+        print_json(data)
+        return 0
+    print(to_markdown(table), end="")
+    for f in files:
+        print(f"wrote {f}")
+    return 0
+
+
+# ---- plan ---------------------------------------------------------------------------------------
+def _register_plan(subparsers) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="choose the lookahead and number of target servers for a drafter/target pair",
+        description=(
+            "Equation 1, then the event simulator: the fastest (lookahead, target servers) within "
+            "--max-servers, with its predicted latency per token and speedups over SI and non-SI. "
+            "Inputs from flags or from JSON files written by dsi measure (--from, repeatable); "
+            "flags override files."
+        ),
+    )
+    p.add_argument("--drafter-tpot", type=float, default=None, metavar="MS", help="drafter time per token, ms")
+    p.add_argument("--target-tpot", type=float, default=None, metavar="MS", help="target time per token, ms")
+    p.add_argument("--drafter-ttft", type=float, default=None, metavar="MS", help="drafter time to first token, ms")
+    p.add_argument("--target-ttft", type=float, default=None, metavar="MS", help="target time to first token, ms")
+    p.add_argument("--acceptance", type=float, default=None, metavar="A", help="acceptance rate in [0, 1]")
+    p.add_argument(
+        "--from",
+        dest="from_files",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="JSON from dsi measure (latency or acceptance); repeatable",
+    )
+    p.add_argument("--max-servers", type=int, default=7, help="target servers available (default 7)")
+    p.add_argument("--max-lookahead", type=int, default=20, help="largest lookahead to consider (default 20)")
+    p.add_argument("--tokens", type=int, default=200, help="tokens per simulated request (default 200)")
+    p.add_argument("--repeats", type=int, default=30, help="simulated requests per candidate (default 30)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_plan)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from dsi.sim.plan import make_plan, read_measure_file, resolve_inputs
+
+    files = [read_measure_file(path) for path in args.from_files]
+    inputs = resolve_inputs(
+        files=files,
+        target_tpot_ms=args.target_tpot,
+        drafter_tpot_ms=args.drafter_tpot,
+        acceptance=args.acceptance,
+        target_ttft_ms=args.target_ttft,
+        drafter_ttft_ms=args.drafter_ttft,
+    )
+    plan = make_plan(
+        inputs,
+        max_servers=args.max_servers,
+        max_lookahead=args.max_lookahead,
+        tokens=args.tokens,
+        repeats=args.repeats,
+        seed=args.seed,
+    )
+    if args.json:
+        print_json(plan.to_dict())
+        return 0
+    i, b = plan.inputs, plan.best
+    print(
+        f"target {i.target_tpot_ms} ms/token (TTFT {i.target_ttft_ms} ms), drafter {i.drafter_tpot_ms} ms/token "
+        f"(TTFT {i.drafter_ttft_ms} ms), acceptance {i.acceptance}"
+    )
+    print(f"Equation 1 with {plan.max_servers} servers: lookahead >= {plan.min_lookahead_for_budget} avoids queueing")
+    print(
+        f"plan: lookahead {b.lookahead}, {b.num_servers} target server(s) + 1 drafter; "
+        f"predicted {b.per_token_ms:.2f} ms/token over {plan.tokens} tokens "
+        f"({plan.speedup_vs_si:.2f}x vs SI at k={plan.si_lookahead}: {plan.si_per_token_ms:.2f} ms/token; "
+        f"{plan.speedup_vs_nonsi:.2f}x vs non-SI: {plan.nonsi_per_token_ms:.2f} ms/token)"
+    )
+    best = sorted(plan.candidates, key=lambda c: c.latency_ms)[:5]
+    rows = [[c.lookahead, c.num_servers, c.required_sp, c.per_token_ms, c.queue_wait_ms, c.utilisation] for c in best]
+    print(format_table(["k", "servers", "Eq.1 SP", "ms/token", "queue wait ms", "utilisation"], rows))
+    return 0

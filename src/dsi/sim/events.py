@@ -1,0 +1,571 @@
+"""Event simulator of the real algorithms (DSI.md section 2): DSI, SI and non-SI in seconds.
+
+It follows the engine (:mod:`dsi.engine`) step by step, with every overhead of a real
+implementation (threads, queues, Python) set to zero, so its latency is the *ideal* that the
+engine's wall clock is compared with. Times may be in any one unit (seconds, ms, target = 1).
+
+Model of time
+-------------
+- **Forwards.** A model session's first forward costs its TTFT (prefill of the prompt), every
+  later one its TPOT, whatever the number of new tokens (the memory-bound regime). The
+  drafter has one session; each target server has its own (per-server KV state: a server pays
+  TTFT on its first completed task). A forward stopped by preemption leaves the session as
+  it was (a cold server stays cold).
+- **Acceptance.** ``matches[p]`` says whether the drafter's token at output position ``p``
+  equals the target's (greedy replay of a real run), or ``matches`` is drawn i.i.d. with
+  probability ``acceptance`` per position. After a restart at position ``i`` the drafter
+  drafts ``i, i+1, ...``; the draft at ``j`` is accepted iff ``matches[j]`` (a later position of
+  the same epoch is only reached if every earlier draft was accepted, so its context is then
+  the committed one).
+- **DSI.** At every (re)start the zero-draft task (context = committed) is submitted and the
+  drafter starts drafting; it drafts ``tokens - i`` positions, one TPOT each, and never waits.
+  After every ``k`` drafts it submits window ``m`` (context = committed + ``m k`` drafts); when
+  drafting is done the final partial window is submitted (a window that would decide only
+  positions past the end is not sent). The zero-draft task decides
+  position ``i``; window ``m`` decides the ``k`` positions after those of window ``m - 1`` (its
+  last row the first draft of window ``m + 1``). Positions are decided strictly in order, each
+  as soon as its deciding task has finished and its draft exists. Acceptance commits the draft;
+  rejection commits the target's token, preempts every other task of the epoch (queued ones
+  are dropped, running ones free their server after ``preempt_delay``, finished unused ones are
+  discarded), interrupts the drafter and restarts.
+- **Servers.** ``num_servers`` target servers (``None``: as many as ever needed). A task goes to
+  an idle server, a warm one first (it has the prompt cached); otherwise it waits in a queue
+  served ``"fifo"`` (oldest first) or ``"newest"`` (newest first).
+- **SI.** Drafter and one target alternate: ``kk = min(k, tokens - 1 - i)`` drafter forwards,
+  then one target forward deciding positions ``i .. i + kk`` (the correction, or the bonus
+  token when all ``kk`` drafts are accepted).
+- **non-SI** (``"ar"``): ``TTFT + (tokens - 1) TPOT`` of the target.
+
+With TTFT = TPOT, ``c <= T``, enough servers and no delays, E[DSI latency] is given exactly by
+:func:`dsi.sim.analytic.event_dsi_expected_time`; docs/simulator.md explains how and why it
+differs from the offline simulator of section 5.
+
+Statistics of a run: latency; target busy time and utilisation (busy time over servers x
+latency; servers = ``num_servers``, or the number ever used when unlimited); wasted target time
+(server time on tasks whose results were not used: preempted runs up to their stop plus the
+preemption delay, and finished results discarded at a restart); fully accepted windows
+(windows, or SI iterations, whose ``k`` drafts were all accepted); rejections; tasks submitted
+and preempted; total queueing wait.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from dsi.errors import ConfigError
+
+METHODS = ("dsi", "si", "ar")
+QUEUES = ("fifo", "newest")
+
+# event priorities at equal times: results first (servers free up before new submissions)
+_TASK_DONE, _SERVER_FREE, _DRAFT = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class RunStats:
+    """One simulated generation."""
+
+    latency: float
+    target_busy: float
+    utilisation: float
+    wasted_target_time: float
+    fully_accepted_windows: int
+    accepted: int
+    rejections: int
+    tasks: int
+    preempted_tasks: int
+    queue_wait: float
+    servers_used: int
+
+
+@dataclass(frozen=True)
+class EventSimResult:
+    """Per-repeat runs of one configuration, and their means."""
+
+    method: str
+    tokens: int
+    lookahead: int
+    num_servers: int | None
+    runs: tuple[RunStats, ...]
+
+    @property
+    def per_repeat(self) -> tuple[float, ...]:
+        return tuple(r.latency for r in self.runs)
+
+    @property
+    def mean(self) -> float:
+        return float(np.mean(self.per_repeat))
+
+    @property
+    def std(self) -> float:
+        return float(np.std(self.per_repeat, ddof=1)) if len(self.runs) > 1 else 0.0
+
+    @property
+    def latency_per_token(self) -> float:
+        return self.mean / self.tokens
+
+    def _avg(self, name: str) -> float:
+        return float(np.mean([getattr(r, name) for r in self.runs]))
+
+    @property
+    def utilisation(self) -> float:
+        return self._avg("utilisation")
+
+    @property
+    def wasted_target_time(self) -> float:
+        return self._avg("wasted_target_time")
+
+    @property
+    def fully_accepted_windows(self) -> float:
+        return self._avg("fully_accepted_windows")
+
+    @property
+    def rejections(self) -> float:
+        return self._avg("rejections")
+
+    @property
+    def queue_wait(self) -> float:
+        return self._avg("queue_wait")
+
+    def to_dict(self, runs: bool = False) -> dict:
+        data = {
+            "method": self.method,
+            "tokens": self.tokens,
+            "lookahead": self.lookahead,
+            "num_servers": self.num_servers,
+            "mean": self.mean,
+            "std": self.std,
+            "latency_per_token": self.latency_per_token,
+            "per_repeat": list(self.per_repeat),
+            "utilisation": self.utilisation,
+            "wasted_target_time": self.wasted_target_time,
+            "fully_accepted_windows": self.fully_accepted_windows,
+            "rejections": self.rejections,
+            "queue_wait": self.queue_wait,
+        }
+        if runs:
+            data["runs"] = [asdict(r) for r in self.runs]
+        return data
+
+
+# ---- validation ---------------------------------------------------------------------------------
+def _latency(name: str, value: object) -> float:
+    if not isinstance(value, int | float | np.integer | np.floating) or isinstance(value, bool):
+        raise ConfigError(f"{name}={value!r} must be a number >= 0")
+    if not (math.isfinite(value) and value >= 0):
+        raise ConfigError(f"{name}={value!r} must be a finite number >= 0 (a latency)")
+    return float(value)
+
+
+def _positive_int(name: str, value: object, minimum: int = 1) -> int:
+    if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(f"{name}={value!r} must be an integer >= {minimum}")
+    return int(value)
+
+
+def _as_patterns(matches) -> list[np.ndarray]:
+    try:
+        arr = np.asarray(matches)
+        patterns = list(arr) if arr.ndim == 2 else [arr]
+    except ValueError:  # ragged: patterns of different lengths
+        patterns = [np.asarray(m) for m in matches]
+    for pattern in patterns:
+        if pattern.ndim != 1 or (pattern.size and pattern.dtype != bool):
+            raise ConfigError(
+                "matches must be a sequence of booleans (True: the drafter's token at that output "
+                "position is the target's), or a sequence of such sequences"
+            )
+    return patterns
+
+
+def _patterns(
+    tokens: int | None, acceptance: float | None, matches, repeats: int, seed: int
+) -> tuple[int, list[np.ndarray]]:
+    if matches is not None:
+        if acceptance is not None:
+            raise ConfigError("give either acceptance or matches, not both")
+        patterns = _as_patterns(matches)
+        n = min(len(m) for m in patterns) if tokens is None else _positive_int("tokens", tokens)
+        if n < 1:
+            raise ConfigError("matches is empty; it needs one entry per output position")
+        for m in patterns:
+            if len(m) < n:
+                raise ConfigError(f"matches has {len(m)} entries; tokens={n} needs one per output position")
+        return n, [m[:n] for m in patterns]
+    if acceptance is None:
+        raise ConfigError("give acceptance (a rate in [0, 1]) or matches (a per-position pattern)")
+    if tokens is None:
+        raise ConfigError("tokens is required with acceptance")
+    n = _positive_int("tokens", tokens)
+    if (
+        not isinstance(acceptance, int | float | np.floating)
+        or isinstance(acceptance, bool)
+        or not 0 <= acceptance <= 1
+    ):
+        raise ConfigError(f"acceptance={acceptance!r} must be in [0, 1]")
+    return n, list(random_matches(acceptance, n, repeats=repeats, seed=seed))
+
+
+def random_matches(acceptance: float, tokens: int, *, repeats: int = 1, seed: int = 0) -> np.ndarray:
+    """I.i.d. per-position match patterns, ``[repeats, tokens]`` booleans (what ``acceptance=`` uses)."""
+    return np.random.default_rng(seed).random((repeats, tokens)) < acceptance
+
+
+# ---- DSI ----------------------------------------------------------------------------------------
+class _Task:
+    __slots__ = ("epoch", "index", "submitted", "start", "server", "duration", "state", "used")
+
+    def __init__(self, epoch: int, index: int, submitted: float) -> None:
+        self.epoch = epoch
+        self.index = index
+        self.submitted = submitted
+        self.start = -1.0
+        self.server = -1
+        self.duration = 0.0
+        self.state = "queued"  # queued | running | done | cancelled
+        self.used = False  # one of its rows decided a position
+
+
+class _Server:
+    __slots__ = ("task", "warm")
+
+    def __init__(self) -> None:
+        self.task: _Task | None = None
+        self.warm = False
+
+
+class _DSIRun:
+    def __init__(
+        self,
+        matches: np.ndarray,
+        k: int,
+        num_servers: int | None,
+        target_ttft: float,
+        target_tpot: float,
+        drafter_ttft: float,
+        drafter_tpot: float,
+        queue: str,
+        preempt_delay: float,
+    ) -> None:
+        self.matches = matches
+        self.n = len(matches)
+        self.k = k
+        self.unlimited = num_servers is None
+        self.servers = [] if num_servers is None else [_Server() for _ in range(num_servers)]
+        self.t_ttft, self.t_tpot = target_ttft, target_tpot
+        self.d_ttft, self.d_tpot = drafter_ttft, drafter_tpot
+        self.newest_first = queue == "newest"
+        self.delay = preempt_delay
+        self.heap: list = []
+        self.seq = itertools.count()
+        self.queue: deque[_Task] = deque()
+        # request state
+        self.committed = 0
+        self.epoch = 0
+        self.base = 0
+        self.drafts = 0
+        self.drafter_done = False
+        self.drafter_warm = False
+        self.drafter_busy = False
+        self.windows: dict[int, _Task] = {}
+        self.finished_at: float | None = None
+        # statistics
+        self.busy = 0.0
+        self.wasted = 0.0
+        self.full_windows = 0
+        self.accepted = 0
+        self.rejections = 0
+        self.tasks = 0
+        self.preempted = 0
+        self.queue_wait = 0.0
+
+    def push(self, time: float, priority: int, payload) -> None:
+        heapq.heappush(self.heap, (round(time, 9), priority, next(self.seq), time, payload))
+
+    def run(self) -> RunStats:
+        self.restart(0.0)
+        while self.finished_at is None:
+            _, priority, _, now, payload = heapq.heappop(self.heap)
+            if priority == _TASK_DONE:
+                self.on_task_done(now, payload)
+            elif priority == _SERVER_FREE:
+                self.on_server_free(now, payload)
+            else:
+                self.on_draft(now, payload)
+        latency = self.finished_at
+        for server in self.servers:  # stopped at the end of the request
+            task = server.task
+            if task is not None and task.state == "running":
+                self.busy += latency - task.start
+                self.wasted += latency - task.start
+        capacity = len(self.servers) * latency
+        return RunStats(
+            latency=latency,
+            target_busy=self.busy,
+            utilisation=self.busy / capacity if capacity > 0 else 0.0,
+            wasted_target_time=self.wasted,
+            fully_accepted_windows=self.full_windows,
+            accepted=self.accepted,
+            rejections=self.rejections,
+            tasks=self.tasks,
+            preempted_tasks=self.preempted,
+            queue_wait=self.queue_wait,
+            servers_used=len(self.servers),
+        )
+
+    # -- epochs --
+    def restart(self, now: float) -> None:
+        for task in self.windows.values():
+            if task.state == "queued":
+                task.state = "cancelled"
+                self.preempted += 1
+            elif task.state == "running":
+                task.state = "cancelled"
+                self.preempted += 1
+                spent = now - task.start + self.delay
+                self.busy += spent
+                self.wasted += spent
+                if self.delay > 0:
+                    self.push(now + self.delay, _SERVER_FREE, task.server)
+                else:
+                    self.servers[task.server].task = None
+            elif task.state == "done" and not task.used:
+                self.wasted += task.duration
+        if self.queue:
+            self.queue = deque(t for t in self.queue if t.state == "queued")
+        self.epoch += 1
+        self.base = self.committed
+        self.windows = {}
+        self.drafts = 0
+        self.drafter_done = False
+        self.submit(0, now)
+        # the drafter abandons its forward (if any) and drafts the rest of the request
+        self.drafter_busy = True
+        self.push(now + (self.d_tpot if self.drafter_warm else self.d_ttft), _DRAFT, self.epoch)
+
+    # -- drafts and windows --
+    def on_draft(self, now: float, epoch: int) -> None:
+        if epoch != self.epoch:
+            return
+        self.drafter_warm = True
+        self.drafts += 1
+        if self.base + self.drafts >= self.n:
+            self.drafter_done = True
+            self.drafter_busy = False
+        else:
+            self.push(now + self.d_tpot, _DRAFT, self.epoch)
+        k = self.k
+        while True:
+            index = len(self.windows)
+            first, last = (index - 1) * k + 1, index * k
+            if self.drafts >= last:
+                if first > self.n - 1 - self.base:
+                    break  # it would decide only positions past the end (k = 1): not sent
+                self.submit(index, now)
+                continue
+            if self.drafter_done and self.drafts - 1 >= first:
+                self.submit(index, now)  # the final, partial window
+            break
+        self.apply(now)
+
+    def submit(self, index: int, now: float) -> None:
+        task = _Task(self.epoch, index, now)
+        self.windows[index] = task
+        self.tasks += 1
+        server = self.idle_server()
+        if server is None:
+            self.queue.append(task)
+        else:
+            self.start(task, server, now)
+
+    def idle_server(self) -> int | None:
+        cold = None
+        for i, server in enumerate(self.servers):
+            if server.task is None:
+                if server.warm:
+                    return i
+                if cold is None:
+                    cold = i
+        if cold is None and self.unlimited:
+            self.servers.append(_Server())
+            cold = len(self.servers) - 1
+        return cold
+
+    def start(self, task: _Task, server_id: int, now: float) -> None:
+        server = self.servers[server_id]
+        server.task = task
+        task.state = "running"
+        task.start = now
+        task.server = server_id
+        task.duration = self.t_tpot if server.warm else self.t_ttft
+        self.queue_wait += now - task.submitted
+        self.push(now + task.duration, _TASK_DONE, task)
+
+    def on_server_free(self, now: float, server_id: int) -> None:
+        self.servers[server_id].task = None
+        self.dispatch(server_id, now)
+
+    def dispatch(self, server_id: int, now: float) -> None:
+        while self.queue:
+            task = self.queue.pop() if self.newest_first else self.queue.popleft()
+            if task.state == "queued":
+                self.start(task, server_id, now)
+                return
+
+    def on_task_done(self, now: float, task: _Task) -> None:
+        if task.state != "running":
+            return  # preempted: its server was released at the preemption
+        task.state = "done"
+        server = self.servers[task.server]
+        server.warm = True
+        server.task = None
+        self.busy += task.duration
+        self.dispatch(task.server, now)
+        if task.epoch == self.epoch:
+            self.apply(now)
+
+    # -- decisions --
+    def apply(self, now: float) -> None:
+        k = self.k
+        while self.finished_at is None:
+            r = self.committed - self.base
+            task = self.windows.get(0 if r == 0 else (r - 1) // k + 1)
+            if task is None or task.state != "done":
+                return
+            if r >= self.drafts:
+                return  # its draft is still being computed (the drafter drafts every position)
+            task.used = True
+            position = self.committed
+            self.committed += 1
+            if self.matches[position]:
+                self.accepted += 1
+                if r % k == k - 1:
+                    self.full_windows += 1  # drafts (m-1)k .. mk-1 of window m all accepted
+                if self.committed >= self.n:
+                    self.finished_at = now
+                continue
+            self.rejections += 1
+            if self.committed >= self.n:
+                self.finished_at = now
+                return
+            self.restart(now)
+
+
+# ---- SI and non-SI ------------------------------------------------------------------------------
+def _si_run(
+    matches: np.ndarray, k: int, target_ttft: float, target_tpot: float, drafter_ttft: float, drafter_tpot: float
+) -> RunStats:
+    n = len(matches)
+    now = 0.0
+    busy = 0.0
+    i = 0
+    drafter_warm = target_warm = False
+    full = accepted = rejections = iterations = 0
+    while i < n:
+        kk = min(k, n - 1 - i)
+        for _ in range(kk):
+            now += drafter_tpot if drafter_warm else drafter_ttft
+            drafter_warm = True
+        step = target_tpot if target_warm else target_ttft
+        target_warm = True
+        now += step
+        busy += step
+        iterations += 1
+        window = matches[i : i + kk]
+        misses = np.flatnonzero(~window)
+        if misses.size:
+            j = int(misses[0])
+            accepted += j
+            rejections += 1
+            i += j + 1
+        else:
+            accepted += kk
+            full += kk == k
+            i += kk + 1
+    return RunStats(
+        latency=now,
+        target_busy=busy,
+        utilisation=busy / now if now > 0 else 0.0,
+        wasted_target_time=0.0,
+        fully_accepted_windows=full,
+        accepted=accepted,
+        rejections=rejections,
+        tasks=iterations,
+        preempted_tasks=0,
+        queue_wait=0.0,
+        servers_used=1,
+    )
+
+
+def _ar_run(tokens: int, target_ttft: float, target_tpot: float) -> RunStats:
+    latency = target_ttft + (tokens - 1) * target_tpot
+    return RunStats(
+        latency=latency, target_busy=latency, utilisation=1.0 if latency > 0 else 0.0,
+        wasted_target_time=0.0, fully_accepted_windows=0, accepted=0, rejections=0,
+        tasks=tokens, preempted_tasks=0, queue_wait=0.0, servers_used=1,
+    )  # fmt: skip
+
+
+# ---- the entry point ----------------------------------------------------------------------------
+def simulate(
+    method: str = "dsi",
+    *,
+    target_tpot: float,
+    target_ttft: float | None = None,
+    drafter_tpot: float | None = None,
+    drafter_ttft: float | None = None,
+    lookahead: int = 5,
+    num_servers: int | None = 7,
+    tokens: int | None = None,
+    acceptance: float | None = None,
+    matches: Sequence[bool] | Sequence[Sequence[bool]] | np.ndarray | None = None,
+    repeats: int = 1,
+    seed: int = 0,
+    queue: str = "fifo",
+    preempt_delay: float = 0.0,
+) -> EventSimResult:
+    """Simulate ``method`` ("dsi", "si" or "ar") in the model of time of this module.
+
+    Acceptance is either ``acceptance`` (i.i.d. per position; ``repeats`` patterns drawn from
+    ``seed``, the same patterns for every method and configuration with that seed) or
+    ``matches``: one per-position pattern, or a sequence of patterns (one run each), where
+    ``matches[p]`` is True iff the drafter's token at output position ``p`` is the target's.
+    ``tokens`` defaults to the pattern's length. TTFTs default to the TPOTs.
+    """
+    if method not in METHODS:
+        raise ConfigError(f"method={method!r} must be one of {', '.join(METHODS)}")
+    if queue not in QUEUES:
+        raise ConfigError(f"queue={queue!r} must be one of {', '.join(QUEUES)}")
+    t_tpot = _latency("target_tpot", target_tpot)
+    t_ttft = t_tpot if target_ttft is None else _latency("target_ttft", target_ttft)
+    if method != "ar" and drafter_tpot is None:
+        raise ConfigError(f"method={method!r} needs drafter_tpot (the drafter's time per token)")
+    d_tpot = 0.0 if drafter_tpot is None else _latency("drafter_tpot", drafter_tpot)
+    d_ttft = d_tpot if drafter_ttft is None else _latency("drafter_ttft", drafter_ttft)
+    delay = _latency("preempt_delay", preempt_delay)
+    k = _positive_int("lookahead", lookahead)
+    if num_servers is not None:
+        num_servers = _positive_int("num_servers", num_servers)
+    repeats = _positive_int("repeats", repeats)
+    seed = _positive_int("seed", seed, minimum=0)
+    if method == "ar" and matches is None and acceptance is None:
+        n = _positive_int("tokens", tokens)
+        patterns = [np.ones(n, dtype=bool)] * repeats
+    else:
+        n, patterns = _patterns(tokens, acceptance, matches, repeats, seed)
+    runs = []
+    for pattern in patterns:
+        if method == "ar":
+            runs.append(_ar_run(n, t_ttft, t_tpot))
+        elif method == "si":
+            runs.append(_si_run(pattern, k, t_ttft, t_tpot, d_ttft, d_tpot))
+        else:
+            runs.append(_DSIRun(pattern, k, num_servers, t_ttft, t_tpot, d_ttft, d_tpot, queue, delay).run())
+    return EventSimResult(method, n, k, num_servers if method == "dsi" else 1, tuple(runs))

@@ -1,0 +1,284 @@
+"""Plan a DSI deployment: which lookahead and how many target servers, and how fast it will be.
+
+Inputs are a pair's measured latencies (TTFT, TPOT in ms) and acceptance rate, given directly
+or read from the JSON files ``dsi measure`` writes. Equation 1 gives, for each lookahead ``k``,
+the servers that keep every verification task from waiting; within the budget ``max_servers``
+each ``k`` gets ``min(max_servers, Equation 1)`` servers (fewer means tasks queue), and the
+event simulator (:mod:`dsi.sim.events`) predicts the latency of each. The fastest wins (ties:
+fewer servers, then smaller ``k``). SI (best ``k``) and non-SI are simulated the same way for
+the speedups. Every candidate reads the same acceptance patterns (common random numbers).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from dsi.errors import ConfigError
+from dsi.sim.events import simulate
+from dsi.sim.offline import min_lookahead, required_sp
+
+LATENCY_KEYS = ("target_ttft_ms", "target_tpot_ms", "drafter_ttft_ms", "drafter_tpot_ms")
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    target_tpot_ms: float
+    drafter_tpot_ms: float
+    acceptance: float
+    target_ttft_ms: float
+    drafter_ttft_ms: float
+    sources: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Candidate:
+    lookahead: int
+    num_servers: int
+    required_sp: int  # Equation 1 for this lookahead
+    latency_ms: float  # mean over the repeats, for ``tokens`` tokens
+    per_token_ms: float
+    queue_wait_ms: float  # mean total time tasks waited for a server
+    utilisation: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    inputs: PlanInputs
+    best: Candidate
+    candidates: tuple[Candidate, ...]
+    si_lookahead: int
+    si_per_token_ms: float
+    nonsi_per_token_ms: float
+    max_servers: int
+    min_lookahead_for_budget: int  # Equation 1 solved for k with max_servers
+    tokens: int
+    repeats: int
+    seed: int
+
+    @property
+    def speedup_vs_si(self) -> float:
+        return self.si_per_token_ms / self.best.per_token_ms
+
+    @property
+    def speedup_vs_nonsi(self) -> float:
+        return self.nonsi_per_token_ms / self.best.per_token_ms
+
+    def to_dict(self) -> dict:
+        return {
+            "lookahead": self.best.lookahead,
+            "num_target_servers": self.best.num_servers,
+            "gpus": self.best.num_servers + 1,
+            "predicted_ms_per_token": self.best.per_token_ms,
+            "predicted_latency_ms": self.best.latency_ms,
+            "speedup_vs_si": self.speedup_vs_si,
+            "speedup_vs_nonsi": self.speedup_vs_nonsi,
+            "si": {"lookahead": self.si_lookahead, "ms_per_token": self.si_per_token_ms},
+            "nonsi": {"ms_per_token": self.nonsi_per_token_ms},
+            "equation1": {
+                "required_sp": self.best.required_sp,
+                "min_lookahead_for_budget": self.min_lookahead_for_budget,
+                "max_servers": self.max_servers,
+            },
+            "inputs": asdict(self.inputs),
+            "tokens": self.tokens,
+            "repeats": self.repeats,
+            "seed": self.seed,
+            "candidates": [asdict(c) for c in self.candidates],
+        }
+
+
+# ---- inputs -------------------------------------------------------------------------------------
+def _number(name: str, value: object, source: str) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        raise ConfigError(f"{name}={value!r} in {source} must be a number")
+    return float(value)
+
+
+def read_measure_file(path: str | Path) -> dict:
+    """Load one JSON file written by ``dsi measure`` (kind "latency" or "acceptance")."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"--from file {str(p)!r} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--from file {str(p)!r} cannot be read: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--from file {str(p)!r} is not JSON: {exc}") from None
+    if not isinstance(data, dict) or data.get("kind") not in ("latency", "acceptance"):
+        raise ConfigError(f'--from file {str(p)!r} needs "kind": "latency" or "acceptance" (from dsi measure)')
+    data = dict(data)
+    data["_source"] = str(p)
+    return data
+
+
+def inputs_from_files(files: Sequence[Mapping]) -> dict[str, float]:
+    """Merge measurement files into ``{target_tpot_ms, ..., acceptance}`` (missing keys absent).
+
+    A latency file with ``role`` null is matched to the acceptance file's target/drafter model
+    names; failing that, with two such files the slower (TPOT) is the target.
+    """
+    values: dict[str, float] = {}
+    unassigned: list[Mapping] = []
+    acceptance_files = [f for f in files if f.get("kind") == "acceptance"]
+    names: dict[str, str] = {}
+    for f in acceptance_files:
+        src = f["_source"]
+        if "acceptance" in f:
+            a = _number("acceptance", f["acceptance"], src)
+            values["acceptance"] = a
+        for key in LATENCY_KEYS:
+            if f.get(key) is not None:
+                values[key] = _number(key, f[key], src)
+        for role in ("target", "drafter"):
+            if isinstance(f.get(role), str):
+                names[f[role]] = role
+    for f in files:
+        if f.get("kind") != "latency":
+            continue
+        role = f.get("role")
+        if role is None and isinstance(f.get("model"), str):
+            role = names.get(f["model"])
+        if role is None:
+            unassigned.append(f)
+            continue
+        if role not in ("target", "drafter"):
+            raise ConfigError(f'role={role!r} in {f["_source"]} must be "target", "drafter" or null')
+        _take_latency(values, role, f)
+    if unassigned:
+        taken = {r for r in ("target", "drafter") if f"{r}_tpot_ms" in values}
+        free = [r for r in ("target", "drafter") if r not in taken]
+        if len(unassigned) > len(free):
+            raise ConfigError(
+                f"cannot tell target from drafter in {', '.join(f['_source'] for f in unassigned)}: "
+                'set "role" in the files or pass --target-tpot/--drafter-tpot'
+            )
+        if len(unassigned) == 2:
+            tpots = [_number("tpot_ms", f.get("tpot_ms"), f["_source"]) for f in unassigned]
+            unassigned.sort(key=lambda f: -float(f["tpot_ms"]))  # slower first: the target
+            if tpots[0] == tpots[1]:
+                raise ConfigError("two latency files with equal TPOT and no role: which is the target?")
+            free = ["target", "drafter"]
+        elif len(free) == 2:
+            raise ConfigError(
+                f"latency file {unassigned[0]['_source']} has no role and there is no second one to "
+                'compare with: set "role" or pass the other model\'s latencies'
+            )
+        for f, role in zip(unassigned, free, strict=False):
+            _take_latency(values, role, f)
+    return values
+
+
+def _take_latency(values: dict[str, float], role: str, f: Mapping) -> None:
+    src = f["_source"]
+    if f.get("tpot_ms") is None:
+        raise ConfigError(f"latency file {src} has no tpot_ms")
+    values[f"{role}_tpot_ms"] = _number("tpot_ms", f["tpot_ms"], src)
+    if f.get("ttft_ms") is not None:
+        values[f"{role}_ttft_ms"] = _number("ttft_ms", f["ttft_ms"], src)
+
+
+def resolve_inputs(
+    *,
+    files: Sequence[Mapping] = (),
+    target_tpot_ms: float | None = None,
+    drafter_tpot_ms: float | None = None,
+    acceptance: float | None = None,
+    target_ttft_ms: float | None = None,
+    drafter_ttft_ms: float | None = None,
+) -> PlanInputs:
+    """File values overridden by explicit ones; TTFTs default to the TPOTs; everything validated."""
+    values = inputs_from_files(files)
+    explicit = {
+        "target_tpot_ms": target_tpot_ms,
+        "drafter_tpot_ms": drafter_tpot_ms,
+        "acceptance": acceptance,
+        "target_ttft_ms": target_ttft_ms,
+        "drafter_ttft_ms": drafter_ttft_ms,
+    }
+    values.update({k: float(v) for k, v in explicit.items() if v is not None})
+    flags = {"target_tpot_ms": "--target-tpot", "drafter_tpot_ms": "--drafter-tpot", "acceptance": "--acceptance"}
+    missing = [flag for key, flag in flags.items() if key not in values]
+    if missing:
+        raise ConfigError(
+            f"missing {', '.join(missing)}: pass it, or --from a file written by dsi measure that contains it"
+        )
+    for key in LATENCY_KEYS:
+        if key in values and not (values[key] >= 0 and math.isfinite(values[key])):
+            raise ConfigError(f"{key.removesuffix('_ms').replace('_', '-')}={values[key]} ms must be >= 0")
+    for key in ("target_tpot_ms", "drafter_tpot_ms"):
+        if values[key] <= 0:
+            raise ConfigError(f"{key.removesuffix('_ms').replace('_', '-')}={values[key]} ms must be > 0")
+    if values["drafter_tpot_ms"] >= values["target_tpot_ms"]:
+        raise ConfigError(
+            f"drafter-tpot={values['drafter_tpot_ms']} ms must be below target-tpot="
+            f"{values['target_tpot_ms']} ms: c = drafter/target must be in (0, 1) for speculation to pay"
+        )
+    if not 0 <= values["acceptance"] <= 1:
+        raise ConfigError(f"acceptance={values['acceptance']} must be in [0, 1]")
+    return PlanInputs(
+        target_tpot_ms=values["target_tpot_ms"],
+        drafter_tpot_ms=values["drafter_tpot_ms"],
+        acceptance=values["acceptance"],
+        target_ttft_ms=values.get("target_ttft_ms", values["target_tpot_ms"]),
+        drafter_ttft_ms=values.get("drafter_ttft_ms", values["drafter_tpot_ms"]),
+        sources=tuple(str(f["_source"]) for f in files),
+    )
+
+
+# ---- the plan -----------------------------------------------------------------------------------
+def make_plan(
+    inputs: PlanInputs,
+    *,
+    max_servers: int = 7,
+    max_lookahead: int = 20,
+    tokens: int = 200,
+    repeats: int = 30,
+    seed: int = 0,
+) -> Plan:
+    """Simulate every lookahead ``1..max_lookahead`` within the server budget; keep the fastest."""
+    for name, value in (("max_servers", max_servers), ("max_lookahead", max_lookahead),
+                        ("tokens", tokens), ("repeats", repeats)):  # fmt: skip
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{name.replace('_', '-')}={value!r} must be an integer >= 1")
+    lat = dict(
+        target_tpot=inputs.target_tpot_ms, target_ttft=inputs.target_ttft_ms,
+        drafter_tpot=inputs.drafter_tpot_ms, drafter_ttft=inputs.drafter_ttft_ms,
+        tokens=tokens, acceptance=inputs.acceptance, repeats=repeats, seed=seed,
+    )  # fmt: skip
+    candidates = []
+    for k in range(1, max_lookahead + 1):
+        need = required_sp(inputs.drafter_tpot_ms, inputs.target_tpot_ms, k)
+        sp = min(max_servers, need)
+        result = simulate("dsi", lookahead=k, num_servers=sp, **lat)
+        candidates.append(
+            Candidate(
+                lookahead=k,
+                num_servers=sp,
+                required_sp=need,
+                latency_ms=result.mean,
+                per_token_ms=result.mean / tokens,
+                queue_wait_ms=result.queue_wait,
+                utilisation=result.utilisation,
+            )  # fmt: skip
+        )
+    best = min(candidates, key=lambda c: (round(c.latency_ms, 9), c.num_servers, c.lookahead))
+    si = min(((k, simulate("si", lookahead=k, **lat).mean) for k in range(1, max_lookahead + 1)), key=lambda kv: kv[1])
+    nonsi = simulate("ar", **lat).mean
+    return Plan(
+        inputs=inputs,
+        best=best,
+        candidates=tuple(candidates),
+        si_lookahead=si[0],
+        si_per_token_ms=si[1] / tokens,
+        nonsi_per_token_ms=nonsi / tokens,
+        max_servers=max_servers,
+        min_lookahead_for_budget=min_lookahead(inputs.drafter_tpot_ms, inputs.target_tpot_ms, max_servers),
+        tokens=tokens,
+        repeats=repeats,
+        seed=seed,
+    )

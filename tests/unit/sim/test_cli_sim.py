@@ -1,0 +1,128 @@
+"""The sim commands through dsi.cli.main.main: JSON round trips, human output, errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dsi.cli.main import main
+from dsi.sim.offline import simulate_offline
+
+
+def run_json(capsys, argv):
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_simulate_json(capsys):
+    data = run_json(capsys, ["simulate", "--c", "0.1", "--a", "0.9", "--lookahead", "5", "--rng", "legacy", "--json"])
+    assert data["si"]["mean"] == pytest.approx(322.24)
+    assert data["dsi"]["mean"] == pytest.approx(219.18)
+    assert data["nonsi"]["mean"] == 1000.0
+    assert data["dsi"]["speedup_vs_si"] == pytest.approx(322.24 / 219.18)
+    assert data["si"]["speedup_vs_nonsi"] == pytest.approx(1000 / 322.24)
+    assert data["config"]["required_sp"] == 2
+    ev = data["dsi"]["event"]
+    assert ev["mean"] < data["si"]["event"]["mean"] < data["nonsi"]["event"]["mean"] == 1000.0
+    assert 0 < ev["utilisation"] < 1 and ev["wasted_target_time"] > 0
+    assert len(data["dsi"]["per_repeat"]) == 5
+
+
+def test_simulate_matches_the_library_and_event_options_apply(capsys):
+    argv = ["simulate", "--c", "0.2", "--a", "0.7", "-k", "3", "--tokens", "100", "--repeats", "3", "--seed", "4",
+            "--sp", "2", "--target-ttft", "5", "--preempt-delay", "0.1", "--json"]  # fmt: skip
+    data = run_json(capsys, argv)
+    lib = simulate_offline(0.2, 0.7, 3, tokens=100, repeats=3, seed=4, sp=2)
+    assert data["dsi"]["per_repeat"] == pytest.approx(lib.dsi.tolist())
+    assert data["nonsi"]["event"]["mean"] == pytest.approx(5 + 99)  # target TTFT 5, TPOT 1
+    data2 = run_json(capsys, argv[:-5] + ["--json"])
+    assert data["dsi"]["event"]["mean"] > data2["dsi"]["event"]["mean"]
+
+
+def test_simulate_table_for_people(capsys):
+    assert main(["simulate", "--c", "0.1", "--a", "0.9", "-k", "5", "--tokens", "200", "--no-events"]) == 0
+    out = capsys.readouterr().out
+    assert "non-SI" in out and "DSI" in out and "1.00x" in out and "Equation 1: >= 2" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["simulate", "--c", "1.0", "--a", "0.5", "-k", "2"], "c=1.0 must be in (0, 1)"),
+        (["simulate", "--c", "0", "--a", "0.5", "-k", "2"], "c=0.0 must be in (0, 1)"),
+        (["simulate", "--c", "0.1", "--a", "1.5", "-k", "2"], "a=1.5 must be in [0, 1]"),
+        (["simulate", "--c", "0.1", "--a", "0.5", "-k", "0"], "lookahead=0 must be an integer >= 1"),
+        (["simulate", "--c", "0.1", "--a", "0.5", "-k", "1", "--sp", "3"], "needs sp >= ceil(T / (k c)) = 10"),
+        (["simulate", "--c", "0.1", "--a", "0.5", "-k", "2", "--target-tpot", "-1"], "target_tpot=-1.0 must be"),
+        (["heatmap", "--panel", "fastest", "--no-plot"], "panel='fastest' is unknown"),
+        (["plan", "--target-tpot", "30", "--acceptance", "0.5"], "missing --drafter-tpot"),
+        (["plan", "--target-tpot", "30", "--drafter-tpot", "-2", "--acceptance", "0.5"], "drafter-tpot=-2.0 ms"),
+        (["table", "--rows", "12", "--no-engine"], "--rows='12' must be comma-separated row numbers in 0..9"),
+    ],
+)
+def test_errors_exit_2_with_the_message(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.startswith(f"dsi {argv[0]}: error:")
+
+
+def test_unwritable_output_directory(capsys, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert main(["heatmap", "--ndim", "3", "--out", str(blocker), "--no-plot"]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+
+
+def test_heatmap_json_and_files(capsys, tmp_path):
+    out = tmp_path / "hm"
+    data = run_json(capsys, ["heatmap", "--ndim", "4", "--tokens", "100", "--repeats", "2", "--out", str(out),
+                             "--format", "png", "--no-progress", "--json"])  # fmt: skip
+    assert data["configs"] == 5 * 5 * 4 and data["cells"] == 25
+    assert data["cells_dsi_slower_than_nonsi"] == 0
+    assert data["simulation_seconds"] > 0
+    assert sorted(p.name for p in out.iterdir()) == ["heatmap.csv", "heatmap.png"]
+
+
+def test_heatmap_for_people(capsys, tmp_path):
+    assert (
+        main(["heatmap", "--ndim", "3", "--tokens", "50", "--out", str(tmp_path), "--no-plot", "--panel", "si_dsi"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "simulated 48 configurations" in out and "si_dsi" in out and "nonsi_si" not in out.split("panel")[1]
+
+
+def test_table_json_without_engine(capsys, tmp_path):
+    data = run_json(capsys, ["table", "--no-engine", "--rows", "0,6", "--event-repeats", "5", "--offline-repeats", "20",
+                             "--out", str(tmp_path), "--no-plot", "--json"])  # fmt: skip
+    assert [r["target"] for r in data["rows"]] == ["Vicuna-13B", "Phi3-14B"]
+    assert data["rows"][0]["paper_dsi_vs_si"] == 1.47
+    assert data["rows"][0]["engine_dsi_vs_si"] is None
+    assert data["rows"][1]["offline_dsi_vs_si"] > 1
+    assert (tmp_path / "table1.md").exists() and (tmp_path / "table1.csv").exists()
+
+
+def test_plan_json_and_from_files(capsys, tmp_path):
+    t = tmp_path / "t.json"
+    d = tmp_path / "d.json"
+    t.write_text(json.dumps({"kind": "latency", "model": "big", "role": None, "ttft_ms": 40.0, "tpot_ms": 30.0}))
+    d.write_text(json.dumps({"kind": "latency", "model": "small", "role": None, "ttft_ms": 4.0, "tpot_ms": 3.0}))
+    argv = ["plan", "--from", str(t), "--from", str(d), "--acceptance", "0.8", "--max-servers", "3",
+            "--max-lookahead", "6", "--tokens", "60", "--repeats", "5", "--json"]  # fmt: skip
+    data = run_json(capsys, argv)
+    assert data["inputs"]["target_tpot_ms"] == 30.0 and data["inputs"]["drafter_ttft_ms"] == 4.0
+    assert data["num_target_servers"] <= 3 and 1 <= data["lookahead"] <= 6
+    assert data["speedup_vs_nonsi"] > 1 and data["speedup_vs_si"] > 1
+    assert data["equation1"]["min_lookahead_for_budget"] == 4
+    assert data["predicted_ms_per_token"] == pytest.approx(min(c["per_token_ms"] for c in data["candidates"]))
+    assert main(argv[:-1]) == 0
+    assert "plan: lookahead" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["simulate", "heatmap", "table", "plan"])
+def test_help(capsys, command):
+    with pytest.raises(SystemExit) as info:
+        main([command, "--help"])
+    assert info.value.code == 0
+    assert "--json" in capsys.readouterr().out

@@ -1,0 +1,82 @@
+"""Figure 1: grid, best-k selection, outputs and errors (small grids)."""
+
+from __future__ import annotations
+
+import csv
+
+import numpy as np
+import pytest
+
+from dsi.errors import ConfigError
+from dsi.sim.heatmap import PANELS, check_panels, compute_heatmap, grid, write_heatmap
+from dsi.sim.offline import required_sp_array, simulate_many
+
+
+def test_grid_is_the_papers():
+    c, a, k = grid(20)
+    assert c[0] == 0.01 and c[1] == pytest.approx(0.05) and c[-1] == 1.0 and len(c) == 21
+    assert a[0] == 0.01 and a[-1] == 0.99 and len(a) == 21
+    np.testing.assert_array_equal(k, np.arange(1, 21))
+
+
+@pytest.fixture(scope="module")
+def small():
+    return compute_heatmap(5, tokens=200, repeats=3, seed=1)
+
+
+def test_best_k_per_method_and_equation1(small):
+    c_vals, a_vals, ks = grid(5)
+    C, A, K = np.meshgrid(c_vals, a_vals, ks, indexing="ij")
+    si, dsi = simulate_many(C.ravel(), A.ravel(), K.ravel(), tokens=200, repeats=3, seed=1)
+    si_m, dsi_m = si.mean(1).reshape(C.shape), dsi.mean(1).reshape(C.shape)
+    valid = (required_sp_array(C.ravel(), 1.0, K.ravel()) <= 7).reshape(C.shape)
+    i, j = 0, 3  # c = 0.01: only k >= 15 would be valid, none in 1..5
+    assert not valid[i, j].any() and np.isnan(small.dsi[i, j])
+    i = 2  # c = 0.4
+    assert small.dsi[i, j] == pytest.approx(dsi_m[i, j][valid[i, j]].min())
+    assert small.si[i, j] == pytest.approx(si_m[i, j][valid[i, j]].min())
+    assert required_sp_array(np.array([c_vals[i]]), 1.0, np.array([small.k_dsi[i, j]]))[0] <= 7
+
+
+def test_panels_are_the_ratios(small):
+    np.testing.assert_allclose(small.ratio("nonsi_si"), 200 / small.si)
+    np.testing.assert_allclose(small.ratio("si_dsi"), small.si / small.dsi)
+    np.testing.assert_allclose(small.ratio("min_dsi"), np.minimum(small.si, 200) / small.dsi)
+    finite = np.isfinite(small.dsi)
+    assert np.all(small.ratio("nonsi_dsi")[finite] >= 1 - 1e-12)
+    assert np.all(small.ratio("si_dsi")[finite] >= 1 - 1e-12)
+
+
+def test_si_all_k_lets_si_pick_any_lookahead():
+    both = compute_heatmap(5, tokens=100, repeats=2, seed=1, si_all_k=True)
+    restricted = compute_heatmap(5, tokens=100, repeats=2, seed=1)
+    assert np.all(both.si <= restricted.si + 1e-12)
+    assert np.isfinite(both.si[0]).all() and np.isinf(restricted.si[0]).all()  # c = 0.01: no valid k <= 5
+
+
+def test_writes_csv_png_pdf(small, tmp_path):
+    files = write_heatmap(small, tmp_path / "out")
+    names = sorted(f.name for f in files)
+    assert names == ["heatmap.csv", "heatmap.pdf", "heatmap.png"]
+    assert (tmp_path / "out" / "heatmap.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "out" / "heatmap.pdf").read_bytes()[:4] == b"%PDF"
+    with open(tmp_path / "out" / "heatmap.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 36
+    row = rows[2 * 6 + 3]
+    assert float(row["c"]) == pytest.approx(small.c[2]) and float(row["a"]) == pytest.approx(small.a[3])
+    assert float(row["si_dsi"]) == pytest.approx(small.si[2, 3] / small.dsi[2, 3])
+
+
+def test_errors(small, tmp_path):
+    with pytest.raises(ConfigError, match="panel='speed' is unknown; choose from nonsi_si, si_dsi"):
+        check_panels(["speed"])
+    assert check_panels(None) == tuple(PANELS)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match="is not a directory"):
+        write_heatmap(small, blocker, plot=False)
+    with pytest.raises(ConfigError, match="cannot be created|is not a directory"):
+        write_heatmap(small, blocker / "sub", plot=False)
+    with pytest.raises(ConfigError, match="ndim=1 must be an integer >= 2"):
+        compute_heatmap(1)
