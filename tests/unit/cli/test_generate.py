@@ -1,0 +1,114 @@
+"""``dsi generate`` and ``dsi demo`` through ``main(argv)`` on tiny random HF models."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from dsi.cli.main import main  # noqa: E402
+from tests.tiny_hf import make_model_dir  # noqa: E402
+
+pytestmark = pytest.mark.hf
+
+
+@pytest.fixture(scope="module")
+def pair_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return str(make_model_dir(root / "target", seed=0, layers=2)), str(make_model_dir(root / "drafter", seed=0, layers=1))
+
+
+def run_json(capsys, argv):
+    code = main(argv)
+    out = capsys.readouterr().out
+    assert code == 0, out
+    return json.loads(out)
+
+
+@pytest.mark.parametrize("method", ["ar", "si", "dsi"])
+def test_generate_json_matches_transformers_greedy(pair_dirs, capsys, method):
+    import transformers
+
+    target, drafter = pair_dirs
+    doc = run_json(capsys, ["generate", "--target", target, "--drafter", drafter, "--prompt", "def add(a, b):",
+                            "--method", method, "--max-new-tokens", "12", "--dtype", "fp32", "--sp", "2",
+                            "--lookahead", "3", "--json"])
+    model = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(target)
+    ids = tok("def add(a, b):", return_tensors="pt").input_ids
+    ref = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=model.config.eos_token_id,
+                         pad_token_id=0)[0, ids.shape[1]:].tolist()
+    assert doc["token_ids"] == ref
+    assert doc["text"] == tok.decode(ref, skip_special_tokens=True)
+    assert doc["stats"]["method"] == method and doc["stats"]["new_tokens"] == len(ref)
+    for key in ("acceptance_rate", "mean_accepted_length", "preempted_tasks", "wall_time_s", "verify_tasks"):
+        assert key in doc["stats"]
+
+
+def test_generate_streams_text_and_accepts_prompt_ids(pair_dirs, capsys):
+    target, drafter = pair_dirs
+    doc = run_json(capsys, ["generate", "--target", target, "--drafter", drafter, "--prompt-ids", "5,6,7",
+                            "--max-new-tokens", "8", "--dtype", "fp32", "--json"])
+    code = main(["generate", "--target", target, "--drafter", drafter, "--prompt-ids", "5,6,7",
+                 "--max-new-tokens", "8", "--dtype", "fp32"])
+    captured = capsys.readouterr()
+    assert code == 0
+    assert captured.out.rstrip("\n") == doc["text"]  # streamed text equals the final decode
+    assert "acceptance" in captured.err
+
+
+def test_generate_sampling_is_seeded(pair_dirs, capsys):
+    target, drafter = pair_dirs
+    argv = ["generate", "--target", target, "--drafter", drafter, "--prompt", "hello", "--max-new-tokens", "10",
+            "--dtype", "fp32", "--temperature", "1.0", "--json"]
+    a = run_json(capsys, argv + ["--seed", "1"])
+    b = run_json(capsys, argv + ["--seed", "1", "--sp", "3"])
+    c = run_json(capsys, argv + ["--seed", "2"])
+    assert a["token_ids"] == b["token_ids"]
+    assert a["token_ids"] != c["token_ids"]
+
+
+def test_generate_chat_template(pair_dirs, capsys):
+    target, drafter = pair_dirs
+    doc = run_json(capsys, ["generate", "--target", target, "--drafter", drafter, "--prompt", "hi", "--chat",
+                            "--max-new-tokens", "4", "--dtype", "fp32", "--json"])
+    assert doc["prompt_tokens"] > 5  # the template wrapped the two-character prompt
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompt-ids", "1,x"], "--prompt-ids='1,x' must be comma-separated integers"),
+    (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens=0"),
+    (["--prompt", "hi", "--max-new-tokens", "1000"], "exceeds the context"),
+    (["--prompt", "hi", "--temperature", "-1"], "temperature=-1"),
+    (["--prompt", "hi", "--lookahead", "0"], "lookahead=0"),
+    (["--prompt-ids", "1,99999"], "outside the vocabulary"),
+])
+def test_generate_errors(pair_dirs, capsys, argv, message):
+    target, drafter = pair_dirs
+    code = main(["generate", "--target", target, "--drafter", drafter, "--dtype", "fp32", *argv])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err
+
+
+def test_generate_missing_model_path(capsys, tmp_path):
+    code = main(["generate", "--target", str(tmp_path / "nope"), "--drafter", str(tmp_path / "nope"), "--prompt", "x"])
+    assert code == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_demo_json_reports_identical_outputs(pair_dirs, capsys):
+    target, drafter = pair_dirs
+    code = main(["demo", "--target", target, "--drafter", drafter, "--dtype", "fp32", "--prompts", "2",
+                 "--max-new-tokens", "10", "--sp", "1", "2", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert doc["all_identical"] is True
+    methods = {r["method"] for r in doc["rows"]}
+    assert methods == {"non-SI", "SI k=5", "DSI k=5 SP=1", "DSI k=5 SP=2"}
+    assert len(doc["rows"]) == 8
+    for row in doc["rows"]:
+        assert row["identical"] and row["latency_s"] > 0 and row["new_tokens"] == 10
