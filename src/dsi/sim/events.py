@@ -273,7 +273,6 @@ class _DSIRun:
         self.drafts = 0
         self.drafter_done = False
         self.drafter_warm = False
-        self.drafter_busy = False
         self.windows: dict[int, _Task] = {}
         self.finished_at: float | None = None
         # statistics
@@ -347,7 +346,6 @@ class _DSIRun:
         self.drafter_done = False
         self.submit(0, now)
         # the drafter abandons its forward (if any) and drafts the rest of the request
-        self.drafter_busy = True
         self.push(now + (self.d_tpot if self.drafter_warm else self.d_ttft), _DRAFT, self.epoch)
 
     # -- drafts and windows --
@@ -358,7 +356,6 @@ class _DSIRun:
         self.drafts += 1
         if self.base + self.drafts >= self.n:
             self.drafter_done = True
-            self.drafter_busy = False
         else:
             self.push(now + self.d_tpot, _DRAFT, self.epoch)
         k = self.k

@@ -186,6 +186,7 @@ def plot_heatmap(result: HeatmapResult, out_dir: Path, panels=None, formats=FORM
             raise ConfigError(f"format={fmt!r} must be one of {', '.join(FORMATS)}")
     Figure = figure_class()
     from matplotlib import colormaps
+    from matplotlib.colors import LogNorm, Normalize
 
     ncols = 2 if len(panels) > 1 else 1
     nrows = (len(panels) + ncols - 1) // ncols
@@ -198,12 +199,18 @@ def plot_heatmap(result: HeatmapResult, out_dir: Path, panels=None, formats=FORM
         ratio = result.ratio(panel).T  # [na, nc]: rows = a (y), columns = c (x)
         faster = np.ma.masked_where(~(ratio >= 1), ratio)
         slower = np.ma.masked_where(~(ratio < 1), ratio)
-        top = max(1.0 + 1e-9, float(np.nanmax(ratio)))
-        mesh = ax.pcolormesh(result.c, result.a, faster, cmap=up, vmin=1.0, vmax=top, shading="nearest")
-        fig.colorbar(mesh, ax=ax, label="speedup (x)")
+        top = max(1.01, float(np.nanmax(ratio)))
+        norm = LogNorm(1.0, top) if top > 4 else Normalize(1.0, top)
+        mesh = ax.pcolormesh(result.c, result.a, faster, cmap=up, norm=norm, shading="nearest")
+        bar = fig.colorbar(mesh, ax=ax, label="speedup (x)")
+        if isinstance(norm, LogNorm):
+            ticks = [t for t in (1, 1.5, 2, 3, 5, 10, 20, 50, 100) if t <= top]
+            bar.set_ticks(ticks, labels=[f"{t:g}" for t in ticks])
+            bar.minorticks_off()
         if slower.count():
             low = float(slower.min())
-            ax.pcolormesh(result.c, result.a, slower, cmap=down, vmin=min(low, 1 - 1e-9), vmax=1.0, shading="nearest")
+            # ratios just below 1 stay clearly red (not white): 1 maps to 2/3 of the colormap
+            ax.pcolormesh(result.c, result.a, slower, cmap=down, vmin=low, vmax=1 + 0.5 * (1 - low), shading="nearest")
             ax.plot([], [], "s", color=down(0.3), label=f"slowdown (< 1; min {low:.2f})")
             ax.legend(loc="lower left", fontsize=7, framealpha=0.8)
         ax.set_title(PANELS[panel])

@@ -384,7 +384,7 @@ def to_markdown(table: Table) -> str:
 
 def plot_table(table: Table, path: Path, dpi: int = 110) -> Path:
     Figure = figure_class()
-    labels = [f"{r.paper.target.split('-')[0]} {r.paper.dataset}" for r in table.rows]
+    labels = [f"{r.paper.target} {r.paper.dataset}" for r in table.rows]
     series = [
         ("paper (published)", [r.paper.paper_speedup for r in table.rows]),
         ("offline simulator", [r.offline.speedup for r in table.rows]),
@@ -399,10 +399,12 @@ def plot_table(table: Table, path: Path, dpi: int = 110) -> Path:
     for i, (name, values) in enumerate(series):
         ax.bar(x + (i - (len(series) - 1) / 2) * width, values, width, label=name)
     ax.axhline(1.0, color="black", linewidth=0.8)
+    top = max(max(v for v in values if np.isfinite(v)) for _, values in series)
+    ax.set_ylim(0, 1.2 * top)
     ax.set_xticks(x, labels, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("DSI speedup over SI (x)")
     ax.set_title(f"Table 1: DSI vs SI, {table.tokens} tokens, k in {list(table.lookaheads)}, SP <= {table.max_sp}")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, ncol=len(series), loc="upper center")
     fig.savefig(path, dpi=dpi)
     return path
 

@@ -75,6 +75,7 @@ def test_unwritable_output_directory(capsys, tmp_path):
 
 
 def test_heatmap_json_and_files(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
     out = tmp_path / "hm"
     data = run_json(capsys, ["heatmap", "--ndim", "4", "--tokens", "100", "--repeats", "2", "--out", str(out),
                              "--format", "png", "--no-progress", "--json"])  # fmt: skip

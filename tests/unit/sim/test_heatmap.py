@@ -55,6 +55,7 @@ def test_si_all_k_lets_si_pick_any_lookahead():
 
 
 def test_writes_csv_png_pdf(small, tmp_path):
+    pytest.importorskip("matplotlib")
     files = write_heatmap(small, tmp_path / "out")
     names = sorted(f.name for f in files)
     assert names == ["heatmap.csv", "heatmap.pdf", "heatmap.png"]
