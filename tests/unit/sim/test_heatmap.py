@@ -81,3 +81,12 @@ def test_errors(small, tmp_path):
         write_heatmap(small, blocker / "sub", plot=False)
     with pytest.raises(ConfigError, match="ndim=1 must be an integer >= 2"):
         compute_heatmap(1)
+
+
+def test_missing_matplotlib_names_the_plot_extra(small, tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # makes the import fail
+    with pytest.raises(ConfigError, match=r"pip install 'dsi\[plot\]'"):
+        write_heatmap(small, tmp_path)
+    assert (tmp_path / "heatmap.csv").exists()  # the CSV needs no matplotlib
