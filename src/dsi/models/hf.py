@@ -1,0 +1,378 @@
+"""``HFModel``: any transformers causal LM (``AutoModelForCausalLM``) behind the session interface.
+
+Owns: sessions with a transformers ``DynamicCache`` each (one forward per ``extend`` returning the
+logits of every new position; ``truncate`` crops the cache), cancellation *inside* a forward
+(a pre-hook on every decoder layer and on the LM head checks the calling thread's cancel flag),
+restoring a cache whose layers an aborted forward left at different lengths, torch threads per
+worker, devices and dtypes, replicas of the weights on other devices, and the tokenizer helpers
+(encode / decode / chat template / EOS / context length) the CLI needs.
+
+Does not know: where a model comes from (:mod:`dsi.models.loading`), sampling or the algorithm.
+
+Threads: several sessions of one ``HFModel`` may run at once in different Python threads. They
+share the read-only weights; each has its own cache. The cancel flag is kept in a
+``threading.local``, so the hooks (registered once per model) only see the flag of the thread
+whose forward they run in. ``threads`` (torch intra-op threads per worker) is applied with
+``torch.set_num_threads`` in the worker thread before each forward: with torch's OpenMP backend
+that setting belongs to the calling thread (see docs/models.md for the measurements).
+
+Tested with transformers 5.x (5.24) and torch 2.13 (CPU); the cache argument of ``forward`` is
+``cache=`` from 5.2x on and ``past_key_values=`` before, both are handled.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from dsi.errors import ConfigError, ModelError, TaskCancelled
+from dsi.models.base import CancelFlag
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}
+
+
+def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``"bf16"`` / ``"fp32"`` / ``"fp16"`` (or a torch dtype) as a torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPE_NAMES:
+            raise ConfigError(f"dtype={dtype} is not supported; use one of bf16, fp32, fp16")
+        return dtype
+    key = str(dtype).strip().lower()
+    if key not in DTYPES:
+        raise ConfigError(f"dtype={dtype!r} is not supported; use one of bf16, fp32, fp16")
+    return DTYPES[key]
+
+
+def check_device(device: str | torch.device, dtype: str | torch.dtype = "fp32") -> torch.device:
+    """Validate a device string (``cpu``, ``cuda``, ``cuda:N``) and that it supports ``dtype``."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"device={device!r} is not a valid device; use cpu, cuda or cuda:N") from exc
+    dt = torch_dtype(dtype)
+    if dev.type == "cpu":
+        if dt == torch.float16:
+            raise ConfigError(f"dtype=fp16 is not supported on device={str(dev)!r}; use bf16 or fp32 on CPU")
+        return dev
+    if dev.type != "cuda":
+        raise ConfigError(f"device={str(dev)!r} is not supported; use cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"device={str(dev)!r} asked for, but CUDA is not available here; use device='cpu'")
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    count = torch.cuda.device_count()
+    if not 0 <= index < count:
+        raise ConfigError(f"device={str(dev)!r} does not exist; this machine has cuda:0..cuda:{count - 1}")
+    if dt == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise ConfigError(f"dtype=bf16 is not supported on device={str(dev)!r} ({torch.cuda.get_device_name(index)}); "
+                          "use fp16 or fp32")
+    return torch.device("cuda", index)
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder blocks of a causal LM: the ``ModuleList`` with ``num_hidden_layers`` entries."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    n = getattr(config, "num_hidden_layers", None)
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    for m in lists:
+        if len(m) == n:
+            return list(m)
+    if lists:
+        return list(max(lists, key=len))
+    return []
+
+
+class HFModel:
+    """A transformers causal LM as a :class:`~dsi.models.base.LanguageModel`.
+
+    ``model`` is an already-loaded ``PreTrainedModel`` (``AutoModelForCausalLM``); it is put in
+    eval mode and, if ``device`` is given, moved there. ``tokenizer`` is optional (token ids
+    work without it). ``threads`` sets torch's intra-op threads in every thread that runs a
+    forward of this model (None: leave torch's setting alone).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any = None,
+        *,
+        device: str | torch.device | None = None,
+        name: str | None = None,
+        role: str | None = None,
+        threads: int | None = None,
+        source_dir: str | Path | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module) or not hasattr(model, "config"):
+            raise ConfigError(f"model={type(model).__name__} must be a transformers PreTrainedModel")
+        if getattr(model.config, "is_encoder_decoder", False) or model.get_output_embeddings() is None:
+            raise ModelError(f"{type(model).__name__} is not a causal language model (no LM head / encoder-decoder)")
+        if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+            raise ConfigError(f"threads={threads!r} must be an integer >= 1 (or None for torch's default)")
+        if device is not None:
+            model = model.to(check_device(device, model.dtype))
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
+        self.role = role
+        self.threads = threads
+        self.source_dir = Path(source_dir) if source_dir is not None else None
+        head = model.get_output_embeddings()
+        self._vocab_size = int(getattr(head, "out_features", 0) or model.config.get_text_config().vocab_size)
+        params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._local = threading.local()  # .cancel: the flag of the forward running in this thread
+        self._lock = threading.Lock()
+        self._replicas: dict[torch.device, HFModel] = {self.device: self}
+        self.layers = decoder_layers(model)
+        if not self.layers:
+            logger.warning("%s: no decoder layers found; cancellation is checked only before the forward", self.name)
+        self._hooks = [layer.register_forward_pre_hook(self._check_cancel) for layer in self.layers]
+        self._hooks.append(head.register_forward_pre_hook(self._check_cancel))
+
+    @classmethod
+    def load(cls, spec: str | Path, dtype: str = "bf16", device: str = "cpu", **kwargs: Any) -> HFModel:
+        """Load a MODEL (directory, ``.gguf``, hub id, embedded short name); see :mod:`dsi.models.loading`."""
+        from dsi.models.loading import load_model
+
+        return load_model(spec, dtype=dtype, device=device, **kwargs)
+
+    # -- the LanguageModel interface -------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        """Size of the logit rows (may exceed the tokenizer's length: padded embedding matrices)."""
+        return self._vocab_size
+
+    def new_session(self, device: str | torch.device | None = None) -> HFSession:
+        """A new empty session, on this model's device or on a replica on ``device``."""
+        if device is not None:
+            return self.on(device).new_session()
+        return HFSession(self)
+
+    # -- devices and replicas ----------------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> str:
+        return _DTYPE_NAMES.get(self.model.dtype, str(self.model.dtype))
+
+    def on(self, device: str | torch.device) -> HFModel:
+        """This model on ``device``: itself if it is there, else a replica (made once, then reused).
+
+        A replica is loaded from ``source_dir`` straight onto the device when known, else deep-copied.
+        Sessions from replicas behave exactly like sessions from this model.
+        """
+        dev = check_device(device, self.model.dtype)
+        with self._lock:
+            if dev not in self._replicas:
+                self._replicas[dev] = self._replicate(dev)
+            return self._replicas[dev]
+
+    def replicas(self, devices: Sequence[str | torch.device]) -> list[HFModel]:
+        """One model per entry of ``devices`` (e.g. one per target server); equal devices share weights."""
+        return [self.on(d) for d in devices]
+
+    def _replicate(self, dev: torch.device) -> HFModel:
+        if self.source_dir is not None:
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(self.source_dir, dtype=self.model.dtype, device_map=str(dev))
+        else:
+            model = copy.deepcopy(self.model).to(dev)
+        clone = HFModel(model, self.tokenizer, name=self.name, role=self.role, threads=self.threads,
+                        source_dir=self.source_dir)
+        clone._replicas = self._replicas  # every replica knows all the others
+        clone._lock = self._lock
+        return clone
+
+    # -- tokenizer helpers ---------------------------------------------------------------------------
+
+    @property
+    def max_context(self) -> int | None:
+        """The model's maximum number of positions (prompt + generated), or None if unknown."""
+        config = self.model.config.get_text_config()
+        for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+            value = getattr(config, key, None)
+            if isinstance(value, int) and value > 0:
+                return value
+        return None
+
+    def check_length(self, prompt_len: int, max_new_tokens: int = 0) -> None:
+        """Raise :class:`ConfigError` if the prompt plus new tokens exceed the model's context."""
+        limit = self.max_context
+        if limit is not None and prompt_len + max_new_tokens > limit:
+            raise ConfigError(
+                f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} exceeds the context of "
+                f"{self.name} (max_context={limit} tokens); shorten the prompt or lower max_new_tokens"
+            )
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every token that ends a generation (generation config plus tokenizer), in a stable order."""
+        ids: list[int] = []
+        gen = getattr(self.model, "generation_config", None)
+        raw = getattr(gen, "eos_token_id", None) if gen is not None else None
+        for value in [*(raw if isinstance(raw, list | tuple) else [raw]),
+                      getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None,
+                      self.model.config.get_text_config().eos_token_id]:
+            for v in value if isinstance(value, list | tuple) else [value]:
+                if isinstance(v, int) and 0 <= v < self.vocab_size and v not in ids:
+                    ids.append(v)
+        return tuple(ids)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        ids = self.eos_token_ids
+        return ids[0] if ids else None
+
+    def _need_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise ConfigError(f"{self.name} has no tokenizer; pass token ids instead of text")
+        return self.tokenizer
+
+    def encode(self, text: str, *, chat: bool = False, system: str | None = None) -> list[int]:
+        """Token ids of ``text``; with ``chat``, of the chat template applied to one user message."""
+        tok = self._need_tokenizer()
+        if chat:
+            if not getattr(tok, "chat_template", None):
+                raise ConfigError(f"{self.name}'s tokenizer has no chat template; drop --chat")
+            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return list(tok.encode(text, add_special_tokens=False))
+        return list(tok.encode(text))
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self._need_tokenizer().decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    # -- cancellation ----------------------------------------------------------------------------------
+
+    def _check_cancel(self, module: nn.Module, args: Any) -> None:
+        flag = getattr(self._local, "cancel", None)
+        if flag is not None and flag.is_set():
+            raise TaskCancelled("forward cancelled between layers")
+
+    def _forward(self, ids: torch.Tensor, cache: Any, cancel: CancelFlag | None) -> torch.Tensor:
+        """One forward of ``ids`` ([1, n]) after ``cache``; returns logits [n, V] (float32, on CPU)."""
+        if self.threads is not None and torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+        self._local.cancel = cancel
+        try:
+            out = self.model(input_ids=ids, use_cache=True, **{self._cache_kwarg: cache})
+        finally:
+            self._local.cancel = None
+        return out.logits[0].float().cpu()  # [n, V]
+
+    def close(self) -> None:
+        """Remove the cancellation hooks (the model itself is left to the garbage collector)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def __repr__(self) -> str:
+        return (f"HFModel(name={self.name!r}, vocab_size={self.vocab_size}, dtype={self.dtype}, "
+                f"device={str(self.device)!r}, layers={len(self.layers)})")
+
+
+class HFSession:
+    """One token sequence and its ``DynamicCache`` on one :class:`HFModel`."""
+
+    def __init__(self, owner: HFModel) -> None:
+        self._owner = owner
+        self._tokens: list[int] = []
+        self._cache = self._new_cache()
+
+    def _new_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self._owner.model.config)
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return tuple(self._tokens)
+
+    @property
+    def model(self) -> HFModel:
+        return self._owner
+
+    def extend(self, tokens: Sequence[int], cancel: CancelFlag | None = None) -> np.ndarray:
+        owner = self._owner
+        new = [int(t) for t in tokens]
+        vocab = owner.vocab_size
+        if not new:
+            return np.empty((0, vocab), dtype=np.float32)
+        bad = [t for t in new if not 0 <= t < vocab]
+        if bad:
+            raise ConfigError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab}) of {owner.name}")
+        limit = owner.max_context
+        if limit is not None and len(self._tokens) + len(new) > limit:
+            raise ConfigError(f"{len(self._tokens) + len(new)} tokens exceed max_context={limit} of {owner.name}")
+        if cancel is not None and cancel.is_set():
+            raise TaskCancelled("forward cancelled before it started")
+        before = len(self._tokens)
+        ids = torch.tensor([new], dtype=torch.long, device=owner.device)  # [1, n]
+        with torch.inference_mode():
+            try:
+                logits = owner._forward(ids, self._cache, cancel)  # [n, V]
+            except BaseException:
+                self._restore(before)
+                raise
+        self._tokens.extend(new)
+        return logits.numpy()
+
+    def truncate(self, length: int) -> None:
+        if not isinstance(length, int) or not 0 <= length <= len(self._tokens):
+            raise ConfigError(f"truncate length={length!r} must be in [0, {len(self._tokens)}]")
+        if length == len(self._tokens):
+            return
+        with torch.inference_mode():
+            self._restore(length)
+        del self._tokens[length:]
+
+    def _restore(self, length: int) -> None:
+        """Crop every cache layer to ``length`` tokens (layers may be at different lengths)."""
+        if length == 0:
+            self._cache = self._new_cache()
+            return
+        try:
+            for layer in self._cache.layers:
+                have = layer.get_seq_length()
+                if have > length:
+                    layer.crop(-(have - length))
+            ok = all(layer.get_seq_length() == length for layer in self._cache.layers)
+        except (RuntimeError, ValueError) as exc:  # e.g. a sliding-window layer past its window
+            logger.debug("cache crop failed (%s); recomputing the prefix", exc)
+            ok = False
+        if not ok:
+            self._rebuild(length)
+
+    def _rebuild(self, length: int) -> None:
+        """Recompute the cache of the first ``length`` tokens from scratch (fallback of crop)."""
+        self._cache = self._new_cache()
+        ids = torch.tensor([self._tokens[:length]], dtype=torch.long, device=self._owner.device)
+        with torch.inference_mode():
+            self._owner._forward(ids, self._cache, None)
+
+    def close(self) -> None:
+        self._tokens = []
+        self._cache = self._new_cache()  # an empty cache holds no memory; the session stays usable

