@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MARKER = "dsi-model.json"  # written last into a converted directory; its presence means "complete"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tokenizer.tiktoken")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -284,10 +285,13 @@ def load_model(
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise ModelError(f"cannot load the weights of {str(model_dir)!r}: {exc}") from exc
     tokenizer = None
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        logger.warning("no tokenizer in %s (%s); token ids only", model_dir, exc)
+    if any((model_dir / name).is_file() for name in _TOKENIZER_FILES):
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            logger.warning("cannot load the tokenizer in %s (%s); token ids only", model_dir, str(exc).splitlines()[0])
+    else:
+        logger.info("no tokenizer files in %s; token ids only", model_dir)
     logger.info("loaded %s (%s, %s) in %.2f s", model_dir, dtype, dev, time.perf_counter() - start)
     return HFModel(model, tokenizer, name=os.fspath(spec), role=role, threads=threads, source_dir=model_dir)
 

@@ -286,3 +286,15 @@ def test_gguf_file_converts_to_bf16_safetensors_and_loads(tmp_path, monkeypatch)
     monkeypatch.setattr(loading, "convert_gguf", no_convert)
     again = loading.load_model(tmp_path / "tiny.gguf", dtype="bf16", progress=False)
     assert again.source_dir == converted and again.dtype == "bf16"
+
+
+@pytest.mark.hf
+def test_directory_without_tokenizer_loads_for_token_ids(tmp_path, caplog):
+    _hf()
+    save_tiny_llama(tmp_path / "m", words=None)
+    model = loading.load_model(tmp_path / "m", dtype="fp32", progress=False)
+    assert model.tokenizer is None
+    assert model.new_session().extend([3, 4]).shape == (2, 97)
+    with pytest.raises(ConfigError, match="no tokenizer"):
+        model.encode("w1")
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
