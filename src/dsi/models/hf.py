@@ -199,7 +199,13 @@ class HFModel:
 
             model = AutoModelForCausalLM.from_pretrained(self.source_dir, dtype=self.model.dtype, device_map=str(dev))
         else:
-            model = copy.deepcopy(self.model).to(dev)
+            # the copy must not drag this HFModel along through its hooks (bound methods)
+            model = copy.deepcopy(self.model, memo={id(self): self})
+            for module in model.modules():
+                for key, hook in list(module._forward_pre_hooks.items()):
+                    if getattr(hook, "__self__", None) is self:
+                        del module._forward_pre_hooks[key]
+            model = model.to(dev)
         clone = HFModel(model, self.tokenizer, name=self.name, role=self.role, threads=self.threads,
                         source_dir=self.source_dir)
         clone._replicas = self._replicas  # every replica knows all the others

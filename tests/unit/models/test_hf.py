@@ -363,3 +363,20 @@ def test_tokenizer_helpers_need_a_tokenizer(pair):
     _, model = pair
     with pytest.raises(ConfigError, match="no tokenizer"):
         model.encode("hello")
+
+
+def test_replica_by_copy_is_independent_and_cancellable(pair):
+    """The replica path used when no checkpoint directory is known (deep copy), tried on the CPU."""
+    raw, model = pair
+    clone = model._replicate(torch.device("cpu"))
+    assert clone.model is not model.model
+    assert all(len(layer._forward_pre_hooks) == 1 for layer in clone.layers)  # its own hook only
+    np.testing.assert_allclose(clone.new_session().extend(IDS), reference(raw, IDS), atol=ATOL)
+    flag = threading.Event()
+    handle = _cancel_after_layer(clone, 0, flag)
+    try:
+        with pytest.raises(TaskCancelled):
+            clone.new_session().extend(IDS[:4], cancel=flag)
+    finally:
+        handle.remove()
+    assert model.new_session().extend(IDS[:4], cancel=threading.Event()).shape == (4, VOCAB)
