@@ -21,6 +21,7 @@ COMMAND_MODULES = (
     "dsi.cli.sim",
     "dsi.cli.measure",
     "dsi.cli.serve",
+    "dsi.cli.selftest",
 )
 
 

@@ -20,7 +20,17 @@ TokenCallback = Callable[[list[int]], None]
 
 
 class GenerationAborted(DSIError):
-    """The caller's abort flag was set (e.g. the HTTP client went away)."""
+    """The caller's abort flag was set (e.g. the HTTP client went away).
+
+    ``tokens``: the new tokens committed before the abort; ``stats``: the run's statistics (the
+    engine may still add late counters, e.g. drafter forwards, before the exception leaves
+    ``generate``). A server uses them to report usage of a request it stopped (stop strings).
+    """
+
+    def __init__(self, message: str, tokens: list[int] | None = None, stats: GenerationStats | None = None) -> None:
+        super().__init__(message)
+        self.tokens: list[int] = list(tokens or [])
+        self.stats = stats
 
 
 @dataclass(frozen=True)
@@ -74,7 +84,7 @@ class Output:
 
     def check_abort(self) -> None:
         if self._abort is not None and self._abort.is_set():
-            raise GenerationAborted("generation aborted by the caller")
+            raise GenerationAborted("generation aborted by the caller", self.finalize(), self.stats)
 
     def new_tokens(self) -> list[int]:
         return self.tokens[len(self.request.prompt) :]

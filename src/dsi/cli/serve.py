@@ -1,0 +1,121 @@
+"""``dsi serve``: the OpenAI-compatible HTTP server (:mod:`dsi.server`) under uvicorn.
+
+Takes every model and engine option of ``dsi generate`` (same parsers) plus the server's; the
+sampling options of ``generate`` become the defaults of requests that omit them. Binds to
+loopback unless ``--host`` says otherwise. SIGINT / SIGTERM: stop accepting connections, answer
+queued requests 503, let running ones finish for up to ``--shutdown-timeout`` seconds, cancel the
+rest, close every decoder, exit 0 (:mod:`dsi.server.runner`). fastapi / uvicorn are imported only when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import socket
+import sys
+
+from dsi.cli.generate import _load, add_engine_args, add_model_args, add_sampling_args
+from dsi.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, Prometheus metrics)",
+        description="Serve a target/drafter pair over HTTP with the OpenAI API (/v1/completions, "
+        "/v1/chat/completions, /v1/models) plus /health and /metrics. Needs: pip install 'dsi[server]'.",
+    )
+    add_model_args(p)
+    add_engine_args(p)
+    add_sampling_args(p)
+    # the sampling options of generate are the defaults of requests that omit them
+    p.set_defaults(max_new_tokens=256, temperature=1.0, seed=None)
+    helps = {
+        "max_new_tokens": "max_tokens of requests that omit it, clipped to the context (default 256)",
+        "temperature": "temperature of requests that omit it (default 1.0, as in the OpenAI API; 0 = greedy)",
+        "top_p": "top_p of requests that omit it (default 1.0: off)",
+        "top_k": "top_k of requests that omit it (default 0: off)",
+        "seed": "seed of requests that omit it (default: a random seed per request)",
+    }
+    for action in p._actions:
+        if action.dest in helps:
+            action.help = helps[action.dest]
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    g.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
+    g.add_argument("--max-concurrent", type=int, default=1,
+                   help="engine slots: requests generated at once, each on its own decoder (default 1)")
+    g.add_argument("--max-queue", type=int, default=64,
+                   help="requests that may wait for a slot; more get 429 (default 64)")
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 endpoints")
+    g.add_argument("--served-model-name", default=None, help="model id in the API (default: the --target value)")
+    g.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="on SIGINT/SIGTERM, seconds running requests may take before they are cancelled (default 10)")
+    p.set_defaults(func=run_serve)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A listening socket on (host, port); port 0 picks a free port."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on --host {host} --port {port}: {exc}") from exc
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    try:
+        from dsi.server import ServeConfig, create_app
+        from dsi.server.runner import make_server
+    except ImportError as exc:
+        raise ConfigError(f"dsi serve needs the server extra: pip install 'dsi[server]' ({exc})") from exc
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port={args.port} must be in [0, 65535]")
+    if args.max_concurrent < 1 or args.max_queue < 0:
+        raise ConfigError(f"--max-concurrent={args.max_concurrent} must be >= 1 and --max-queue={args.max_queue} >= 0")
+    if args.shutdown_timeout < 0:
+        raise ConfigError(f"--shutdown-timeout={args.shutdown_timeout} must be >= 0")
+    config = ServeConfig(
+        method=args.method, lookahead=args.lookahead, num_target_servers=args.sp, transport=args.transport,
+        max_concurrent=args.max_concurrent, max_queue=args.max_queue, api_key=args.api_key,
+        model_name=args.served_model_name or args.target, max_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        shutdown_grace_s=args.shutdown_timeout,
+    )
+    if not _is_loopback(args.host):
+        log.warning("dsi serve: listening on %s, reachable from other machines%s", args.host,
+                    "" if args.api_key else "; consider --api-key")
+    target, drafter = _load(args, need_drafter=args.method != "ar")
+    app = create_app(target, drafter, config)
+    sock = _bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    server = make_server(app, graceful_s=args.shutdown_timeout, log_level="info" if args.verbose else "warning",
+                         access_log=bool(args.verbose))
+    print(f"dsi serve: {config.model_name!r} ({config.method}, k={config.lookahead}, SP={config.num_target_servers}, "
+          f"{config.max_concurrent} slot(s)) on http://{shown}:{port}/v1", file=sys.stderr, flush=True)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    if not server.started:
+        print("dsi serve: the server did not start (see the log above)", file=sys.stderr)
+        return 2
+    print("dsi serve: shut down cleanly", file=sys.stderr, flush=True)
+    return 0

@@ -1,0 +1,256 @@
+"""One request between the HTTP handler (event loop) and an engine slot (its worker thread).
+
+A :class:`Job` waits for a slot, runs ``decoder.generate`` on the slot's thread and reports
+back through an ``asyncio.Queue``: text deltas while tokens are committed (streaming), then one
+:class:`Outcome`. The token callback runs on the slot's thread: it detokenises incrementally
+(multi-byte safe, :class:`dsi.text.IncrementalDetokenizer`), holds back text that could be the
+start of a stop string, and on a stop string sets the request's abort flag, so the decoder stops
+at once and preempts its verification tasks. :meth:`Job.cancel` (client gone, shutdown) sets the
+same flag, or takes the request out of the queue if it has no slot yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from dsi.engine.request import GenerationAborted, Request
+from dsi.engine.stats import GenerationStats
+from dsi.server.codec import Codec
+from dsi.server.metrics import ServerMetrics
+from dsi.server.scheduler import RequestCancelled, Scheduler, Slot
+from dsi.text import IncrementalDetokenizer
+
+log = logging.getLogger(__name__)
+
+
+class StopStrings:
+    """Streamed text with stop strings: releases text that cannot begin a stop string.
+
+    ``feed`` returns the text that is safe to send; once a stop string appears, the text is cut
+    just before it and :attr:`matched` is set. Text held back (a possible stop prefix) comes out
+    of :meth:`flush` at the end.
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(stops)
+        self._hold = max((len(s) for s in self.stops), default=1) - 1
+        self.text = ""
+        self.sent = 0  # characters of self.text released so far
+        self.matched: str | None = None
+
+    def feed(self, delta: str) -> str:
+        if self.matched is not None:
+            return ""
+        self.text += delta
+        hits = [(i, s) for s in self.stops if (i := self.text.find(s, self.sent)) >= 0]
+        if hits:
+            index, self.matched = min(hits)
+            out, self.sent = self.text[self.sent : index], index
+            return out
+        upto = max(self.sent, len(self.text) - self._hold)
+        out, self.sent = self.text[self.sent : upto], upto
+        return out
+
+    def flush(self) -> str:
+        if self.matched is not None:
+            return ""
+        out, self.sent = self.text[self.sent :], len(self.text)
+        return out
+
+
+def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, str | None]:
+    """``text`` up to its first stop string, and that string (None if there is none)."""
+    hits = [(i, s) for s in stops if (i := text.find(s)) >= 0]
+    if not hits:
+        return text, None
+    index, stop = min(hits)
+    return text[:index], stop
+
+
+@dataclass
+class Outcome:
+    """How a job ended. ``text``: the full completion (decoded at once, cut at a stop string)."""
+
+    finish_reason: str  # "stop" | "length" | "cancelled" | "error"
+    tokens: list[int]
+    text: str = ""
+    tail: str = ""  # streamed text not yet sent when generation ended
+    stats: GenerationStats | None = None
+    error: BaseException | None = None
+    queue_time_s: float = 0.0
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.tokens)
+
+
+class Job:
+    """One generation request. Create it on the event loop, then :meth:`start` it."""
+
+    def __init__(
+        self,
+        request: Request,
+        codec: Codec,
+        metrics: ServerMetrics,
+        *,
+        stop: Sequence[str] = (),
+        stream: bool = False,
+    ) -> None:
+        self.request = request
+        self.codec = codec
+        self.metrics = metrics
+        self.stop = tuple(stop)
+        self.stream = stream
+        self.abort = threading.Event()
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.cancel_reason: str | None = None
+        self.arrived = time.perf_counter()
+        self._loop = asyncio.get_running_loop()
+        self._ticket: asyncio.Future | None = None
+        self._scheduler: Scheduler | None = None
+        self._task: asyncio.Task | None = None
+        # owned by the slot thread while generating
+        self._detok = IncrementalDetokenizer(codec.decode, request.prompt)
+        self._stops = StopStrings(self.stop)
+        self._tokens: list[int] = []
+        self._stopped_at: int | None = None  # tokens committed when a stop string appeared
+        self._last_token_at: float | None = None
+
+    # ---- event loop side ---------------------------------------------------------------------
+    def start(self, scheduler: Scheduler) -> None:
+        """Join the queue (raises :class:`QueueFull` at once if it is full) and start running."""
+        self._scheduler = scheduler
+        self._ticket = scheduler.reserve()
+        self._task = asyncio.create_task(self._run(scheduler), name="dsi-serve-job")
+
+    def add_done_callback(self, callback) -> None:
+        """Call ``callback(job)`` on the event loop once the job has ended."""
+        self._task.add_done_callback(lambda _: callback(self))
+
+    @property
+    def queued(self) -> bool:
+        """Still waiting for a slot."""
+        return self._ticket is not None and not self._ticket.done()
+
+    @property
+    def done(self) -> bool:
+        return self._task is not None and self._task.done()
+
+    def cancel(self, reason: str) -> None:
+        """Stop this request now: leave the queue, or abort the decoder (its tasks are preempted)."""
+        if self.done:
+            return
+        if self.cancel_reason is None:
+            self.cancel_reason = reason
+        self.abort.set()
+        if self._scheduler is not None and self._ticket is not None and not self._ticket.done():
+            self._scheduler.withdraw(self._ticket, reason)
+
+    async def wait_finished(self) -> None:
+        if self._task is not None:
+            await asyncio.shield(self._task)
+
+    async def outcome(self) -> Outcome:
+        """Wait for the end of the job (text deltas are dropped)."""
+        while True:
+            kind, payload = await self.events.get()
+            if kind == "done":
+                return payload
+
+    async def deltas(self) -> AsyncIterator[tuple[str, object]]:
+        """``("text", str)`` items as text becomes stable, then one ``("done", Outcome)``."""
+        while True:
+            kind, payload = await self.events.get()
+            yield kind, payload
+            if kind == "done":
+                return
+
+    async def _run(self, scheduler: Scheduler) -> None:
+        outcome: Outcome
+        try:
+            slot = await self._ticket
+        except RequestCancelled:
+            outcome = Outcome("cancelled", [], queue_time_s=time.perf_counter() - self.arrived)
+            self._finish(outcome)
+            return
+        queue_time = time.perf_counter() - self.arrived
+        self.metrics.queue_time.observe(queue_time)
+        future = self._loop.run_in_executor(slot.executor, self._generate, slot)
+        try:
+            outcome = await asyncio.shield(future)
+        except asyncio.CancelledError:  # the loop is going away: stop the thread, free the slot after it
+            self.abort.set()
+            future.add_done_callback(lambda _: scheduler.release(slot))
+            raise
+        except BaseException as exc:  # noqa: BLE001 - reported to the client, never raised into the loop
+            outcome = Outcome("error", list(self._tokens), error=exc)
+        scheduler.release(slot)
+        outcome.queue_time_s = queue_time
+        self._finish(outcome)
+
+    def _finish(self, outcome: Outcome) -> None:
+        self.metrics.finished.labels(outcome.finish_reason).inc()
+        if outcome.stats is not None:
+            self.metrics.observe_generation(outcome.stats, len(self.request.prompt), outcome.completion_tokens)
+        if outcome.finish_reason in ("stop", "length"):
+            self.metrics.latency.observe(time.perf_counter() - self.arrived)
+        self.events.put_nowait(("done", outcome))
+
+    # ---- slot thread side --------------------------------------------------------------------
+    def _post(self, item: tuple[str, object]) -> None:
+        self._loop.call_soon_threadsafe(self.events.put_nowait, item)
+
+    def _on_tokens(self, tokens: list[int]) -> None:
+        if self._stopped_at is not None:
+            return  # committed in the same step as the stop string; not part of the answer
+        now = time.perf_counter()
+        if self._last_token_at is None:
+            self.metrics.ttft.observe(now - self.arrived)
+        else:
+            self.metrics.itl.observe(now - self._last_token_at)
+        self._last_token_at = now
+        self._tokens.extend(tokens)
+        text = self._detok.push(tokens)
+        if not text:
+            return
+        out = self._stops.feed(text)
+        if self._stops.matched is not None:
+            self._stopped_at = len(self._tokens)
+            self.abort.set()
+        if out and self.stream:
+            self._post(("text", out))
+
+    def _generate(self, slot: Slot) -> Outcome:
+        if self.abort.is_set():  # cancelled between getting the slot and starting
+            return Outcome("cancelled", [])
+        slot.served += 1
+        try:
+            result = slot.decoder.generate(self.request, self._on_tokens, self.abort)
+            stats = result.stats
+            reason = stats.finish_reason
+        except GenerationAborted as exc:
+            stats = exc.stats
+            reason = "cancelled"
+        except Exception as exc:  # noqa: BLE001 - a failed worker: answer 500, rebuild the decoder
+            log.exception("slot %d: generation failed", slot.index)
+            try:
+                slot.rebuild()
+            except Exception:  # noqa: BLE001
+                log.exception("slot %d: could not rebuild its decoder", slot.index)
+            return Outcome("error", list(self._tokens), error=exc)
+        tail = ""
+        if self._stopped_at is None:
+            tail = self._stops.feed(self._detok.flush())
+            tail += self._stops.flush()
+        tokens = self._tokens if self._stopped_at is None else self._tokens[: self._stopped_at]
+        if self._stops.matched is not None:
+            reason = "stop"
+        text, stop = cut_at_stop(self.codec.decode(tokens), self.stop)
+        if stop is not None:
+            reason = "stop"
+        return Outcome(reason, list(tokens), text=text, tail=tail, stats=stats)

@@ -1,0 +1,88 @@
+"""Prometheus telemetry of one server: a private ``CollectorRegistry`` per app (no global state).
+
+Series (all prefixed ``dsi_``):
+
+- ``requests_total{endpoint,status}``: HTTP requests by status code (499: the client went away
+  before the response was complete); ``request_finish_total{reason}``: generations by how they
+  ended (stop, length, cancelled, error).
+- ``queue_length``, ``running_requests``, ``engine_slots``: the scheduler right now.
+- histograms ``queue_time_seconds``, ``time_to_first_token_seconds`` (arrival to first
+  committed token, queue included), ``inter_token_latency_seconds`` (per token: time since the
+  previous committed token of the request; DSI commits accepted runs at once, so many are ~0),
+  ``request_latency_seconds``.
+- ``prompt_tokens_total``, ``generated_tokens_total``, ``drafted_tokens_total``,
+  ``accepted_tokens_total``, ``verify_tasks_total``, ``preempted_tasks_total``,
+  ``wasted_target_seconds_total`` (target time spent on preempted tasks),
+  ``target_busy_seconds_total`` and ``target_capacity_seconds_total`` (wall time x servers:
+  ``rate(busy) / rate(capacity)`` is the pool's utilisation).
+- histograms per request ``acceptance_rate``, ``mean_accepted_length``, ``target_utilisation``
+  (acceptance: speculative methods only, non-SI has no drafts; utilisation: DSI's target pool).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from dsi.engine.stats import GenerationStats
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+_LENGTH_BUCKETS = (0.0, 0.5, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 16.0, 32.0, 64.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("dsi_requests", "HTTP requests by endpoint and status code (499: client went away)",
+                                ["endpoint", "status"], registry=r)
+        self.finished = Counter("dsi_request_finish", "Generations by finish reason (stop, length, cancelled, error)",
+                                ["reason"], registry=r)
+        self.queue_length = Gauge("dsi_queue_length", "Requests waiting for an engine slot", registry=r)
+        self.running = Gauge("dsi_running_requests", "Requests being generated", registry=r)
+        self.slots = Gauge("dsi_engine_slots", "Engine slots (decoders)", registry=r)
+        self.queue_time = Histogram("dsi_queue_time_seconds", "Time a request waited for a slot",
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("dsi_time_to_first_token_seconds", "Arrival to first committed token (queue included)",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("dsi_inter_token_latency_seconds",
+                             "Time between consecutive committed tokens of a request",
+                             buckets=(0.0001, *_LATENCY_BUCKETS), registry=r)
+        self.latency = Histogram("dsi_request_latency_seconds", "Arrival to last token", buckets=_LATENCY_BUCKETS,
+                                 registry=r)
+        self.prompt_tokens = Counter("dsi_prompt_tokens", "Prompt tokens of generated requests", registry=r)
+        self.generated_tokens = Counter("dsi_generated_tokens", "Tokens generated (committed)", registry=r)
+        self.drafted = Counter("dsi_drafted_tokens", "Draft tokens proposed by the drafter", registry=r)
+        self.accepted = Counter("dsi_accepted_tokens", "Draft tokens accepted by the target", registry=r)
+        self.verify_tasks = Counter("dsi_verify_tasks", "Verification tasks sent to target servers", registry=r)
+        self.preempted = Counter("dsi_preempted_tasks", "Verification tasks preempted by a rejection", registry=r)
+        self.wasted = Counter("dsi_wasted_target_seconds", "Target server time spent on preempted tasks", registry=r)
+        self.busy = Counter("dsi_target_busy_seconds", "Target server busy time", registry=r)
+        self.capacity = Counter("dsi_target_capacity_seconds", "Wall time x number of target servers", registry=r)
+        self.acceptance = Histogram("dsi_acceptance_rate", "Per-request acceptance rate of draft tokens",
+                                    buckets=_RATIO_BUCKETS, registry=r)
+        self.accepted_length = Histogram("dsi_mean_accepted_length", "Per-request mean run of accepted drafts",
+                                         buckets=_LENGTH_BUCKETS, registry=r)
+        self.utilisation = Histogram("dsi_target_utilisation", "Per-request target pool utilisation",
+                                     buckets=(*_RATIO_BUCKETS, 1.5, 2.0), registry=r)
+
+    def observe_generation(self, stats: GenerationStats, prompt_tokens: int, completion_tokens: int) -> None:
+        """Record the statistics of one finished (or stopped, or cancelled) generation."""
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generated_tokens.inc(completion_tokens)
+        self.drafted.inc(stats.drafted_tokens)
+        self.accepted.inc(stats.accepted_tokens)
+        self.verify_tasks.inc(stats.verify_tasks)
+        self.preempted.inc(stats.preempted_tasks)
+        self.wasted.inc(stats.wasted_target_s)
+        if stats.accepted_tokens + stats.rejections > 0:
+            self.acceptance.observe(stats.acceptance_rate)
+            self.accepted_length.observe(stats.mean_accepted_length)
+        if stats.method == "dsi" and stats.wall_time_s > 0:  # only DSI's target pool measures busy time
+            self.busy.inc(stats.target_busy_s)
+            self.capacity.inc(stats.wall_time_s * stats.num_target_servers)
+            self.utilisation.observe(stats.target_utilisation)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,344 @@
+"""The OpenAI wire format of ``dsi serve``: request and response models (pydantic v2).
+
+Requests are parsed from the raw body with :func:`parse_request` in strict JSON mode (``"3"`` is
+not an integer, ``true`` is not a number) and forbid unknown fields: an option we do not
+implement is a 400 naming it, never a silent ignore. Options of the OpenAI API that we support
+only at their default value (``n``, ``best_of``, ``logprobs``, penalties, ...) are declared and
+checked by :func:`unsupported_option`. Responses follow the OpenAI objects and add a ``dsi``
+object with the run's speculation statistics.
+
+Status codes: malformed JSON, an unsupported option or a batched prompt -> 400; a well-formed
+body whose fields have the wrong type or range -> 422; both name the field in ``error.param``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+MAX_SEED = 2**63 - 1
+MAX_STOP_STRINGS = 16
+
+
+class APIError(Exception):
+    """An error answered in the OpenAI format ``{"error": {message, type, param, code}}``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",  # noqa: A002 - the OpenAI field name
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# ---- requests ------------------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _GenerationRequest(_Strict):
+    """Fields shared by completions and chat completions. ``None`` means the server default."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)  # extension (vLLM): 0 or -1 disable it
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # an end-user identifier; it does not change generation
+    # supported only at their default value (see unsupported_option)
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else (value or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
+        if any(s == "" for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list
+    echo: bool = False
+    best_of: int | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, value: str | list) -> str | list:
+        if isinstance(value, str):
+            return value
+        if not value:
+            raise ValueError("prompt must not be empty")
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            return value
+        if all(isinstance(p, str) for p in value):
+            return value
+        if all(isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in value):
+            return value
+        raise ValueError("prompt must be a string or a list of token ids")
+
+    def batch_size(self) -> int:
+        """How many prompts the request holds (a list of strings or of id lists is a batch)."""
+        if isinstance(self.prompt, str) or not isinstance(self.prompt[0], str | list):
+            return 1
+        return len(self.prompt)
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt: text or token ids (a batch of one is unwrapped)."""
+        if isinstance(self.prompt, str) or not isinstance(self.prompt[0], str | list):
+            return self.prompt
+        return self.prompt[0]
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ResponseFormat(_Strict):
+    type: str
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+def _param(loc: tuple) -> str | None:
+    """A dotted field path from a pydantic error location, without union-member tags."""
+    parts = []
+    for item in loc:
+        if isinstance(item, int):
+            parts.append(str(item))
+        elif isinstance(item, str) and "[" not in item and item not in ("str", "int", "float", "bool") \
+                and not item[:1].isupper():
+            parts.append(item)
+    return ".".join(parts) or None
+
+
+def parse_request(model: type[_Strict], body: bytes) -> Any:
+    """Parse a JSON body into ``model``; raise :class:`APIError` (400 or 422) naming the field."""
+    try:
+        return model.model_validate_json(body or b"", strict=True)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+    for err in errors:
+        if err["type"] == "extra_forbidden":
+            name = _param(err["loc"])
+            raise APIError(400, f"unsupported parameter {name!r}: dsi serve does not implement it",
+                           param=name, code="unsupported_parameter")
+    for err in errors:
+        if err["type"] in ("json_invalid", "json_type") or (err["type"] == "model_type" and not err["loc"]):
+            raise APIError(400, f"invalid JSON body: {err['msg']}; expected a JSON object", code="invalid_json")
+    first = _param(errors[0]["loc"])
+    seen: dict[str | None, str] = {}
+    for err in errors:
+        seen.setdefault(_param(err["loc"]), err["msg"])
+    message = "; ".join(f"{name}: {msg}" if name else msg for name, msg in list(seen.items())[:4])
+    raise APIError(422, f"invalid request: {message}", param=first, code="invalid_value")
+
+
+def unsupported_option(request: _GenerationRequest) -> APIError | None:
+    """A 400 for an OpenAI option set to a value dsi serve does not implement, else None."""
+    checks: list[tuple[str, bool, str]] = [
+        ("n", request.n not in (None, 1), "n > 1 is not supported: one choice per request"),
+        ("presence_penalty", request.presence_penalty not in (None, 0.0),
+         "presence_penalty is not supported (it would change the target's distribution)"),
+        ("frequency_penalty", request.frequency_penalty not in (None, 0.0),
+         "frequency_penalty is not supported (it would change the target's distribution)"),
+        ("logit_bias", bool(request.logit_bias), "logit_bias is not supported"),
+    ]
+    if isinstance(request, CompletionRequest):
+        checks += [
+            ("best_of", request.best_of not in (None, 1), "best_of > 1 is not supported"),
+            ("logprobs", request.logprobs is not None, "logprobs are not supported"),
+            ("suffix", request.suffix is not None, "suffix (insertion) is not supported"),
+            ("prompt", request.batch_size() > 1, "batched prompts are not supported: send one prompt per request"),
+        ]
+    if isinstance(request, ChatCompletionRequest):
+        checks += [
+            ("logprobs", bool(request.logprobs), "logprobs are not supported"),
+            ("top_logprobs", request.top_logprobs is not None, "top_logprobs are not supported"),
+            ("response_format", request.response_format is not None and request.response_format.type != "text",
+             "only response_format {'type': 'text'} is supported"),
+        ]
+    for param, bad, message in checks:
+        if bad:
+            return APIError(400, message, param=param, code="unsupported_parameter")
+    return None
+
+
+# ---- responses -----------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class DSIInfo(BaseModel):
+    """Speculation statistics of one request (the ``dsi`` object of every response)."""
+
+    method: str
+    acceptance_rate: float
+    mean_accepted_length: float
+    drafted_tokens: int
+    accepted_tokens: int
+    rejections: int
+    verify_tasks: int
+    preempted_tasks: int
+    wasted_target_s: float
+    target_utilisation: float
+    num_target_servers: int
+    lookahead: int
+    queue_time_s: float
+    time_to_first_token_s: float
+    wall_time_s: float
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    dsi: DSIInfo | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    dsi: DSIInfo | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    dsi: DSIInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "dsi"
+    max_model_len: int | None = None
+    dsi: dict[str, Any] = Field(default_factory=dict)
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def dump(obj: BaseModel) -> dict:
+    """JSON-ready dict of a response object; top-level ``usage`` / ``dsi`` left out when unset."""
+    data = obj.model_dump(mode="json")
+    for key in ("usage", "dsi"):
+        if key in data and data[key] is None:
+            del data[key]
+    if isinstance(obj, ChatCompletionChunk):
+        for choice in data["choices"]:
+            choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+    return data

@@ -1,0 +1,47 @@
+"""Running the app under uvicorn with the shutdown ``dsi serve`` promises.
+
+On SIGINT / SIGTERM (or ``server.should_exit = True``): the listening socket is closed, requests
+still waiting in the queue are answered 503 at once, running requests get ``graceful_s`` seconds
+to finish, then uvicorn cancels them (which aborts their decoders), and the app's lifespan
+shutdown closes every decoder. Unlike plain uvicorn, the signal is not re-raised afterwards, so
+the process exits normally.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+
+
+class DSIServer(uvicorn.Server):
+    async def shutdown(self, sockets: Any = None) -> None:
+        state = getattr(getattr(self.config.app, "state", None), "dsi", None)  # the app's ServerState
+        if state is not None:
+            state.drain()
+        await super().shutdown(sockets=sockets)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        originals = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in originals.items():
+                signal.signal(sig, handler)
+
+
+def make_server(
+    app: Any, *, graceful_s: float = 10.0, log_level: str = "warning", access_log: bool = False
+) -> DSIServer:
+    """A uvicorn server for ``app`` (run it with ``server.run(sockets=[sock])``)."""
+    config = uvicorn.Config(app, log_level=log_level, access_log=access_log, lifespan="on",
+                            timeout_graceful_shutdown=graceful_s)
+    return DSIServer(config)

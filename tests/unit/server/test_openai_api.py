@@ -1,0 +1,275 @@
+"""``dsi serve``'s app under a real uvicorn on 127.0.0.1, driven by the official ``openai`` client
+and by raw HTTP, on tiny random Hugging Face models (target and drafter differ, so drafts are
+rejected and tasks preempted)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from dsi.cli.main import main  # noqa: E402
+from tests.unit.server.conftest import running_server  # noqa: E402
+
+pytestmark = pytest.mark.hf
+
+KEY = "test-key"
+MODEL = "tiny"
+ENGINE = ["--method", "dsi", "--sp", "2", "--lookahead", "3", "--dtype", "fp32"]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_pair):
+    from dsi.server import ServeConfig, create_app
+
+    target, drafter = tiny_pair
+    config = ServeConfig(method="dsi", lookahead=3, num_target_servers=2, max_concurrent=4, max_queue=64,
+                         api_key=KEY, model_name=MODEL, max_tokens=16)
+    app = create_app(target, drafter, config)
+    with running_server(app) as running:
+        yield running.url, app
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def generate_json(capsys, tiny_dirs, *argv):
+    target, drafter = tiny_dirs
+    code = main(["generate", "--target", target, "--drafter", drafter, *ENGINE, "--json", *argv])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    return json.loads(out)
+
+
+def metrics(url) -> dict:
+    """{(name, labels): value} of every sample on /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def streamed_text(chunks, chat=False):
+    text, final = [], []
+    for chunk in chunks:
+        if chunk.choices:
+            choice = chunk.choices[0]
+            text.append((choice.delta.content or "") if chat else choice.text)
+            if choice.finish_reason:
+                final.append(choice.finish_reason)
+        last = chunk
+    return "".join(text), final, last
+
+
+def test_models_and_health(server, client):
+    url, _ = server
+    [card] = client.models.list().data
+    assert card.id == MODEL and card.max_model_len == 256 and card.dsi["method"] == "dsi"
+    health = httpx.get(url + "/health").json()
+    assert health["status"] == "ok" and health["slots"] == 4
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_greedy_equals_dsi_generate(client, capsys, tiny_dirs, stream):
+    prompt = "def fibonacci(n):"
+    ref = generate_json(capsys, tiny_dirs, "--prompt", prompt, "--max-new-tokens", "12")
+    ar = generate_json(capsys, tiny_dirs, "--prompt", prompt, "--max-new-tokens", "12", "--method", "ar")
+    assert ar["token_ids"] == ref["token_ids"]  # lossless: DSI is the target's own greedy output
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    if not stream:
+        r = client.completions.create(**kwargs)
+        text, finish, usage, info = r.choices[0].text, r.choices[0].finish_reason, r.usage, r.dsi
+    else:
+        chunks = client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+        text, [finish], last = streamed_text(chunks)
+        assert last.choices == []
+        usage, info = last.usage, last.dsi
+    assert text == ref["text"]
+    assert finish == ref["finish_reason"]
+    assert usage.prompt_tokens == ref["prompt_tokens"] and usage.completion_tokens == len(ref["token_ids"])
+    assert info["method"] == "dsi" and info["drafted_tokens"] >= info["accepted_tokens"] >= 0
+    assert 0.0 <= info["acceptance_rate"] <= 1.0 and info["verify_tasks"] >= 1 and info["wall_time_s"] > 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_greedy_equals_dsi_generate_chat(client, capsys, tiny_dirs, stream):
+    ref = generate_json(capsys, tiny_dirs, "--prompt", "héllo wörld", "--chat", "--max-new-tokens", "10")
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "héllo wörld"}], max_tokens=10, temperature=0)
+    if stream:
+        text, [finish], last = streamed_text(client.chat.completions.create(**kwargs, stream=True), chat=True)
+        usage = last.usage  # without include_usage, usage rides on the final chunk
+    else:
+        r = client.chat.completions.create(**kwargs)
+        text, finish, usage = r.choices[0].message.content, r.choices[0].finish_reason, r.usage
+        assert r.choices[0].message.role == "assistant"
+    assert text == ref["text"] and finish == ref["finish_reason"]
+    assert usage.prompt_tokens == ref["prompt_tokens"] and usage.completion_tokens == len(ref["token_ids"])
+
+
+def test_seeded_sampling_is_reproducible_and_equals_generate(client, capsys, tiny_dirs):
+    kwargs = dict(model=MODEL, prompt="The quick brown", max_tokens=12, temperature=1.0)
+    a = client.completions.create(**kwargs, seed=7).choices[0].text
+    b = "".join(c.choices[0].text for c in client.completions.create(**kwargs, seed=7, stream=True) if c.choices)
+    c = client.completions.create(**kwargs, seed=8).choices[0].text
+    assert a == b != c
+    ref = generate_json(capsys, tiny_dirs, "--prompt", "The quick brown", "--max-new-tokens", "12",
+                        "--temperature", "1.0", "--seed", "7")
+    assert a == ref["text"]
+    top_k = client.completions.create(**kwargs, seed=7, extra_body={"top_k": 3}).choices[0].text
+    ref_k = generate_json(capsys, tiny_dirs, "--prompt", "The quick brown", "--max-new-tokens", "12",
+                          "--temperature", "1.0", "--seed", "7", "--top-k", "3")
+    assert top_k == ref_k["text"]
+
+
+def test_token_id_prompt_and_echo(client, tiny_pair):
+    target, _ = tiny_pair
+    ids = target.encode("for i in range")
+    by_text = client.completions.create(model=MODEL, prompt="for i in range", max_tokens=6, temperature=0)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0, echo=True)
+    assert by_ids.choices[0].text == target.decode(ids) + by_text.choices[0].text
+    streamed = client.completions.create(model=MODEL, prompt="for i in range", max_tokens=6, temperature=0,
+                                         echo=True, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == "for i in range" + by_text.choices[0].text
+
+
+def expected_text(target, ids, max_tokens):
+    import dsi
+
+    result = dsi.generate(target=target, prompt=ids, method="ar", max_new_tokens=max_tokens,
+                          eos_token_id=list(target.eos_token_ids))
+    return target.decode(result.tokens), len(result.tokens)
+
+
+def test_sixteen_concurrent_clients_all_complete_and_correct(server, client, tiny_pair):
+    url, _ = server
+    target, _ = tiny_pair
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+    jobs = []
+    for i in range(16):
+        chat, stream = i % 2 == 1, i % 4 >= 2
+        prompt = f"{words[i % 8]} {i} héllo"
+        ids = target.encode(prompt, chat=chat)
+        jobs.append((chat, stream, prompt, *expected_text(target, ids, 8 + i % 5)))
+    before = metrics(url)
+
+    def run(job):
+        chat, stream, prompt, _, n_expected = job
+        kwargs = dict(model=MODEL, max_tokens=8 + jobs.index(job) % 5, temperature=0)
+        if chat:
+            kwargs["messages"] = [{"role": "user", "content": prompt}]
+            if stream:
+                return streamed_text(client.chat.completions.create(**kwargs, stream=True), chat=True)[0]
+            return client.chat.completions.create(**kwargs).choices[0].message.content
+        if stream:
+            return streamed_text(client.completions.create(prompt=prompt, **kwargs, stream=True))[0]
+        return client.completions.create(prompt=prompt, **kwargs).choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        texts = list(pool.map(run, jobs, timeout=120))
+    assert texts == [job[3] for job in jobs]  # every response complete, correct and in its own place
+    after = metrics(url)
+    done = sum(after.get(("dsi_requests_total", (("endpoint", e), ("status", "200"))), 0)
+               - before.get(("dsi_requests_total", (("endpoint", e), ("status", "200"))), 0)
+               for e in ("/v1/completions", "/v1/chat/completions"))
+    assert done == 16
+    assert after[("dsi_generated_tokens_total", ())] - before[("dsi_generated_tokens_total", ())] == \
+        sum(job[4] for job in jobs)
+    assert after[("dsi_queue_length", ())] == 0 and after[("dsi_running_requests", ())] == 0
+    assert after[("dsi_queue_time_seconds_count", ())] - before[("dsi_queue_time_seconds_count", ())] == 16
+
+
+def test_metrics_series_track_one_request_exactly(server, client):
+    url, _ = server
+    before = metrics(url)
+    r = client.completions.create(model=MODEL, prompt="print(i)", max_tokens=14, temperature=0)
+    after = metrics(url)
+    n, info = r.usage.completion_tokens, r.dsi
+
+    def delta(name, labels=()):
+        return after.get((name, labels), 0.0) - before.get((name, labels), 0.0)
+
+    assert delta("dsi_requests_total", (("endpoint", "/v1/completions"), ("status", "200"))) == 1
+    assert delta("dsi_request_finish_total", (("reason", r.choices[0].finish_reason),)) == 1
+    assert delta("dsi_generated_tokens_total") == n and delta("dsi_prompt_tokens_total") == r.usage.prompt_tokens
+    assert delta("dsi_time_to_first_token_seconds_count") == 1
+    assert delta("dsi_inter_token_latency_seconds_count") == n - 1
+    assert delta("dsi_request_latency_seconds_count") == 1
+    assert delta("dsi_drafted_tokens_total") == info["drafted_tokens"]
+    assert delta("dsi_accepted_tokens_total") == info["accepted_tokens"]
+    assert delta("dsi_verify_tasks_total") == info["verify_tasks"] >= 1
+    assert delta("dsi_preempted_tasks_total") == info["preempted_tasks"]
+    assert delta("dsi_wasted_target_seconds_total") == pytest.approx(info["wasted_target_s"])
+    assert delta("dsi_acceptance_rate_count") == 1
+    assert delta("dsi_acceptance_rate_sum") == pytest.approx(info["acceptance_rate"])
+    assert delta("dsi_mean_accepted_length_sum") == pytest.approx(info["mean_accepted_length"])
+    assert delta("dsi_target_utilisation_sum") == pytest.approx(info["target_utilisation"])
+    busy, capacity = after[("dsi_target_busy_seconds_total", ())], after[("dsi_target_capacity_seconds_total", ())]
+    assert 0 < busy <= capacity  # pool utilisation in (0, 1]
+    assert 0 < info["target_utilisation"] <= 1
+    assert after[("dsi_engine_slots", ())] == 4
+
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b'"a string"', 400, None),
+    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "best_of": 2}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 3}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "frobnicate": True}, 400, "frobnicate"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1, 99999]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 300}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 999},
+     400, "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": []}, 400, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "ten"}, 422, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, 422, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, 422, "top_p"),
+    ("/v1/completions", {"prompt": "x", "seed": -3}, 422, "seed"),
+    ("/v1/completions", {"max_tokens": 3}, 422, "prompt"),
+    ("/v1/chat/completions", {"messages": []}, 422, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 422, "messages.0.role"),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
+])
+def test_bad_requests_get_openai_errors_naming_the_field(server, path, body, status, param):
+    url, _ = server
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(url + path, headers=AUTH, timeout=10, **kwargs)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param and error["message"]
+
+
+def test_context_overflow_message(server):
+    r = httpx.post(server[0] + "/v1/completions", headers=AUTH, json={"prompt": "x", "max_tokens": 300})
+    assert "exceeds the model's context of 256 tokens" in r.json()["error"]["message"]
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}])
+def test_api_key_is_required(server, headers):
+    url, _ = server
+    for method, path in [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models")]:
+        r = httpx.request(method, url + path, headers=headers, json={"prompt": "x"}, timeout=10)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert r.headers["www-authenticate"] == "Bearer"
+    bad = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    assert httpx.get(url + "/health").status_code == 200  # health and metrics stay open
+
+
+def test_unknown_route_is_an_openai_error(server):
+    r = httpx.get(server[0] + "/v2/nothing", headers=AUTH)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
