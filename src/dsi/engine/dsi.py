@@ -33,7 +33,7 @@ from dsi.engine.stats import GenerationStats
 from dsi.errors import WorkerError
 from dsi.models.base import LanguageModel
 from dsi.sampling import bonus, decide
-from dsi.transport.base import TargetPool, TaskAborted, TaskFailed, TaskResult, VerifyTask
+from dsi.transport.base import ServerDied, TargetPool, TaskAborted, TaskFailed, TaskResult, VerifyTask
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +172,11 @@ class _DSIRun:
             self.stats.wasted_target_s += event.compute_s
             self.stale.discard(event.task_id)
             self.outstanding.pop(event.task_id, None)
+        elif isinstance(event, ServerDied):  # its running task was re-queued by the pool
+            self.stats.extra["dead_servers"] = self.stats.extra.get("dead_servers", 0) + 1
+            log.warning("target server %d died: %s", event.server_id, event.error)
+            if self.pool.alive_servers() == 0:
+                raise WorkerError(f"no target server is alive (server {event.server_id} died last: {event.error})")
         elif isinstance(event, TaskFailed):
             raise WorkerError(f"target server {event.server_id} failed: {event.error}") from event.exception
         elif isinstance(event, DrafterFailed):

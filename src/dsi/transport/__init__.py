@@ -2,6 +2,13 @@
 
 :func:`make_pool` is the single place that maps a transport name to its pool class; each
 transport module is imported only when chosen, so Ray stays optional.
+
+- ``threads``: servers are threads of this process sharing the model's weights (no options);
+- ``processes``: servers are spawned processes (:mod:`dsi.transport.processes`), options
+  ``devices``, ``threads_per_server``, ``restart_dead``, ``start_timeout``, ``recipe``;
+- ``ray``: servers are Ray actors (:mod:`dsi.transport.ray`), the same options plus ``address``,
+  ``num_cpus``, ``num_gpus``, ``resources``, ``node_ids``, ``placement``, ``channel``,
+  ``actor_options``, ``init_options``.
 """
 
 from __future__ import annotations
@@ -11,7 +18,7 @@ from typing import Any
 from dsi.errors import ConfigError
 from dsi.transport.base import EventSink, TargetPool
 
-TRANSPORTS = ("threads",)
+TRANSPORTS = ("threads", "processes", "ray")
 
 
 def make_pool(transport: str, target: Any, num_servers: int, on_event: EventSink, **options: Any) -> TargetPool:
@@ -22,4 +29,12 @@ def make_pool(transport: str, target: Any, num_servers: int, on_event: EventSink
         if options:
             raise ConfigError(f"transport='threads' takes no options; got {sorted(options)}")
         return ThreadTargetPool(target, num_servers, on_event)
+    if transport == "processes":
+        from dsi.transport.processes import make_process_pool
+
+        return make_process_pool(target, num_servers, on_event, **options)
+    if transport == "ray":
+        from dsi.transport.ray import make_ray_pool
+
+        return make_ray_pool(target, num_servers, on_event, **options)
     raise ConfigError(f"transport={transport!r} must be one of {', '.join(TRANSPORTS)}")

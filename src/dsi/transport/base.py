@@ -2,8 +2,10 @@
 
 A pool runs :class:`VerifyTask` s on ``num_servers`` target servers and reports back through
 the ``on_event`` callback it was built with (from its own threads): a :class:`TaskResult`, a
-:class:`TaskAborted` (a running task stopped by ``cancel``) or a :class:`TaskFailed`. Each task
-runs on at most one server. ``cancel`` drops queued tasks silently and asks running ones to
+:class:`TaskAborted` (a running task stopped by ``cancel``) or a :class:`TaskFailed` per task,
+and a :class:`ServerDied` when a server is lost (its running task, if any, is re-queued on the
+remaining servers; ``alive_servers`` counts the servers still serving or being restarted). Each
+task runs on at most one server. ``cancel`` drops queued tasks silently and asks running ones to
 stop between steps. Transports (threads, processes, Ray) implement this protocol; the engine
 never knows which one it talks to.
 """
@@ -57,7 +59,20 @@ class TaskFailed:
     exception: BaseException | None = None
 
 
-PoolEvent = TaskResult | TaskAborted | TaskFailed
+@dataclass(frozen=True)
+class ServerDied:
+    """Target server ``server_id`` is gone (process killed, actor crashed, thread died).
+
+    The task it was running, if any, has been re-queued on the other servers. ``restarting``:
+    the pool is starting a replacement that will take the same server id.
+    """
+
+    server_id: int
+    error: str
+    restarting: bool = False
+
+
+PoolEvent = TaskResult | TaskAborted | TaskFailed | ServerDied
 EventSink = Callable[[object], None]
 
 

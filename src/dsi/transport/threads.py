@@ -3,7 +3,9 @@
 Each server thread owns one session (its own KV cache) of the shared model. Torch kernels
 release the GIL, so forwards on different threads overlap. Cancellation sets the running
 task's flag, which the model checks between steps; the thread is free again as soon as the
-forward notices. ``close`` stops and joins every thread.
+forward notices. ``close`` stops and joins every thread. A model error in a task is a
+``TaskFailed`` (the thread serves on); a thread that cannot make its session or breaks outside a
+task is dead: its task is re-queued on the others and a ``ServerDied`` reported.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import Iterable
 
 from dsi.errors import ConfigError, TaskCancelled, WorkerError
 from dsi.models.base import LanguageModel
-from dsi.transport.base import EventSink, TaskAborted, TaskFailed, VerifyTask
+from dsi.transport.base import EventSink, ServerDied, TaskAborted, TaskFailed, VerifyTask
 from dsi.transport.dispatch import Dispatcher
 from dsi.transport.server import run_verify_task
 
@@ -50,12 +52,16 @@ class ThreadTargetPool:
         return len(self._threads)
 
     def alive_servers(self) -> int:
-        return sum(t.is_alive() for t in self._threads)
+        with self._lock:
+            dead = set(self._dispatch.dead)
+        return sum(t.is_alive() and i not in dead for i, t in enumerate(self._threads))
 
     def submit(self, task: VerifyTask) -> None:
         with self._lock:
             if self._closed:
                 raise WorkerError("the target pool is closed")
+            if len(self._dispatch.dead) == self.num_servers:
+                raise WorkerError(f"no target server is alive: all {self.num_servers} server threads died")
             server = self._dispatch.place(task)
             if server is not None:
                 self._hand_over(server, task)
@@ -94,7 +100,11 @@ class ThreadTargetPool:
         self._inboxes[server].put((task, flag))
 
     def _serve(self, server: int) -> None:
-        session = self._model.new_session()
+        try:
+            session = self._model.new_session()
+        except Exception as exc:
+            self._died(server, exc)
+            return
         try:
             while True:
                 item = self._inboxes[server].get()
@@ -115,5 +125,23 @@ class ThreadTargetPool:
                     if next_task is not None:
                         self._hand_over(server, next_task)
                 self._on_event(event)
+        except Exception as exc:  # not a model error (those are TaskFailed): the thread itself broke
+            self._died(server, exc)
         finally:
             session.close()
+
+    def _died(self, server: int, exc: BaseException) -> None:
+        """The thread of ``server`` is ending unexpectedly: re-queue its task, report it, stop using it."""
+        log.error("target server thread %d died: %s: %s", server, type(exc).__name__, exc)
+        with self._lock:
+            if self._closed:
+                return
+            task = self._dispatch.mark_dead(server)
+            if task is not None:  # first in line again, on another server
+                if self._dispatch.idle_servers():
+                    other = self._dispatch.place(task)
+                    if other is not None:
+                        self._hand_over(other, task)
+                else:
+                    self._dispatch.queue.appendleft(task)
+        self._on_event(ServerDied(server, f"{type(exc).__name__}: {exc}"))

@@ -1,0 +1,300 @@
+"""The pool logic shared by transports whose target servers live outside this process.
+
+:class:`RemotePool` implements the pool protocol of :mod:`dsi.transport.base` over
+:class:`ServerHandle` s (a spawned process, a Ray actor) that each run one task at a time. It
+owns the :class:`~dsi.transport.dispatch.Dispatcher`, one *listener* thread per server (it blocks
+until the server answers, hands the server its next task, then reports the event), and failure
+handling:
+
+- a server that is lost (its process or actor died) is taken out of service; the task it was
+  running goes back to the front of the queue (or to an idle server), so the request completes on
+  the others; a :class:`~dsi.transport.base.ServerDied` event reports it;
+- with ``restart_dead`` a replacement is started in the background (at most
+  :data:`MAX_RESTARTS` times per server id) and takes over the same server id when ready;
+- when no server is left, ``submit`` raises :class:`~dsi.errors.WorkerError` at once.
+
+A transport supplies ``launch(server_id) -> ServerHandle``; everything about processes or Ray
+stays in the handle. The pool knows nothing about models.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+from dsi.errors import ConfigError, WorkerError
+from dsi.transport.base import EventSink, ServerDied, TaskAborted, VerifyTask
+from dsi.transport.dispatch import Dispatcher
+
+log = logging.getLogger(__name__)
+
+MAX_RESTARTS = 3  # replacements started per server id before it stays dead
+
+
+class ServerLost(Exception):
+    """The server behind a handle is gone (raised by ``send`` / ``receive``)."""
+
+
+STOPPED = object()  # what ``receive`` returns after ``request_stop`` on an idle server
+
+
+class ServerHandle(Protocol):
+    """One remote target server, running at most one task at a time."""
+
+    def wait_ready(self, timeout: float) -> None:
+        """Block until the server has built its model; raise WorkerError / ModelError if it cannot."""
+        ...
+
+    def send(self, task: VerifyTask) -> None:
+        """Hand ``task`` over without waiting for it; may raise :class:`ServerLost`."""
+        ...
+
+    def receive(self) -> object:
+        """Block until the running task's event (TaskResult / TaskAborted / TaskFailed), or
+        :data:`STOPPED` after ``request_stop``; raise :class:`ServerLost` if the server died."""
+        ...
+
+    def cancel(self, task_id: int) -> None:
+        """Ask the running task ``task_id`` to stop between steps (non-blocking)."""
+        ...
+
+    def request_stop(self) -> None:
+        """Ask the server to stop after (or instead of) its current task (non-blocking)."""
+        ...
+
+    def stop(self, timeout: float) -> None:
+        """Stop the server for good, forcibly after ``timeout`` s; idempotent."""
+        ...
+
+
+def check_options(transport: str, options: dict, allowed: Iterable[str]) -> None:
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ConfigError(f"transport={transport!r} got unknown options {unknown}; allowed: {sorted(allowed)}")
+
+
+def per_server(name: str, values: object, num_servers: int) -> list:
+    """``values`` (None, one value, or a list of one per server / cycled) as one entry per server."""
+    if values is None:
+        return [None] * num_servers
+    if isinstance(values, str | int | float) or not hasattr(values, "__len__"):
+        return [values] * num_servers
+    values = list(values)  # type: ignore[arg-type]
+    if not values:
+        raise ConfigError(f"{name}=[] must name at least one entry (or be omitted)")
+    return [values[i % len(values)] for i in range(num_servers)]
+
+
+class RemotePool:
+    """A target pool over ``num_servers`` :class:`ServerHandle` s made by ``launch``."""
+
+    def __init__(
+        self,
+        launch: Callable[[int], ServerHandle],
+        num_servers: int,
+        on_event: EventSink,
+        *,
+        restart_dead: bool = False,
+        start_timeout: float = 600.0,
+        name: str = "remote",
+    ) -> None:
+        if not isinstance(num_servers, int) or isinstance(num_servers, bool) or num_servers < 1:
+            raise ConfigError(f"{num_servers=} must be an integer >= 1")
+        if not isinstance(restart_dead, bool):
+            raise ConfigError(f"{restart_dead=} must be True or False")
+        if not isinstance(start_timeout, int | float) or not start_timeout > 0:
+            raise ConfigError(f"{start_timeout=} must be a number of seconds > 0")
+        self._launch = launch
+        self._on_event = on_event
+        self._restart_dead = restart_dead
+        self._start_timeout = float(start_timeout)
+        self._name = name
+        self._lock = threading.Lock()
+        self._dispatch = Dispatcher(num_servers)
+        self._cancelled: set[int] = set()  # running task ids that were asked to stop
+        self._restarting: dict[int, ServerHandle | None] = {}
+        self._restarts = [0] * num_servers
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+        self.handles: list[ServerHandle] = []
+        try:
+            for server in range(num_servers):
+                self.handles.append(launch(server))
+            deadline = time.monotonic() + self._start_timeout
+            for handle in self.handles:
+                handle.wait_ready(max(0.1, deadline - time.monotonic()))
+        except BaseException:
+            self._closed = True
+            for handle in self.handles:
+                handle.stop(1.0)
+            raise
+        for server, handle in enumerate(self.handles):
+            self._start_listener(server, handle)
+
+    # ---- the pool protocol -------------------------------------------------------------------
+    @property
+    def num_servers(self) -> int:
+        return len(self.handles)
+
+    def alive_servers(self) -> int:
+        """Servers in service or being restarted."""
+        with self._lock:
+            return self._alive()
+
+    def busy_servers(self) -> list[int]:
+        """Ids of the servers running a task now (for monitoring and failure-injection tests)."""
+        with self._lock:
+            return [s for s, task in self._dispatch.running.items() if task is not None]
+
+    def submit(self, task: VerifyTask) -> None:
+        with self._lock:
+            if self._closed:
+                raise WorkerError(f"the {self._name} target pool is closed")
+            if self._alive() == 0:
+                raise WorkerError(f"no target server is alive: all {self.num_servers} {self._name} servers died")
+            server = self._dispatch.place(task)
+            if server is not None:
+                self._hand_over(server, task)
+
+    def cancel(self, task_ids: Iterable[int]) -> None:
+        with self._lock:
+            for server in self._dispatch.cancel(task_ids):
+                task = self._dispatch.running[server]
+                if task is not None and task.task_id not in self._cancelled:
+                    self._cancelled.add(task.task_id)
+                    self.handles[server].cancel(task.task_id)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop every server this pool started (forcibly after ``timeout`` s) and join its threads."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._dispatch.queue.clear()
+            handles = list(self.handles) + [h for h in self._restarting.values() if h is not None]
+            for server, task in self._dispatch.running.items():
+                if task is not None:
+                    self.handles[server].cancel(task.task_id)
+            for handle in handles:
+                handle.request_stop()
+        deadline = time.monotonic() + timeout
+        for handle in handles:
+            handle.stop(max(0.0, deadline - time.monotonic()))
+        for thread in list(self._threads):
+            thread.join(max(0.5, deadline - time.monotonic()))
+            if thread.is_alive():
+                log.warning("%s pool thread %s did not stop within %.1f s", self._name, thread.name, timeout)
+
+    def __enter__(self) -> RemotePool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- internals (lock held where noted) -------------------------------------------------------
+    def _alive(self) -> int:
+        return self.num_servers - len(self._dispatch.dead) + len(self._restarting)
+
+    def _hand_over(self, server: int, task: VerifyTask) -> None:
+        """Send ``task`` to ``server`` (lock held). A failed send shows up as a lost server in
+        its listener, which re-queues the task."""
+        try:
+            self.handles[server].send(task)
+        except ServerLost as exc:
+            log.debug("%s server %d lost while sending task %d: %s", self._name, server, task.task_id, exc)
+
+    def _requeue(self, task: VerifyTask) -> None:
+        """Put a lost server's task first in line (lock held)."""
+        if self._dispatch.idle_servers():
+            server = self._dispatch.place(task)
+            if server is not None:
+                self._hand_over(server, task)
+        else:
+            self._dispatch.queue.appendleft(task)
+
+    def _start_listener(self, server: int, handle: ServerHandle) -> None:
+        thread = threading.Thread(
+            target=self._listen, args=(server, handle), name=f"dsi-{self._name}-listener-{server}", daemon=True
+        )
+        self._threads.append(thread)
+        thread.start()
+
+    def _listen(self, server: int, handle: ServerHandle) -> None:
+        while True:
+            try:
+                event = handle.receive()
+            except ServerLost as exc:
+                self._lost(server, handle, str(exc))
+                return
+            if event is STOPPED:
+                return
+            with self._lock:
+                task = self._dispatch.running[server]
+                if task is not None:
+                    self._cancelled.discard(task.task_id)
+                next_task = None if self._closed else self._dispatch.finish(server)
+                if next_task is not None:
+                    self._hand_over(server, next_task)
+            self._on_event(event)
+
+    def _lost(self, server: int, handle: ServerHandle, error: str) -> None:
+        events: list[object] = []
+        with self._lock:
+            if self._closed or self.handles[server] is not handle:
+                return
+            task = self._dispatch.mark_dead(server)
+            if task is not None:
+                if task.task_id in self._cancelled:
+                    self._cancelled.discard(task.task_id)
+                    events.append(TaskAborted(task.task_id, server, 0.0))
+                else:
+                    self._requeue(task)
+            restart = self._restart_dead and self._restarts[server] < MAX_RESTARTS
+            if restart:
+                self._restarts[server] += 1
+                self._restarting[server] = None
+                thread = threading.Thread(target=self._restart, args=(server,),
+                                          name=f"dsi-{self._name}-restart-{server}", daemon=True)
+                self._threads.append(thread)
+                thread.start()
+        log.warning("%s target server %d died (%s)%s; %d left", self._name, server, error,
+                    ", restarting it" if restart else "", self.alive_servers())
+        handle.stop(1.0)
+        for event in [ServerDied(server, error, restart), *events]:
+            self._on_event(event)
+
+    def _restart(self, server: int) -> None:
+        handle = None
+        try:
+            handle = self._launch(server)
+            with self._lock:
+                if self._closed:
+                    raise WorkerError("pool closed during restart")
+                self._restarting[server] = handle
+            handle.wait_ready(self._start_timeout)
+        except BaseException as exc:
+            if handle is not None:
+                handle.stop(1.0)
+            with self._lock:
+                self._restarting.pop(server, None)
+                closed = self._closed
+            if not closed:
+                log.warning("%s target server %d could not be restarted: %s", self._name, server, exc)
+                self._on_event(ServerDied(server, f"restart failed: {type(exc).__name__}: {exc}", False))
+            return
+        with self._lock:
+            self._restarting.pop(server, None)
+            if self._closed:
+                handle.stop(1.0)
+                return
+            self.handles[server] = handle
+            self._dispatch.dead.discard(server)
+            self._dispatch.last_context[server] = ()
+            self._start_listener(server, handle)
+            next_task = self._dispatch.finish(server)
+            if next_task is not None:
+                self._hand_over(server, next_task)
+        log.info("%s target server %d restarted", self._name, server)
