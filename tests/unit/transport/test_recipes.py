@@ -83,3 +83,17 @@ def test_hf_models_are_reloaded_from_their_directory(tmp_path):
             model_recipe(in_memory)
     finally:
         in_memory.close()
+
+
+def test_transport_modules_load_neither_torch_nor_ray():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import dsi.transport.processes, dsi.transport.ray, dsi.transport.recipes, dsi.transport.remote\n"
+        "loaded = [m for m in ('torch', 'transformers', 'ray') if m in sys.modules]\n"
+        "assert not loaded, loaded\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
