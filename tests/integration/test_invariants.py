@@ -51,6 +51,17 @@ def test_only_results_on_committed_contexts_are_applied(acceptance, lookahead, s
         assert set(contexts) - used
 
 
+@pytest.mark.parametrize("lookahead", [1, 2, 3])
+def test_no_window_is_sent_past_the_end_of_the_output(lookahead, no_thread_leak):
+    """A window whose every position lies beyond max_new_tokens would waste a target forward."""
+    result, trace = traced_run(1.0, lookahead, 2, dsi.SamplingParams(), tokens=12)
+    contexts = [ctx for kind, _, ctx in trace if kind == "submit"]
+    assert result.stats.rejections == 0
+    # the longest useful context ends one token before the last output position
+    assert max(len(ctx) for ctx in contexts) == 3 + 12 - 1
+    assert result.stats.verify_tasks == 1 + -(-11 // lookahead)  # zero-draft task + windows over 11 drafts
+
+
 def test_zero_draft_task_starts_every_segment(no_thread_leak):
     result, trace = traced_run(0.6, 3, 4, dsi.SamplingParams(), tokens=50)
     submits = [ctx for kind, _, ctx in trace if kind == "submit"]

@@ -37,7 +37,7 @@ from dsi.transport.base import ServerDied, TargetPool, TaskAborted, TaskFailed, 
 
 log = logging.getLogger(__name__)
 
-_POLL_S = 0.5  # how often a waiting orchestrator checks that its workers are still alive
+_POLL_S = 0.05  # how often a waiting orchestrator checks its abort flag and its workers
 
 
 @dataclass
@@ -110,6 +110,7 @@ class _DSIRun:
         self.draft: list[int] = []
         self.qs: list = []
         self.drafter_done = False
+        self.limit = 0
         self.windows: dict[int, _Window] = {}
         self.outstanding: dict[int, int] = {}  # task_id -> window index (current epoch)
         self.stale: set[int] = set()  # cancelled task ids whose events may still arrive
@@ -178,9 +179,13 @@ class _DSIRun:
             if self.pool.alive_servers() == 0:
                 raise WorkerError(f"no target server is alive (server {event.server_id} died last: {event.error})")
         elif isinstance(event, TaskFailed):
-            raise WorkerError(f"target server {event.server_id} failed: {event.error}") from event.exception
+            if event.task_id in self.outstanding:
+                raise WorkerError(f"target server {event.server_id} failed: {event.error}") from event.exception
+            log.warning("stale task %d failed on server %d: %s", event.task_id, event.server_id, event.error)
         elif isinstance(event, DrafterFailed):
-            raise WorkerError(f"the drafter failed: {event.error}") from event.exception
+            if event.epoch == self.epoch:
+                raise WorkerError(f"the drafter failed: {event.error}") from event.exception
+            log.warning("the drafter failed on abandoned drafts: %s", event.error)
 
     # ---- windows -----------------------------------------------------------------------------
     def restart(self) -> None:
@@ -194,9 +199,10 @@ class _DSIRun:
         self.base = tuple(self.out.tokens)
         self.draft, self.qs, self.windows = [], [], {}
         self.drafter_done = False
+        self.limit = self.out.remaining  # positions after base that may be committed
         self.submit_window(0, 0, 0)
         self.drafter.restart(
-            self.epoch, self.base, self.out.remaining, self.request.sampling, self.request.eos_token_ids
+            self.epoch, self.base, self.limit, self.request.sampling, self.request.eos_token_ids
         )
 
     def submit_window(self, index: int, first: int, last: int) -> None:
@@ -209,25 +215,25 @@ class _DSIRun:
             self.decoder.trace.append(("submit", task_id, context))
         self.pool.submit(VerifyTask(task_id, context, last - first + 1, self.request.sampling))
 
+    def horizon(self) -> int:
+        """The last relative position that may still need deciding in this epoch."""
+        count = len(self.draft)
+        ended_with_eos = count > 0 and self.draft[-1] in self.request.eos_token_ids
+        if self.drafter_done:
+            # a drafter that stopped before the limit without EOS leaves one bonus position
+            return count - 1 if ended_with_eos or count >= self.limit else count
+        return count - 1 if ended_with_eos else self.limit - 1
+
     def submit_ready_windows(self) -> None:
+        """Send every window whose drafts exist, cut at the horizon (never past the output's end)."""
         k = self.k
         while True:
             index = len(self.windows)  # next window to send
-            first, last = (index - 1) * k + 1, index * k
-            if len(self.draft) >= last:
-                self.submit_window(index, first, last)
-                continue
-            if self.drafter_done:
-                # final, partial window: decide the remaining drafts (and one bonus position if
-                # the drafter stopped before the token limit without drafting EOS)
-                count = len(self.draft)
-                stopped_early = count < self.out.remaining and (
-                    not self.draft or self.draft[-1] not in self.request.eos_token_ids
-                )
-                need_last = count if stopped_early else count - 1
-                if need_last >= first:
-                    self.submit_window(index, first, need_last)
-            return
+            first = (index - 1) * k + 1
+            last = min(index * k, self.horizon())
+            if first > last or len(self.draft) < last:
+                return
+            self.submit_window(index, first, last)
 
     # ---- decisions ---------------------------------------------------------------------------
     def commit(self, token: int, result: TaskResult) -> None:
