@@ -31,7 +31,28 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--method", choices=["dsi", "si", "ar"], default="dsi", help="decoding method (default dsi)")
     g.add_argument("--lookahead", "-k", type=int, default=5, help="draft tokens per verification window (default 5)")
     g.add_argument("--sp", type=int, default=1, help="number of target servers (default 1)")
-    g.add_argument("--transport", default="threads", help="target-server transport (default threads)")
+    g.add_argument("--transport", choices=["threads", "processes", "ray"], default="threads",
+                   help="where target servers run: threads of this process, spawned processes, or Ray "
+                        "actors (default threads)")
+    g.add_argument("--ray-address", help="Ray cluster to join with --transport ray: 'auto' or HOST:PORT "
+                                         "(default: start a local cluster)")
+    g.add_argument("--target-devices", help="comma-separated devices of the target servers, one per server "
+                                            "in turn, e.g. cuda:1,cuda:2")
+
+
+def transport_options(args: argparse.Namespace) -> dict:
+    """The ``transport_options`` of build_decoder from --ray-address and --target-devices."""
+    options: dict = {}
+    if getattr(args, "ray_address", None):
+        if args.transport != "ray":
+            raise ConfigError(f"--ray-address needs --transport ray (got --transport {args.transport})")
+        options["address"] = args.ray_address
+    if getattr(args, "target_devices", None):
+        devices = [d.strip() for d in args.target_devices.split(",") if d.strip()]
+        if not devices:
+            raise ConfigError(f"--target-devices={args.target_devices!r} names no device")
+        options["devices"] = devices
+    return options
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -117,7 +138,7 @@ def run_generate(args: argparse.Namespace) -> int:
     result = dsi.generate(
         target=target, drafter=drafter, prompt=ids, method=args.method, max_new_tokens=args.max_new_tokens,
         lookahead=args.lookahead, num_target_servers=args.sp, sampling=sampling, transport=args.transport,
-        eos_token_id=list(target.eos_token_ids) or None, on_tokens=stream,
+        transport_options=transport_options(args), eos_token_id=list(target.eos_token_ids) or None, on_tokens=stream,
     )
     text = target.decode(result.tokens) if target.tokenizer is not None else None
     if args.json:

@@ -15,7 +15,7 @@ import logging
 import socket
 import sys
 
-from dsi.cli.generate import _load, add_engine_args, add_model_args, add_sampling_args
+from dsi.cli.generate import _load, add_engine_args, add_model_args, add_sampling_args, transport_options
 from dsi.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--shutdown-timeout={args.shutdown_timeout} must be >= 0")
     config = ServeConfig(
         method=args.method, lookahead=args.lookahead, num_target_servers=args.sp, transport=args.transport,
-        max_concurrent=args.max_concurrent, max_queue=args.max_queue, api_key=args.api_key,
+        transport_options=transport_options(args), max_concurrent=args.max_concurrent, max_queue=args.max_queue, api_key=args.api_key,
         model_name=args.served_model_name or args.target, max_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         shutdown_grace_s=args.shutdown_timeout,

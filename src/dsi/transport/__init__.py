@@ -3,7 +3,9 @@
 :func:`make_pool` is the single place that maps a transport name to its pool class; each
 transport module is imported only when chosen, so Ray stays optional.
 
-- ``threads``: servers are threads of this process sharing the model's weights (no options);
+- ``threads``: servers are threads of this process sharing the model's weights; option
+  ``devices`` (server i on ``devices[i % len(devices)]``, for models whose ``new_session``
+  takes a ``device``);
 - ``processes``: servers are spawned processes (:mod:`dsi.transport.processes`), options
   ``devices``, ``threads_per_server``, ``restart_dead``, ``start_timeout``, ``recipe``;
 - ``ray``: servers are Ray actors (:mod:`dsi.transport.ray`), the same options plus ``address``,
@@ -26,9 +28,10 @@ def make_pool(transport: str, target: Any, num_servers: int, on_event: EventSink
     if transport == "threads":
         from dsi.transport.threads import ThreadTargetPool
 
-        if options:
-            raise ConfigError(f"transport='threads' takes no options; got {sorted(options)}")
-        return ThreadTargetPool(target, num_servers, on_event)
+        unknown = sorted(set(options) - {"devices"})
+        if unknown:
+            raise ConfigError(f"transport='threads' takes only the option 'devices'; got {unknown}")
+        return ThreadTargetPool(target, num_servers, on_event, **options)
     if transport == "processes":
         from dsi.transport.processes import make_process_pool
 

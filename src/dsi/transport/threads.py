@@ -30,9 +30,18 @@ _STOP = None
 class ThreadTargetPool:
     """``num_servers`` target servers, each a thread with its own session of ``model``."""
 
-    def __init__(self, model: LanguageModel, num_servers: int, on_event: EventSink) -> None:
+    def __init__(
+        self, model: LanguageModel, num_servers: int, on_event: EventSink, devices: list[str] | None = None
+    ) -> None:
         if not isinstance(num_servers, int) or num_servers < 1:
             raise ConfigError(f"{num_servers=} must be an integer >= 1")
+        if devices:
+            import inspect
+
+            if "device" not in inspect.signature(model.new_session).parameters:
+                raise ConfigError(f"devices={devices!r}: {model!r} cannot place sessions on devices")
+        # server i runs on devices[i % len(devices)] (e.g. one GPU per target server)
+        self._devices = list(devices or [])
         self._model = model
         self._on_event = on_event
         self._lock = threading.Lock()
@@ -101,7 +110,10 @@ class ThreadTargetPool:
 
     def _serve(self, server: int) -> None:
         try:
-            session = self._model.new_session()
+            if self._devices:
+                session = self._model.new_session(device=self._devices[server % len(self._devices)])
+            else:
+                session = self._model.new_session()
         except Exception as exc:
             self._died(server, exc)
             return

@@ -112,3 +112,26 @@ def test_demo_json_reports_identical_outputs(pair_dirs, capsys):
     assert len(doc["rows"]) == 8
     for row in doc["rows"]:
         assert row["identical"] and row["latency_s"] > 0 and row["new_tokens"] == 10
+
+
+def test_generate_target_devices_and_transport_errors(pair_dirs, capsys):
+    target, drafter = pair_dirs
+    base = ["generate", "--target", target, "--drafter", drafter, "--prompt", "def", "--max-new-tokens", "6",
+            "--dtype", "fp32", "--json"]
+    plain = run_json(capsys, base)
+    placed = run_json(capsys, base + ["--sp", "2", "--target-devices", "cpu,cpu"])
+    assert placed["token_ids"] == plain["token_ids"]
+    assert main(base + ["--ray-address", "auto"]) == 2
+    assert "--ray-address needs --transport ray" in capsys.readouterr().err
+    assert main(base + ["--target-devices", " , "]) == 2
+    assert "names no device" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_generate_on_process_servers_matches_threads(pair_dirs, capsys):
+    target, drafter = pair_dirs
+    base = ["generate", "--target", target, "--drafter", drafter, "--prompt", "for i in", "--max-new-tokens", "8",
+            "--dtype", "fp32", "--sp", "2", "--json"]
+    threads = run_json(capsys, base)
+    processes = run_json(capsys, base + ["--transport", "processes"])
+    assert processes["token_ids"] == threads["token_ids"]

@@ -108,3 +108,20 @@ def test_close_joins_every_thread_and_rejects_new_work(no_thread_leak):
     assert pool.alive_servers() == 0
     with pytest.raises(Exception, match="closed"):
         pool.submit(VerifyTask(0, (1,), 1, GREEDY))
+
+
+def test_devices_option_places_each_server_session(no_thread_leak):
+    placed = []
+
+    class Placeable:
+        vocab_size = 4
+
+        def new_session(self, device=None):
+            placed.append(device)
+            return CallableLM(lambda ctx: np.zeros(4), 4).new_session()
+
+    pool = ThreadTargetPool(Placeable(), 3, lambda e: None, devices=["cuda:1", "cuda:2"])
+    pool.close()
+    assert sorted(placed) == ["cuda:1", "cuda:1", "cuda:2"]
+    with pytest.raises(Exception, match="cannot place sessions on devices"):
+        ThreadTargetPool(CallableLM(lambda ctx: np.zeros(4), 4), 1, lambda e: None, devices=["cuda:0"])
