@@ -102,6 +102,30 @@ def compare(
     return results
 
 
+# Largest logit gap between the two competing tokens that we attribute to floating point: a
+# verification forward over k+1 positions and a one-token forward round differently, and in
+# bf16/fp16 that can flip the argmax of a near-tie (DSI.md section 3).
+NEAR_TIE_MARGIN = {"bf16": 0.25, "fp16": 0.25, "fp32": 1e-3}
+
+
+def first_divergence(target, prompt: Sequence[int], reference: Sequence[int], other: Sequence[int]) -> dict | None:
+    """Where ``other`` first departs from ``reference`` and the target's logit margin there.
+
+    The margin is logit(reference token) - logit(other token) from one fresh forward of the
+    target on the common prefix; a margin near zero means the two tokens were (numerically) tied.
+    """
+    n = min(len(reference), len(other))
+    index = next((i for i in range(n) if reference[i] != other[i]), None)
+    if index is None:
+        return None if len(reference) == len(other) else {"index": n, "margin": None}
+    session = target.new_session()
+    try:
+        row = session.extend(list(prompt) + list(reference[:index]))[-1]  # [V]
+    finally:
+        session.close()
+    return {"index": index, "margin": float(row[reference[index]] - row[other[index]])}
+
+
 def summarize(results: list[dict[str, MethodRun]], baseline: str = "non-SI") -> list[dict]:
     """One row per (prompt, method): median latency, tokens/s, speedups, identical outputs."""
     rows = []

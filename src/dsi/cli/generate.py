@@ -161,7 +161,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from dsi.cli.output import format_table, print_json
-    from dsi.compare import CODE_PROMPTS, MethodConfig, compare, summarize
+    from dsi.compare import CODE_PROMPTS, NEAR_TIE_MARGIN, MethodConfig, compare, first_divergence, summarize
 
     if not 1 <= args.prompts <= len(CODE_PROMPTS):
         raise ConfigError(f"--prompts={args.prompts} must be in [1, {len(CODE_PROMPTS)}]")
@@ -182,7 +182,18 @@ def run_demo(args: argparse.Namespace) -> int:
     finally:
         bar.close()
     rows = summarize(results)
+    tolerance = NEAR_TIE_MARGIN.get(args.dtype, 1e-3)
+    for r in rows:
+        r["divergence"] = None
+        if not r["identical"]:
+            ref = results[r["prompt"]]["non-SI"].tokens
+            div = first_divergence(target, prompts[r["prompt"]], ref, results[r["prompt"]][r["method"]].tokens)
+            if div is not None:
+                div["near_tie"] = div["margin"] is not None and abs(div["margin"]) <= tolerance
+            r["divergence"] = div
     all_identical = all(r["identical"] for r in rows)
+    # a divergence at a numerical near-tie is floating point, not a broken engine
+    lossless = all(r["identical"] or (r["divergence"] or {}).get("near_tie") for r in rows)
     totals = {}
     for r in rows:
         totals[r["method"]] = totals.get(r["method"], 0.0) + r["latency_s"]
@@ -190,19 +201,33 @@ def run_demo(args: argparse.Namespace) -> int:
         "target": args.target, "drafter": args.drafter, "dtype": args.dtype, "device": args.device,
         "max_new_tokens": args.max_new_tokens, "lookahead": args.lookahead, "load_s": load_s,
         "rows": [{k: v for k, v in r.items() if k != "stats"} | {"stats": r["stats"]} for r in rows],
-        "total_latency_s": totals, "all_identical": all_identical,
+        "total_latency_s": totals, "all_identical": all_identical, "lossless": lossless,
+        "near_tie_margin": tolerance,
     }
     if args.json:
         print_json(report)
-        return 0 if all_identical else 1
+        return 0 if lossless else 1
     headers = ["prompt", "method", "latency s", "tok/s", "vs non-SI", "vs SI", "accept", "preempt", "identical"]
     table = [[r["prompt"], r["method"], r["latency_s"], r["tokens_per_s"], f"{r['speedup_vs_nonsi']:.2f}x",
               f"{r['speedup_vs_si']:.2f}x" if r["speedup_vs_si"] else "-", r["acceptance_rate"],
-              r["preempted_tasks"], "✓" if r["identical"] else "✗"] for r in rows]
+              r["preempted_tasks"], _identical_mark(r)] for r in rows]
     print(format_table(headers, table))
     base = totals.get("non-SI")
     print("\nall prompts: " + ", ".join(
         f"{m} {t:.2f} s ({base / t:.2f}x)" for m, t in totals.items()) + f"; outputs identical: {'✓' if all_identical else '✗'}")
     print(f"models: {args.target} / {args.drafter}, {args.dtype} on {args.device}, greedy, "
           f"{args.max_new_tokens} new tokens; loaded in {load_s:.1f} s")
-    return 0 if all_identical else 1
+    if not all_identical:
+        print(f"≈: output departs from non-SI where the target's two best tokens are within {tolerance} logits "
+              "of each other: a batched verification forward rounds differently from a one-token forward "
+              "(use --dtype fp32 for exact equality).")
+    return 0 if lossless else 1
+
+
+def _identical_mark(row: dict) -> str:
+    if row["identical"]:
+        return "✓"
+    div = row["divergence"] or {}
+    margin = div.get("margin")
+    detail = f" @{div.get('index')} margin {margin:.3f}" if margin is not None else ""
+    return ("≈" if div.get("near_tie") else "✗") + detail
