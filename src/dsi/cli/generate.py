@@ -213,8 +213,9 @@ def run_demo(args: argparse.Namespace) -> int:
               r["preempted_tasks"], _identical_mark(r)] for r in rows]
     print(format_table(headers, table))
     base = totals.get("non-SI")
+    verdict = "✓" if all_identical else ("≈ (only at numerical near-ties)" if lossless else "✗")
     print("\nall prompts: " + ", ".join(
-        f"{m} {t:.2f} s ({base / t:.2f}x)" for m, t in totals.items()) + f"; outputs identical: {'✓' if all_identical else '✗'}")
+        f"{m} {t:.2f} s ({base / t:.2f}x)" for m, t in totals.items()) + f"; outputs identical: {verdict}")
     print(f"models: {args.target} / {args.drafter}, {args.dtype} on {args.device}, greedy, "
           f"{args.max_new_tokens} new tokens; loaded in {load_s:.1f} s")
     if not all_identical:
