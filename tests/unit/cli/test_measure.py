@@ -195,3 +195,23 @@ def test_cli_acceptance_table_and_errors(tiny_models, capsys):
                  "--dtype", "fp32", "--max-new-tokens", "80"])
     assert code == 2
     assert "max_context=64" in capsys.readouterr().err
+
+
+@pytest.mark.hf
+def test_measured_acceptance_file_drives_dsi_plan(tiny_models, capsys):
+    """Round trip: `dsi measure acceptance --out F` then `dsi plan --from F` uses F's numbers."""
+    target, drafter = str(tiny_models / "target"), str(tiny_models / "drafter")
+    out = tiny_models / "acc.json"
+    assert main(["measure", "acceptance", "--target", target, "--drafter", drafter, "--prompts",
+                 str(tiny_models / "prompts.jsonl"), "--dtype", "fp32", "--threads", "1", "--max-new-tokens", "5",
+                 "--out", str(out), "--json"]) == 0
+    measured = json.loads(capsys.readouterr().out)
+    # the two tiny models are the same size, so their measured latencies are in random order:
+    # give the latencies as flags (flags override the file) and take the acceptance from the file
+    assert main(["plan", "--from", str(out), "--target-tpot", "10", "--drafter-tpot", "1",
+                 "--target-ttft", "10", "--drafter-ttft", "1", "--max-servers", "3", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    inputs = plan["inputs"]
+    assert inputs["acceptance"] == pytest.approx(measured["acceptance"])
+    assert (inputs["target_tpot_ms"], inputs["drafter_tpot_ms"]) == (10.0, 1.0)
+    assert 1 <= plan["num_target_servers"] <= 3
