@@ -26,10 +26,10 @@ from dsi.models.loading import load_pair
 
 def hf_assisted(target, drafter, prompts, tokens, repeats, threads):
     """transformers' own assisted generation (its default assistant schedule)."""
-    torch.set_num_threads(threads)
+    torch.set_num_threads(threads)  # CPU only; ignored on GPU
     walls, outputs = [], []
     for ids in prompts:
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=target.device)
         runs = []
         for _ in range(repeats):
             start = time.perf_counter()
@@ -47,6 +47,9 @@ def main() -> int:
     p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
     p.add_argument("--drafter", default="qwen2.5-coder-0.5b-instruct")
     p.add_argument("--dtype", default="bf16")
+    p.add_argument("--device", default="cpu", help="device of the drafter (and of the target for non-SI/SI)")
+    p.add_argument("--target-devices", nargs="+", default=None,
+                   help="one device per DSI target server, e.g. cuda:1 cuda:2 (GPU machines)")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--repeats", type=int, default=1)
@@ -59,11 +62,13 @@ def main() -> int:
     p.add_argument("--out")
     args = p.parse_args()
 
-    target, drafter = load_pair(args.target, args.drafter, dtype=args.dtype, progress=True)
+    target, drafter = load_pair(args.target, args.drafter, dtype=args.dtype, device=args.device, progress=True)
+    placement = (("devices", args.target_devices),) if args.target_devices else ()
     prompts = [target.encode(t) for t in CODE_PROMPTS[: args.prompts]]
     configs = [MethodConfig("ar", threads=args.threads)]
     configs += [MethodConfig("si", k, threads=args.threads) for k in args.si_k]
-    configs += [MethodConfig("dsi", k, sp, threads=args.dsi_threads) for k in args.dsi_k for sp in args.dsi_sp]
+    configs += [MethodConfig("dsi", k, sp, threads=args.dsi_threads, transport_options=placement)
+                for k in args.dsi_k for sp in args.dsi_sp]
     done = 0
 
     def tick():

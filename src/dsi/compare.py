@@ -35,6 +35,7 @@ class MethodConfig:
     servers: int = 1
     threads: int | None = None  # torch threads per worker for HF models (None: leave as is)
     transport: str = "threads"
+    transport_options: tuple = ()  # (key, value) pairs passed to build_decoder's transport_options
 
     @property
     def label(self) -> str:
@@ -83,6 +84,7 @@ def compare(
         decoder = build_decoder(
             target=target, drafter=drafter, method=config.method, lookahead=config.lookahead,
             num_target_servers=config.servers, transport=config.transport,
+            transport_options=dict(config.transport_options),
         )
         try:
             if warmup_tokens:
