@@ -42,7 +42,6 @@ _POLL_S = 0.05  # how often a waiting orchestrator checks its abort flag and its
 
 @dataclass
 class _Window:
-    index: int
     first: int  # first relative position decided
     last: int  # last relative position decided (inclusive); context = base + draft[:last]
     task_id: int
@@ -113,7 +112,6 @@ class _DSIRun:
         self.limit = 0
         self.windows: dict[int, _Window] = {}
         self.outstanding: dict[int, int] = {}  # task_id -> window index (current epoch)
-        self.stale: set[int] = set()  # cancelled task ids whose events may still arrive
 
     # ---- main loop -------------------------------------------------------------------------
     def loop(self) -> None:
@@ -135,7 +133,6 @@ class _DSIRun:
         """Cancel whatever is still running for this request; collect late statistics."""
         if self.outstanding:
             self.pool.cancel(list(self.outstanding))
-            self.stale.update(self.outstanding)
             self.outstanding.clear()
         self.drafter.stop()
         self.stats.drafter_forwards = self.drafter.forwards - self._drafter_forwards_at_start
@@ -163,7 +160,6 @@ class _DSIRun:
             self.stats.target_busy_s += event.compute_s
             index = self.outstanding.pop(event.task_id, None)
             if index is None:  # computed on a context a rejection made stale
-                self.stale.discard(event.task_id)
                 self.stats.wasted_target_s += event.compute_s
             else:
                 self.windows[index].result = event
@@ -171,7 +167,6 @@ class _DSIRun:
             self.stats.target_forwards += 1
             self.stats.target_busy_s += event.compute_s
             self.stats.wasted_target_s += event.compute_s
-            self.stale.discard(event.task_id)
             self.outstanding.pop(event.task_id, None)
         elif isinstance(event, ServerDied):  # its running task was re-queued by the pool
             self.stats.extra["dead_servers"] = self.stats.extra.get("dead_servers", 0) + 1
@@ -193,7 +188,6 @@ class _DSIRun:
         if self.outstanding:
             self.pool.cancel(list(self.outstanding))
             self.stats.preempted_tasks += len(self.outstanding)
-            self.stale.update(self.outstanding)
             self.outstanding.clear()
         self.epoch = next(self.decoder._epochs)
         self.base = tuple(self.out.tokens)
@@ -208,7 +202,7 @@ class _DSIRun:
     def submit_window(self, index: int, first: int, last: int) -> None:
         task_id = next(self.decoder._task_ids)
         context = self.base + tuple(self.draft[:last])
-        self.windows[index] = _Window(index, first, last, task_id)
+        self.windows[index] = _Window(first, last, task_id)
         self.outstanding[task_id] = index
         self.stats.verify_tasks += 1
         if self.decoder.trace is not None:
