@@ -152,6 +152,17 @@ def draft_token(q: np.ndarray, params: SamplingParams, position: int) -> int:
     return sample_from(q, uniform(params.seed, position, Purpose.DRAFT))
 
 
+def draft_from_logits(logits: np.ndarray, params: SamplingParams, position: int) -> tuple[int, np.ndarray | None]:
+    """The drafter's token at ``position`` from its raw logits ``[V]``, and its processed ``q``.
+
+    Greedy: ``(argmax logits, None)`` (no distribution needed); sampling: a draw from ``q``.
+    """
+    if params.greedy:
+        return int(np.argmax(logits)), None
+    q = process_logits(logits, params)  # [V]
+    return draft_token(q, params, position), q
+
+
 def decide(
     p: np.ndarray,
     draft: int,

@@ -223,3 +223,13 @@ def test_draft_and_bonus_tokens_are_keyed_by_position():
     assert tokens == [draft_token(q, SAMPLE, pos) for pos in range(200)]
     assert len(set(tokens)) == 6
     assert [bonus(q, SAMPLE, pos) for pos in range(50)] != tokens[:50]
+
+
+def test_draft_from_logits_greedy_and_sampling():
+    from dsi.sampling import draft_from_logits
+
+    logits = np.array([0.0, 2.0, 1.0])
+    assert draft_from_logits(logits, SamplingParams(), 5) == (1, None)
+    token, q = draft_from_logits(logits, SAMPLE, 5)
+    np.testing.assert_allclose(q, process_logits(logits, SAMPLE))
+    assert token == draft_token(q, SAMPLE, 5)

@@ -18,7 +18,7 @@ import numpy as np
 
 from dsi.errors import TaskCancelled
 from dsi.models.base import LanguageModel, forward_rows
-from dsi.sampling import SamplingParams, draft_token, process_logits
+from dsi.sampling import SamplingParams, draft_from_logits
 
 log = logging.getLogger(__name__)
 
@@ -131,8 +131,7 @@ class DraftWorker:
             row = forward_rows(session, job.context, 1, cancel)[-1]  # [V]
             while True:
                 position = len(job.context) + count
-                q = process_logits(row, params) if not params.greedy else None  # [V]
-                token = draft_token(q, params, position) if q is not None else int(np.argmax(row))
+                token, q = draft_from_logits(row, params, position)
                 if cancel.is_set():
                     raise TaskCancelled("drafts abandoned")
                 self._on_event(Draft(job.epoch, count, token, q))

@@ -131,11 +131,17 @@ class _DSIRun:
 
     def stop(self) -> None:
         """Cancel whatever is still running for this request; collect late statistics."""
-        if self.outstanding:
-            self.pool.cancel(list(self.outstanding))
-            self.outstanding.clear()
+        self.cancel_outstanding()
         self.drafter.stop()
         self.stats.drafter_forwards = self.drafter.forwards - self._drafter_forwards_at_start
+
+    def cancel_outstanding(self) -> int:
+        """Cancel every task of this request not yet applied; return how many there were."""
+        count = len(self.outstanding)
+        if count:
+            self.pool.cancel(list(self.outstanding))
+            self.outstanding.clear()
+        return count
 
     def check_workers(self) -> None:
         if self.pool.alive_servers() == 0:
@@ -185,10 +191,7 @@ class _DSIRun:
     # ---- windows -----------------------------------------------------------------------------
     def restart(self) -> None:
         """Start a new epoch on the committed tokens: zero-draft task + fresh drafting."""
-        if self.outstanding:
-            self.pool.cancel(list(self.outstanding))
-            self.stats.preempted_tasks += len(self.outstanding)
-            self.outstanding.clear()
+        self.stats.preempted_tasks += self.cancel_outstanding()
         self.epoch = next(self.decoder._epochs)
         self.base = tuple(self.out.tokens)
         self.draft, self.qs, self.windows = [], [], {}

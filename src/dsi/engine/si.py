@@ -17,7 +17,7 @@ from dsi.engine.request import Output, Request, TokenCallback
 from dsi.engine.result import GenerationResult
 from dsi.engine.stats import GenerationStats
 from dsi.models.base import LanguageModel, forward_rows
-from dsi.sampling import bonus, decide, draft_token, process_logits
+from dsi.sampling import bonus, decide, draft_from_logits, process_logits
 
 
 class SpeculativeDecoder:
@@ -69,8 +69,7 @@ class SpeculativeDecoder:
         row = forward_rows(self._drafter, base, 1)[-1]  # [V]
         stats.drafter_forwards += 1
         while True:
-            q = None if params.greedy else process_logits(row, params)  # [V]
-            token = int(np.argmax(row)) if q is None else draft_token(q, params, len(base) + len(drafts))
+            token, q = draft_from_logits(row, params, len(base) + len(drafts))
             drafts.append(token)
             qs.append(q)
             if len(drafts) >= count or token in request.eos_token_ids:
