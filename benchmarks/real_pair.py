@@ -3,10 +3,17 @@
 Greedy decoding of several code prompts with the embedded Qwen2.5-Coder 1.5B (target) / 0.5B
 (drafter) pair, or any pair given with --target/--drafter. Every method runs in this one
 process, one after another; for SI and DSI a few lookaheads (and for DSI server counts) are
-tried and the best is reported. Outputs are checked to be identical to non-SI's. Prints a
-table and writes JSON (--out).
+tried and the best is reported. Each time is the median over --repeats runs. Outputs are
+checked to be identical to non-SI's. Prints a table and writes JSON (--out).
 
-    python benchmarks/real_pair.py --tokens 64 --prompts 3 --out results/real_pair.json
+Every SI and DSI row also gets an *ideal*: the time the event simulator (dsi.sim.events)
+predicts for that configuration from latencies measured here on the same thread counts (prefill,
+one drafter step, one target forward over k+1 tokens) and from the exact greedy accept pattern of
+each prompt (the drafter's greedy guess vs non-SI's token at every position). "engine/ideal" is
+the measured time over that prediction: engine overhead, GIL and, on a CPU, the cost of workers
+sharing cores (the simulator gives every worker its own hardware).
+
+    python benchmarks/real_pair.py --tokens 64 --prompts 3 --repeats 3 --out results/real_pair.json
 """
 
 from __future__ import annotations
@@ -22,6 +29,62 @@ import torch
 
 from dsi.compare import CODE_PROMPTS, MethodConfig, compare
 from dsi.models.loading import load_pair
+from dsi.sim.events import simulate
+
+
+def median_seconds(fn, repeats: int) -> float:
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        runs.append(time.perf_counter() - start)
+    return statistics.median(runs)
+
+
+def worker_latencies(model, prompt, threads: int, sizes, repeats: int = 5) -> dict:
+    """Median seconds of a prefill over ``prompt`` and of one forward of n tokens after it, for n
+    in ``sizes``, on ``threads`` torch threads (what one worker of that configuration sees alone)."""
+    saved, model.threads = model.threads, threads
+    session = model.new_session()
+    try:
+        def prefill():
+            session.truncate(0)
+            session.extend(prompt)
+
+        out = {"prefill": median_seconds(prefill, 2)}
+        for n in sizes:
+            def forward(n=n):
+                session.extend(prompt[:n] if len(prompt) >= n else [prompt[-1]] * n)
+                session.truncate(len(prompt))
+
+            forward()  # warm-up at this size
+            out[n] = median_seconds(forward, repeats)
+        return out
+    finally:
+        session.close()
+        model.threads = saved
+
+
+def accept_pattern(drafter, prompt, output) -> list[bool]:
+    """``pattern[i]``: the drafter's greedy token after ``prompt + output[:i]`` is ``output[i]``."""
+    session = drafter.new_session()
+    try:
+        rows = session.extend(list(prompt) + list(output[:-1]))[len(prompt) - 1:]
+    finally:
+        session.close()
+    return [int(row.argmax()) == tok for row, tok in zip(rows, output, strict=True)]
+
+
+def ideal_seconds(method, k, servers, drafter_lat, target_lat, patterns) -> float:
+    """Sum over prompts of the event simulator's time for this configuration (no engine costs)."""
+    total = 0.0
+    for pattern in patterns:
+        total += simulate(
+            method, target_ttft=target_lat["prefill"], target_tpot=target_lat[k + 1],
+            drafter_ttft=drafter_lat["prefill"], drafter_tpot=drafter_lat[1],
+            lookahead=k, num_servers=servers, matches=pattern,
+        ).mean
+    return total
 
 
 def hf_assisted(target, drafter, prompts, tokens, repeats, threads):
@@ -52,10 +115,11 @@ def main() -> int:
                    help="one device per DSI target server, e.g. cuda:1 cuda:2 (GPU machines)")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--prompts", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3, help="runs per prompt and method; times are medians")
     p.add_argument("--si-k", type=int, nargs="+", default=[3, 5])
     p.add_argument("--dsi-k", type=int, nargs="+", default=[3, 5])
     p.add_argument("--dsi-sp", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--no-ideal", action="store_true", help="skip the latency measurements and the ideal")
     p.add_argument("--threads", type=int, default=2, help="torch threads of non-SI, SI and assisted generation")
     p.add_argument("--dsi-threads", type=int, default=1, help="torch threads per DSI worker")
     p.add_argument("--no-assisted", action="store_true")
@@ -97,19 +161,49 @@ def main() -> int:
             "total_s": sum(walls), "per_prompt_s": walls,
             "identical": all(o == res["non-SI"].tokens for o, res in zip(outs, results, strict=True)),
         }
+    latencies = {}
+    if not args.no_ideal:
+        patterns = [res["non-SI"].tokens for res in results]
+        patterns = [accept_pattern(drafter, ids, out) for ids, out in zip(prompts, patterns, strict=True)]
+        sizes = sorted({k + 1 for k in args.si_k + args.dsi_k})
+        for threads in sorted({args.threads, args.dsi_threads}):
+            latencies[threads] = {
+                "drafter": worker_latencies(drafter, prompts[0], threads, [1]),
+                "target": worker_latencies(target, prompts[0], threads, [1] + sizes, repeats=3),
+            }
+        for config in configs:
+            if config.method == "ar":
+                continue
+            lat = latencies[config.threads]
+            ideal = ideal_seconds(config.method, config.lookahead, config.servers, lat["drafter"], lat["target"],
+                                  patterns)
+            rows[config.label]["ideal_s"] = ideal
+            rows[config.label]["engine_over_ideal"] = rows[config.label]["total_s"] / ideal
+        n = args.tokens * len(prompts)
+        drafter_alone = n * latencies[args.dsi_threads]["drafter"][1]
+        print(f"pattern acceptance {sum(map(sum, patterns)) / sum(map(len, patterns)):.3f}; drafter alone on "
+              f"{args.dsi_threads} thread(s): {drafter_alone:.2f} s for {n} tokens (the floor of DSI's time "
+              f"when the drafter has {args.dsi_threads} thread(s))")
+        for threads, lat in latencies.items():
+            cells = ", ".join(f"target n={k} {v * 1e3:.0f} ms" for k, v in lat["target"].items() if k != "prefill")
+            print(f"{threads} thread(s): drafter step {lat['drafter'][1] * 1e3:.0f} ms, {cells}")
     base = rows["non-SI"]["total_s"]
-    best = lambda m: min((r for r in rows.values() if r["method"] == m), key=lambda r: r["total_s"])  # noqa: E731
+    best = lambda m: min((r for r in rows.values() if r["method"] == m), key=lambda r: r["total_s"])
     best_si, best_dsi = best("si"), best("dsi")
-    print(f"{'method':<18} {'total s':>8} {'tok/s':>6} {'vs non-SI':>9} {'vs best SI':>10} {'accept':>6} identical")
+    print(f"{'method':<18} {'total s':>8} {'tok/s':>6} {'vs non-SI':>9} {'vs best SI':>10} {'accept':>6} "
+          f"{'ideal s':>8} {'eng/ideal':>9} identical")
     for label, r in rows.items():
         n = args.tokens * len(prompts)
+        ideal = f"{r['ideal_s']:8.2f} {r['engine_over_ideal']:9.2f}" if "ideal_s" in r else f"{'-':>8} {'-':>9}"
         print(f"{label:<18} {r['total_s']:8.2f} {n / r['total_s']:6.2f} {base / r['total_s']:8.2f}x "
-              f"{best_si['total_s'] / r['total_s']:9.2f}x {r.get('acceptance_rate', 0):6.2f} "
+              f"{best_si['total_s'] / r['total_s']:9.2f}x {r.get('acceptance_rate', 0):6.2f} {ideal} "
               f"{'yes' if r['identical'] else 'NO'}")
     report = {
         "machine": {"python": platform.python_version(), "cpus": torch.get_num_threads(),
                     "torch": torch.__version__, "platform": platform.platform()},
         "config": vars(args), "rows": rows,
+        "latencies_s": {str(t): {w: {str(n): v for n, v in d.items()} for w, d in lat.items()}
+                        for t, lat in latencies.items()},
         "best_si": best_si, "best_dsi": best_dsi,
         "dsi_vs_si": best_si["total_s"] / best_dsi["total_s"],
         "dsi_vs_nonsi": base / best_dsi["total_s"],

@@ -131,3 +131,40 @@ def test_a_preempted_running_forward_frees_its_server(no_thread_leak):
     assert out.tokens == ref.tokens
     assert out.stats.preempted_tasks > 0
     assert out.stats.wall_time_s < 2.0 * ref.stats.wall_time_s
+
+
+def _task_accounting(stats, trace):
+    submitted = {task_id for kind, task_id, _ in trace if kind == "submit"}
+    used = {task_id for kind, task_id, _ in trace if kind == "apply"}
+    assert len(submitted) == stats.verify_tasks
+    return len(used), stats.preempted_tasks, stats.cancelled_tasks
+
+
+@pytest.mark.parametrize("acceptance, lookahead, servers", [(0.5, 2, 3), (0.8, 1, 4), (0.3, 1, 2), (0.9, 3, 1)])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_every_task_is_used_preempted_or_cancelled_exactly_once(acceptance, lookahead, servers, seed, no_thread_leak):
+    """Telemetry adds up: each verification task's result is applied, or the task is counted as
+    preempted (stale after a rejection: dropped, stopped, or its early result discarded), or as
+    cancelled when the generation ended. Jitter makes later windows' results arrive first."""
+    result, trace = traced_run(acceptance, lookahead, servers, dsi.SamplingParams(), seed=seed, jitter=0.004)
+    used, preempted, cancelled = _task_accounting(result.stats, trace)
+    assert used + preempted + cancelled == result.stats.verify_tasks
+    assert result.stats.wasted_target_s <= result.stats.target_busy_s
+
+
+def test_tasks_outstanding_at_an_abort_are_counted_as_cancelled(no_thread_leak):
+    import threading
+
+    target, drafter = synthetic_pair(0.9, vocab_size=16, seed=4, target_tpot=0.02, drafter_tpot=0.001)
+    decoder = DSIDecoder(drafter, 2, lambda sink: ThreadTargetPool(target, 3, sink), trace=True)
+    abort = threading.Event()
+    try:
+        request = make_request([1, 2, 3], 400, dsi.SamplingParams(), None, 16)
+        with pytest.raises(dsi.GenerationAborted) as info:
+            decoder.generate(request, on_tokens=lambda tokens: abort.set(), abort=abort)
+    finally:
+        decoder.close()
+    stats = info.value.stats
+    used, preempted, cancelled = _task_accounting(stats, decoder.trace)
+    assert cancelled > 0  # the drafter runs ahead, so windows are in flight when the abort lands
+    assert used + preempted + cancelled == stats.verify_tasks

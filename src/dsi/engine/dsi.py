@@ -131,7 +131,7 @@ class _DSIRun:
 
     def stop(self) -> None:
         """Cancel whatever is still running for this request; collect late statistics."""
-        self.cancel_outstanding()
+        self.stats.cancelled_tasks += self.discard_epoch()
         self.drafter.stop()
         self.stats.drafter_forwards = self.drafter.forwards - self._drafter_forwards_at_start
 
@@ -142,6 +142,15 @@ class _DSIRun:
             self.pool.cancel(list(self.outstanding))
             self.outstanding.clear()
         return count
+
+    def discard_epoch(self) -> int:
+        """Drop this epoch's tasks whose results will not be used: cancel the outstanding ones and
+        discard results that arrived early for windows past the last decided position (their
+        target time is wasted). Return how many tasks were dropped."""
+        decided = len(self.out.tokens) - len(self.base)  # relative positions decided this epoch
+        unused = [w for w in self.windows.values() if w.result is not None and w.first >= decided]
+        self.stats.wasted_target_s += sum(w.result.compute_s for w in unused)
+        return self.cancel_outstanding() + len(unused)
 
     def check_workers(self) -> None:
         if self.pool.alive_servers() == 0:
@@ -191,7 +200,7 @@ class _DSIRun:
     # ---- windows -----------------------------------------------------------------------------
     def restart(self) -> None:
         """Start a new epoch on the committed tokens: zero-draft task + fresh drafting."""
-        self.stats.preempted_tasks += self.cancel_outstanding()
+        self.stats.preempted_tasks += self.discard_epoch()
         self.epoch = next(self.decoder._epochs)
         self.base = tuple(self.out.tokens)
         self.draft, self.qs, self.windows = [], [], {}

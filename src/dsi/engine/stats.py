@@ -3,7 +3,8 @@
 Glossary: a *draft* is a drafter token proposed for a position; it is *accepted* or
 *rejected* when the target decides that position. A *verification task* asks one target server
 to score some positions; a task is *preempted* when a rejection makes its context stale before
-its result is used (dropped from a queue, stopped mid-forward, or discarded on arrival).
+its result is used (dropped from a queue, stopped mid-forward, or discarded on arrival); a task
+still outstanding when the generation ends (finished, stopped or aborted) is *cancelled*.
 *Wasted target time* is server time spent on tasks whose results were not used.
 """
 
@@ -22,6 +23,7 @@ class GenerationStats:
     bonus_tokens: int = 0  # target tokens committed where no draft existed
     verify_tasks: int = 0  # verification tasks submitted to target servers
     preempted_tasks: int = 0  # tasks made stale by a rejection
+    cancelled_tasks: int = 0  # tasks still outstanding when the generation ended
     target_forwards: int = 0  # target forwards run to completion or aborted
     drafter_forwards: int = 0
     target_busy_s: float = 0.0  # summed target server time

@@ -229,7 +229,8 @@ def _dsi_info(outcome: Outcome) -> DSIInfo | None:
     return DSIInfo(
         method=s.method, acceptance_rate=s.acceptance_rate, mean_accepted_length=s.mean_accepted_length,
         drafted_tokens=s.drafted_tokens, accepted_tokens=s.accepted_tokens, rejections=s.rejections,
-        verify_tasks=s.verify_tasks, preempted_tasks=s.preempted_tasks, wasted_target_s=s.wasted_target_s,
+        verify_tasks=s.verify_tasks, preempted_tasks=s.preempted_tasks,
+        cancelled_tasks=s.cancelled_tasks, wasted_target_s=s.wasted_target_s,
         target_utilisation=s.target_utilisation, num_target_servers=s.num_target_servers, lookahead=s.lookahead,
         queue_time_s=outcome.queue_time_s, time_to_first_token_s=s.time_to_first_token_s,
         wall_time_s=s.wall_time_s,

@@ -11,7 +11,7 @@ Series (all prefixed ``dsi_``):
   previous committed token of the request; DSI commits accepted runs at once, so many are ~0),
   ``request_latency_seconds``.
 - ``prompt_tokens_total``, ``generated_tokens_total``, ``drafted_tokens_total``,
-  ``accepted_tokens_total``, ``verify_tasks_total``, ``preempted_tasks_total``,
+  ``accepted_tokens_total``, ``verify_tasks_total``, ``preempted_tasks_total``, ``cancelled_tasks_total``,
   ``wasted_target_seconds_total`` (target time spent on preempted tasks),
   ``target_busy_seconds_total`` and ``target_capacity_seconds_total`` (wall time x servers:
   ``rate(busy) / rate(capacity)`` is the pool's utilisation).
@@ -57,6 +57,8 @@ class ServerMetrics:
         self.accepted = Counter("dsi_accepted_tokens", "Draft tokens accepted by the target", registry=r)
         self.verify_tasks = Counter("dsi_verify_tasks", "Verification tasks sent to target servers", registry=r)
         self.preempted = Counter("dsi_preempted_tasks", "Verification tasks preempted by a rejection", registry=r)
+        self.cancelled = Counter("dsi_cancelled_tasks", "Verification tasks cancelled when their generation ended",
+                                 registry=r)
         self.wasted = Counter("dsi_wasted_target_seconds", "Target server time spent on preempted tasks", registry=r)
         self.busy = Counter("dsi_target_busy_seconds", "Target server busy time", registry=r)
         self.capacity = Counter("dsi_target_capacity_seconds", "Wall time x number of target servers", registry=r)
@@ -75,6 +77,7 @@ class ServerMetrics:
         self.accepted.inc(stats.accepted_tokens)
         self.verify_tasks.inc(stats.verify_tasks)
         self.preempted.inc(stats.preempted_tasks)
+        self.cancelled.inc(stats.cancelled_tasks)
         self.wasted.inc(stats.wasted_target_s)
         if stats.accepted_tokens + stats.rejections > 0:
             self.acceptance.observe(stats.acceptance_rate)

@@ -248,6 +248,7 @@ class DSIInfo(BaseModel):
     rejections: int
     verify_tasks: int
     preempted_tasks: int
+    cancelled_tasks: int
     wasted_target_s: float
     target_utilisation: float
     num_target_servers: int

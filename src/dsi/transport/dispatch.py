@@ -3,7 +3,9 @@
 A task goes to an idle server if there is one, preferring the server whose last sequence
 shares the longest prefix with the task's context (it has the most KV cache to reuse);
 otherwise it waits in a FIFO queue and the next server to finish takes it. Cancelled tasks
-leave the queue at once. Not thread-safe by itself: the pool holds its lock around calls.
+leave the queue at once. :class:`Dispatcher` is not thread-safe by itself: the pool holds its
+lock around calls. :class:`DispatchingPool` is that locked use, shared by the thread pool and
+the remote (process, Ray) pools.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 
+from dsi.errors import WorkerError
 from dsi.models.base import common_prefix_length
 from dsi.transport.base import VerifyTask
 
@@ -60,3 +63,31 @@ class Dispatcher:
     def _start(self, server: int, task: VerifyTask) -> None:
         self.running[server] = task
         self.last_context[server] = task.context
+
+
+class DispatchingPool:
+    """Submitting and re-queueing under the pool's lock, for every pool built on a Dispatcher.
+
+    A subclass sets ``_lock``, ``_dispatch``, ``_closed`` and ``_name`` (for messages) and
+    implements ``num_servers``, ``_alive()`` (servers in service; lock held) and
+    ``_hand_over(server, task)`` (start ``task`` on the idle ``server``; lock held).
+    """
+
+    def submit(self, task: VerifyTask) -> None:
+        with self._lock:
+            if self._closed:
+                raise WorkerError(f"the {self._name} target pool is closed")
+            if self._alive() == 0:
+                raise WorkerError(f"no target server is alive: all {self.num_servers} {self._name} servers died")
+            server = self._dispatch.place(task)
+            if server is not None:
+                self._hand_over(server, task)
+
+    def _requeue(self, task: VerifyTask) -> None:
+        """Put a lost server's task first in line (lock held)."""
+        if self._dispatch.idle_servers():
+            server = self._dispatch.place(task)
+            if server is not None:
+                self._hand_over(server, task)
+        else:
+            self._dispatch.queue.appendleft(task)

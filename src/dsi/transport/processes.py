@@ -148,8 +148,10 @@ class ProcessServer:
         try:
             message = recv_message(self.conn)
         except (EOFError, OSError):
-            raise WorkerError(f"target server {self.server_id} died while starting: "
-                              f"{self.exit_reason()}") from None
+            raise WorkerError(f"target server {self.server_id} died while starting: {self.exit_reason()} "
+                              f"(its stderr above says why; a script that uses transport='processes' must "
+                              f"start it under `if __name__ == '__main__':`, because each server process "
+                              f"re-imports the main module)") from None
         if message[0] == "error":
             log.error("target server %d could not build its model:\n%s", self.server_id, message[2])
             raise ModelError(f"target server {self.server_id} could not build its model: {message[1]}")

@@ -27,7 +27,7 @@ from typing import Protocol
 
 from dsi.errors import ConfigError, WorkerError
 from dsi.transport.base import EventSink, ServerDied, TaskAborted, VerifyTask
-from dsi.transport.dispatch import Dispatcher
+from dsi.transport.dispatch import Dispatcher, DispatchingPool
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def per_server(name: str, values: object, num_servers: int) -> list:
     return [values[i % len(values)] for i in range(num_servers)]
 
 
-class RemotePool:
+class RemotePool(DispatchingPool):
     """A target pool over ``num_servers`` :class:`ServerHandle` s made by ``launch``."""
 
     def __init__(
@@ -149,16 +149,6 @@ class RemotePool:
         with self._lock:
             return [s for s, task in self._dispatch.running.items() if task is not None]
 
-    def submit(self, task: VerifyTask) -> None:
-        with self._lock:
-            if self._closed:
-                raise WorkerError(f"the {self._name} target pool is closed")
-            if self._alive() == 0:
-                raise WorkerError(f"no target server is alive: all {self.num_servers} {self._name} servers died")
-            server = self._dispatch.place(task)
-            if server is not None:
-                self._hand_over(server, task)
-
     def cancel(self, task_ids: Iterable[int]) -> None:
         with self._lock:
             for server in self._dispatch.cancel(task_ids):
@@ -205,15 +195,6 @@ class RemotePool:
             self.handles[server].send(task)
         except ServerLost as exc:
             log.debug("%s server %d lost while sending task %d: %s", self._name, server, task.task_id, exc)
-
-    def _requeue(self, task: VerifyTask) -> None:
-        """Put a lost server's task first in line (lock held)."""
-        if self._dispatch.idle_servers():
-            server = self._dispatch.place(task)
-            if server is not None:
-                self._hand_over(server, task)
-        else:
-            self._dispatch.queue.appendleft(task)
 
     def _start_listener(self, server: int, handle: ServerHandle) -> None:
         thread = threading.Thread(

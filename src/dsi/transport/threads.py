@@ -16,10 +16,10 @@ import threading
 import time
 from collections.abc import Iterable
 
-from dsi.errors import ConfigError, TaskCancelled, WorkerError
+from dsi.errors import ConfigError, TaskCancelled
 from dsi.models.base import LanguageModel
 from dsi.transport.base import EventSink, ServerDied, TaskAborted, TaskFailed, VerifyTask
-from dsi.transport.dispatch import Dispatcher
+from dsi.transport.dispatch import Dispatcher, DispatchingPool
 from dsi.transport.server import run_verify_task
 
 log = logging.getLogger(__name__)
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 _STOP = None
 
 
-class ThreadTargetPool:
+class ThreadTargetPool(DispatchingPool):
     """``num_servers`` target servers, each a thread with its own session of ``model``."""
 
     def __init__(
@@ -44,6 +44,7 @@ class ThreadTargetPool:
         self._devices = list(devices or [])
         self._model = model
         self._on_event = on_event
+        self._name = "thread"
         self._lock = threading.Lock()
         self._dispatch = Dispatcher(num_servers)
         self._cancel_flags: dict[int, threading.Event] = {}
@@ -64,16 +65,6 @@ class ThreadTargetPool:
         with self._lock:
             dead = set(self._dispatch.dead)
         return sum(t.is_alive() and i not in dead for i, t in enumerate(self._threads))
-
-    def submit(self, task: VerifyTask) -> None:
-        with self._lock:
-            if self._closed:
-                raise WorkerError("the target pool is closed")
-            if len(self._dispatch.dead) == self.num_servers:
-                raise WorkerError(f"no target server is alive: all {self.num_servers} server threads died")
-            server = self._dispatch.place(task)
-            if server is not None:
-                self._hand_over(server, task)
 
     def cancel(self, task_ids: Iterable[int]) -> None:
         with self._lock:
@@ -101,6 +92,9 @@ class ThreadTargetPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _alive(self) -> int:
+        return self.num_servers - len(self._dispatch.dead)
 
     def _hand_over(self, server: int, task: VerifyTask) -> None:
         """Give ``task`` to ``server`` (lock held)."""
@@ -150,10 +144,5 @@ class ThreadTargetPool:
                 return
             task = self._dispatch.mark_dead(server)
             if task is not None:  # first in line again, on another server
-                if self._dispatch.idle_servers():
-                    other = self._dispatch.place(task)
-                    if other is not None:
-                        self._hand_over(other, task)
-                else:
-                    self._dispatch.queue.appendleft(task)
+                self._requeue(task)
         self._on_event(ServerDied(server, f"{type(exc).__name__}: {exc}"))

@@ -205,6 +205,7 @@ def test_metrics_series_track_one_request_exactly(server, client):
     assert delta("dsi_accepted_tokens_total") == info["accepted_tokens"]
     assert delta("dsi_verify_tasks_total") == info["verify_tasks"] >= 1
     assert delta("dsi_preempted_tasks_total") == info["preempted_tasks"]
+    assert delta("dsi_cancelled_tasks_total") == info["cancelled_tasks"]
     assert delta("dsi_wasted_target_seconds_total") == pytest.approx(info["wasted_target_s"])
     assert delta("dsi_acceptance_rate_count") == 1
     assert delta("dsi_acceptance_rate_sum") == pytest.approx(info["acceptance_rate"])
