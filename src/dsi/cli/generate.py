@@ -5,6 +5,7 @@ embedded pair): thin layers over :mod:`dsi.engine`, :mod:`dsi.models.loading` an
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -92,6 +93,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     d.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt (default 64)")
     d.add_argument("--prompts", type=int, default=3, help="how many built-in code prompts (default 3, max 4)")
     d.add_argument("--repeats", type=int, default=1, help="runs per method and prompt; medians reported")
+    d.add_argument("--target-devices", help="comma-separated devices of DSI's target servers, one per server in "
+                                            "turn, e.g. cuda:1,cuda:2 (default: --device)")
     d.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     d.set_defaults(func=run_demo)
 
@@ -173,7 +176,9 @@ def run_demo(args: argparse.Namespace) -> int:
     prompts = [target.encode(p) for p in CODE_PROMPTS[: args.prompts]]
     whole = args.threads  # threads for single-worker methods (None: torch default)
     configs = [MethodConfig("ar", threads=whole), MethodConfig("si", args.lookahead, threads=whole)]
-    configs += [MethodConfig("dsi", args.lookahead, sp, threads=args.threads or 1) for sp in args.sp]
+    placement = tuple(transport_options(args).items())
+    configs += [MethodConfig("dsi", args.lookahead, sp, threads=args.threads or 1, transport_options=placement)
+                for sp in args.sp]
     bar = tqdm(total=len(configs) * len(prompts) * args.repeats, desc="demo", unit="run",
                file=sys.stderr, disable=args.json and not sys.stderr.isatty())
     try:
@@ -203,6 +208,7 @@ def run_demo(args: argparse.Namespace) -> int:
         "rows": [{k: v for k, v in r.items() if k != "stats"} | {"stats": r["stats"]} for r in rows],
         "total_latency_s": totals, "all_identical": all_identical, "lossless": lossless,
         "near_tie_margin": tolerance,
+        "note": shared_hardware_note(args.device, args.target_devices, totals, os.cpu_count(), args.sp),
     }
     if args.json:
         print_json(report)
@@ -218,11 +224,34 @@ def run_demo(args: argparse.Namespace) -> int:
         f"{m} {t:.2f} s ({base / t:.2f}x)" for m, t in totals.items()) + f"; outputs identical: {verdict}")
     print(f"models: {args.target} / {args.drafter}, {args.dtype} on {args.device}, greedy, "
           f"{args.max_new_tokens} new tokens; loaded in {load_s:.1f} s")
+    note = shared_hardware_note(args.device, args.target_devices, totals, os.cpu_count(), args.sp)
+    if note:
+        print(note)
     if not all_identical:
         print(f"≈: output departs from non-SI where the target's two best tokens are within {tolerance} logits "
               "of each other: a batched verification forward rounds differently from a one-token forward "
               "(use --dtype fp32 for exact equality).")
     return 0 if lossless else 1
+
+
+def shared_hardware_note(
+    device: str, target_devices: str | None, totals: dict[str, float], cpus: int | None, sp: list[int]
+) -> str | None:
+    """Why DSI trails SI when its workers share one CPU (None when DSI does not trail SI, or when
+    the drafter is not on a CPU or the target servers have devices of their own).
+
+    DSI's target servers verify while the drafter drafts, which needs hardware the drafter does
+    not use; on a shared CPU each server takes cores from the drafter (docs/results.md, section 2).
+    """
+    si = [t for m, t in totals.items() if m.startswith("SI")]
+    dsi = [t for m, t in totals.items() if m.startswith("DSI")]
+    if not str(device).startswith("cpu") or target_devices or not si or not dsi or min(dsi) <= min(si):
+        return None
+    servers = max(sp)
+    return (f"note: DSI trails SI here because its drafter and {servers} target server{'s' if servers > 1 else ''} "
+            f"share {cpus or 'the same'} CPU cores: every core a target server uses is taken from the drafter. "
+            "DSI needs target servers with hardware of their own, e.g. --device cuda:0 --target-devices "
+            "cuda:1,cuda:2 (docs/results.md, section 2).")
 
 
 def _identical_mark(row: dict) -> str:

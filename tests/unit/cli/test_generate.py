@@ -135,3 +135,26 @@ def test_generate_on_process_servers_matches_threads(pair_dirs, capsys):
     threads = run_json(capsys, base)
     processes = run_json(capsys, base + ["--transport", "processes"])
     assert processes["token_ids"] == threads["token_ids"]
+
+
+def test_demo_explains_dsi_trailing_si_on_a_shared_cpu():
+    from dsi.cli.generate import shared_hardware_note
+
+    slower = {"non-SI": 40.0, "SI k=5": 25.0, "DSI k=5 SP=1": 33.0, "DSI k=5 SP=2": 31.0}
+    note = shared_hardware_note("cpu", None, slower, 2, [1, 2])
+    assert note is not None and "2 target servers share 2 CPU cores" in note and "--target-devices" in note
+    faster = dict(slower, **{"DSI k=5 SP=2": 20.0})
+    assert shared_hardware_note("cpu", None, faster, 2, [1, 2]) is None  # DSI won: nothing to explain
+    assert shared_hardware_note("cuda:0", None, slower, 2, [1]) is None  # not a CPU
+    assert shared_hardware_note("cpu", "cuda:1", slower, 2, [1]) is None  # servers have devices of their own
+
+
+def test_demo_places_dsi_servers_on_target_devices(pair_dirs, capsys):
+    target, drafter = pair_dirs
+    code = main(["demo", "--target", target, "--drafter", drafter, "--dtype", "fp32", "--prompts", "1",
+                 "--max-new-tokens", "6", "--sp", "2", "--target-devices", "cpu,cpu", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0 and doc["all_identical"] is True
+    assert doc["note"] is None  # servers with devices of their own: no shared-CPU note
+    assert main(["demo", "--target", target, "--drafter", drafter, "--target-devices", " , ", "--json"]) == 2
+    assert "names no device" in capsys.readouterr().err
