@@ -168,3 +168,26 @@ def test_tasks_outstanding_at_an_abort_are_counted_as_cancelled(no_thread_leak):
     used, preempted, cancelled = _task_accounting(stats, decoder.trace)
     assert cancelled > 0  # the drafter runs ahead, so windows are in flight when the abort lands
     assert used + preempted + cancelled == stats.verify_tasks
+
+
+def test_late_answers_to_a_previous_request_are_not_charged_to_the_next(no_thread_leak):
+    """Tasks cancelled when one request ends answer later, possibly while the next request on the
+    same decoder runs; their target time belongs to neither request's useful work and must not
+    show up as the next request's waste (an always-accepting drafter wastes nothing)."""
+    import threading
+
+    target, drafter = synthetic_pair(1.0, vocab_size=16, seed=5, target_tpot=0.03, drafter_tpot=0.001)
+    decoder = DSIDecoder(drafter, 2, lambda sink: ThreadTargetPool(target, 3, sink))
+    try:
+        abort = threading.Event()
+        with pytest.raises(dsi.GenerationAborted) as info:
+            decoder.generate(make_request([1, 2], 400, dsi.SamplingParams(), None, 16),
+                             on_tokens=lambda tokens: abort.set(), abort=abort)
+        assert info.value.stats.cancelled_tasks > 0  # forwards still running when the abort landed
+        second = decoder.generate(make_request([3, 4], 12, dsi.SamplingParams(), None, 16))
+    finally:
+        decoder.close()
+    s = second.stats
+    assert s.rejections == 0 and s.preempted_tasks == 0
+    assert s.wasted_target_s == 0.0
+    assert s.target_forwards <= s.verify_tasks

@@ -112,6 +112,7 @@ class _DSIRun:
         self.limit = 0
         self.windows: dict[int, _Window] = {}
         self.outstanding: dict[int, int] = {}  # task_id -> window index (current epoch)
+        self.task_ids: set[int] = set()  # every task this request submitted (others are a previous request's)
 
     # ---- main loop -------------------------------------------------------------------------
     def loop(self) -> None:
@@ -170,6 +171,8 @@ class _DSIRun:
             if event.epoch == self.epoch:
                 self.drafter_done = True
                 self.submit_ready_windows()
+        elif isinstance(event, TaskResult | TaskAborted) and event.task_id not in self.task_ids:
+            return  # a late answer to a task a previous request cancelled: not this request's time
         elif isinstance(event, TaskResult):
             self.stats.target_forwards += 1
             self.stats.target_busy_s += event.compute_s
@@ -216,6 +219,7 @@ class _DSIRun:
         context = self.base + tuple(self.draft[:last])
         self.windows[index] = _Window(first, last, task_id)
         self.outstanding[task_id] = index
+        self.task_ids.add(task_id)
         self.stats.verify_tasks += 1
         if self.decoder.trace is not None:
             self.decoder.trace.append(("submit", task_id, context))
