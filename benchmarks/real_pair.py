@@ -14,6 +14,16 @@ the measured time over that prediction: engine overhead, GIL and, on a CPU, the 
 sharing cores (the simulator gives every worker its own hardware).
 
     python benchmarks/real_pair.py --tokens 64 --prompts 3 --repeats 3 --out results/real_pair.json
+
+Replay, for machines that cannot load the pair (no registry access, e.g. a lent GPU box):
+``--record FILE`` saves each prompt's non-SI output and the drafter's greedy guess at every
+prefix of it (a few KB); ``--replay FILE`` then runs models of the same architecture with random
+weights (configs in benchmarks/configs/) whose greedy choices are the recorded ones
+(dsi.models.replay), so every forward costs what the real pair's would and every accept/reject
+is the real pair's. transformers' assisted generation is skipped in replay mode.
+
+    python benchmarks/real_pair.py --record benchmarks/recordings/qwen-coder-code.json ...
+    python benchmarks/real_pair.py --replay benchmarks/recordings/qwen-coder-code.json --device cuda:0
 """
 
 from __future__ import annotations
@@ -24,11 +34,13 @@ import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from dsi.compare import CODE_PROMPTS, MethodConfig, compare
 from dsi.models.loading import load_pair
+from dsi.models.replay import load_recording, record_decisions, replay_pair, save_recording
 from dsi.sim.events import simulate
 
 
@@ -65,14 +77,19 @@ def worker_latencies(model, prompt, threads: int, sizes, repeats: int = 5) -> di
         model.threads = saved
 
 
-def accept_pattern(drafter, prompt, output) -> list[bool]:
-    """``pattern[i]``: the drafter's greedy token after ``prompt + output[:i]`` is ``output[i]``."""
-    session = drafter.new_session()
-    try:
-        rows = session.extend(list(prompt) + list(output[:-1]))[len(prompt) - 1:]
-    finally:
-        session.close()
-    return [int(row.argmax()) == tok for row, tok in zip(rows, output, strict=True)]
+CONFIGS = Path(__file__).resolve().parent / "configs"
+
+
+def random_weights_model(config_dir: Path, dtype: str, device: str):
+    """An HFModel of the architecture in ``config_dir`` with random weights (same cost per forward)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dsi.models.hf import HFModel, torch_dtype
+
+    config = AutoConfig.from_pretrained(config_dir)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype))
+    return HFModel(model, name=f"{config_dir.name} (random weights)")
 
 
 def ideal_seconds(method, k, servers, drafter_lat, target_lat, patterns) -> float:
@@ -124,11 +141,25 @@ def main() -> int:
     p.add_argument("--dsi-threads", type=int, default=1, help="torch threads per DSI worker")
     p.add_argument("--no-assisted", action="store_true")
     p.add_argument("--out")
+    p.add_argument("--record", metavar="FILE", help="save the pair's greedy decisions for --replay")
+    p.add_argument("--replay", metavar="FILE", help="replay a --record file on random-weight models of the "
+                                                    "same architecture (--target/--drafter name configs/ dirs)")
     args = p.parse_args()
 
-    target, drafter = load_pair(args.target, args.drafter, dtype=args.dtype, device=args.device, progress=True)
+    if args.replay:
+        recordings, meta = load_recording(args.replay)
+        names = (meta.get("target", args.target), meta.get("drafter", args.drafter))
+        models = [random_weights_model(CONFIGS / name, args.dtype, args.device) for name in names]
+        target, drafter = replay_pair(*models, recordings)
+        prompts = [list(r.prompt) for r in recordings]
+        args.tokens = min(len(r.target) for r in recordings)
+        args.no_assisted = True
+        print(f"replaying {args.replay}: {len(prompts)} prompts x {args.tokens} tokens of {names[0]} / {names[1]} "
+              "on random-weight models", file=sys.stderr)
+    else:
+        target, drafter = load_pair(args.target, args.drafter, dtype=args.dtype, device=args.device, progress=True)
+        prompts = [target.encode(t) for t in CODE_PROMPTS[: args.prompts]]
     placement = (("devices", args.target_devices),) if args.target_devices else ()
-    prompts = [target.encode(t) for t in CODE_PROMPTS[: args.prompts]]
     configs = [MethodConfig("ar", threads=args.threads)]
     configs += [MethodConfig("si", k, threads=args.threads) for k in args.si_k]
     configs += [MethodConfig("dsi", k, sp, threads=args.dsi_threads, transport_options=placement)
@@ -161,10 +192,15 @@ def main() -> int:
             "total_s": sum(walls), "per_prompt_s": walls,
             "identical": all(o == res["non-SI"].tokens for o, res in zip(outs, results, strict=True)),
         }
+    if not args.replay:
+        recordings = [record_decisions(drafter, ids, res["non-SI"].tokens) for ids, res in zip(prompts, results,
+                                                                                                  strict=True)]
+    if args.record:
+        save_recording(args.record, recordings, {"target": args.target, "drafter": args.drafter,
+                                                 "dtype": args.dtype, "prompts": "CODE_PROMPTS"})
     latencies = {}
     if not args.no_ideal:
-        patterns = [res["non-SI"].tokens for res in results]
-        patterns = [accept_pattern(drafter, ids, out) for ids, out in zip(prompts, patterns, strict=True)]
+        patterns = [r.accept_pattern for r in recordings]
         sizes = sorted({k + 1 for k in args.si_k + args.dsi_k})
         for threads in sorted({args.threads, args.dsi_threads}):
             latencies[threads] = {

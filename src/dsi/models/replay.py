@@ -1,0 +1,159 @@
+"""``ReplayLM``: a model's real compute with another pair's recorded greedy decisions.
+
+Use: measure how fast SI and DSI would decode a real pair on hardware where that pair's weights
+cannot be loaded (a machine with no registry access, say), by running models of the *same
+architecture* (random weights, same cost per forward) whose greedy choices are replayed from a
+run of the real pair. Every ``extend`` runs the inner model's forward (so time, KV cache and
+cancellation are real) and then returns logits whose argmax is the recorded token for that
+context, or ``fallback`` for a context the recording does not hold.
+
+A recording (:func:`record_decisions`) holds, for each prompt, the target's greedy output and
+the drafter's greedy guess at every prefix of it. Replayed greedy SI and DSI then take exactly
+the real pair's decisions: the drafts along the target's output are the real drafter's, so
+acceptance and rejections are the real run's; what the drafter proposes after a rejected draft
+(off the recording, so ``fallback``) is discarded by the algorithm whatever it is. Greedy only:
+the replayed logits are one-hot, not the real distributions.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dsi.errors import ConfigError
+from dsi.models.base import CancelFlag, LanguageModel, ModelSession
+
+RECORDING_VERSION = 1
+
+
+@dataclass(frozen=True)
+class RecordedPrompt:
+    """One prompt of a recording: ``target[i]`` and ``drafter[i]`` are the two models' greedy
+    tokens after ``prompt + target[:i]``."""
+
+    prompt: tuple[int, ...]
+    target: tuple[int, ...]
+    drafter: tuple[int, ...]
+
+    @property
+    def accept_pattern(self) -> list[bool]:
+        return [d == t for d, t in zip(self.drafter, self.target, strict=True)]
+
+
+def record_decisions(drafter: LanguageModel, prompt: Sequence[int], target_output: Sequence[int]) -> RecordedPrompt:
+    """Record ``prompt``: the target's greedy output (given) and the drafter's greedy guess at
+    every prefix of it, from one drafter forward over ``prompt + target_output[:-1]``."""
+    prompt, output = [int(t) for t in prompt], [int(t) for t in target_output]
+    if not prompt or not output:
+        raise ConfigError("a recording needs a non-empty prompt and a non-empty target output")
+    session = drafter.new_session()
+    try:
+        rows = session.extend(prompt + output[:-1])[len(prompt) - 1:]
+    finally:
+        session.close()
+    return RecordedPrompt(tuple(prompt), tuple(output), tuple(int(np.argmax(row)) for row in rows))
+
+
+def save_recording(path: str | Path, prompts: Sequence[RecordedPrompt], meta: Mapping[str, Any] | None = None) -> None:
+    doc = {"version": RECORDING_VERSION, "meta": dict(meta or {}),
+           "prompts": [{"prompt": list(p.prompt), "target": list(p.target), "drafter": list(p.drafter)}
+                       for p in prompts]}
+    Path(path).write_text(json.dumps(doc), encoding="utf-8")
+
+
+def load_recording(path: str | Path) -> tuple[list[RecordedPrompt], dict]:
+    """The prompts and metadata of a recording written by :func:`save_recording`."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"recording {str(path)!r} does not exist")
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        if doc.get("version") != RECORDING_VERSION:
+            raise ConfigError(f"recording {str(path)!r} has version {doc.get('version')!r}; "
+                              f"this dsi reads version {RECORDING_VERSION}")
+        prompts = [RecordedPrompt(tuple(p["prompt"]), tuple(p["target"]), tuple(p["drafter"])) for p in doc["prompts"]]
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ConfigError(f"recording {str(path)!r} is not a dsi recording: {exc}") from exc
+    for i, p in enumerate(prompts):
+        if not p.prompt or not p.target or len(p.target) != len(p.drafter):
+            raise ConfigError(f"recording {str(path)!r}: prompt {i} needs a prompt and equally long "
+                              f"target and drafter token lists")
+    return prompts, dict(doc.get("meta") or {})
+
+
+def replay_pair(
+    target: LanguageModel, drafter: LanguageModel, prompts: Sequence[RecordedPrompt], fallback: int = 0
+) -> tuple[ReplayLM, ReplayLM]:
+    """``target`` and ``drafter`` wrapped to take the recorded decisions of ``prompts``."""
+    target_choices: dict[tuple[int, ...], int] = {}
+    drafter_choices: dict[tuple[int, ...], int] = {}
+    for p in prompts:
+        for i, (t, d) in enumerate(zip(p.target, p.drafter, strict=True)):
+            context = p.prompt + p.target[:i]
+            target_choices[context] = t
+            drafter_choices[context] = d
+    return ReplayLM(target, target_choices, fallback), ReplayLM(drafter, drafter_choices, fallback)
+
+
+class ReplayLM:
+    """``model``'s forwards, with logits whose argmax is ``choices[context]`` (else ``fallback``)."""
+
+    def __init__(self, model: LanguageModel, choices: Mapping[tuple[int, ...], int], fallback: int = 0) -> None:
+        vocab = model.vocab_size
+        bad = [t for t in (*choices.values(), fallback) if not 0 <= t < vocab]
+        if bad:
+            raise ConfigError(f"recorded token ids {bad[:5]} are outside the vocabulary [0, {vocab}) of {model!r}")
+        self.model = model
+        self.choices = dict(choices)
+        self.fallback = int(fallback)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    @property
+    def threads(self) -> int | None:  # torch threads of an HF inner model (see dsi.compare)
+        return getattr(self.model, "threads", None)
+
+    @threads.setter
+    def threads(self, value: int | None) -> None:
+        if hasattr(self.model, "threads"):
+            self.model.threads = value
+
+    def new_session(self, device: Any = None) -> ReplaySession:
+        inner = self.model.new_session() if device is None else self.model.new_session(device=device)
+        return ReplaySession(self, inner)
+
+    def __repr__(self) -> str:
+        return f"ReplayLM({self.model!r}, {len(self.choices)} recorded contexts)"
+
+
+class ReplaySession:
+    def __init__(self, owner: ReplayLM, inner: ModelSession) -> None:
+        self._owner = owner
+        self._inner = inner
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return self._inner.tokens
+
+    def extend(self, tokens: Sequence[int], cancel: CancelFlag | None = None) -> np.ndarray:
+        before = tuple(self._inner.tokens)
+        self._inner.extend(tokens, cancel)  # the real forward: its time, cache and cancellation
+        owner, new = self._owner, [int(t) for t in tokens]
+        rows = np.zeros((len(new), owner.vocab_size), dtype=np.float32)
+        for i in range(len(new)):
+            context = before + tuple(new[: i + 1])
+            rows[i, owner.choices.get(context, owner.fallback)] = 1.0
+        return rows
+
+    def truncate(self, length: int) -> None:
+        self._inner.truncate(length)
+
+    def close(self) -> None:
+        self._inner.close()
