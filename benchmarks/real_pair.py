@@ -133,7 +133,7 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3, help="runs per prompt and method; times are medians")
-    p.add_argument("--si-k", type=int, nargs="+", default=[3, 5])
+    p.add_argument("--si-k", type=int, nargs="+", default=[4, 6, 8])
     p.add_argument("--dsi-k", type=int, nargs="+", default=[3, 5])
     p.add_argument("--dsi-sp", type=int, nargs="+", default=[1, 2])
     p.add_argument("--no-ideal", action="store_true", help="skip the latency measurements and the ideal")
@@ -143,7 +143,7 @@ def main() -> int:
     p.add_argument("--out")
     p.add_argument("--record", metavar="FILE", help="save the pair's greedy decisions for --replay")
     p.add_argument("--replay", metavar="FILE", help="replay a --record file on random-weight models of the "
-                                                    "same architecture (--target/--drafter name configs/ dirs)")
+                                                    "recorded pair's architectures (benchmarks/configs/NAME)")
     args = p.parse_args()
 
     if args.replay:
