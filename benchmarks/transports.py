@@ -79,9 +79,10 @@ def round_trips(transport: str, options: dict, vocab: int, trips: int) -> dict:
 
 def dsi_vs_ideal(transport: str, options: dict, args: argparse.Namespace) -> dict:
     """DSI median wall time on ``transport`` and the engine-free ideal for the same accept pattern."""
-    from dsi.bench import Scenario, accept_pattern, ideal_dsi_seconds
+    from dsi.bench import Scenario, ideal_dsi_seconds
     from dsi.engine.api import build_decoder, make_request
     from dsi.models import synthetic_pair
+    from dsi.models.replay import record_decisions
     from dsi.sampling import SamplingParams
 
     scenario = Scenario("transports", args.target_ms, args.drafter_ms, args.acceptance, args.lookahead, args.servers)
@@ -100,7 +101,7 @@ def dsi_vs_ideal(transport: str, options: dict, args: argparse.Namespace) -> dic
     finally:
         decoder.close()
     walls = walls[1:]  # the first request warms every server's cache of the prompt
-    pattern = accept_pattern(target, drafter, prompt, tokens)
+    pattern = record_decisions(drafter, prompt, tokens).accept_pattern  # tokens: the target's greedy output
     ar_seconds = args.tokens * args.target_ms / 1000
     ideal = ideal_dsi_seconds(scenario, args.tokens, ar_seconds, pattern)
     wall = statistics.median(walls)

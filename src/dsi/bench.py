@@ -18,9 +18,8 @@ import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-import numpy as np
-
 from dsi.engine.api import generate
+from dsi.models.replay import record_decisions
 from dsi.models.synthetic import synthetic_pair
 
 
@@ -47,17 +46,6 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("phi3-14b-alpaca", 49.6, 33.4, 0.87, 1, 2, "Table 1 row 10, ms"),
     ]
 }
-
-
-def accept_pattern(target, drafter, prompt: list[int], tokens: list[int]) -> list[bool]:
-    """Per output position: does the drafter's greedy token equal the target's?"""
-    inner_t = getattr(target, "model", target)
-    inner_d = getattr(drafter, "model", drafter)
-    pattern = []
-    for i in range(len(tokens)):
-        ctx = tuple(prompt) + tuple(tokens[:i])
-        pattern.append(bool(np.argmax(inner_t.next_logits(ctx)) == np.argmax(inner_d.next_logits(ctx))))
-    return pattern
 
 
 def ideal_dsi_seconds(scenario: Scenario, tokens: int, ar_seconds: float, pattern: list[bool]) -> float | None:
@@ -103,7 +91,7 @@ def run_scenario(
             if progress:
                 progress()
     med = {m: statistics.median(v) for m, v in walls.items()}
-    pattern = accept_pattern(target, drafter, prompt, outputs["ar"])
+    pattern = record_decisions(drafter, prompt, outputs["ar"]).accept_pattern
     ideal = ideal_dsi_seconds(scenario, tokens, med["ar"], pattern)
     dsi_stats = last_stats["dsi"]
     return {
