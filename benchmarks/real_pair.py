@@ -192,7 +192,7 @@ def main() -> int:
             "total_s": sum(walls), "per_prompt_s": walls,
             "identical": all(o == res["non-SI"].tokens for o, res in zip(outs, results, strict=True)),
         }
-    if not args.replay:
+    if not args.replay and (args.record or not args.no_ideal):
         recordings = [record_decisions(drafter, ids, res["non-SI"].tokens) for ids, res in zip(prompts, results,
                                                                                                   strict=True)]
     if args.record:

@@ -202,13 +202,14 @@ def run_demo(args: argparse.Namespace) -> int:
     totals = {}
     for r in rows:
         totals[r["method"]] = totals.get(r["method"], 0.0) + r["latency_s"]
+    note = shared_hardware_note(args.device, args.target_devices, totals, os.cpu_count(), args.sp)
     report = {
         "target": args.target, "drafter": args.drafter, "dtype": args.dtype, "device": args.device,
         "max_new_tokens": args.max_new_tokens, "lookahead": args.lookahead, "load_s": load_s,
         "rows": [{k: v for k, v in r.items() if k != "stats"} | {"stats": r["stats"]} for r in rows],
         "total_latency_s": totals, "all_identical": all_identical, "lossless": lossless,
         "near_tie_margin": tolerance,
-        "note": shared_hardware_note(args.device, args.target_devices, totals, os.cpu_count(), args.sp),
+        "note": note,
     }
     if args.json:
         print_json(report)
@@ -224,7 +225,6 @@ def run_demo(args: argparse.Namespace) -> int:
         f"{m} {t:.2f} s ({base / t:.2f}x)" for m, t in totals.items()) + f"; outputs identical: {verdict}")
     print(f"models: {args.target} / {args.drafter}, {args.dtype} on {args.device}, greedy, "
           f"{args.max_new_tokens} new tokens; loaded in {load_s:.1f} s")
-    note = shared_hardware_note(args.device, args.target_devices, totals, os.cpu_count(), args.sp)
     if note:
         print(note)
     if not all_identical:
