@@ -27,7 +27,7 @@ class GenerationStats:
     target_forwards: int = 0  # target forwards run to completion or aborted
     drafter_forwards: int = 0
     target_busy_s: float = 0.0  # summed target server time
-    wasted_target_s: float = 0.0  # target server time on preempted tasks
+    wasted_target_s: float = 0.0  # target server time on tasks whose results were not used
     num_target_servers: int = 1
     lookahead: int = 0
     wall_time_s: float = 0.0

@@ -12,7 +12,7 @@ Series (all prefixed ``dsi_``):
   ``request_latency_seconds``.
 - ``prompt_tokens_total``, ``generated_tokens_total``, ``drafted_tokens_total``,
   ``accepted_tokens_total``, ``verify_tasks_total``, ``preempted_tasks_total``, ``cancelled_tasks_total``,
-  ``wasted_target_seconds_total`` (target time spent on preempted tasks),
+  ``wasted_target_seconds_total`` (target time on tasks whose results were not used),
   ``target_busy_seconds_total`` and ``target_capacity_seconds_total`` (wall time x servers:
   ``rate(busy) / rate(capacity)`` is the pool's utilisation).
 - histograms per request ``acceptance_rate``, ``mean_accepted_length``, ``target_utilisation``
@@ -59,7 +59,8 @@ class ServerMetrics:
         self.preempted = Counter("dsi_preempted_tasks", "Verification tasks preempted by a rejection", registry=r)
         self.cancelled = Counter("dsi_cancelled_tasks", "Verification tasks cancelled when their generation ended",
                                  registry=r)
-        self.wasted = Counter("dsi_wasted_target_seconds", "Target server time spent on preempted tasks", registry=r)
+        self.wasted = Counter("dsi_wasted_target_seconds", "Target server time on tasks whose results were not used",
+                              registry=r)
         self.busy = Counter("dsi_target_busy_seconds", "Target server busy time", registry=r)
         self.capacity = Counter("dsi_target_capacity_seconds", "Wall time x number of target servers", registry=r)
         self.acceptance = Histogram("dsi_acceptance_rate", "Per-request acceptance rate of draft tokens",
