@@ -72,6 +72,17 @@ def exact_sequence_law(model: CallableLM, prompt, length: int, params: SamplingP
 
 
 @pytest.fixture
+def one_torch_thread():
+    """Torch on one intra-op thread for the test (HF tests: reproducible and no oversubscription)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
 def no_thread_leak():
     """Fail if a dsi worker thread is still alive after the test."""
     yield

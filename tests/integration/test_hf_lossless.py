@@ -19,15 +19,7 @@ from dsi.engine.api import build_decoder, make_request  # noqa: E402
 from dsi.models.hf import HFModel  # noqa: E402
 from dsi.sampling import SamplingParams, process_logits  # noqa: E402
 
-pytestmark = pytest.mark.hf
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("one_torch_thread")]
 
 
 def llama(seed, vocab=97, layers=2):

@@ -19,17 +19,9 @@ from dsi.errors import ConfigError, ModelError, TaskCancelled  # noqa: E402
 from dsi.models.base import LanguageModel, ModelSession, forward_rows  # noqa: E402
 from dsi.models.hf import HFModel, check_device, decoder_layers, torch_dtype  # noqa: E402
 
-pytestmark = pytest.mark.hf
+pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("one_torch_thread")]
 ATOL = 1e-5
 VOCAB = 97
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def tiny_llama(seed: int = 0, layers: int = 4, vocab: int = VOCAB):
