@@ -2,28 +2,39 @@
 
 Greedy decoding of several code prompts with the embedded Qwen2.5-Coder 1.5B (target) / 0.5B
 (drafter) pair, or any pair given with --target/--drafter. Every method runs in this one
-process, one after another; for SI and DSI a few lookaheads (and for DSI server counts) are
-tried and the best is reported. Each time is the median over --repeats runs. Outputs are
-checked to be identical to non-SI's. Prints a table and writes JSON (--out).
+process, one after another; SI and DSI try a few lookaheads, DSI also server counts and
+placements (target servers as threads of this process, or as processes of their own). Each time
+is the median over --repeats runs. Outputs are checked to be identical to non-SI's. Prints a table
+and writes JSON (--out), rewritten after every configuration so that a run cut short keeps what
+it measured.
 
 Every SI and DSI row also gets an *ideal*: the time the event simulator (dsi.sim.events)
-predicts for that configuration from latencies measured here on the same thread counts (prefill,
-one drafter step, one target forward over k+1 tokens) and from the exact greedy accept pattern of
-each prompt (the drafter's greedy guess vs non-SI's token at every position). "engine/ideal" is
-the measured time over that prediction: engine overhead, GIL and, on a CPU, the cost of workers
-sharing cores (the simulator gives every worker its own hardware).
+predicts for that configuration from latencies measured here, each worker alone (prefill, one
+drafter step, one target forward over k+1 tokens), and from the exact greedy accept pattern of
+each prompt. "engine/ideal" is the measured time over that prediction: engine overhead, the GIL
+and whatever the workers' sharing of hardware costs (the simulator gives every worker its own).
+Next to it, each DSI row reports the mean target forward and drafter step *as they ran* in that
+configuration (from the engine's telemetry), so the cost of running concurrently is visible, and,
+on a GPU, the device's utilisation during the timed runs (NVML, sampled every 50 ms).
 
     python benchmarks/real_pair.py --tokens 64 --prompts 3 --repeats 3 --out results/real_pair.json
+
+DSI placements: ``--dsi TRANSPORT:KS:SPS[:THREADS]`` (repeatable), e.g. ``--dsi processes:3,5:1,2,4``
+runs k in {3, 5} x SP in {1, 2, 4} with each target server in its own process (THREADS: torch
+threads per server process). Without --dsi, ``--dsi-k``/``--dsi-sp`` give thread placements.
 
 Replay, for machines that cannot load the pair (no registry access, e.g. a lent GPU box):
 ``--record FILE`` saves each prompt's non-SI output and the drafter's greedy guess at every
 prefix of it (a few KB); ``--replay FILE`` then runs models of the same architecture with random
 weights (configs in benchmarks/configs/) whose greedy choices are the recorded ones
 (dsi.models.replay), so every forward costs what the real pair's would and every accept/reject
-is the real pair's. transformers' assisted generation is skipped in replay mode.
+is the real pair's. ``--target-config NAME`` replays the same decisions on another target
+architecture (a larger one of the same tokenizer family, e.g. qwen2.5-14b-instruct). transformers'
+assisted generation is skipped in replay mode.
 
     python benchmarks/real_pair.py --record benchmarks/recordings/qwen-coder-code.json ...
-    python benchmarks/real_pair.py --replay benchmarks/recordings/qwen-coder-code.json --device cuda:0
+    python benchmarks/real_pair.py --replay benchmarks/recordings/qwen-coder-code.json --device cuda:0 \\
+        --target-devices cuda:0 --dsi processes:3,5:1,2,4 --dsi threads:5:1,2
 """
 
 from __future__ import annotations
@@ -33,15 +44,26 @@ import json
 import platform
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
 import torch
 
-from dsi.compare import CODE_PROMPTS, MethodConfig, compare
+from dsi.compare import CODE_PROMPTS, MethodConfig, iter_compare
 from dsi.models.loading import load_pair
-from dsi.models.replay import load_recording, record_decisions, replay_pair, save_recording
+from dsi.models.replay import (
+    ReplayRecipe,
+    load_recording,
+    random_weights_model,
+    record_decisions,
+    recorded_choices,
+    replay_pair,
+    save_recording,
+)
 from dsi.sim.events import simulate
+
+CONFIGS = Path(__file__).resolve().parent / "configs"
 
 
 def median_seconds(fn, repeats: int) -> float:
@@ -55,18 +77,21 @@ def median_seconds(fn, repeats: int) -> float:
 
 def worker_latencies(model, prompt, threads: int, sizes, repeats: int = 5) -> dict:
     """Median seconds of a prefill over ``prompt`` and of one forward of n tokens after it, for n
-    in ``sizes``, on ``threads`` torch threads (what one worker of that configuration sees alone)."""
+    in ``sizes``, on ``threads`` torch threads (what one worker of that configuration sees alone).
+    Forwards ask for what the engine asks for in greedy decoding: the argmax of the rows decided."""
+    from dsi.models.base import extend_rows
+
     saved, model.threads = model.threads, threads
     session = model.new_session()
     try:
         def prefill():
             session.truncate(0)
-            session.extend(prompt)
+            extend_rows(session, prompt, None, 1, greedy=True)
 
         out = {"prefill": median_seconds(prefill, 2)}
         for n in sizes:
             def forward(n=n):
-                session.extend(prompt[:n] if len(prompt) >= n else [prompt[-1]] * n)
+                extend_rows(session, prompt[:n] if len(prompt) >= n else [prompt[-1]] * n, None, n, greedy=True)
                 session.truncate(len(prompt))
 
             forward()  # warm-up at this size
@@ -77,19 +102,39 @@ def worker_latencies(model, prompt, threads: int, sizes, repeats: int = 5) -> di
         model.threads = saved
 
 
-CONFIGS = Path(__file__).resolve().parent / "configs"
+class GpuUtilisation:
+    """Samples the GPU's utilisation (NVML, through torch) every ``period`` s on a thread, with
+    timestamps, so that the mean over any time spans can be taken afterwards. Inert without NVML."""
 
+    def __init__(self, device: str, period: float = 0.05) -> None:
+        self.samples: list[tuple[float, float]] = []
+        self.available = False
+        self._stop = threading.Event()
+        dev = torch.device(device)
+        if dev.type != "cuda":
+            return
+        try:
+            torch.cuda.utilization(dev)
+        except Exception as exc:  # no pynvml / NVML
+            print(f"GPU utilisation not sampled: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return
+        self.available = True
+        self._thread = threading.Thread(target=self._run, args=(dev, period), daemon=True)
+        self._thread.start()
 
-def random_weights_model(config_dir: Path, dtype: str, device: str):
-    """An HFModel of the architecture in ``config_dir`` with random weights (same cost per forward)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    def _run(self, dev, period: float) -> None:
+        while not self._stop.wait(period):
+            try:
+                self.samples.append((time.perf_counter(), float(torch.cuda.utilization(dev))))
+            except Exception:
+                return
 
-    from dsi.models.hf import HFModel, torch_dtype
+    def mean_over(self, spans) -> float | None:
+        inside = [u for t, u in self.samples if any(a <= t <= b for a, b in spans)]
+        return statistics.mean(inside) if inside else None
 
-    config = AutoConfig.from_pretrained(config_dir)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype))
-    return HFModel(model, name=f"{config_dir.name} (random weights)")
+    def stop(self) -> None:
+        self._stop.set()
 
 
 def ideal_seconds(method, k, servers, drafter_lat, target_lat, patterns) -> float:
@@ -122,6 +167,26 @@ def hf_assisted(target, drafter, prompts, tokens, repeats, threads):
     return walls, outputs
 
 
+def parse_dsi_spec(spec: str) -> tuple[str, list[int], list[int], int | None]:
+    """``TRANSPORT:KS:SPS[:THREADS]`` -> (transport, lookaheads, server counts, threads per server)."""
+    parts = spec.split(":")
+    try:
+        if len(parts) not in (3, 4) or parts[0] not in ("threads", "processes", "ray"):
+            raise ValueError
+        ks = [int(x) for x in parts[1].split(",")]
+        sps = [int(x) for x in parts[2].split(",")]
+        threads = int(parts[3]) if len(parts) == 4 else None
+    except ValueError:
+        raise SystemExit(f"--dsi {spec!r}: expected TRANSPORT:KS:SPS[:THREADS] with TRANSPORT threads, processes "
+                         "or ray, e.g. processes:3,5:1,2,4") from None
+    return parts[0], ks, sps, threads
+
+
+def median_of(runs, key: str) -> float | None:
+    values = [s[key] for run in runs for s in run.all_stats if s.get(key)]
+    return statistics.median(values) if values else None
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
@@ -130,61 +195,161 @@ def main() -> int:
     p.add_argument("--device", default="cpu", help="device of the drafter (and of the target for non-SI/SI)")
     p.add_argument("--target-devices", nargs="+", default=None,
                    help="one device per DSI target server, e.g. cuda:1 cuda:2 (GPU machines)")
-    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--tokens", type=int, default=None, help="new tokens per prompt (default 64; replay: the "
+                                                              "recorded length, or fewer if given)")
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3, help="runs per prompt and method; times are medians")
     p.add_argument("--si-k", type=int, nargs="+", default=[4, 6, 8])
     p.add_argument("--dsi-k", type=int, nargs="+", default=[3, 5])
     p.add_argument("--dsi-sp", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--dsi", action="append", metavar="TRANSPORT:KS:SPS[:THREADS]",
+                   help="DSI placements to run (repeatable); default threads:DSI_K:DSI_SP")
     p.add_argument("--no-ideal", action="store_true", help="skip the latency measurements and the ideal")
+    p.add_argument("--latency-threads", type=int, nargs="*", default=[], metavar="N",
+                   help="also measure each worker alone on these torch thread counts (thread scaling)")
     p.add_argument("--threads", type=int, default=2, help="torch threads of non-SI, SI and assisted generation")
-    p.add_argument("--dsi-threads", type=int, default=1, help="torch threads per DSI worker")
+    p.add_argument("--dsi-threads", type=int, default=1,
+                   help="torch threads of the DSI drafter and of thread-placed target servers")
     p.add_argument("--no-assisted", action="store_true")
+    p.add_argument("--deadline", type=float, default=None, metavar="S",
+                   help="start no new configuration after S seconds (the rest is reported as skipped)")
     p.add_argument("--out")
     p.add_argument("--record", metavar="FILE", help="save the pair's greedy decisions for --replay")
     p.add_argument("--replay", metavar="FILE", help="replay a --record file on random-weight models of the "
                                                     "recorded pair's architectures (benchmarks/configs/NAME)")
+    p.add_argument("--target-config", metavar="NAME", help="replay: the target's architecture (default: the "
+                                                           "recorded target's)")
+    p.add_argument("--configs-dir", default=str(CONFIGS), help="replay: where architectures live (NAME/config.json)")
     args = p.parse_args()
+    began = time.perf_counter()
+    specs = [parse_dsi_spec(s) for s in args.dsi] if args.dsi else [("threads", args.dsi_k, args.dsi_sp, None)]
+    if any(t == "processes" for t, *_ in specs) and not args.replay:
+        print("note: process-placed servers reload the model from its source directory", file=sys.stderr)
 
+    recipe = None
     if args.replay:
         recordings, meta = load_recording(args.replay)
-        names = (meta.get("target", args.target), meta.get("drafter", args.drafter))
-        models = [random_weights_model(CONFIGS / name, args.dtype, args.device) for name in names]
+        names = (args.target_config or meta.get("target", args.target), meta.get("drafter", args.drafter))
+        configs_dir = Path(args.configs_dir)
+        models = [random_weights_model(configs_dir / name, args.dtype, args.device, seed=i)
+                  for i, name in enumerate(names)]
         target, drafter = replay_pair(*models, recordings)
+        recipe = ReplayRecipe(str((configs_dir / names[0]).resolve()), recorded_choices(recordings)[0],
+                              args.dtype, args.device, vocab_size=target.vocab_size)
+        recordings = recordings[: args.prompts]
         prompts = [list(r.prompt) for r in recordings]
-        args.tokens = min(len(r.target) for r in recordings)
+        recorded = min(len(r.target) for r in recordings)
+        args.tokens = recorded if args.tokens is None else min(args.tokens, recorded)
+        recordings = [type(r)(r.prompt, r.target[: args.tokens], r.drafter[: args.tokens]) for r in recordings]
         args.no_assisted = True
-        print(f"replaying {args.replay}: {len(prompts)} prompts x {args.tokens} tokens of {names[0]} / {names[1]} "
-              "on random-weight models", file=sys.stderr)
+        print(f"replaying {args.replay}: {len(prompts)} prompts x {args.tokens} tokens of {meta.get('target')} / "
+              f"{names[1]} on random-weight models of {names[0]} / {names[1]} (vocabularies "
+              f"{models[0].vocab_size} / {models[1].vocab_size}; recorded ids all < {target.vocab_size})",
+              file=sys.stderr)
     else:
+        args.tokens = 64 if args.tokens is None else args.tokens
         target, drafter = load_pair(args.target, args.drafter, dtype=args.dtype, device=args.device, progress=True)
         prompts = [target.encode(t) for t in CODE_PROMPTS[: args.prompts]]
-    placement = (("devices", args.target_devices),) if args.target_devices else ()
+        names = (args.target, args.drafter)
+
     configs = [MethodConfig("ar", threads=args.threads)]
     configs += [MethodConfig("si", k, threads=args.threads) for k in args.si_k]
-    configs += [MethodConfig("dsi", k, sp, threads=args.dsi_threads, transport_options=placement)
-                for k in args.dsi_k for sp in args.dsi_sp]
+    for transport, ks, sps, server_threads in specs:
+        options: dict = {}
+        if args.target_devices:
+            options["devices"] = args.target_devices
+        if transport != "threads":
+            if recipe is not None:
+                options["recipe"] = recipe
+            if server_threads is not None:
+                options["threads_per_server"] = server_threads
+        configs += [MethodConfig("dsi", k, sp, threads=args.dsi_threads, transport=transport,
+                                 transport_options=tuple(options.items()))
+                    for sp in sps for k in ks]  # k innermost: those configs share one pool
+
+    report: dict = {
+        "machine": {"python": platform.python_version(), "cpus": torch.get_num_threads(),
+                    "torch": torch.__version__, "platform": platform.platform(),
+                    "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
+        "config": {**vars(args), "pair": list(names)}, "rows": {}, "skipped": [],
+    }
+
+    def add_ideal(row: dict) -> None:
+        server_threads = row.get("server_threads") or row["threads"]
+        row["ideal_s"] = ideal_seconds(row["method"], row["lookahead"], row["servers"],
+                                       latencies[row["threads"]]["drafter"], latencies[server_threads]["target"],
+                                       patterns)
+        row["engine_over_ideal"] = row["total_s"] / row["ideal_s"]
+
+    def write() -> None:
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=2, default=str))
+
+    # latencies alone first: the ideal needs them, and a run cut short still has them
+    latencies: dict = {}
+    patterns = None
+    if not args.no_ideal:
+        if args.replay:
+            patterns = [r.accept_pattern for r in recordings]
+        sizes = sorted({k + 1 for k in args.si_k} | {k + 1 for _, ks, _, _ in specs for k in ks})
+        thread_counts = {args.threads, args.dsi_threads, *args.latency_threads}
+        thread_counts |= {t for _, _, _, t in specs if t is not None}
+        for threads in sorted(thread_counts):
+            latencies[threads] = {
+                "drafter": worker_latencies(drafter, prompts[0], threads, [1]),
+                "target": worker_latencies(target, prompts[0], threads, [1] + sizes, repeats=3),
+            }
+        report["latencies_s"] = {str(t): {w: {str(n): v for n, v in d.items()} for w, d in lat.items()}
+                                 for t, lat in latencies.items()}
+        for threads, lat in latencies.items():
+            cells = ", ".join(f"n={k} {v * 1e3:.1f} ms" for k, v in lat["target"].items() if k != "prefill")
+            print(f"alone, {threads} thread(s): drafter step {lat['drafter'][1] * 1e3:.1f} ms; target {cells}",
+                  file=sys.stderr)
+        write()
+
+    gpu = GpuUtilisation(args.device)
+    total_runs = len(configs) * len(prompts) * args.repeats
     done = 0
 
     def tick():
         nonlocal done
         done += 1
-        print(f"\r{done}/{len(configs) * len(prompts) * args.repeats} runs", end="", file=sys.stderr, flush=True)
+        print(f"\r{done}/{total_runs} runs", end="", file=sys.stderr, flush=True)
 
-    results = compare(target, drafter, prompts, configs, max_new_tokens=args.tokens, repeats=args.repeats,
-                      eos_token_id=None, progress=tick)
+    results: list[dict] = [{} for _ in prompts]
+    runner = iter_compare(target, drafter, prompts, configs, max_new_tokens=args.tokens, repeats=args.repeats,
+                          eos_token_id=None, progress=tick)
+    try:
+        for index, (config, runs) in enumerate(runner):
+            for i, run in enumerate(runs):
+                results[i][config.label] = run
+            row = {
+                "method": config.method, "lookahead": config.lookahead, "servers": config.servers,
+                "transport": config.transport, "threads": config.threads,
+                "server_threads": dict(config.transport_options).get("threads_per_server"),
+                "total_s": sum(r.median_s for r in runs), "per_prompt_s": [r.median_s for r in runs],
+                "identical": all(r.tokens == res["non-SI"].tokens for r, res in zip(runs, results, strict=True)),
+                "acceptance_rate": statistics.mean(r.stats.get("acceptance_rate", 0.0) for r in runs),
+                "preempted_tasks": sum(r.stats.get("preempted_tasks", 0) for r in runs),
+                "target_forward_in_run_s": median_of(runs, "mean_target_forward_s"),
+                "drafter_forward_in_run_s": median_of(runs, "mean_drafter_forward_s"),
+                "gpu_utilisation_pct": gpu.mean_over([s for r in runs for s in r.spans]) if gpu.available else None,
+            }
+            if patterns is not None and latencies and config.method != "ar":
+                add_ideal(row)
+            report["rows"][config.label] = row
+            write()
+            remaining = configs[index + 1:]
+            if args.deadline is not None and remaining and time.perf_counter() - began > args.deadline:
+                report["skipped"] = [c.label for c in remaining]
+                print(f"\ndeadline of {args.deadline:.0f} s reached: skipping {', '.join(report['skipped'])}",
+                      file=sys.stderr)
+                break
+    finally:
+        runner.close()
+        gpu.stop()
     print(file=sys.stderr)
-    rows = {}
-    for config in configs:
-        runs = [r[config.label] for r in results]
-        rows[config.label] = {
-            "method": config.method, "lookahead": config.lookahead, "servers": config.servers,
-            "threads": config.threads, "total_s": sum(r.median_s for r in runs),
-            "per_prompt_s": [r.median_s for r in runs],
-            "identical": all(r.tokens == res["non-SI"].tokens for r, res in zip(runs, results, strict=True)),
-            "acceptance_rate": statistics.mean(r.stats.get("acceptance_rate", 0.0) for r in runs),
-            "preempted_tasks": sum(r.stats.get("preempted_tasks", 0) for r in runs),
-        }
+    rows = report["rows"]
     if not args.no_assisted:
         walls, outs = hf_assisted(target, drafter, prompts, args.tokens, args.repeats, args.threads)
         rows["HF assisted"] = {
@@ -195,59 +360,44 @@ def main() -> int:
     if not args.replay and (args.record or not args.no_ideal):
         recordings = [record_decisions(drafter, ids, res["non-SI"].tokens) for ids, res in zip(prompts, results,
                                                                                                   strict=True)]
+        patterns = [r.accept_pattern for r in recordings]
+        for row in rows.values():
+            if latencies and row["method"] in ("si", "dsi"):
+                add_ideal(row)
     if args.record:
         save_recording(args.record, recordings, {"target": args.target, "drafter": args.drafter,
                                                  "dtype": args.dtype, "prompts": "CODE_PROMPTS"})
-    latencies = {}
-    if not args.no_ideal:
-        patterns = [r.accept_pattern for r in recordings]
-        sizes = sorted({k + 1 for k in args.si_k + args.dsi_k})
-        for threads in sorted({args.threads, args.dsi_threads}):
-            latencies[threads] = {
-                "drafter": worker_latencies(drafter, prompts[0], threads, [1]),
-                "target": worker_latencies(target, prompts[0], threads, [1] + sizes, repeats=3),
-            }
-        for config in configs:
-            if config.method == "ar":
-                continue
-            lat = latencies[config.threads]
-            ideal = ideal_seconds(config.method, config.lookahead, config.servers, lat["drafter"], lat["target"],
-                                  patterns)
-            rows[config.label]["ideal_s"] = ideal
-            rows[config.label]["engine_over_ideal"] = rows[config.label]["total_s"] / ideal
-        n = args.tokens * len(prompts)
-        drafter_alone = n * latencies[args.dsi_threads]["drafter"][1]
-        print(f"pattern acceptance {sum(map(sum, patterns)) / sum(map(len, patterns)):.3f}; drafter alone on "
-              f"{args.dsi_threads} thread(s): {drafter_alone:.2f} s for {n} tokens (the floor of DSI's time "
-              f"when the drafter has {args.dsi_threads} thread(s))")
-        for threads, lat in latencies.items():
-            cells = ", ".join(f"target n={k} {v * 1e3:.0f} ms" for k, v in lat["target"].items() if k != "prefill")
-            print(f"{threads} thread(s): drafter step {lat['drafter'][1] * 1e3:.0f} ms, {cells}")
+    n = args.tokens * len(prompts)
+    if patterns:
+        accept = sum(map(sum, patterns)) / sum(map(len, patterns))
+        floor = n * latencies[args.dsi_threads]["drafter"][1] if latencies else None
+        print(f"pattern acceptance {accept:.3f}" + (f"; drafter alone: {floor:.2f} s for {n} tokens (DSI's floor)"
+                                                     if floor else ""))
     base = rows["non-SI"]["total_s"]
-    best = lambda m: min((r for r in rows.values() if r["method"] == m), key=lambda r: r["total_s"])
+    best = lambda m: min((r for r in rows.values() if r["method"] == m), key=lambda r: r["total_s"], default=None)
     best_si, best_dsi = best("si"), best("dsi")
-    print(f"{'method':<18} {'total s':>8} {'tok/s':>6} {'vs non-SI':>9} {'vs best SI':>10} {'accept':>6} "
-          f"{'ideal s':>8} {'eng/ideal':>9} identical")
+    ms = lambda v: f"{v * 1e3:6.1f}" if v else f"{'-':>6}"
+    print(f"{'method':<26} {'total s':>8} {'tok/s':>6} {'vs non-SI':>9} {'vs best SI':>10} {'accept':>6} "
+          f"{'ideal s':>8} {'eng/ideal':>9} {'tgt ms':>6} {'dft ms':>6} {'GPU %':>5} identical")
     for label, r in rows.items():
-        n = args.tokens * len(prompts)
         ideal = f"{r['ideal_s']:8.2f} {r['engine_over_ideal']:9.2f}" if "ideal_s" in r else f"{'-':>8} {'-':>9}"
-        print(f"{label:<18} {r['total_s']:8.2f} {n / r['total_s']:6.2f} {base / r['total_s']:8.2f}x "
-              f"{best_si['total_s'] / r['total_s']:9.2f}x {r.get('acceptance_rate', 0):6.2f} {ideal} "
+        util = r.get("gpu_utilisation_pct")
+        vs_si = f"{best_si['total_s'] / r['total_s']:9.2f}x" if best_si else f"{'-':>10}"
+        print(f"{label:<26} {r['total_s']:8.2f} {n / r['total_s']:6.2f} {base / r['total_s']:8.2f}x {vs_si} "
+              f"{r.get('acceptance_rate', 0):6.2f} {ideal} {ms(r.get('target_forward_in_run_s'))} "
+              f"{ms(r.get('drafter_forward_in_run_s'))} {f'{util:5.0f}' if util is not None else '    -'} "
               f"{'yes' if r['identical'] else 'NO'}")
-    report = {
-        "machine": {"python": platform.python_version(), "cpus": torch.get_num_threads(),
-                    "torch": torch.__version__, "platform": platform.platform()},
-        "config": vars(args), "rows": rows,
-        "latencies_s": {str(t): {w: {str(n): v for n, v in d.items()} for w, d in lat.items()}
-                        for t, lat in latencies.items()},
+    if report["skipped"]:
+        print(f"skipped (deadline): {', '.join(report['skipped'])}")
+    report.update({
         "best_si": best_si, "best_dsi": best_dsi,
-        "dsi_vs_si": best_si["total_s"] / best_dsi["total_s"],
-        "dsi_vs_nonsi": base / best_dsi["total_s"],
-        "dsi_vs_hf_assisted": rows["HF assisted"]["total_s"] / best_dsi["total_s"] if not args.no_assisted else None,
-    }
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+        "dsi_vs_si": best_si["total_s"] / best_dsi["total_s"] if best_si and best_dsi else None,
+        "dsi_vs_nonsi": base / best_dsi["total_s"] if best_dsi else None,
+        "dsi_vs_hf_assisted": rows["HF assisted"]["total_s"] / best_dsi["total_s"]
+        if "HF assisted" in rows and best_dsi else None,
+        "wall_s": time.perf_counter() - began,
+    })
+    write()
     print(json.dumps({k: report[k] for k in ("dsi_vs_si", "dsi_vs_nonsi", "dsi_vs_hf_assisted")}))
     return 0
 

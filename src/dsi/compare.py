@@ -3,13 +3,15 @@
 For each prompt every method generates greedily from the same token ids; we record wall time,
 tokens/s, acceptance and preemptions, and check that SI and DSI produced exactly non-SI's
 tokens. Decoders are built once and warmed up, so model loading and first-call allocation are
-not timed.
+not timed. Consecutive configurations that differ only in their lookahead share one decoder (the
+lookahead is read per request): DSI's target servers (processes, Ray actors) are slow to start.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from dsi.engine.api import build_decoder, make_request
@@ -43,7 +45,13 @@ class MethodConfig:
             return "non-SI"
         if self.method == "si":
             return f"SI k={self.lookahead}"
-        return f"DSI k={self.lookahead} SP={self.servers}"
+        where = "" if self.transport == "threads" else f" {self.transport}"
+        return f"DSI k={self.lookahead} SP={self.servers}{where}"
+
+    @property
+    def workers(self) -> tuple:
+        """What its decoder's workers depend on: configs equal in this can share a decoder."""
+        return self.method, self.servers, self.threads, self.transport, self.transport_options
 
 
 @dataclass
@@ -51,7 +59,9 @@ class MethodRun:
     config: MethodConfig
     wall_s: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
-    stats: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)  # of the last run
+    spans: list[tuple[float, float]] = field(default_factory=list)  # time.perf_counter() of each run
+    all_stats: list[dict] = field(default_factory=list)  # of every run
 
     @property
     def median_s(self) -> float:
@@ -61,6 +71,63 @@ class MethodRun:
 def _set_threads(model, threads: int | None) -> None:
     if threads is not None and hasattr(model, "threads"):
         model.threads = threads
+
+
+def iter_compare(
+    target,
+    drafter,
+    prompt_ids: Sequence[Sequence[int]],
+    configs: Sequence[MethodConfig],
+    *,
+    max_new_tokens: int = 64,
+    repeats: int = 1,
+    eos_token_id=None,
+    warmup_tokens: int = 4,
+    progress: Callable[[], None] | None = None,
+) -> Iterator[tuple[MethodConfig, list[MethodRun]]]:
+    """Run each config in turn; after each, yield it with its runs (one :class:`MethodRun` per prompt).
+
+    A caller that stops iterating early closes the decoder in use.
+    """
+    greedy = SamplingParams()
+    decoder, workers = None, None
+    try:
+        for config in configs:
+            _set_threads(target, config.threads)
+            _set_threads(drafter, config.threads)
+            if decoder is None or config.workers != workers:
+                if decoder is not None:
+                    decoder.close()
+                    decoder = None
+                decoder = build_decoder(
+                    target=target, drafter=drafter, method=config.method, lookahead=config.lookahead,
+                    num_target_servers=config.servers, transport=config.transport,
+                    transport_options=dict(config.transport_options),
+                )
+                workers = config.workers
+            if config.method != "ar":
+                decoder.lookahead = config.lookahead
+            if warmup_tokens:
+                decoder.generate(make_request(prompt_ids[0], warmup_tokens, greedy, None, target.vocab_size))
+            runs = []
+            for ids in prompt_ids:
+                run = MethodRun(config)
+                for _ in range(repeats):
+                    request = make_request(ids, max_new_tokens, greedy, eos_token_id, target.vocab_size)
+                    start = time.perf_counter()
+                    out = decoder.generate(request)
+                    run.spans.append((start, time.perf_counter()))
+                    run.wall_s.append(out.stats.wall_time_s)
+                    run.tokens = out.tokens
+                    run.stats = out.stats.to_dict()
+                    run.all_stats.append(run.stats)
+                    if progress:
+                        progress()
+                runs.append(run)
+            yield config, runs
+    finally:
+        if decoder is not None:
+            decoder.close()
 
 
 def compare(
@@ -77,30 +144,11 @@ def compare(
 ) -> list[dict[str, MethodRun]]:
     """For each prompt, a ``{label: MethodRun}`` dict with every config's runs."""
     results: list[dict[str, MethodRun]] = [{} for _ in prompt_ids]
-    greedy = SamplingParams()
-    for config in configs:
-        _set_threads(target, config.threads)
-        _set_threads(drafter, config.threads)
-        decoder = build_decoder(
-            target=target, drafter=drafter, method=config.method, lookahead=config.lookahead,
-            num_target_servers=config.servers, transport=config.transport,
-            transport_options=dict(config.transport_options),
-        )
-        try:
-            if warmup_tokens:
-                decoder.generate(make_request(prompt_ids[0], warmup_tokens, greedy, None, target.vocab_size))
-            for i, ids in enumerate(prompt_ids):
-                run = results[i].setdefault(config.label, MethodRun(config))
-                for _ in range(repeats):
-                    request = make_request(ids, max_new_tokens, greedy, eos_token_id, target.vocab_size)
-                    out = decoder.generate(request)
-                    run.wall_s.append(out.stats.wall_time_s)
-                    run.tokens = out.tokens
-                    run.stats = out.stats.to_dict()
-                    if progress:
-                        progress()
-        finally:
-            decoder.close()
+    for config, runs in iter_compare(target, drafter, prompt_ids, configs, max_new_tokens=max_new_tokens,
+                                     repeats=repeats, eos_token_id=eos_token_id, warmup_tokens=warmup_tokens,
+                                     progress=progress):
+        for i, run in enumerate(runs):
+            results[i][config.label] = run
     return results
 
 

@@ -163,6 +163,12 @@ def draft_from_logits(logits: np.ndarray, params: SamplingParams, position: int)
     return draft_token(q, params, position), q
 
 
+def decide_greedy(target_token: int, draft: int) -> Decision:
+    """Greedy decision from the target's argmax alone: accept iff ``draft == target_token``,
+    otherwise the correction is ``target_token`` (what :func:`decide` does with a greedy ``p``)."""
+    return Decision(int(target_token), int(target_token) == int(draft))
+
+
 def decide(
     p: np.ndarray,
     draft: int,

@@ -1,4 +1,4 @@
-"""compare.first_divergence: where a method departs from non-SI, and the target's margin there."""
+"""dsi.compare: running several methods on the same prompts, and where a method departs from non-SI."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from dsi.cli.generate import _identical_mark
-from dsi.compare import first_divergence
-from dsi.models import CallableLM
+import dsi.compare as compare_module
+from dsi.compare import MethodConfig, compare, first_divergence
+from dsi.models import CallableLM, synthetic_pair
 
 
 def target():
@@ -34,3 +35,35 @@ def test_identical_mark_distinguishes_near_ties_from_errors():
     assert _identical_mark({"identical": True}) == "✓"
     assert _identical_mark({"identical": False, "divergence": {"index": 7, "margin": 0.06, "near_tie": True}}) == "≈ @7 margin 0.060"
     assert _identical_mark({"identical": False, "divergence": {"index": 2, "margin": 3.0, "near_tie": False}}).startswith("✗")
+
+
+def test_compare_shares_a_decoder_between_lookaheads_and_records_each_run(monkeypatch, no_thread_leak):
+    """Adjacent configs differing only in k reuse one decoder (its servers start once); each config
+    still runs with its own k, and every run's time span and stats are kept."""
+    built = []
+    real_build = compare_module.build_decoder
+
+    def counting_build(**kwargs):
+        built.append((kwargs["method"], kwargs["num_target_servers"]))
+        return real_build(**kwargs)
+
+    monkeypatch.setattr(compare_module, "build_decoder", counting_build)
+    target, drafter = synthetic_pair(0.8)
+    configs = [MethodConfig("ar"), MethodConfig("si", 2), MethodConfig("si", 4),
+               MethodConfig("dsi", 2, 2), MethodConfig("dsi", 3, 2), MethodConfig("dsi", 3, 1)]
+    results = compare(target, drafter, [[1, 2], [3]], configs, max_new_tokens=12, repeats=2)
+    assert built == [("ar", 1), ("si", 1), ("dsi", 2), ("dsi", 1)]
+    for runs in results:
+        assert list(runs) == ["non-SI", "SI k=2", "SI k=4", "DSI k=2 SP=2", "DSI k=3 SP=2", "DSI k=3 SP=1"]
+        for label, run in runs.items():
+            assert run.tokens == runs["non-SI"].tokens
+            assert len(run.spans) == len(run.all_stats) == 2
+            assert all(end > start for start, end in run.spans)
+            assert run.all_stats[-1] is run.stats
+            if label != "non-SI":
+                assert run.stats["lookahead"] == run.config.lookahead
+
+
+def test_labels_name_the_transport_when_it_is_not_threads():
+    assert MethodConfig("dsi", 3, 2).label == "DSI k=3 SP=2"
+    assert MethodConfig("dsi", 3, 2, transport="processes").label == "DSI k=3 SP=2 processes"

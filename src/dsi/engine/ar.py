@@ -7,6 +7,7 @@ Sampling draws each token with the BONUS uniform of its absolute position.
 from __future__ import annotations
 
 import threading
+import time
 
 from dsi.engine.request import Output, Request, TokenCallback
 from dsi.engine.result import GenerationResult
@@ -30,9 +31,12 @@ class AutoregressiveDecoder:
         out = Output(request, stats, on_tokens, abort)
         while not out.finished:
             out.check_abort()
-            row = forward_rows(self._session, out.tokens, 1)[-1]  # [V]
+            params = request.sampling
+            start = time.perf_counter()
+            row = forward_rows(self._session, out.tokens, 1, greedy=params.greedy)[-1]  # greedy: an id; else [V]
+            stats.target_busy_s += time.perf_counter() - start
             stats.target_forwards += 1
-            out.commit(bonus(process_logits(row, request.sampling), request.sampling, len(out.tokens)))
+            out.commit(int(row) if params.greedy else bonus(process_logits(row, params), params, len(out.tokens)))
             stats.bonus_tokens += 1
         return GenerationResult(out.finalize(), stats)
 

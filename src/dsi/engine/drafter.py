@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from dsi.errors import TaskCancelled
-from dsi.models.base import LanguageModel, forward_rows
+from dsi.models.base import LanguageModel, extend_rows, forward_rows
 from dsi.sampling import SamplingParams, draft_from_logits
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class DraftWorker:
         self._job: _Job | None = None
         self._closed = False
         self.forwards = 0  # drafter forwards started (read by the orchestrator for stats)
+        self.busy_s = 0.0  # time spent in drafter forwards, finished or cancelled (likewise)
         self._thread = threading.Thread(target=self._run, name="dsi-drafter", daemon=True)
         self._thread.start()
 
@@ -127,17 +129,25 @@ class DraftWorker:
         params, cancel = job.sampling, job.cancel
         count = 0
         if job.limit > 0:
-            self.forwards += 1
-            row = forward_rows(session, job.context, 1, cancel)[-1]  # [V]
+            # greedy: the session returns the argmax id only (taken where the logits are)
+            out = self._forward(lambda: forward_rows(session, job.context, 1, cancel, greedy=params.greedy)[-1])
             while True:
                 position = len(job.context) + count
-                token, q = draft_from_logits(row, params, position)
+                token, q = (int(out), None) if params.greedy else draft_from_logits(out, params, position)
                 if cancel.is_set():
                     raise TaskCancelled("drafts abandoned")
                 self._on_event(Draft(job.epoch, count, token, q))
                 count += 1
                 if count >= job.limit or token in job.eos_token_ids:
                     break
-                self.forwards += 1
-                row = session.extend([token], cancel)[-1]
+                out = self._forward(lambda: extend_rows(session, [token], cancel, 1, params.greedy)[-1])
         self._on_event(DraftsDone(job.epoch, count))
+
+    def _forward(self, run):
+        """Run one drafter forward, counting it and its time (also when it is cancelled)."""
+        self.forwards += 1
+        start = time.perf_counter()
+        try:
+            return run()
+        finally:
+            self.busy_s += time.perf_counter() - start

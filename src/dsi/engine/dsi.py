@@ -32,7 +32,7 @@ from dsi.engine.result import GenerationResult
 from dsi.engine.stats import GenerationStats
 from dsi.errors import WorkerError
 from dsi.models.base import LanguageModel
-from dsi.sampling import bonus, decide
+from dsi.sampling import bonus, decide, decide_greedy
 from dsi.transport.base import ServerDied, TargetPool, TaskAborted, TaskFailed, TaskResult, VerifyTask
 
 log = logging.getLogger(__name__)
@@ -104,6 +104,7 @@ class _DSIRun:
         )
         self.out = Output(request, self.stats, on_tokens, abort)
         self._drafter_forwards_at_start = self.drafter.forwards
+        self._drafter_busy_at_start = self.drafter.busy_s
         self.epoch = 0
         self.base: tuple[int, ...] = ()
         self.draft: list[int] = []
@@ -135,6 +136,7 @@ class _DSIRun:
         self.stats.cancelled_tasks += self.discard_epoch()
         self.drafter.stop()
         self.stats.drafter_forwards = self.drafter.forwards - self._drafter_forwards_at_start
+        self.stats.drafter_busy_s = self.drafter.busy_s - self._drafter_busy_at_start
 
     def cancel_outstanding(self) -> int:
         """Cancel every task of this request not yet applied; return how many there were."""
@@ -264,11 +266,10 @@ class _DSIRun:
             position = len(self.out.tokens)
             if r < len(self.draft):
                 if params.greedy:
-                    target_token = int(result.tokens[row])
-                    token, accepted = target_token, target_token == self.draft[r]
+                    decision = decide_greedy(result.tokens[row], self.draft[r])
                 else:
                     decision = decide(result.probs[row], self.draft[r], self.qs[r], params, position)
-                    token, accepted = decision.token, decision.accepted
+                token, accepted = decision.token, decision.accepted
                 self.commit(token, result)
                 if accepted:
                     self.stats.accepted_tokens += 1

@@ -10,14 +10,15 @@ one after the other in the calling thread.
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 
 from dsi.engine.request import Output, Request, TokenCallback
 from dsi.engine.result import GenerationResult
 from dsi.engine.stats import GenerationStats
-from dsi.models.base import LanguageModel, forward_rows
-from dsi.sampling import bonus, decide, draft_from_logits, process_logits
+from dsi.models.base import LanguageModel, extend_rows, forward_rows
+from dsi.sampling import bonus, decide, decide_greedy, draft_from_logits, process_logits
 
 
 class SpeculativeDecoder:
@@ -40,12 +41,17 @@ class SpeculativeDecoder:
             out.check_abort()
             base = tuple(out.tokens)
             drafts, qs = self._draft(base, min(self.lookahead, out.remaining - 1), request, stats)
-            rows = forward_rows(self._target, base + tuple(drafts), len(drafts) + 1)  # [kk+1, V]
+            start = time.perf_counter()
+            # greedy: the target's argmax ids [kk+1]; sampling: its logit rows [kk+1, V]
+            rows = forward_rows(self._target, base + tuple(drafts), len(drafts) + 1, greedy=params.greedy)
+            stats.target_busy_s += time.perf_counter() - start
             stats.target_forwards += 1
             stats.verify_tasks += 1
             for i, x in enumerate(drafts):
-                p = process_logits(rows[i], params)  # [V]
-                decision = decide(p, x, qs[i], params, len(out.tokens))
+                if params.greedy:
+                    decision = decide_greedy(rows[i], x)
+                else:
+                    decision = decide(process_logits(rows[i], params), x, qs[i], params, len(out.tokens))
                 out.commit(decision.token)
                 if decision.accepted:
                     stats.accepted_tokens += 1
@@ -54,7 +60,8 @@ class SpeculativeDecoder:
                 if not decision.accepted or out.finished:
                     break
             else:  # every draft accepted: the extra row gives a bonus token
-                out.commit(bonus(process_logits(rows[len(drafts)], params), params, len(out.tokens)))
+                last = rows[len(drafts)]
+                out.commit(int(last) if params.greedy else bonus(process_logits(last, params), params, len(out.tokens)))
                 stats.bonus_tokens += 1
         return GenerationResult(out.finalize(), stats)
 
@@ -66,16 +73,21 @@ class SpeculativeDecoder:
         if count <= 0:
             return drafts, qs
         params = request.sampling
-        row = forward_rows(self._drafter, base, 1)[-1]  # [V]
+        start = time.perf_counter()
+        out = forward_rows(self._drafter, base, 1, greedy=params.greedy)[-1]  # greedy: an id; else [V]
         stats.drafter_forwards += 1
         while True:
-            token, q = draft_from_logits(row, params, len(base) + len(drafts))
+            if params.greedy:
+                token, q = int(out), None
+            else:
+                token, q = draft_from_logits(out, params, len(base) + len(drafts))
             drafts.append(token)
             qs.append(q)
             if len(drafts) >= count or token in request.eos_token_ids:
                 break
-            row = self._drafter.extend([token])[-1]
+            out = extend_rows(self._drafter, [token], None, 1, params.greedy)[-1]
             stats.drafter_forwards += 1
+        stats.drafter_busy_s += time.perf_counter() - start
         stats.drafted_tokens += len(drafts)
         return drafts, qs
 

@@ -27,6 +27,7 @@ class GenerationStats:
     target_forwards: int = 0  # target forwards run to completion or aborted
     drafter_forwards: int = 0
     target_busy_s: float = 0.0  # summed target server time
+    drafter_busy_s: float = 0.0  # summed drafter forward time (DSI: including abandoned forwards)
     wasted_target_s: float = 0.0  # target server time on tasks whose results were not used
     num_target_servers: int = 1
     lookahead: int = 0
@@ -58,6 +59,16 @@ class GenerationStats:
         capacity = self.wall_time_s * self.num_target_servers
         return self.target_busy_s / capacity if capacity > 0 else 0.0
 
+    @property
+    def mean_target_forward_s(self) -> float:
+        """Mean target forward time as the servers saw it (while running next to the others)."""
+        return self.target_busy_s / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def mean_drafter_forward_s(self) -> float:
+        """Mean drafter forward time (one drafted token, or a catch-up after a restart)."""
+        return self.drafter_busy_s / self.drafter_forwards if self.drafter_forwards else 0.0
+
     def to_dict(self) -> dict:
         data = asdict(self)
         extra = data.pop("extra")
@@ -66,6 +77,8 @@ class GenerationStats:
             mean_accepted_length=self.mean_accepted_length,
             tokens_per_second=self.tokens_per_second,
             target_utilisation=self.target_utilisation,
+            mean_target_forward_s=self.mean_target_forward_s,
+            mean_drafter_forward_s=self.mean_drafter_forward_s,
         )
         data.update(extra)
         return data

@@ -4,7 +4,7 @@
 (:mod:`dsi.models.hf`) is imported lazily because it needs torch.
 """
 
-from dsi.models.base import LanguageModel, ModelSession, common_prefix_length, forward_rows
+from dsi.models.base import LanguageModel, ModelSession, common_prefix_length, extend_rows, forward_rows
 from dsi.models.callable import CallableLM
 from dsi.models.latency import WithLatency
 from dsi.models.replay import ReplayLM, replay_pair
@@ -17,6 +17,7 @@ __all__ = [
     "ReplayLM",
     "WithLatency",
     "common_prefix_length",
+    "extend_rows",
     "forward_rows",
     "replay_pair",
     "synthetic_pair",

@@ -11,6 +11,13 @@ Cancellation is cooperative: ``extend`` receives a flag (anything with ``is_set(
 slices). On cancellation it raises :class:`dsi.errors.TaskCancelled` and leaves the session
 exactly as it was before the call.
 
+Callers usually need only a few rows of a forward (the last one when drafting, the k+1 rows a
+verification decides), and in greedy decoding only their argmax. :func:`extend_rows` asks for
+exactly that. A session may implement it itself (``extend_rows``, see
+:class:`RowSelectingSession`) to skip the output layer for other rows and to take the argmax where
+the logits are (on a GPU only the token ids then travel to the host); for any other session it is
+done here from ``extend``'s full rows, with the same result.
+
 This module knows nothing about torch, sampling or the algorithm.
 """
 
@@ -60,6 +67,18 @@ class ModelSession(Protocol):
 
 
 @runtime_checkable
+class RowSelectingSession(Protocol):
+    """Optional fast path of a session (see :func:`extend_rows`)."""
+
+    def extend_rows(
+        self, tokens: Sequence[int], cancel: CancelFlag | None, num_rows: int, greedy: bool
+    ) -> np.ndarray:
+        """``extend(tokens, cancel)[-num_rows:]``, or with ``greedy`` the argmax of each of those
+        rows as int64 token ids ``[num_rows]`` (first index on ties)."""
+        ...
+
+
+@runtime_checkable
 class LanguageModel(Protocol):
     """A causal language model that hands out independent sessions."""
 
@@ -78,11 +97,36 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
+def extend_rows(
+    session: ModelSession,
+    tokens: Sequence[int],
+    cancel: CancelFlag | None = None,
+    num_rows: int | None = None,
+    greedy: bool = False,
+) -> np.ndarray:
+    """``session.extend(tokens, cancel)``, keeping only what the caller will read.
+
+    Returns the last ``num_rows`` (default: all) logit rows ``[num_rows, vocab_size]``, or with
+    ``greedy`` only their argmax token ids ``[num_rows]`` int64 (first index on ties, as
+    ``np.argmax``). Uses the session's own ``extend_rows`` when it has one.
+    """
+    n = len(tokens) if num_rows is None else num_rows
+    if not 1 <= n <= len(tokens):
+        raise ConfigError(f"num_rows={n} must be in [1, len(tokens)={len(tokens)}]")
+    own = getattr(session, "extend_rows", None)
+    if own is not None:
+        return own(tokens, cancel, n, greedy)
+    rows = session.extend(tokens, cancel)[-n:]  # [n, V]
+    return np.argmax(rows, axis=-1).astype(np.int64) if greedy else rows
+
+
 def forward_rows(
     session: ModelSession,
     context: Sequence[int],
     num_rows: int,
     cancel: CancelFlag | None = None,
+    *,
+    greedy: bool = False,
 ) -> np.ndarray:
     """Bring ``session`` to ``context`` reusing its cache; return the last ``num_rows`` logit rows.
 
@@ -90,14 +134,14 @@ def forward_rows(
     ``len(context) - num_rows``, so the rows asked for are computed) and only the rest is run.
     Row i of the result is the next-token distribution after
     ``context[: len(context) - num_rows + i + 1]``.  # [num_rows, vocab_size]
+    With ``greedy``, only the argmax token id of each of those rows.  # [num_rows] int64
     """
     if not 1 <= num_rows <= len(context):
         raise ConfigError(f"{num_rows=} must be in [1, len(context)={len(context)}]")
     keep = min(common_prefix_length(session.tokens, context), len(context) - num_rows)
     if keep < len(session.tokens):
         session.truncate(keep)
-    rows = session.extend(context[keep:], cancel)
-    return rows[-num_rows:]
+    return extend_rows(session, context[keep:], cancel, num_rows, greedy)
 
 
 def check_logits(row: np.ndarray, vocab_size: int, what: str) -> np.ndarray:

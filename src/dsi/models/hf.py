@@ -22,6 +22,7 @@ Tested with transformers 5.x (5.24) and torch 2.13 (CPU); the cache argument of 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import logging
@@ -138,6 +139,7 @@ class HFModel:
         self._vocab_size = int(getattr(head, "out_features", 0) or model.config.get_text_config().vocab_size)
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._keep_kwarg = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
         self._local = threading.local()  # .cancel: the flag of the forward running in this thread
         self._lock = threading.Lock()
         self._replicas: dict[torch.device, HFModel] = {self.device: self}
@@ -278,16 +280,34 @@ class HFModel:
         if flag is not None and flag.is_set():
             raise TaskCancelled("forward cancelled between layers")
 
-    def _forward(self, ids: torch.Tensor, cache: Any, cancel: CancelFlag | None) -> torch.Tensor:
-        """One forward of ``ids`` ([1, n]) after ``cache``; returns logits [n, V] (float32, on CPU)."""
+    def _forward(self, ids: torch.Tensor, cache: Any, cancel: CancelFlag | None, num_rows: int | None = None,
+                 greedy: bool = False) -> torch.Tensor | None:
+        """One forward of ``ids`` ([1, n]) after ``cache``.
+
+        Returns the last ``num_rows`` logit rows as float32 on the CPU ([num_rows, V]), or with
+        ``greedy`` their argmax ids (int64, [num_rows]), taken on the model's device so that only
+        the ids cross to the host; ``num_rows=0`` returns None (the cache is all that is wanted).
+        The output layer runs only for the rows asked for where the model supports it
+        (``logits_to_keep``). This is the forward's one host-device synchronisation.
+        """
         if self.threads is not None and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
+        n = ids.shape[1]
+        rows = n if num_rows is None else num_rows
+        kwargs = {self._cache_kwarg: cache}
+        if self._keep_kwarg is not None and rows < n:
+            kwargs[self._keep_kwarg] = max(rows, 1)  # 0 would mean "every row"
         self._local.cancel = cancel
         try:
-            out = self.model(input_ids=ids, use_cache=True, **{self._cache_kwarg: cache})
+            out = self.model(input_ids=ids, use_cache=True, **kwargs)
         finally:
             self._local.cancel = None
-        return out.logits[0].float().cpu()  # [n, V]
+        if rows == 0:
+            return None
+        logits = out.logits[0, -rows:]  # [rows, V]
+        if greedy:
+            return logits.argmax(dim=-1).cpu()  # [rows] int64; argmax of bf16 = argmax of its float32 copy
+        return logits.float().cpu()  # [rows, V]
 
     def close(self) -> None:
         """Remove the cancellation hooks (the model itself is left to the garbage collector)."""
@@ -301,17 +321,29 @@ class HFModel:
 
 
 class HFSession:
-    """One token sequence and its ``DynamicCache`` on one :class:`HFModel`."""
+    """One token sequence and its ``DynamicCache`` on one :class:`HFModel`.
+
+    On a GPU each session runs its forwards on a CUDA stream of its own, so that the kernels of
+    several sessions (the drafter and target servers as threads of one process) can overlap on the
+    device, and waiting for one session's result does not wait for another's queued kernels.
+    """
 
     def __init__(self, owner: HFModel) -> None:
         self._owner = owner
         self._tokens: list[int] = []
+        self._stream = None
+        if owner.device.type == "cuda":
+            self._stream = torch.cuda.Stream(device=owner.device)
+            self._stream.wait_stream(torch.cuda.current_stream(owner.device))  # the weights are ready
         self._cache = self._new_cache()
 
     def _new_cache(self) -> Any:
         from transformers import DynamicCache
 
         return DynamicCache(config=self._owner.model.config)
+
+    def _on_stream(self) -> Any:
+        return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -322,11 +354,17 @@ class HFSession:
         return self._owner
 
     def extend(self, tokens: Sequence[int], cancel: CancelFlag | None = None) -> np.ndarray:
+        return self.extend_rows(tokens, cancel, len(tokens), False)
+
+    def extend_rows(self, tokens: Sequence[int], cancel: CancelFlag | None, num_rows: int, greedy: bool) -> np.ndarray:
+        """The session interface's fast path (:func:`dsi.models.base.extend_rows`)."""
         owner = self._owner
         new = [int(t) for t in tokens]
         vocab = owner.vocab_size
         if not new:
-            return np.empty((0, vocab), dtype=np.float32)
+            return np.empty((0,) if greedy else (0, vocab), dtype=np.int64 if greedy else np.float32)
+        if not 1 <= num_rows <= len(new):
+            raise ConfigError(f"num_rows={num_rows} must be in [1, {len(new)}]")
         bad = [t for t in new if not 0 <= t < vocab]
         if bad:
             raise ConfigError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab}) of {owner.name}")
@@ -336,22 +374,22 @@ class HFSession:
         if cancel is not None and cancel.is_set():
             raise TaskCancelled("forward cancelled before it started")
         before = len(self._tokens)
-        ids = torch.tensor([new], dtype=torch.long, device=owner.device)  # [1, n]
-        with torch.inference_mode():
+        with torch.inference_mode(), self._on_stream():
+            ids = torch.tensor([new], dtype=torch.long, device=owner.device)  # [1, n]
             try:
-                logits = owner._forward(ids, self._cache, cancel)  # [n, V]
+                out = owner._forward(ids, self._cache, cancel, num_rows, greedy)  # [num_rows(, V)]
             except BaseException:
                 self._restore(before)
                 raise
         self._tokens.extend(new)
-        return logits.numpy()
+        return out.numpy()
 
     def truncate(self, length: int) -> None:
         if not isinstance(length, int) or not 0 <= length <= len(self._tokens):
             raise ConfigError(f"truncate length={length!r} must be in [0, {len(self._tokens)}]")
         if length == len(self._tokens):
             return
-        with torch.inference_mode():
+        with torch.inference_mode(), self._on_stream():
             self._restore(length)
         del self._tokens[length:]
 
@@ -375,9 +413,9 @@ class HFSession:
     def _rebuild(self, length: int) -> None:
         """Recompute the cache of the first ``length`` tokens from scratch (fallback of crop)."""
         self._cache = self._new_cache()
-        ids = torch.tensor([self._tokens[:length]], dtype=torch.long, device=self._owner.device)
-        with torch.inference_mode():
-            self._owner._forward(ids, self._cache, None)
+        with torch.inference_mode(), self._on_stream():
+            ids = torch.tensor([self._tokens[:length]], dtype=torch.long, device=self._owner.device)
+            self._owner._forward(ids, self._cache, None, num_rows=0)
 
     def close(self) -> None:
         self._tokens = []

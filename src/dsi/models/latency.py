@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from dsi.errors import ConfigError, TaskCancelled
-from dsi.models.base import CancelFlag, LanguageModel, ModelSession
+from dsi.models.base import CancelFlag, LanguageModel, ModelSession, extend_rows
 
 _SPIN_S = 0.0003  # final stretch of a wait done by polling, for sub-millisecond precision
 
@@ -74,10 +74,13 @@ class LatencySession:
         return self._inner.tokens
 
     def extend(self, tokens: Sequence[int], cancel: CancelFlag | None = None) -> np.ndarray:
+        return self.extend_rows(tokens, cancel, len(tokens), False)
+
+    def extend_rows(self, tokens: Sequence[int], cancel: CancelFlag | None, num_rows: int, greedy: bool) -> np.ndarray:
         start = time.perf_counter()
         latency = self._tpot if self._prefilled else self._ttft
         before = len(self._inner.tokens)
-        rows = self._inner.extend(tokens, cancel)
+        rows = extend_rows(self._inner, tokens, cancel, num_rows, greedy)
         if precise_wait(latency - (time.perf_counter() - start), cancel):
             self._inner.truncate(before)
             raise TaskCancelled("forward cancelled")

@@ -13,20 +13,25 @@ the real pair's decisions: the drafts along the target's output are the real dra
 acceptance and rejections are the real run's; what the drafter proposes after a rejected draft
 (off the recording, so ``fallback``) is discarded by the algorithm whatever it is. Greedy only:
 the replayed logits are one-hot, not the real distributions.
+
+:func:`random_weights_model` builds the stand-ins (a transformers architecture from its
+``config.json``, seeded random weights, built directly on the device); :class:`ReplayRecipe`
+rebuilds a replayed model inside a target server process or Ray actor (pass it as the
+transport's ``recipe`` option), so no weights ever travel.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from dsi.errors import ConfigError
-from dsi.models.base import CancelFlag, LanguageModel, ModelSession
+from dsi.models.base import CancelFlag, LanguageModel, ModelSession, extend_rows
 
 RECORDING_VERSION = 1
 
@@ -86,10 +91,8 @@ def load_recording(path: str | Path) -> tuple[list[RecordedPrompt], dict]:
     return prompts, dict(doc.get("meta") or {})
 
 
-def replay_pair(
-    target: LanguageModel, drafter: LanguageModel, prompts: Sequence[RecordedPrompt], fallback: int = 0
-) -> tuple[ReplayLM, ReplayLM]:
-    """``target`` and ``drafter`` wrapped to take the recorded decisions of ``prompts``."""
+def recorded_choices(prompts: Sequence[RecordedPrompt]) -> tuple[dict, dict]:
+    """``(target_choices, drafter_choices)``: each model's recorded token for every context."""
     target_choices: dict[tuple[int, ...], int] = {}
     drafter_choices: dict[tuple[int, ...], int] = {}
     for p in prompts:
@@ -97,24 +100,94 @@ def replay_pair(
             context = p.prompt + p.target[:i]
             target_choices[context] = t
             drafter_choices[context] = d
-    return ReplayLM(target, target_choices, fallback), ReplayLM(drafter, drafter_choices, fallback)
+    return target_choices, drafter_choices
+
+
+def replay_pair(
+    target: LanguageModel, drafter: LanguageModel, prompts: Sequence[RecordedPrompt], fallback: int = 0
+) -> tuple[ReplayLM, ReplayLM]:
+    """``target`` and ``drafter`` wrapped to take the recorded decisions of ``prompts``.
+
+    Where their vocabularies differ in size (padding of one tokenizer), both report the smaller.
+    """
+    target_choices, drafter_choices = recorded_choices(prompts)
+    vocab = min(target.vocab_size, drafter.vocab_size)
+    return (ReplayLM(target, target_choices, fallback, vocab_size=vocab),
+            ReplayLM(drafter, drafter_choices, fallback, vocab_size=vocab))
+
+
+def random_weights_model(config_dir: str | Path, dtype: str = "bf16", device: str = "cpu", *, seed: int = 0,
+                         threads: int | None = None, role: str | None = None) -> Any:
+    """An :class:`~dsi.models.hf.HFModel` of the architecture in ``config_dir`` (a ``config.json``)
+    with seeded random weights, built directly on ``device``: each forward costs what the real
+    model's would. Needs torch and transformers (the ``hf`` extra)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from dsi.models.hf import HFModel, check_device, torch_dtype
+
+    config_dir = Path(config_dir)
+    if not (config_dir / "config.json").is_file():
+        raise ConfigError(f"config_dir={str(config_dir)!r} has no config.json")
+    dev = check_device(device, dtype)
+    hf_logging.disable_progress_bar()
+    config = AutoConfig.from_pretrained(config_dir)
+    torch.manual_seed(seed)
+    with torch.device(dev):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype))
+    return HFModel(model, name=f"{config_dir.name} (random weights)", threads=threads, role=role)
+
+
+@dataclass(frozen=True)
+class ReplayRecipe:
+    """Rebuilds ``ReplayLM(random_weights_model(config_dir, ...), choices)`` in the process that
+    calls :meth:`build` (a recipe in the sense of :mod:`dsi.transport.recipes`)."""
+
+    config_dir: str
+    choices: Mapping[tuple[int, ...], int] = field(compare=False)
+    dtype: str = "bf16"
+    device: str = "cpu"
+    threads: int | None = None
+    vocab_size: int | None = None
+    fallback: int = 0
+
+    uses_device = True
+
+    def build(self) -> ReplayLM:
+        model = random_weights_model(self.config_dir, self.dtype, self.device, threads=self.threads, role="target")
+        return ReplayLM(model, self.choices, self.fallback, vocab_size=self.vocab_size)
+
+    def placed(self, device: str | None, threads: int | None) -> ReplayRecipe:
+        return replace(self, device=self.device if device is None else str(device),
+                       threads=self.threads if threads is None else threads)
 
 
 class ReplayLM:
-    """``model``'s forwards, with logits whose argmax is ``choices[context]`` (else ``fallback``)."""
+    """``model``'s forwards, with logits whose argmax is ``choices[context]`` (else ``fallback``).
 
-    def __init__(self, model: LanguageModel, choices: Mapping[tuple[int, ...], int], fallback: int = 0) -> None:
-        vocab = model.vocab_size
-        bad = [t for t in (*choices.values(), fallback) if not 0 <= t < vocab]
+    ``vocab_size`` (default: the model's) is the size of the rows it returns: give the pair one
+    common size when their architectures pad the same tokenizer differently (Qwen2.5-14B has 152064
+    rows, Qwen2.5-0.5B 151936); every recorded id must lie below it.
+    """
+
+    def __init__(self, model: LanguageModel, choices: Mapping[tuple[int, ...], int], fallback: int = 0,
+                 vocab_size: int | None = None) -> None:
+        vocab = model.vocab_size if vocab_size is None else vocab_size
+        if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 2:
+            raise ConfigError(f"vocab_size={vocab!r} must be an integer >= 2")
+        bad = [t for t in (*choices.values(), fallback) if not 0 <= t < min(vocab, model.vocab_size)]
         if bad:
-            raise ConfigError(f"recorded token ids {bad[:5]} are outside the vocabulary [0, {vocab}) of {model!r}")
+            raise ConfigError(f"recorded token ids {bad[:5]} are outside the vocabulary "
+                              f"[0, {min(vocab, model.vocab_size)}) of {model!r}")
         self.model = model
         self.choices = dict(choices)
         self.fallback = int(fallback)
+        self._vocab_size = vocab
 
     @property
     def vocab_size(self) -> int:
-        return self.model.vocab_size
+        return self._vocab_size
 
     @property
     def threads(self) -> int | None:  # torch threads of an HF inner model (see dsi.compare)
@@ -143,13 +216,19 @@ class ReplaySession:
         return self._inner.tokens
 
     def extend(self, tokens: Sequence[int], cancel: CancelFlag | None = None) -> np.ndarray:
+        return self.extend_rows(tokens, cancel, len(tokens), False)
+
+    def extend_rows(self, tokens: Sequence[int], cancel: CancelFlag | None, num_rows: int, greedy: bool) -> np.ndarray:
         before = tuple(self._inner.tokens)
-        self._inner.extend(tokens, cancel)  # the real forward: its time, cache and cancellation
+        # the real forward, asked for what a real run would ask: its time, cache and cancellation
+        extend_rows(self._inner, tokens, cancel, num_rows, greedy)
         owner, new = self._owner, [int(t) for t in tokens]
-        rows = np.zeros((len(new), owner.vocab_size), dtype=np.float32)
-        for i in range(len(new)):
-            context = before + tuple(new[: i + 1])
-            rows[i, owner.choices.get(context, owner.fallback)] = 1.0
+        choices = [owner.choices.get(before + tuple(new[: i + 1]), owner.fallback)
+                   for i in range(len(new) - num_rows, len(new))]
+        if greedy:
+            return np.asarray(choices, dtype=np.int64)  # [num_rows]
+        rows = np.zeros((num_rows, owner.vocab_size), dtype=np.float32)  # [num_rows, V], one-hot
+        rows[np.arange(num_rows), choices] = 1.0
         return rows
 
     def truncate(self, length: int) -> None:

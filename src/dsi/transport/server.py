@@ -21,11 +21,11 @@ def run_verify_task(
 ) -> TaskResult:
     """Compute ``task`` on ``session``; raises ``TaskCancelled`` if ``cancel`` fires."""
     start = time.perf_counter()
-    logits = forward_rows(session, task.context, task.num_rows, cancel)  # [num_rows, V]
-    if task.sampling.greedy:
-        tokens = np.argmax(logits, axis=-1).astype(np.int64)  # [num_rows]
+    if task.sampling.greedy:  # only the argmax ids leave the model (on a GPU: only they cross to the host)
+        tokens = forward_rows(session, task.context, task.num_rows, cancel, greedy=True)  # [num_rows]
         probs = None
     else:
+        logits = forward_rows(session, task.context, task.num_rows, cancel)  # [num_rows, V]
         probs = np.stack([process_logits(row, task.sampling) for row in logits])  # [num_rows, V]
         tokens = np.argmax(probs, axis=-1).astype(np.int64)
     return TaskResult(task.task_id, server_id, tokens, probs, time.perf_counter() - start)

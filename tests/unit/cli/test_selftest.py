@@ -88,7 +88,8 @@ def test_selftest_fails_when_dsi_acceptance_is_biased(capsys, pair, monkeypatch,
 
 
 def test_selftest_fails_when_si_greedy_is_wrong(capsys, pair, monkeypatch):
-    monkeypatch.setattr(si_engine, "decide", always_accept)  # SI then keeps every draft, even wrong ones
+    # SI then keeps every greedy draft, even wrong ones
+    monkeypatch.setattr(si_engine, "decide_greedy", lambda target_token, draft: Decision(int(draft), True))
     code = main(["selftest", "--target", pair[0], "--drafter", pair[1], "--threads", "1", "--positions", "0",
                  "--max-new-tokens", "16"])
     out = capsys.readouterr().out

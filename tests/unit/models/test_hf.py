@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from dsi.errors import ConfigError, ModelError, TaskCancelled  # noqa: E402
-from dsi.models.base import LanguageModel, ModelSession, forward_rows  # noqa: E402
+from dsi.models.base import LanguageModel, ModelSession, extend_rows, forward_rows  # noqa: E402
 from dsi.models.hf import HFModel, check_device, decoder_layers, torch_dtype  # noqa: E402
 
 pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("one_torch_thread")]
@@ -98,6 +98,30 @@ def test_forward_rows_reuses_cache(pair):
     rows = forward_rows(session, context, 3)
     np.testing.assert_allclose(rows, reference(raw, context)[-3:], atol=ATOL)
     assert session.tokens == tuple(context)
+
+
+def test_extend_rows_fast_path_equals_full_rows_and_runs_the_head_only_on_them(pair):
+    """The session's own extend_rows gives the tail of extend's rows (or their argmax), and the
+    output layer sees only those rows (logits_to_keep): no logits for rows nobody reads."""
+    raw, model = pair
+    ref = reference(raw, IDS)  # [len(IDS), V]
+    head_rows = []
+    handle = raw.get_output_embeddings().register_forward_pre_hook(
+        lambda module, args: head_rows.append(args[0].shape[1]))
+    try:
+        session = model.new_session()
+        assert hasattr(session, "extend_rows")
+        tail = extend_rows(session, IDS[:9], None, 2)
+        np.testing.assert_allclose(tail, ref[7:9], atol=ATOL)
+        ids = extend_rows(session, IDS[9:], None, 3, greedy=True)
+        assert ids.dtype == np.int64 and ids.tolist() == np.argmax(ref[-3:], axis=-1).tolist()
+        assert head_rows == [2, 3]
+        greedy = forward_rows(session, IDS[:6] + [11, 12], 2, greedy=True)
+        assert greedy.tolist() == np.argmax(reference(raw, IDS[:6] + [11, 12])[-2:], axis=-1).tolist()
+        with pytest.raises(ConfigError, match="num_rows=4"):
+            extend_rows(session, [1, 2, 3], None, 4)
+    finally:
+        handle.remove()
 
 
 def test_truncate_rejects_bad_length(pair):

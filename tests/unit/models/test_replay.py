@@ -101,3 +101,17 @@ def test_recordings_round_trip_and_bad_files_are_named(tmp_path):
 def test_recorded_tokens_outside_the_vocabulary_are_refused():
     with pytest.raises(ConfigError, match=r"outside the vocabulary \[0, 8\)"):
         ReplayLM(random_lm(8, seed=1), {(1,): 8})
+
+
+def test_replay_fast_path_gives_the_recorded_ids_and_runs_the_inner_forward():
+    """extend_rows(greedy) returns the recorded choices without building logit rows, and still
+    runs (and caches) the inner model's forward."""
+    from dsi.models.base import extend_rows
+
+    model = ReplayLM(random_lm(8, seed=3), {(1,): 5, (1, 5): 6, (1, 5, 6): 2})
+    session = model.new_session()
+    ids = extend_rows(session, [1, 5, 6], None, 2, greedy=True)
+    assert ids.dtype == np.int64 and ids.tolist() == [6, 2]
+    assert session.tokens == (1, 5, 6)
+    rows = extend_rows(session, [7], None, 1)  # off the recording: the fallback, as a one-hot row
+    assert rows.shape == (1, 8) and int(rows[0].argmax()) == 0 and rows.sum() == 1.0

@@ -1,0 +1,42 @@
+"""The prepared GPU run (benchmarks/gpu_check.sh) end to end on the CPU, with tiny configurations of
+the same architectures (DRY_RUN=1), so that the script cannot rot between the rare GPU runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.hf]
+
+
+def test_gpu_check_dry_run_measures_every_part(tmp_path):
+    env = {**os.environ, "DRY_RUN": "1", "OUT": str(tmp_path), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    done = subprocess.run(["bash", "benchmarks/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "torch" in (tmp_path / "machine.txt").read_text()
+    for part, target in (("pair", "qwen2.5-coder-1.5b-instruct"), ("target14b", "qwen2.5-14b-instruct")):
+        report = json.loads((tmp_path / f"{part}.json").read_text())
+        assert report["config"]["pair"][0] == target and not report["skipped"]
+        rows = report["rows"]
+        transports = {r["transport"] for r in rows.values() if r["method"] == "dsi"}
+        assert transports == {"threads", "processes"}
+        assert {r["method"] for r in rows.values()} == {"ar", "si", "dsi"}
+        for label, row in rows.items():
+            assert row["identical"], label  # every method reproduces the recorded greedy output
+            if row["method"] != "ar":
+                assert row["engine_over_ideal"] > 0 and row["acceptance_rate"] > 0.5, label
+            if row["method"] == "dsi":
+                assert row["target_forward_in_run_s"] > 0 and row["drafter_forward_in_run_s"] > 0, label
+        assert set(report["latencies_s"]["1"]) == {"drafter", "target"}
+    log = (tmp_path / "target14b.log").read_text()
+    assert "vocabularies 152064 / 151936" in log and "DSI k=2 SP=1 processes" in log
