@@ -167,19 +167,23 @@ def hf_assisted(target, drafter, prompts, tokens, repeats, threads):
     return walls, outputs
 
 
-def parse_dsi_spec(spec: str) -> tuple[str, list[int], list[int], int | None]:
-    """``TRANSPORT:KS:SPS[:THREADS]`` -> (transport, lookaheads, server counts, threads per server)."""
+def parse_dsi_spec(spec: str) -> tuple[str, list[int], list[int], int | None, int | None]:
+    """``TRANSPORT:KS:SPS[:THREADS[:DRAFTER_THREADS]]`` -> (transport, lookaheads, server counts,
+    torch threads per server process, torch threads of the drafter)."""
     parts = spec.split(":")
     try:
-        if len(parts) not in (3, 4) or parts[0] not in ("threads", "processes", "ray"):
+        if len(parts) not in (3, 4, 5) or parts[0] not in ("threads", "processes", "ray"):
             raise ValueError
         ks = [int(x) for x in parts[1].split(",")]
         sps = [int(x) for x in parts[2].split(",")]
-        threads = int(parts[3]) if len(parts) == 4 else None
+        threads = int(parts[3]) if len(parts) >= 4 and parts[3] else None
+        drafter_threads = int(parts[4]) if len(parts) == 5 else None
+        if min(ks + sps + [threads or 1, drafter_threads or 1]) < 1:
+            raise ValueError
     except ValueError:
-        raise SystemExit(f"--dsi {spec!r}: expected TRANSPORT:KS:SPS[:THREADS] with TRANSPORT threads, processes "
-                         "or ray, e.g. processes:3,5:1,2,4") from None
-    return parts[0], ks, sps, threads
+        raise SystemExit(f"--dsi {spec!r}: expected TRANSPORT:KS:SPS[:THREADS[:DRAFTER_THREADS]] with TRANSPORT "
+                         "threads, processes or ray and positive integers, e.g. processes:3,5:1,2,4") from None
+    return parts[0], ks, sps, threads, drafter_threads
 
 
 def median_of(runs, key: str) -> float | None:
@@ -202,8 +206,9 @@ def main() -> int:
     p.add_argument("--si-k", type=int, nargs="+", default=[4, 6, 8])
     p.add_argument("--dsi-k", type=int, nargs="+", default=[3, 5])
     p.add_argument("--dsi-sp", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--dsi", action="append", metavar="TRANSPORT:KS:SPS[:THREADS]",
-                   help="DSI placements to run (repeatable); default threads:DSI_K:DSI_SP")
+    p.add_argument("--dsi", action="append", metavar="TRANSPORT:KS:SPS[:THREADS[:DRAFTER_THREADS]]",
+                   help="DSI placements to run (repeatable); default threads:DSI_K:DSI_SP. THREADS: torch "
+                        "threads per server process; DRAFTER_THREADS: the drafter's (default --dsi-threads)")
     p.add_argument("--no-ideal", action="store_true", help="skip the latency measurements and the ideal")
     p.add_argument("--latency-threads", type=int, nargs="*", default=[], metavar="N",
                    help="also measure each worker alone on these torch thread counts (thread scaling)")
@@ -213,6 +218,7 @@ def main() -> int:
     p.add_argument("--no-assisted", action="store_true")
     p.add_argument("--deadline", type=float, default=None, metavar="S",
                    help="start no new configuration after S seconds (the rest is reported as skipped)")
+    p.add_argument("--no-gpu-utilisation", action="store_true", help="do not sample the GPU's utilisation (NVML)")
     p.add_argument("--out")
     p.add_argument("--record", metavar="FILE", help="save the pair's greedy decisions for --replay")
     p.add_argument("--replay", metavar="FILE", help="replay a --record file on random-weight models of the "
@@ -222,7 +228,7 @@ def main() -> int:
     p.add_argument("--configs-dir", default=str(CONFIGS), help="replay: where architectures live (NAME/config.json)")
     args = p.parse_args()
     began = time.perf_counter()
-    specs = [parse_dsi_spec(s) for s in args.dsi] if args.dsi else [("threads", args.dsi_k, args.dsi_sp, None)]
+    specs = [parse_dsi_spec(s) for s in args.dsi] if args.dsi else [("threads", args.dsi_k, args.dsi_sp, None, None)]
     if any(t == "processes" for t, *_ in specs) and not args.replay:
         print("note: process-placed servers reload the model from its source directory", file=sys.stderr)
 
@@ -254,7 +260,7 @@ def main() -> int:
 
     configs = [MethodConfig("ar", threads=args.threads)]
     configs += [MethodConfig("si", k, threads=args.threads) for k in args.si_k]
-    for transport, ks, sps, server_threads in specs:
+    for transport, ks, sps, server_threads, drafter_threads in specs:
         options: dict = {}
         if args.target_devices:
             options["devices"] = args.target_devices
@@ -263,7 +269,7 @@ def main() -> int:
                 options["recipe"] = recipe
             if server_threads is not None:
                 options["threads_per_server"] = server_threads
-        configs += [MethodConfig("dsi", k, sp, threads=args.dsi_threads, transport=transport,
+        configs += [MethodConfig("dsi", k, sp, threads=drafter_threads or args.dsi_threads, transport=transport,
                                  transport_options=tuple(options.items()))
                     for sp in sps for k in ks]  # k innermost: those configs share one pool
 
@@ -291,9 +297,9 @@ def main() -> int:
     if not args.no_ideal:
         if args.replay:
             patterns = [r.accept_pattern for r in recordings]
-        sizes = sorted({k + 1 for k in args.si_k} | {k + 1 for _, ks, _, _ in specs for k in ks})
+        sizes = sorted({k + 1 for k in args.si_k} | {k + 1 for _, ks, *_ in specs for k in ks})
         thread_counts = {args.threads, args.dsi_threads, *args.latency_threads}
-        thread_counts |= {t for _, _, _, t in specs if t is not None}
+        thread_counts |= {t for spec in specs for t in spec[3:] if t is not None}
         for threads in sorted(thread_counts):
             latencies[threads] = {
                 "drafter": worker_latencies(drafter, prompts[0], threads, [1]),
@@ -307,7 +313,7 @@ def main() -> int:
                   file=sys.stderr)
         write()
 
-    gpu = GpuUtilisation(args.device)
+    gpu = GpuUtilisation("cpu" if args.no_gpu_utilisation else args.device)
     total_runs = len(configs) * len(prompts) * args.repeats
     done = 0
 
@@ -377,13 +383,13 @@ def main() -> int:
     best = lambda m: min((r for r in rows.values() if r["method"] == m), key=lambda r: r["total_s"], default=None)
     best_si, best_dsi = best("si"), best("dsi")
     ms = lambda v: f"{v * 1e3:6.1f}" if v else f"{'-':>6}"
-    print(f"{'method':<26} {'total s':>8} {'tok/s':>6} {'vs non-SI':>9} {'vs best SI':>10} {'accept':>6} "
+    print(f"{'method':<32} {'total s':>8} {'tok/s':>6} {'vs non-SI':>9} {'vs best SI':>10} {'accept':>6} "
           f"{'ideal s':>8} {'eng/ideal':>9} {'tgt ms':>6} {'dft ms':>6} {'GPU %':>5} identical")
     for label, r in rows.items():
         ideal = f"{r['ideal_s']:8.2f} {r['engine_over_ideal']:9.2f}" if "ideal_s" in r else f"{'-':>8} {'-':>9}"
         util = r.get("gpu_utilisation_pct")
         vs_si = f"{best_si['total_s'] / r['total_s']:9.2f}x" if best_si else f"{'-':>10}"
-        print(f"{label:<26} {r['total_s']:8.2f} {n / r['total_s']:6.2f} {base / r['total_s']:8.2f}x {vs_si} "
+        print(f"{label:<32} {r['total_s']:8.2f} {n / r['total_s']:6.2f} {base / r['total_s']:8.2f}x {vs_si} "
               f"{r.get('acceptance_rate', 0):6.2f} {ideal} {ms(r.get('target_forward_in_run_s'))} "
               f"{ms(r.get('drafter_forward_in_run_s'))} {f'{util:5.0f}' if util is not None else '    -'} "
               f"{'yes' if r['identical'] else 'NO'}")

@@ -46,6 +46,9 @@ class MethodConfig:
         if self.method == "si":
             return f"SI k={self.lookahead}"
         where = "" if self.transport == "threads" else f" {self.transport}"
+        server_threads = dict(self.transport_options).get("threads_per_server")
+        if server_threads is not None:  # a split of CPU cores: t threads per server, d for the drafter
+            where += f" t={server_threads} d={self.threads}"
         return f"DSI k={self.lookahead} SP={self.servers}{where}"
 
     @property
@@ -130,23 +133,12 @@ def iter_compare(
             decoder.close()
 
 
-def compare(
-    target,
-    drafter,
-    prompt_ids: Sequence[Sequence[int]],
-    configs: Sequence[MethodConfig],
-    *,
-    max_new_tokens: int = 64,
-    repeats: int = 1,
-    eos_token_id=None,
-    warmup_tokens: int = 4,
-    progress: Callable[[], None] | None = None,
-) -> list[dict[str, MethodRun]]:
-    """For each prompt, a ``{label: MethodRun}`` dict with every config's runs."""
+def compare(target, drafter, prompt_ids: Sequence[Sequence[int]], configs: Sequence[MethodConfig],
+            **options) -> list[dict[str, MethodRun]]:
+    """For each prompt, a ``{label: MethodRun}`` dict with every config's runs (``options``: those of
+    :func:`iter_compare`)."""
     results: list[dict[str, MethodRun]] = [{} for _ in prompt_ids]
-    for config, runs in iter_compare(target, drafter, prompt_ids, configs, max_new_tokens=max_new_tokens,
-                                     repeats=repeats, eos_token_id=eos_token_id, warmup_tokens=warmup_tokens,
-                                     progress=progress):
+    for config, runs in iter_compare(target, drafter, prompt_ids, configs, **options):
         for i, run in enumerate(runs):
             results[i][config.label] = run
     return results

@@ -40,3 +40,15 @@ def test_gpu_check_dry_run_measures_every_part(tmp_path):
         assert set(report["latencies_s"]["1"]) == {"drafter", "target"}
     log = (tmp_path / "target14b.log").read_text()
     assert "vocabularies 152064 / 151936" in log and "DSI k=2 SP=1 processes" in log
+
+
+def test_gpu_check_cpu_dry_run_splits_cores_between_drafter_and_servers(tmp_path):
+    env = {**os.environ, "DRY_RUN": "1", "OUT": str(tmp_path), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    done = subprocess.run(["bash", "benchmarks/gpu_check_cpu.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "cpu_cores.json").read_text())
+    split = report["rows"]["DSI k=4 SP=1 processes t=1 d=1"]
+    assert split["identical"] and split["server_threads"] == 1 and split["threads"] == 1
+    assert split["engine_over_ideal"] > 0
+    assert set(report["latencies_s"]) >= {"1", "2"}  # thread scaling measured alone

@@ -67,3 +67,5 @@ def test_compare_shares_a_decoder_between_lookaheads_and_records_each_run(monkey
 def test_labels_name_the_transport_when_it_is_not_threads():
     assert MethodConfig("dsi", 3, 2).label == "DSI k=3 SP=2"
     assert MethodConfig("dsi", 3, 2, transport="processes").label == "DSI k=3 SP=2 processes"
+    split = MethodConfig("dsi", 3, 2, threads=4, transport="processes", transport_options=(("threads_per_server", 6),))
+    assert split.label == "DSI k=3 SP=2 processes t=6 d=4"
