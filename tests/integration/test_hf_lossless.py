@@ -53,9 +53,9 @@ def test_greedy_dsi_and_si_equal_transformers_generate(build, no_thread_leak):
         prompt = [int(t) for t in rng.integers(1, 97, size=int(rng.integers(2, 9)))]
         ref = target_model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
                                     pad_token_id=0)[0, len(prompt):].tolist()
-        for lookahead in (1, 4):
+        for lookahead in (1, 4, "auto"):
             si = dsi.generate(target=target, drafter=drafter, prompt=prompt, method="si", max_new_tokens=16,
-                              lookahead=lookahead)
+                              lookahead=2 if lookahead == "auto" else lookahead)
             assert si.tokens == ref, (case, lookahead)
             for servers in (1, 3):
                 out = dsi.generate(target=target, drafter=drafter, prompt=prompt, max_new_tokens=16,
@@ -66,7 +66,8 @@ def test_greedy_dsi_and_si_equal_transformers_generate(build, no_thread_leak):
     assert accepted > 0 and rejected > 0  # both branches were exercised
 
 
-def test_dsi_sampling_matches_the_exact_law_of_a_tiny_vocabulary_model(no_thread_leak):
+@pytest.mark.parametrize("lookahead", [1, "auto"])
+def test_dsi_sampling_matches_the_exact_law_of_a_tiny_vocabulary_model(lookahead, no_thread_leak):
     vocab, length, samples = 5, 2, 2000
     target_model, drafter_model = llama(3, vocab=vocab), llama(4, vocab=vocab)
     with torch.no_grad():  # make the distributions far from uniform so that errors would show
@@ -85,7 +86,7 @@ def test_dsi_sampling_matches_the_exact_law_of_a_tiny_vocabulary_model(no_thread
     for a, pa in enumerate(probs(prompt)):
         for b, pb in enumerate(probs(prompt + (a,))):
             law[(a, b)] = pa * pb
-    decoder = build_decoder(target=target, drafter=drafter, lookahead=1, num_target_servers=2)
+    decoder = build_decoder(target=target, drafter=drafter, lookahead=lookahead, num_target_servers=2)
     counts = dict.fromkeys(law, 0)
     rejections = 0
     try:

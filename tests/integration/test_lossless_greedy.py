@@ -14,7 +14,7 @@ from tests.conftest import Jitter
 CONFIGS = list(
     itertools.product(
         [0.0, 0.3, 0.7, 0.95, 1.0],  # acceptance
-        [1, 2, 3, 5],  # lookahead
+        [1, 2, 3, 5, "auto"],  # lookahead ("auto": event-driven windows)
         [1, 2, 4, 7],  # target servers
     )
 )
@@ -22,14 +22,15 @@ CONFIGS = list(
 
 @pytest.mark.parametrize("acceptance, lookahead, servers", CONFIGS)
 def test_greedy_dsi_and_si_equal_non_si(acceptance, lookahead, servers, no_thread_leak):
-    seed = int(acceptance * 100) + 7 * lookahead + servers
+    seed = int(acceptance * 100) + 7 * (4 if lookahead == "auto" else lookahead) + servers
     target, drafter = synthetic_pair(acceptance, vocab_size=24, seed=seed)
     rng = np.random.default_rng(seed)
     prompt = [int(t) for t in rng.integers(0, 24, size=int(rng.integers(1, 6)))]
     reference = dsi.generate(target=target, prompt=prompt, method="ar", max_new_tokens=40).tokens
     # random latencies make results arrive in every order
     jt, jd = Jitter(target, 0.0015, seed), Jitter(drafter, 0.0005, seed + 1)
-    si = dsi.generate(target=jt, drafter=jd, prompt=prompt, method="si", max_new_tokens=40, lookahead=lookahead)
+    si = dsi.generate(target=jt, drafter=jd, prompt=prompt, method="si", max_new_tokens=40,
+                      lookahead=3 if lookahead == "auto" else lookahead)
     out = dsi.generate(
         target=jt, drafter=jd, prompt=prompt, method="dsi", max_new_tokens=40,
         lookahead=lookahead, num_target_servers=servers,
@@ -87,3 +88,15 @@ def test_streaming_callback_sees_every_token_in_order(no_thread_leak):
         target=target, drafter=drafter, prompt=[3], max_new_tokens=30, on_tokens=streamed.extend
     )
     assert streamed == out.tokens
+
+
+@pytest.mark.parametrize("max_window", [1, 2, 6])
+@pytest.mark.parametrize("servers", [1, 3])
+def test_greedy_event_driven_dsi_with_a_window_cap_equals_non_si(max_window, servers, no_thread_leak):
+    target, drafter = synthetic_pair(0.8, vocab_size=24, seed=max_window + servers)
+    reference = dsi.generate(target=target, prompt=[3, 1], method="ar", max_new_tokens=40).tokens
+    jt, jd = Jitter(target, 0.002, servers), Jitter(drafter, 0.0002, servers + 1)
+    out = dsi.generate(target=jt, drafter=jd, prompt=[3, 1], max_new_tokens=40, lookahead="auto",
+                       max_window=max_window, num_target_servers=servers)
+    assert out.tokens == reference
+    assert 0 < out.stats.mean_window <= max_window

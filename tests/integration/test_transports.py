@@ -57,7 +57,7 @@ def synthetic(target_ms: float = 4.0, drafter_ms: float = 0.5):
     return synthetic_pair(0.7, vocab_size=32, seed=3, target_tpot=target_ms / 1000, drafter_tpot=drafter_ms / 1000)
 
 
-def outputs(target, drafter, transport: str, servers: int, tokens: int, lookahead: int = 3) -> dict:
+def outputs(target, drafter, transport: str, servers: int, tokens: int, lookahead: int | str = 3) -> dict:
     decoder = dsi.build_decoder(target=target, drafter=drafter, lookahead=lookahead,
                                 num_target_servers=servers, transport=transport)
     try:
@@ -73,11 +73,12 @@ def synthetic_reference():
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("servers", [1, 2, 3])
-def test_synthetic_same_tokens_as_threads(transport, servers, synthetic_reference):
+@pytest.mark.parametrize("servers, lookahead", [(1, 3), (2, 3), (3, 3), (1, "auto"), (3, "auto")])
+def test_synthetic_same_tokens_as_threads(transport, servers, lookahead, synthetic_reference):
+    """The reference is threads with k = 3; event-driven windows must give the same tokens too."""
     use(transport)
     target, drafter = synthetic()
-    got = outputs(target, drafter, transport, servers, 40)
+    got = outputs(target, drafter, transport, servers, 40, lookahead)
     for name in PARAMS:
         assert got[name].tokens == synthetic_reference[name], name
         assert got[name].stats.rejections > 0 and got[name].stats.accepted_tokens > 0
@@ -103,11 +104,11 @@ def llama_pair(tmp_path_factory):
 @pytest.mark.hf
 @pytest.mark.slow  # every server process / actor imports torch and loads the model: ~5 s each here
 @pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("servers", [1, 2, 3])
-def test_hf_llama_same_tokens_as_threads(transport, servers, llama_pair):
+@pytest.mark.parametrize("servers, lookahead", [(1, 3), (2, 3), (3, 3), (2, "auto")])
+def test_hf_llama_same_tokens_as_threads(transport, servers, lookahead, llama_pair):
     use(transport)
     target, drafter, reference = llama_pair
-    got = outputs(target, drafter, transport, servers, 24)
+    got = outputs(target, drafter, transport, servers, 24, lookahead)
     for name in PARAMS:
         assert got[name].tokens == reference[name], name
     assert got["sampling"].stats.rejections > 0 and got["greedy"].stats.accepted_tokens > 0

@@ -30,7 +30,8 @@ def sample_counts(decoder, params_for_seed, law):
     return counts
 
 
-@pytest.mark.parametrize("method, lookahead, servers", [("dsi", 1, 2), ("dsi", 2, 3), ("si", 2, 1), ("si", 3, 1)])
+@pytest.mark.parametrize("method, lookahead, servers", [("dsi", 1, 2), ("dsi", 2, 3), ("dsi", "auto", 1), ("dsi", "auto", 3),
+                                                     ("si", 2, 1), ("si", 3, 1)])
 @pytest.mark.parametrize("processing", [dict(temperature=1.0), dict(temperature=0.8, top_k=2, top_p=0.9)])
 def test_sampling_matches_the_target_law(method, lookahead, servers, processing, no_thread_leak):
     target = random_lm(VOCAB, seed=21, sharpness=1.0)

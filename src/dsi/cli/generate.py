@@ -27,10 +27,27 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="torch threads per worker (drafter and each target server); default: torch's setting")
 
 
+def lookahead_arg(value: str) -> int | str:
+    """``--lookahead``: an integer k >= 1, or ``auto`` (DSI's event-driven windows)."""
+    if value.strip().lower() == "auto":
+        return "auto"
+    try:
+        k = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is neither an integer >= 1 nor 'auto'") from None
+    if k < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} must be an integer >= 1 or 'auto'")
+    return k
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--method", choices=["dsi", "si", "ar"], default="dsi", help="decoding method (default dsi)")
-    g.add_argument("--lookahead", "-k", type=int, default=5, help="draft tokens per verification window (default 5)")
+    g.add_argument("--lookahead", "-k", type=lookahead_arg, default=5,
+                   help="draft tokens per verification window, or 'auto' (DSI: event-driven windows, sent "
+                        "whenever a target server is free) (default 5)")
+    g.add_argument("--max-window", type=int, default=None,
+                   help="with --lookahead auto: the most drafts one window carries (default: no cap)")
     g.add_argument("--sp", type=int, default=1, help="number of target servers (default 1)")
     g.add_argument("--transport", choices=["threads", "processes", "ray"], default="threads",
                    help="where target servers run: threads of this process, spawned processes, or Ray "
@@ -140,7 +157,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
     result = dsi.generate(
         target=target, drafter=drafter, prompt=ids, method=args.method, max_new_tokens=args.max_new_tokens,
-        lookahead=args.lookahead, num_target_servers=args.sp, sampling=sampling, transport=args.transport,
+        lookahead=args.lookahead, max_window=args.max_window, num_target_servers=args.sp, sampling=sampling,
+        transport=args.transport,
         transport_options=transport_options(args), eos_token_id=list(target.eos_token_ids) or None, on_tokens=stream,
     )
     text = target.decode(result.tokens) if target.tokenizer is not None else None

@@ -46,19 +46,39 @@ def _check_model(model: object, role: str) -> LanguageModel:
     return model  # type: ignore[return-value]
 
 
+def check_lookahead(method: str, lookahead: object, max_window: object = None) -> None:
+    """Validate ``lookahead`` (an integer k >= 1, or "auto" for DSI's event-driven windows) and
+    ``max_window`` (None or an integer >= 1, with "auto" only)."""
+    require(
+        (_is_int(lookahead) and lookahead >= 1) or lookahead == "auto",
+        f"lookahead={lookahead!r} must be an integer >= 1 or 'auto' (DSI's event-driven windows)",
+    )
+    if lookahead == "auto" and method == "si":
+        raise ConfigError("lookahead='auto' is DSI's event-driven window policy; SI needs an integer lookahead")
+    if max_window is not None:
+        require(_is_int(max_window) and max_window >= 1, f"max_window={max_window!r} must be None or an integer >= 1")
+        require(lookahead == "auto", f"max_window={max_window!r} applies to lookahead='auto' only "
+                                     f"(lookahead={lookahead!r} sends windows of exactly that many drafts)")
+
+
 def build_decoder(
     *,
     target: LanguageModel,
     drafter: LanguageModel | None = None,
     method: str = "dsi",
-    lookahead: int = 5,
+    lookahead: int | str = 5,
     num_target_servers: int = 2,
     transport: str = "threads",
     transport_options: dict | None = None,
+    max_window: int | None = None,
 ) -> Decoder:
-    """A decoder that keeps its workers (threads, caches) across requests; ``close()`` it."""
+    """A decoder that keeps its workers (threads, caches) across requests; ``close()`` it.
+
+    ``lookahead``: drafts per verification window (k), or ``"auto"`` (DSI only): event-driven
+    windows, sent whenever a target server is idle, carrying every draft made since the previous
+    window (at most ``max_window``)."""
     require(method in METHODS, f"method={method!r} must be one of {', '.join(METHODS)}")
-    require(_is_int(lookahead) and lookahead >= 1, f"lookahead={lookahead!r} must be an integer >= 1")
+    check_lookahead(method, lookahead, max_window)
     require(
         _is_int(num_target_servers) and num_target_servers >= 1,
         f"num_target_servers={num_target_servers!r} must be an integer >= 1",
@@ -81,6 +101,7 @@ def build_decoder(
     return DSIDecoder(
         drafter, lookahead,
         lambda on_event: make_pool(transport, target, num_target_servers, on_event, **options),
+        max_window=max_window,
     )
 
 
@@ -136,7 +157,8 @@ def generate(
     prompt: Sequence[int],
     method: str = "dsi",
     max_new_tokens: int,
-    lookahead: int = 5,
+    lookahead: int | str = 5,
+    max_window: int | None = None,
     num_target_servers: int = 2,
     sampling: SamplingParams | None = None,
     transport: str = "threads",
@@ -150,8 +172,9 @@ def generate(
     Greedy output (``temperature=0``) is token for token the target's own greedy output;
     sampled output has exactly the target's distribution, and for a fixed seed it is the same
     for any number of target servers and any timing. ``on_tokens`` receives each committed
-    token as it is committed (streaming). Workers are started for this call and stopped before
-    it returns; use :func:`build_decoder` to keep them across calls.
+    token as it is committed (streaming). ``lookahead="auto"`` gives DSI event-driven windows
+    (see :func:`build_decoder`). Workers are started for this call and stopped before it returns;
+    use :func:`build_decoder` to keep them across calls.
     """
     sampling = SamplingParams() if sampling is None else sampling
     decoder = build_decoder(
@@ -162,6 +185,7 @@ def generate(
         num_target_servers=num_target_servers,
         transport=transport,
         transport_options=transport_options,
+        max_window=max_window,
     )
     try:
         request = make_request(prompt, max_new_tokens, sampling, eos_token_id, target.vocab_size)

@@ -6,10 +6,16 @@ point ``base``, and the verification *windows* sent for it. Relative position r 
 ``base``:
 
 - window 0 is the zero-draft task on ``base`` itself (the non-SI chain); it decides r = 0;
-- window m >= 1 has context ``base + draft[: m k]`` and decides r in ((m-1) k, m k]: its rows
-  compare drafts (m-1) k + 1 ... m k, the last row deciding the first draft of the next window.
+- window w >= 1 has context ``base + draft[: last_w]`` and decides r in (last_{w-1}, last_w]
+  (last_0 = 0): its rows compare drafts last_{w-1} + 1 ... last_w, the last row deciding the first
+  draft of the next window.
 
-Which window decides a position depends only on ``base``, never on timing. Results are applied
+Where windows end is the *window policy*. With a fixed lookahead k, last_w = w k: a window is sent
+after every k drafts. Event-driven (``lookahead="auto"``): a window is sent as soon as a target
+server is idle and undispatched drafts exist, carrying all of them (at most ``max_window``); while
+every server is busy, drafts pile up for the next window. Either way each position's decision is a
+function of its prefix, its draft and the counter-based uniforms of its absolute position only,
+so where windows end (which may depend on timing) never changes the output. Results are applied
 strictly in window order; an early result waits, stored, for its turn. A rejection commits the
 correction token, preempts every outstanding task (all of them contain the rejected draft),
 rolls the drafter back and restarts with a new zero-draft task. Where the drafter stopped early
@@ -20,10 +26,12 @@ output never depends on timing. Only the target commits EOS.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 from dsi.engine.drafter import Draft, DrafterFailed, DraftsDone, DraftWorker
@@ -34,6 +42,7 @@ from dsi.errors import WorkerError
 from dsi.models.base import LanguageModel
 from dsi.sampling import bonus, decide, decide_greedy
 from dsi.transport.base import ServerDied, TargetPool, TaskAborted, TaskFailed, TaskResult, VerifyTask
+from dsi.windows import WindowPacer, window_end
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +67,11 @@ class DSIDecoder:
 
     method = "dsi"
 
-    def __init__(self, drafter: LanguageModel, lookahead: int, pool_factory, trace: bool = False) -> None:
-        self.lookahead = lookahead
+    def __init__(self, drafter: LanguageModel, lookahead: int | str, pool_factory, trace: bool = False,
+                 max_window: int | None = None) -> None:
+        self.lookahead = lookahead  # k, or "auto" for event-driven windows (read at each request)
+        self.max_window = max_window  # event-driven: the most drafts one window carries (None: no cap)
+        self.pacer = WindowPacer()  # event-driven: latency and acceptance estimates, kept across requests
         # with trace=True, each request's ("submit", task_id, context) and ("apply", task_id,
         # position) records are kept here, for tests of the algorithm's invariants
         self.trace: list[tuple] | None = [] if trace else None
@@ -97,6 +109,8 @@ class _DSIRun:
         self.decoder = decoder
         self.request = request
         self.k = decoder.lookahead
+        self.event_driven = self.k == "auto"
+        self.max_window = decoder.max_window
         self.pool = decoder.pool
         self.drafter = decoder._drafter
         self.stats = GenerationStats(
@@ -112,6 +126,8 @@ class _DSIRun:
         self.drafter_done = False
         self.limit = 0
         self.windows: dict[int, _Window] = {}
+        self.lasts: list[int] = []  # last_w of windows 1, 2, ... of this epoch (increasing)
+        self._last_draft_at = 0.0
         self.outstanding: dict[int, int] = {}  # task_id -> window index (current epoch)
         self.task_ids: set[int] = set()  # every task this request submitted (others are a previous request's)
 
@@ -126,10 +142,13 @@ class _DSIRun:
             except queue.Empty:
                 self.out.check_abort()
                 self.check_workers()
+                self.submit_ready_windows()  # e.g. a restarted server: idle without an event
                 continue
             self.handle(event)
             self.out.check_abort()
             self.apply()
+            if self.event_driven and not isinstance(event, Draft | DraftsDone) and not self.out.finished:
+                self.submit_ready_windows()  # a server may have become idle
 
     def stop(self) -> None:
         """Cancel whatever is still running for this request; collect late statistics."""
@@ -165,6 +184,10 @@ class _DSIRun:
     def handle(self, event: object) -> None:
         if isinstance(event, Draft):
             if event.epoch == self.epoch and event.index == len(self.draft):
+                now = time.perf_counter()
+                if event.index > 0:
+                    self.decoder.pacer.add_drafter(now - self._last_draft_at)
+                self._last_draft_at = now
                 self.draft.append(event.token)
                 self.qs.append(event.q)
                 self.stats.drafted_tokens += 1
@@ -179,6 +202,7 @@ class _DSIRun:
             self.stats.target_forwards += 1
             self.stats.target_busy_s += event.compute_s
             index = self.outstanding.pop(event.task_id, None)
+            self.decoder.pacer.add_target(event.compute_s)
             if index is None:  # computed on a context a rejection made stale
                 self.stats.wasted_target_s += event.compute_s
             else:
@@ -208,7 +232,7 @@ class _DSIRun:
         self.stats.preempted_tasks += self.discard_epoch()
         self.epoch = next(self.decoder._epochs)
         self.base = tuple(self.out.tokens)
-        self.draft, self.qs, self.windows = [], [], {}
+        self.draft, self.qs, self.windows, self.lasts = [], [], {}, []
         self.drafter_done = False
         self.limit = self.out.remaining  # positions after base that may be committed
         self.submit_window(0, 0, 0)
@@ -220,6 +244,10 @@ class _DSIRun:
         task_id = next(self.decoder._task_ids)
         context = self.base + tuple(self.draft[:last])
         self.windows[index] = _Window(first, last, task_id)
+        if index > 0:
+            self.lasts.append(last)
+            self.stats.draft_windows += 1
+            self.stats.window_drafts += last - first + 1
         self.outstanding[task_id] = index
         self.task_ids.add(task_id)
         self.stats.verify_tasks += 1
@@ -237,14 +265,25 @@ class _DSIRun:
         return count - 1 if ended_with_eos else self.limit - 1
 
     def submit_ready_windows(self) -> None:
-        """Send every window whose drafts exist, cut at the horizon (never past the output's end)."""
-        k = self.k
+        """Send the windows the policy calls for, cut at the horizon (never past the output's end).
+
+        Fixed k: every window whose k drafts exist. Event-driven (:mod:`dsi.windows`): while a server
+        is idle and enough drafts exist past the last window sent, one window carrying all of them."""
         while True:
-            index = len(self.windows)  # next window to send
-            first = (index - 1) * k + 1
-            last = min(index * k, self.horizon())
-            if first > last or len(self.draft) < last:
-                return
+            index = len(self.windows)  # next window to send (window 0 is sent at every restart)
+            first = (self.lasts[-1] if self.lasts else 0) + 1
+            if self.event_driven:
+                last = window_end(
+                    first, len(self.draft), self.horizon(), idle_servers=self.pool.idle_servers(),
+                    min_window=self.decoder.pacer.min_window(self.pool.alive_servers()),
+                    max_window=self.max_window, drafter_done=self.drafter_done,
+                )
+                if last is None:
+                    return
+            else:
+                last = min(index * self.k, self.horizon())
+                if first > last or len(self.draft) < last:
+                    return
             self.submit_window(index, first, last)
 
     # ---- decisions ---------------------------------------------------------------------------
@@ -258,7 +297,8 @@ class _DSIRun:
         params = self.request.sampling
         while not self.out.finished:
             r = len(self.out.tokens) - len(self.base)
-            window = self.windows.get(0 if r == 0 else (r - 1) // self.k + 1)
+            # the deciding window: 0 for r = 0, else the first whose last >= r
+            window = self.windows.get(0 if r == 0 else bisect.bisect_left(self.lasts, r) + 1)
             if window is None or window.result is None:
                 return
             row = r - window.first
@@ -271,6 +311,7 @@ class _DSIRun:
                     decision = decide(result.probs[row], self.draft[r], self.qs[r], params, position)
                 token, accepted = decision.token, decision.accepted
                 self.commit(token, result)
+                self.decoder.pacer.add_decision(accepted)
                 if accepted:
                     self.stats.accepted_tokens += 1
                     continue

@@ -22,6 +22,8 @@ class GenerationStats:
     rejections: int = 0  # drafts rejected (each yields a correction token)
     bonus_tokens: int = 0  # target tokens committed where no draft existed
     verify_tasks: int = 0  # verification tasks submitted to target servers
+    draft_windows: int = 0  # DSI: verification tasks that carried drafts (not the zero-draft ones)
+    window_drafts: int = 0  # DSI: drafts those windows carried, summed
     preempted_tasks: int = 0  # tasks made stale by a rejection
     cancelled_tasks: int = 0  # tasks still outstanding when the generation ended
     target_forwards: int = 0  # target forwards run to completion or aborted
@@ -30,7 +32,7 @@ class GenerationStats:
     drafter_busy_s: float = 0.0  # summed drafter forward time (DSI: including abandoned forwards)
     wasted_target_s: float = 0.0  # target server time on tasks whose results were not used
     num_target_servers: int = 1
-    lookahead: int = 0
+    lookahead: int | str = 0  # k, or "auto" (DSI's event-driven windows)
     wall_time_s: float = 0.0
     time_to_first_token_s: float = 0.0
     finish_reason: str = "length"  # "length" | "stop"
@@ -60,6 +62,11 @@ class GenerationStats:
         return self.target_busy_s / capacity if capacity > 0 else 0.0
 
     @property
+    def mean_window(self) -> float:
+        """DSI: mean drafts per verification window (k for a fixed lookahead, less at the ends)."""
+        return self.window_drafts / self.draft_windows if self.draft_windows else 0.0
+
+    @property
     def mean_target_forward_s(self) -> float:
         """Mean target forward time as the servers saw it (while running next to the others)."""
         return self.target_busy_s / self.target_forwards if self.target_forwards else 0.0
@@ -77,6 +84,7 @@ class GenerationStats:
             mean_accepted_length=self.mean_accepted_length,
             tokens_per_second=self.tokens_per_second,
             target_utilisation=self.target_utilisation,
+            mean_window=self.mean_window,
             mean_target_forward_s=self.mean_target_forward_s,
             mean_drafter_forward_s=self.mean_drafter_forward_s,
         )

@@ -29,7 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dsi.engine.api import METHODS, build_decoder, make_request
+from dsi.engine.api import METHODS, build_decoder, check_lookahead, make_request
 from dsi.errors import ConfigError, require
 from dsi.models.base import LanguageModel
 from dsi.sampling import SamplingParams
@@ -71,7 +71,8 @@ class ServeConfig:
     """Engine and server settings. Sampling fields are the defaults of requests that omit them."""
 
     method: str = "dsi"
-    lookahead: int = 5
+    lookahead: int | str = 5  # k, or "auto" (DSI's event-driven windows)
+    max_window: int | None = None  # with lookahead="auto": the most drafts per window
     num_target_servers: int = 1
     transport: str = "threads"
     transport_options: dict | None = None
@@ -92,7 +93,7 @@ class ServeConfig:
             return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
         require(self.method in METHODS, f"method={self.method!r} must be one of {', '.join(METHODS)}")
-        require(positive_int(self.lookahead), f"lookahead={self.lookahead!r} must be an integer >= 1")
+        check_lookahead(self.method, self.lookahead, self.max_window)
         require(positive_int(self.num_target_servers), f"num_target_servers={self.num_target_servers!r} must be >= 1")
         require(positive_int(self.max_concurrent), f"max_concurrent={self.max_concurrent!r} must be an integer >= 1")
         require(isinstance(self.max_queue, int) and self.max_queue >= 0,
@@ -126,7 +127,7 @@ class ServerState:
     def _new_decoder(self) -> Any:
         c = self.config
         return build_decoder(
-            target=self.target, drafter=self.drafter, method=c.method, lookahead=c.lookahead,
+            target=self.target, drafter=self.drafter, method=c.method, lookahead=c.lookahead, max_window=c.max_window,
             num_target_servers=c.num_target_servers, transport=c.transport, transport_options=c.transport_options,
         )
 
@@ -232,6 +233,7 @@ def _dsi_info(outcome: Outcome) -> DSIInfo | None:
         verify_tasks=s.verify_tasks, preempted_tasks=s.preempted_tasks,
         cancelled_tasks=s.cancelled_tasks, wasted_target_s=s.wasted_target_s,
         target_utilisation=s.target_utilisation, num_target_servers=s.num_target_servers, lookahead=s.lookahead,
+        mean_window=s.mean_window,
         queue_time_s=outcome.queue_time_s, time_to_first_token_s=s.time_to_first_token_s,
         wall_time_s=s.wall_time_s,
     )

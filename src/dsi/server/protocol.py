@@ -252,7 +252,8 @@ class DSIInfo(BaseModel):
     wasted_target_s: float
     target_utilisation: float
     num_target_servers: int
-    lookahead: int
+    lookahead: int | str  # k, or "auto" (event-driven windows)
+    mean_window: float  # drafts per verification window, on average
     queue_time_s: float
     time_to_first_token_s: float
     wall_time_s: float

@@ -4,8 +4,9 @@ A pool runs :class:`VerifyTask` s on ``num_servers`` target servers and reports 
 the ``on_event`` callback it was built with (from its own threads): a :class:`TaskResult`, a
 :class:`TaskAborted` (a running task stopped by ``cancel``) or a :class:`TaskFailed` per task,
 and a :class:`ServerDied` when a server is lost (its running task, if any, is re-queued on the
-remaining servers; ``alive_servers`` counts the servers still serving or being restarted). Each
-task runs on at most one server. ``cancel`` drops queued tasks silently and asks running ones to
+remaining servers; ``alive_servers`` counts the servers still serving or being restarted;
+``idle_servers`` those with nothing to do, on which a task submitted now would start at once:
+the event-driven DSI orchestrator sends a window exactly then). Each task runs on at most one server. ``cancel`` drops queued tasks silently and asks running ones to
 stop between steps. Transports (threads, processes, Ray) implement this protocol; the engine
 never knows which one it talks to.
 """
@@ -87,5 +88,7 @@ class TargetPool(Protocol):
     def cancel(self, task_ids: Iterable[int]) -> None: ...
 
     def alive_servers(self) -> int: ...
+
+    def idle_servers(self) -> int: ...
 
     def close(self) -> None: ...

@@ -83,6 +83,11 @@ class DispatchingPool:
             if server is not None:
                 self._hand_over(server, task)
 
+    def idle_servers(self) -> int:
+        """Servers in service with nothing to do: a task submitted now starts at once on one."""
+        with self._lock:
+            return 0 if self._dispatch.queue else len(self._dispatch.idle_servers())
+
     def _requeue(self, task: VerifyTask) -> None:
         """Put a lost server's task first in line (lock held)."""
         if self._dispatch.idle_servers():

@@ -28,14 +28,14 @@ def run_json(capsys, argv):
     return json.loads(out)
 
 
-@pytest.mark.parametrize("method", ["ar", "si", "dsi"])
-def test_generate_json_matches_transformers_greedy(pair_dirs, capsys, method):
+@pytest.mark.parametrize("method, lookahead", [("ar", "3"), ("si", "3"), ("dsi", "3"), ("dsi", "auto")])
+def test_generate_json_matches_transformers_greedy(pair_dirs, capsys, method, lookahead):
     import transformers
 
     target, drafter = pair_dirs
     doc = run_json(capsys, ["generate", "--target", target, "--drafter", drafter, "--prompt", "def add(a, b):",
                             "--method", method, "--max-new-tokens", "12", "--dtype", "fp32", "--sp", "2",
-                            "--lookahead", "3", "--json"])
+                            "--lookahead", lookahead, "--json"])
     model = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     tok = transformers.AutoTokenizer.from_pretrained(target)
     ids = tok("def add(a, b):", return_tensors="pt").input_ids
@@ -46,6 +46,9 @@ def test_generate_json_matches_transformers_greedy(pair_dirs, capsys, method):
     assert doc["stats"]["method"] == method and doc["stats"]["new_tokens"] == len(ref)
     for key in ("acceptance_rate", "mean_accepted_length", "preempted_tasks", "wall_time_s", "verify_tasks"):
         assert key in doc["stats"]
+    if method == "dsi":
+        assert doc["stats"]["lookahead"] == (lookahead if lookahead == "auto" else int(lookahead))
+        assert doc["stats"]["mean_window"] > 0
 
 
 def test_generate_streams_text_and_accepts_prompt_ids(pair_dirs, capsys):
@@ -83,12 +86,17 @@ def test_generate_chat_template(pair_dirs, capsys):
     (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens=0"),
     (["--prompt", "hi", "--max-new-tokens", "1000"], "exceeds the context"),
     (["--prompt", "hi", "--temperature", "-1"], "temperature=-1"),
-    (["--prompt", "hi", "--lookahead", "0"], "lookahead=0"),
+    (["--prompt", "hi", "--lookahead", "0"], "'0' must be an integer >= 1 or 'auto'"),
+    (["--prompt", "hi", "--lookahead", "soon"], "'soon' is neither an integer >= 1 nor 'auto'"),
+    (["--prompt", "hi", "--lookahead", "3", "--max-window", "2"], "max_window=2 applies to lookahead='auto' only"),
     (["--prompt-ids", "1,99999"], "outside the vocabulary"),
 ])
 def test_generate_errors(pair_dirs, capsys, argv, message):
     target, drafter = pair_dirs
-    code = main(["generate", "--target", target, "--drafter", drafter, "--dtype", "fp32", *argv])
+    try:
+        code = main(["generate", "--target", target, "--drafter", drafter, "--dtype", "fp32", *argv])
+    except SystemExit as exc:  # argparse's own errors (a malformed --lookahead)
+        code = exc.code
     err = capsys.readouterr().err
     assert code == 2
     assert message in err

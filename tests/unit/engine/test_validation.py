@@ -27,6 +27,10 @@ def _call(pair, **overrides):
     [
         ({"lookahead": 0}, "lookahead=0 must be an integer >= 1"),
         ({"lookahead": 2.5}, "lookahead=2.5"),
+        ({"lookahead": "fast"}, "lookahead='fast' must be an integer >= 1 or 'auto'"),
+        ({"lookahead": "auto", "method": "si"}, "SI needs an integer lookahead"),
+        ({"lookahead": 3, "max_window": 4}, "max_window=4 applies to lookahead='auto' only"),
+        ({"lookahead": "auto", "max_window": 0}, "max_window=0 must be None or an integer >= 1"),
         ({"num_target_servers": 0}, "num_target_servers=0 must be an integer >= 1"),
         ({"max_new_tokens": 0}, "max_new_tokens=0 must be an integer >= 1"),
         ({"max_new_tokens": -3}, "max_new_tokens=-3"),

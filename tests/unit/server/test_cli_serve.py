@@ -81,7 +81,8 @@ def test_serve_parser_takes_every_generate_model_and_engine_option():
 @pytest.mark.parametrize("argv, message", [
     (["--port", "70000"], "--port=70000"),
     (["--max-concurrent", "0"], "--max-concurrent=0"),
-    (["--lookahead", "0"], "lookahead=0"),
+    (["--lookahead", "auto", "--method", "si"], "SI needs an integer lookahead"),
+    (["--lookahead", "5", "--max-window", "3"], "max_window=3 applies to lookahead='auto' only"),
     (["--method", "dsi", "--sp", "0"], "num_target_servers=0"),
 ])
 def test_serve_rejects_bad_options_before_loading(argv, message, capsys):
