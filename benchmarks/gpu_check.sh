@@ -5,8 +5,10 @@
 #   0. the HF backend's and the replay's tests, CUDA ones included (they skip on a CPU);
 #   a. the embedded pair (Qwen2.5-Coder 1.5B target / 0.5B drafter), its real greedy decisions
 #      replayed on random-weight models of its architectures (benchmarks/real_pair.py --replay,
-#      docs/results.md section 2) on the one GPU: non-SI, SI and DSI with SP 1, 2, 4, target servers
-#      as processes of their own (own interpreter and CUDA context) and as threads of one process;
+#      docs/results.md section 2) on the one GPU: non-SI, SI and DSI with SP 1, 2, 4 (k = 5 and
+#      event-driven windows), target servers as processes of their own (own interpreter and CUDA
+#      context) and as threads of one process (the first H200 run, docs/results.md section 6: k = 2-3
+#      lost to SI under time-slicing, k = 4-5 won; the event-driven windows size themselves);
 #   b. the same decisions on a Qwen2.5-14B target architecture (48 layers; random weights built
 #      on the GPU in bf16) with the 0.5B drafter: a realistic drafter/target latency ratio. SP up
 #      to 3 processes (4 copies of 29.5 GB with the driver's own) and 4 threads (one shared copy);
@@ -29,12 +31,12 @@ if [ -n "${DRY_RUN:-}" ]; then
     python3 benchmarks/tiny_configs.py "$configs" || exit 1
     device=cpu dtype=fp32 limit_tests=0 limit_a=240 limit_b=240
     common=(--configs-dir "$configs" --tokens 8 --prompts 2 --repeats 1)
-    a_dsi=(--dsi processes:3:1,2 --dsi threads:3:1) b_dsi=(--dsi processes:2:1 --dsi threads:2:1,2)
+    a_dsi=(--dsi processes:3,auto:1,2 --dsi threads:3:1) b_dsi=(--dsi processes:2:1 --dsi threads:2,auto:1,2)
     si_a=(--si-k 4) si_b=(--si-k 3)
 else
     device=cuda:0 dtype=bf16 limit_tests=60 limit_a=230 limit_b=260
     common=(--repeats "${REPEATS:-2}")
-    a_dsi=(--dsi processes:3,5:1,2,4 --dsi threads:5:1,2,4) b_dsi=(--dsi processes:2,4:1,2,3 --dsi threads:4:1,2,4)
+    a_dsi=(--dsi processes:5,auto:1,2,4 --dsi threads:5:1,2,4) b_dsi=(--dsi processes:4,auto:1,2,3 --dsi threads:4:1,2,4)
     si_a=(--si-k 4 6) si_b=(--si-k 3 5)
 fi
 

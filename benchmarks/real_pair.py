@@ -19,9 +19,10 @@ on a GPU, the device's utilisation during the timed runs (NVML, sampled every 50
 
     python benchmarks/real_pair.py --tokens 64 --prompts 3 --repeats 3 --out results/real_pair.json
 
-DSI placements: ``--dsi TRANSPORT:KS:SPS[:THREADS]`` (repeatable), e.g. ``--dsi processes:3,5:1,2,4``
-runs k in {3, 5} x SP in {1, 2, 4} with each target server in its own process (THREADS: torch
-threads per server process). Without --dsi, ``--dsi-k``/``--dsi-sp`` give thread placements.
+DSI placements: ``--dsi TRANSPORT:KS:SPS[:THREADS]`` (repeatable), e.g. ``--dsi processes:3,5,auto:1,2,4``
+runs k in {3, 5, event-driven} x SP in {1, 2, 4} with each target server in its own process
+(THREADS: torch threads per server process). Without --dsi, ``--dsi-k``/``--dsi-sp`` give thread
+placements. ``--auto`` adds method="auto"'s pick (dsi.autotune) and how close it is to the fastest.
 
 Replay, for machines that cannot load the pair (no registry access, e.g. a lent GPU box):
 ``--record FILE`` saves each prompt's non-SI output and the drafter's greedy guess at every
@@ -50,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-from dsi.compare import CODE_PROMPTS, MethodConfig, iter_compare
+from dsi.compare import CODE_PROMPTS, NEAR_TIE_MARGIN, MethodConfig, first_divergence, iter_compare
 from dsi.models.loading import load_pair
 from dsi.models.replay import (
     ReplayRecipe,
@@ -137,12 +138,18 @@ class GpuUtilisation:
         self._stop.set()
 
 
-def ideal_seconds(method, k, servers, drafter_lat, target_lat, patterns) -> float:
-    """Sum over prompts of the event simulator's time for this configuration (no engine costs)."""
+def ideal_seconds(method, k, servers, drafter_lat, target_lat, patterns, window: float = 1.0) -> float:
+    """Sum over prompts of the event simulator's time for this configuration (no engine costs).
+
+    A verification costs the forward measured over k + 1 tokens (event-driven windows: over the
+    measured size nearest to the run's mean window + 1)."""
+    rows = k + 1 if isinstance(k, int) else 1 + window
+    sizes = [n for n in target_lat if n != "prefill"]
+    tpot = target_lat[min(sizes, key=lambda n: abs(n - rows))]
     total = 0.0
     for pattern in patterns:
         total += simulate(
-            method, target_ttft=target_lat["prefill"], target_tpot=target_lat[k + 1],
+            method, target_ttft=target_lat["prefill"], target_tpot=tpot,
             drafter_ttft=drafter_lat["prefill"], drafter_tpot=drafter_lat[1],
             lookahead=k, num_servers=servers, matches=pattern,
         ).mean
@@ -174,11 +181,11 @@ def parse_dsi_spec(spec: str) -> tuple[str, list[int], list[int], int | None, in
     try:
         if len(parts) not in (3, 4, 5) or parts[0] not in ("threads", "processes", "ray"):
             raise ValueError
-        ks = [int(x) for x in parts[1].split(",")]
+        ks = [x if x == "auto" else int(x) for x in parts[1].split(",")]
         sps = [int(x) for x in parts[2].split(",")]
         threads = int(parts[3]) if len(parts) >= 4 and parts[3] else None
         drafter_threads = int(parts[4]) if len(parts) == 5 else None
-        if min(ks + sps + [threads or 1, drafter_threads or 1]) < 1:
+        if min([k for k in ks if k != "auto"] + sps + [threads or 1, drafter_threads or 1]) < 1:
             raise ValueError
     except ValueError:
         raise SystemExit(f"--dsi {spec!r}: expected TRANSPORT:KS:SPS[:THREADS[:DRAFTER_THREADS]] with TRANSPORT "
@@ -219,6 +226,10 @@ def main() -> int:
     p.add_argument("--deadline", type=float, default=None, metavar="S",
                    help="start no new configuration after S seconds (the rest is reported as skipped)")
     p.add_argument("--no-gpu-utilisation", action="store_true", help="do not sample the GPU's utilisation (NVML)")
+    p.add_argument("--auto", action="store_true",
+                   help="also run method='auto' (dsi.autotune: measured here once, then cached) next to the fixed "
+                        "methods, and report how close its pick is to the fastest of them")
+    p.add_argument("--retune", action="store_true", help="with --auto: measure the choice again")
     p.add_argument("--out")
     p.add_argument("--record", metavar="FILE", help="save the pair's greedy decisions for --replay")
     p.add_argument("--replay", metavar="FILE", help="replay a --record file on random-weight models of the "
@@ -273,6 +284,23 @@ def main() -> int:
                                  transport_options=tuple(options.items()))
                     for sp in sps for k in ks]  # k innermost: those configs share one pool
 
+    choice = None
+    if args.auto:
+        from dsi.autotune import choose_method
+
+        dsi_servers = max((sp for _, _, sps, *_ in specs for sp in sps), default=1)
+        first = next(c for c in configs if c.method == "dsi")  # auto places DSI as the first --dsi spec does
+        options = dict(first.transport_options)
+        choice = choose_method(target, drafter, transport=first.transport, transport_options=options,
+                               max_servers=dsi_servers, refresh=args.retune,
+                               progress=lambda m: print(f"[auto] {m}", file=sys.stderr, flush=True))
+        picked = MethodConfig(choice.method, choice.lookahead, choice.num_target_servers,
+                              threads=args.threads if choice.method != "dsi" else args.dsi_threads,
+                              transport=first.transport if choice.method == "dsi" else "threads",
+                              transport_options=first.transport_options if choice.method == "dsi" else ())
+        if picked.label not in {c.label for c in configs}:
+            configs.append(picked)
+
     report: dict = {
         "machine": {"python": platform.python_version(), "cpus": torch.get_num_threads(),
                     "torch": torch.__version__, "platform": platform.platform(),
@@ -284,7 +312,7 @@ def main() -> int:
         server_threads = row.get("server_threads") or row["threads"]
         row["ideal_s"] = ideal_seconds(row["method"], row["lookahead"], row["servers"],
                                        latencies[row["threads"]]["drafter"], latencies[server_threads]["target"],
-                                       patterns)
+                                       patterns, row.get("mean_window") or 1.0)
         row["engine_over_ideal"] = row["total_s"] / row["ideal_s"]
 
     def write() -> None:
@@ -297,7 +325,7 @@ def main() -> int:
     if not args.no_ideal:
         if args.replay:
             patterns = [r.accept_pattern for r in recordings]
-        sizes = sorted({k + 1 for k in args.si_k} | {k + 1 for _, ks, *_ in specs for k in ks})
+        sizes = sorted({k + 1 for k in args.si_k} | {k + 1 for _, ks, *_ in specs for k in ks if k != "auto"})
         thread_counts = {args.threads, args.dsi_threads, *args.latency_threads}
         thread_counts |= {t for spec in specs for t in spec[3:] if t is not None}
         for threads in sorted(thread_counts):
@@ -339,8 +367,16 @@ def main() -> int:
                 "preempted_tasks": sum(r.stats.get("preempted_tasks", 0) for r in runs),
                 "target_forward_in_run_s": median_of(runs, "mean_target_forward_s"),
                 "drafter_forward_in_run_s": median_of(runs, "mean_drafter_forward_s"),
+                "mean_window": median_of(runs, "mean_window"),
                 "gpu_utilisation_pct": gpu.mean_over([s for r in runs for s in r.spans]) if gpu.available else None,
             }
+            if not row["identical"]:  # where, and how close the target's two best tokens were there
+                row["divergence"] = [
+                    {"prompt": i, **(first_divergence(target, prompts[i], res["non-SI"].tokens, run.tokens) or {})}
+                    for i, (run, res) in enumerate(zip(runs, results, strict=True)) if run.tokens != res["non-SI"].tokens
+                ]
+                tie = NEAR_TIE_MARGIN.get(args.dtype, 1e-3)
+                row["near_tie"] = all(d.get("margin") is not None and abs(d["margin"]) <= tie for d in row["divergence"])
             if patterns is not None and latencies and config.method != "ar":
                 add_ideal(row)
             report["rows"][config.label] = row
@@ -392,7 +428,7 @@ def main() -> int:
         print(f"{label:<32} {r['total_s']:8.2f} {n / r['total_s']:6.2f} {base / r['total_s']:8.2f}x {vs_si} "
               f"{r.get('acceptance_rate', 0):6.2f} {ideal} {ms(r.get('target_forward_in_run_s'))} "
               f"{ms(r.get('drafter_forward_in_run_s'))} {f'{util:5.0f}' if util is not None else '    -'} "
-              f"{'yes' if r['identical'] else 'NO'}")
+              f"{'yes' if r['identical'] else ('≈ near-tie' if r.get('near_tie') else 'NO')}")
     if report["skipped"]:
         print(f"skipped (deadline): {', '.join(report['skipped'])}")
     report.update({
@@ -403,6 +439,14 @@ def main() -> int:
         if "HF assisted" in rows and best_dsi else None,
         "wall_s": time.perf_counter() - began,
     })
+    if choice is not None:
+        label = choice.label if choice.label in rows else next((k for k in rows if k.startswith(choice.label)), None)
+        fastest = min((r for k, r in rows.items() if r["method"] != "hf-assisted"), key=lambda r: r["total_s"])
+        report["auto"] = {**choice.to_dict(), "row": label,
+                          "auto_over_fastest": rows[label]["total_s"] / fastest["total_s"] if label else None}
+        print(f"auto picked {choice.label} ({'cached' if choice.cached else f'measured in {choice.calibration_s:.0f} s'}"
+              f"): {rows[label]['total_s']:.2f} s, {report['auto']['auto_over_fastest']:.3f}x the fastest row "
+              f"here; {choice.reason}")
     write()
     print(json.dumps({k: report[k] for k in ("dsi_vs_si", "dsi_vs_nonsi", "dsi_vs_hf_assisted")}))
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import random
 import threading
 import time
@@ -13,6 +14,18 @@ import pytest
 from dsi.models import CallableLM
 from dsi.models.synthetic import SyntheticTarget
 from dsi.sampling import SamplingParams, process_logits
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _autotune_choices_in_a_temporary_directory(tmp_path_factory):
+    """method="auto" caches its choices; tests keep them out of the user's cache."""
+    saved = os.environ.get("DSI_AUTOTUNE_DIR")
+    os.environ["DSI_AUTOTUNE_DIR"] = str(tmp_path_factory.mktemp("autotune"))
+    yield
+    if saved is None:
+        os.environ.pop("DSI_AUTOTUNE_DIR", None)
+    else:
+        os.environ["DSI_AUTOTUNE_DIR"] = saved
 
 
 class Jitter:

@@ -9,10 +9,16 @@ plus DSI's wall time against an *ideal* that has no engine overhead:
   last window;
 - no draft accepted: non-SI's measured time (DSI then is the non-SI chain);
 - otherwise: the event simulator's replay of the same accept pattern (when available).
+
+:func:`run_window_policies` compares DSI's window policies on one scenario: every fixed lookahead
+k = 1..10 and the event-driven windows (``lookahead="auto"``), with the event simulator's ideal for
+the event-driven run. :data:`POLICY_SCENARIOS` adds to the scenarios above the paper's Table 1 rows,
+a pair for which Equation 1 says k = 5 is wrong, and one whose target forwards take random times.
 """
 
 from __future__ import annotations
 
+import math
 import platform
 import statistics
 from collections.abc import Callable
@@ -32,6 +38,7 @@ class Scenario:
     lookahead: int
     servers: int
     note: str = ""
+    target_cv: float = 0.0  # > 0: each target forward's latency is lognormal with this coefficient of variation
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -46,6 +53,80 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("phi3-14b-alpaca", 49.6, 33.4, 0.87, 1, 2, "Table 1 row 10, ms"),
     ]
 }
+
+
+def _table1_scenarios() -> list[Scenario]:
+    from dsi.sim.table import TABLE1
+
+    out = []
+    for row in TABLE1:
+        servers = min(7, math.ceil(row.target_ms / row.drafter_ms))  # Equation 1 with k = 1, at most 7
+        name = f"t1-{row.target}-{row.dataset}".lower().replace(" ", "")
+        out.append(Scenario(name, row.target_ms, row.drafter_ms, row.acceptance, 5, servers, "Table 1 row, ms"))
+    return out
+
+
+POLICY_SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in [
+        *SCENARIOS.values(),
+        *_table1_scenarios(),
+        Scenario("eq1-k5-wrong", 20.0, 1.0, 0.9, 5, 2, "SP = 2, c = 0.05: Equation 1 asks k >= 10"),
+        Scenario("random-target-latency", 20.0, 2.0, 0.8, 5, 4, "target forwards lognormal, CV 0.5",
+                 target_cv=0.5),
+    ]
+}
+
+
+def run_window_policies(
+    scenario: Scenario, tokens: int = 100, repeats: int = 3, lookaheads=tuple(range(1, 11)), seed: int = 0,
+    progress: Callable[[], None] | None = None,
+) -> dict:
+    """DSI with every fixed lookahead and with event-driven windows on ``scenario``: median wall
+    times, the best fixed k, ratios, and the event-driven run over its simulated ideal."""
+    target, drafter = synthetic_pair(
+        scenario.acceptance, vocab_size=64, seed=seed, target_tpot=scenario.target_ms / 1000,
+        drafter_tpot=scenario.drafter_ms / 1000, target_cv=scenario.target_cv,
+    )
+    prompt = [1, 2, 3, 4]
+    walls: dict = {}
+    outputs: dict = {}
+    windows: dict = {}
+    reference = generate(target=target, prompt=prompt, method="ar", max_new_tokens=tokens).tokens
+    for policy in [*lookaheads, "auto"]:
+        runs = []
+        for _ in range(repeats):
+            out = generate(target=target, drafter=drafter, prompt=prompt, method="dsi", max_new_tokens=tokens,
+                           lookahead=policy, num_target_servers=scenario.servers)
+            runs.append(out.stats.wall_time_s)
+            outputs[policy] = out.tokens
+            windows[policy] = out.stats.mean_window
+            if progress:
+                progress()
+        walls[policy] = statistics.median(runs)
+    best_k = min(lookaheads, key=lambda k: walls[k])
+    pattern = record_decisions(drafter, prompt, reference).accept_pattern
+    ideal = None
+    try:
+        from dsi.sim.events import simulate
+
+        t, d = scenario.target_ms / 1000, scenario.drafter_ms / 1000
+        ideal = float(simulate("dsi", target_tpot=t, drafter_tpot=d, lookahead="auto", num_servers=scenario.servers,
+                               matches=pattern, latency_cv=scenario.target_cv,
+                               repeats=16 if scenario.target_cv else 1).mean)
+    except ImportError:
+        pass
+    return {
+        "scenario": asdict(scenario), "tokens": tokens, "repeats": repeats,
+        "median_wall_s": {str(k): v for k, v in walls.items()},
+        "best_k": best_k, "best_fixed_s": walls[best_k], "k5_s": walls.get(5), "auto_s": walls["auto"],
+        "auto_over_best_fixed": walls["auto"] / walls[best_k],
+        "auto_over_k5": walls["auto"] / walls[5] if 5 in walls else None,
+        "auto_mean_window": windows["auto"], "ideal_auto_s": ideal,
+        "auto_over_ideal": walls["auto"] / ideal if ideal else None,
+        "identical_outputs": all(o == reference for o in outputs.values()),
+        "pattern_acceptance": sum(pattern) / len(pattern),
+    }
 
 
 def ideal_dsi_seconds(scenario: Scenario, tokens: int, ar_seconds: float, pattern: list[bool]) -> float | None:

@@ -30,6 +30,15 @@ PROSE_PROMPTS = (
 )
 
 
+def method_label(method: str, lookahead: int | str | None = None, servers: int = 1) -> str:
+    """The name of a configuration in tables: "non-SI", "SI k=4", "DSI k=auto SP=2"."""
+    if method == "ar":
+        return "non-SI"
+    if method == "si":
+        return f"SI k={lookahead}"
+    return f"DSI k={lookahead} SP={servers}"
+
+
 @dataclass(frozen=True)
 class MethodConfig:
     method: str  # "ar" | "si" | "dsi"
@@ -41,15 +50,13 @@ class MethodConfig:
 
     @property
     def label(self) -> str:
-        if self.method == "ar":
-            return "non-SI"
-        if self.method == "si":
-            return f"SI k={self.lookahead}"
+        if self.method != "dsi":
+            return method_label(self.method, self.lookahead)
         where = "" if self.transport == "threads" else f" {self.transport}"
         server_threads = dict(self.transport_options).get("threads_per_server")
         if server_threads is not None:  # a split of CPU cores: t threads per server, d for the drafter
             where += f" t={server_threads} d={self.threads}"
-        return f"DSI k={self.lookahead} SP={self.servers}{where}"
+        return method_label("dsi", self.lookahead, self.servers) + where
 
     @property
     def workers(self) -> tuple:

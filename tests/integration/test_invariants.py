@@ -48,8 +48,10 @@ def test_only_results_on_committed_contexts_are_applied(acceptance, lookahead, s
             first_wrong = next(i for i, (a, b) in enumerate(zip(final, ctx)) if a != b)
             assert all(t != task_id or p <= first_wrong for t, p in applied)
     if lookahead == "auto" and servers == 1:
-        # a window goes only to an idle server: with one server, one task at a time, none wasted
-        assert result.stats.preempted_tasks == 0 and result.stats.wasted_target_s == 0
+        # a window goes only to an idle server: with one server, at most one task is in flight
+        # besides the result being decided (its server is idle before its result is read), so a
+        # rejection preempts at most one task
+        assert result.stats.preempted_tasks <= result.stats.rejections
     elif result.stats.rejections:
         assert result.stats.preempted_tasks > 0
         assert set(contexts) - used

@@ -32,18 +32,19 @@ def test_estimates_follow_the_latest_samples():
     assert pacer.drafter_s is None
 
 
-def test_a_low_acceptance_caps_the_window_at_the_expected_distance_to_a_rejection():
+def test_a_low_acceptance_lowers_the_floor_to_what_fits_before_the_next_rejection():
     pacer = WindowPacer()
     pacer.add_target(0.020)
-    pacer.add_drafter(0.001)  # Equation 1 alone: 20 with one server
-    assert pacer.min_window(1) == 20
+    pacer.add_drafter(0.001)  # Equation 1 alone: 20 with one server, 7 with 3, 4 with 5
+    assert (pacer.min_window(1), pacer.min_window(3), pacer.min_window(5)) == (20, 7, 4)
     for accepted in [True, False] * 30:  # acceptance 0.5: a rejection every 2 drafts on average
         pacer.add_decision(accepted)
     assert pacer.acceptance == pytest.approx(0.5, abs=0.02)
-    assert pacer.min_window(1) == 2
+    # 1.5 x 2 = 3 positions likely decided before a rejection, over the servers beside the zero-draft task
+    assert (pacer.min_window(1), pacer.min_window(3), pacer.min_window(5)) == (3, 2, 1)
     for _ in range(300):
         pacer.add_decision(True)  # an acceptance near 1: Equation 1 rules again
-    assert pacer.min_window(1) == 20
+    assert pacer.min_window(3) == 7
 
 
 def test_window_end_waits_for_an_idle_server_and_enough_drafts():

@@ -9,7 +9,7 @@ from dsi.errors import ConfigError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from dsi.bench import SCENARIOS
+    from dsi.bench import POLICY_SCENARIOS, SCENARIOS
 
     p = subparsers.add_parser(
         "bench",
@@ -18,9 +18,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "reports median wall times, speedups and DSI's wall time against the ideal.",
     )
     p.add_argument(
-        "--scenario", action="append", choices=sorted(SCENARIOS), metavar="NAME",
-        help=f"scenario to run (repeatable; default: all). One of: {', '.join(SCENARIOS)}",
+        "--scenario", action="append", choices=sorted(POLICY_SCENARIOS), metavar="NAME",
+        help="scenario to run (repeatable; default: all of the mode's). Without --windows one of: "
+             f"{', '.join(SCENARIOS)}; with --windows also: "
+             f"{', '.join(n for n in POLICY_SCENARIOS if n not in SCENARIOS)}",
     )
+    p.add_argument("--windows", action="store_true",
+                   help="compare DSI's window policies instead: every fixed k in 1..10 and event-driven "
+                        "windows (--lookahead auto), with the best fixed k and k = 5 as references")
     p.add_argument("--tokens", type=int, default=100, help="new tokens per generation (default 100)")
     p.add_argument("--repeats", type=int, default=3, help="runs per method; medians are reported (default 3)")
     p.add_argument("--out", help="also write the JSON report to this file")
@@ -29,23 +34,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
+def _collect(args: argparse.Namespace, scenarios: dict, runner, runs_per_scenario: int, desc: str) -> dict | None:
+    """Run ``runner`` on the chosen scenarios with a progress bar; write --out; print --json.
+    Returns the report for the table, or None when it was printed as JSON."""
     from tqdm import tqdm
 
-    from dsi.bench import SCENARIOS, machine_info, run_scenario
-    from dsi.cli.output import dumps, format_table, print_json
+    from dsi.bench import machine_info
+    from dsi.cli.output import dumps, print_json
 
-    if args.tokens < 2:
-        raise ConfigError(f"--tokens={args.tokens} must be >= 2")
-    if args.repeats < 1:
-        raise ConfigError(f"--repeats={args.repeats} must be >= 1")
-    names = args.scenario or list(SCENARIOS)
-    bar = tqdm(total=len(names) * args.repeats * 3, desc="bench", unit="run", file=sys.stderr,
+    names = args.scenario or list(scenarios)
+    bar = tqdm(total=len(names) * args.repeats * runs_per_scenario, desc=desc, unit="run", file=sys.stderr,
                disable=args.no_progress or args.json)
     rows = []
     try:
         for name in names:
-            rows.append(run_scenario(SCENARIOS[name], args.tokens, args.repeats, progress=bar.update))
+            rows.append(runner(scenarios[name], args.tokens, args.repeats, progress=bar.update))
     finally:
         bar.close()
     report = {"machine": machine_info(), "results": rows}
@@ -54,7 +57,27 @@ def run(args: argparse.Namespace) -> int:
             f.write(dumps(report, indent=2) + "\n")
     if args.json:
         print_json(report)
+        return None
+    return report
+
+
+def run(args: argparse.Namespace) -> int:
+    from dsi.bench import SCENARIOS, run_scenario
+    from dsi.cli.output import format_table
+
+    if args.tokens < 2:
+        raise ConfigError(f"--tokens={args.tokens} must be >= 2")
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats={args.repeats} must be >= 1")
+    if args.windows:
+        return run_windows(args)
+    unknown = [n for n in args.scenario or [] if n not in SCENARIOS]
+    if unknown:
+        raise ConfigError(f"--scenario {unknown[0]} needs --windows; without it: {', '.join(SCENARIOS)}")
+    report = _collect(args, SCENARIOS, run_scenario, runs_per_scenario=3, desc="bench")
+    if report is None:
         return 0
+    rows = report["results"]
     headers = ["scenario", "tgt ms", "dft ms", "a", "k", "SP", "non-SI s", "SI s", "DSI s",
                "DSI/non-SI", "DSI/SI", "DSI/ideal", "acc", "preempt", "same"]
     table = []
@@ -69,4 +92,30 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(headers, table))
     print(f"\n{args.tokens} new tokens, median of {args.repeats} runs per method; "
           "speedups are wall-time ratios (higher is better for DSI); DSI/ideal: lower is better, 1.0 = no overhead.")
+    return 0
+
+
+def run_windows(args: argparse.Namespace) -> int:
+    from dsi.bench import POLICY_SCENARIOS, run_window_policies
+    from dsi.cli.output import format_table
+
+    report = _collect(args, POLICY_SCENARIOS, run_window_policies, runs_per_scenario=11, desc="bench --windows")
+    if report is None:
+        return 0
+    rows = report["results"]
+    headers = ["scenario", "tgt ms", "dft ms", "a", "SP", "best k", "best k s", "k=5 s", "auto s",
+               "auto/best", "auto/k=5", "window", "auto/ideal", "same"]
+    table = []
+    for r in rows:
+        s = r["scenario"]
+        table.append([
+            s["name"] + (f" (cv {s['target_cv']})" if s["target_cv"] else ""), s["target_ms"], s["drafter_ms"],
+            s["acceptance"], s["servers"], r["best_k"], r["best_fixed_s"], r["k5_s"], r["auto_s"],
+            f"{r['auto_over_best_fixed']:.3f}", f"{r['auto_over_k5']:.3f}", f"{r['auto_mean_window']:.1f}",
+            "n/a" if r["auto_over_ideal"] is None else f"{r['auto_over_ideal']:.3f}",
+            "yes" if r["identical_outputs"] else "NO",
+        ])
+    print(format_table(headers, table))
+    print(f"\n{args.tokens} new tokens, median of {args.repeats} runs per policy; auto = event-driven windows; "
+          "window: its mean drafts per window; ideal: the event simulator's time for the same policy and pattern.")
     return 0

@@ -42,13 +42,19 @@ def lookahead_arg(value: str) -> int | str:
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--method", choices=["dsi", "si", "ar"], default="dsi", help="decoding method (default dsi)")
+    g.add_argument("--method", choices=["auto", "dsi", "si", "ar"], default="auto",
+                   help="decoding method; 'auto' (default) measures non-SI, SI and DSI on this hardware and "
+                        "placement once (cached) and uses the fastest")
+    g.add_argument("--retune", action="store_true", help="with --method auto: measure again instead of using "
+                                                         "the cached choice")
     g.add_argument("--lookahead", "-k", type=lookahead_arg, default=5,
                    help="draft tokens per verification window, or 'auto' (DSI: event-driven windows, sent "
                         "whenever a target server is free) (default 5)")
     g.add_argument("--max-window", type=int, default=None,
                    help="with --lookahead auto: the most drafts one window carries (default: no cap)")
-    g.add_argument("--sp", type=int, default=1, help="number of target servers (default 1)")
+    g.add_argument("--sp", type=int, default=None,
+                   help="number of target servers (default 1); with --method auto the most DSI may use "
+                        "(default: one per --target-devices entry, else 1)")
     g.add_argument("--transport", choices=["threads", "processes", "ray"], default="threads",
                    help="where target servers run: threads of this process, spawned processes, or Ray "
                         "actors (default threads)")
@@ -56,6 +62,24 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                                          "(default: start a local cluster)")
     g.add_argument("--target-devices", help="comma-separated devices of the target servers, one per server "
                                             "in turn, e.g. cuda:1,cuda:2")
+
+
+def server_count(args: argparse.Namespace) -> int:
+    """``--sp``, or its default: for ``--method auto`` one server per ``--target-devices`` entry."""
+    if args.sp is not None:
+        if args.sp < 1:
+            raise ConfigError(f"--sp={args.sp} must be >= 1")
+        return args.sp
+    if args.method == "auto" and getattr(args, "target_devices", None):
+        return max(1, len([d for d in args.target_devices.split(",") if d.strip()]))
+    return 1
+
+
+def auto_options(args: argparse.Namespace, quiet: bool = False) -> dict:
+    """What ``--method auto`` passes to dsi.autotune: --retune, and progress lines on stderr."""
+    say = (lambda message: None) if quiet else (lambda message: print(f"[auto] {message}", file=sys.stderr,
+                                                                       flush=True))
+    return {"refresh": bool(getattr(args, "retune", False)), "progress": say}
 
 
 def transport_options(args: argparse.Namespace) -> dict:
@@ -112,6 +136,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     d.add_argument("--repeats", type=int, default=1, help="runs per method and prompt; medians reported")
     d.add_argument("--target-devices", help="comma-separated devices of DSI's target servers, one per server in "
                                             "turn, e.g. cuda:1,cuda:2 (default: --device)")
+    d.add_argument("--no-auto", action="store_true",
+                   help="skip the automatic choice (method auto: measured once per pair and hardware, cached)")
+    d.add_argument("--retune", action="store_true", help="measure the automatic choice again")
     d.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     d.set_defaults(func=run_demo)
 
@@ -157,9 +184,10 @@ def run_generate(args: argparse.Namespace) -> int:
 
     result = dsi.generate(
         target=target, drafter=drafter, prompt=ids, method=args.method, max_new_tokens=args.max_new_tokens,
-        lookahead=args.lookahead, max_window=args.max_window, num_target_servers=args.sp, sampling=sampling,
-        transport=args.transport,
-        transport_options=transport_options(args), eos_token_id=list(target.eos_token_ids) or None, on_tokens=stream,
+        lookahead=args.lookahead, max_window=args.max_window, num_target_servers=server_count(args),
+        sampling=sampling, transport=args.transport, transport_options=transport_options(args),
+        auto_options=auto_options(args, quiet=args.json), eos_token_id=list(target.eos_token_ids) or None,
+        on_tokens=stream,
     )
     text = target.decode(result.tokens) if target.tokenizer is not None else None
     if args.json:
@@ -173,7 +201,7 @@ def run_generate(args: argparse.Namespace) -> int:
     else:
         print(",".join(map(str, result.tokens)))
     s = result.stats
-    print(f"[{args.method}] {s.new_tokens} tokens in {s.wall_time_s:.2f} s ({s.tokens_per_second:.1f} tok/s), "
+    print(f"[{s.method}] {s.new_tokens} tokens in {s.wall_time_s:.2f} s ({s.tokens_per_second:.1f} tok/s), "
           f"acceptance {s.acceptance_rate:.2f}, preempted tasks {s.preempted_tasks}", file=sys.stderr)
     return 0
 
@@ -195,8 +223,21 @@ def run_demo(args: argparse.Namespace) -> int:
     whole = args.threads  # threads for single-worker methods (None: torch default)
     configs = [MethodConfig("ar", threads=whole), MethodConfig("si", args.lookahead, threads=whole)]
     placement = tuple(transport_options(args).items())
-    configs += [MethodConfig("dsi", args.lookahead, sp, threads=args.threads or 1, transport_options=placement)
-                for sp in args.sp]
+    configs += [MethodConfig("dsi", k, sp, threads=args.threads or 1, transport_options=placement)
+                for sp in args.sp for k in (args.lookahead, "auto")]
+    choice = None
+    if not args.no_auto:
+        from dsi.autotune import choose_method
+
+        for model in (target, drafter):  # the threads each method runs with, as in the comparison
+            model.threads = args.threads or 1
+        choice = choose_method(target, drafter, transport_options=dict(placement), max_servers=max(args.sp),
+                               refresh=args.retune, progress=auto_options(args, quiet=args.json)["progress"])
+        picked = MethodConfig(choice.method, choice.lookahead, choice.num_target_servers,
+                              threads=whole if choice.method != "dsi" else args.threads or 1,
+                              transport_options=placement if choice.method == "dsi" else ())
+        if picked.label not in {c.label for c in configs}:
+            configs.append(picked)
     bar = tqdm(total=len(configs) * len(prompts) * args.repeats, desc="demo", unit="run",
                file=sys.stderr, disable=args.json and not sys.stderr.isatty())
     try:
@@ -228,12 +269,15 @@ def run_demo(args: argparse.Namespace) -> int:
         "total_latency_s": totals, "all_identical": all_identical, "lossless": lossless,
         "near_tie_margin": tolerance,
         "note": note,
+        "auto": choice.to_dict() if choice else None,
     }
     if args.json:
         print_json(report)
         return 0 if lossless else 1
     headers = ["prompt", "method", "latency s", "tok/s", "vs non-SI", "vs SI", "accept", "preempt", "identical"]
-    table = [[r["prompt"], r["method"], r["latency_s"], r["tokens_per_s"], f"{r['speedup_vs_nonsi']:.2f}x",
+    auto_label = choice.label if choice else None
+    mark = lambda method: f"{method} ← auto" if method == auto_label else method  # noqa: E731
+    table = [[r["prompt"], mark(r["method"]), r["latency_s"], r["tokens_per_s"], f"{r['speedup_vs_nonsi']:.2f}x",
               f"{r['speedup_vs_si']:.2f}x" if r["speedup_vs_si"] else "-", r["acceptance_rate"],
               r["preempted_tasks"], _identical_mark(r)] for r in rows]
     print(format_table(headers, table))
@@ -243,6 +287,10 @@ def run_demo(args: argparse.Namespace) -> int:
         f"{m} {t:.2f} s ({base / t:.2f}x)" for m, t in totals.items()) + f"; outputs identical: {verdict}")
     print(f"models: {args.target} / {args.drafter}, {args.dtype} on {args.device}, greedy, "
           f"{args.max_new_tokens} new tokens; loaded in {load_s:.1f} s")
+    if choice:
+        fastest = min(totals, key=totals.get)
+        print(f"auto: picked {choice.reason}" + (" (cached choice)" if choice.cached else "")
+              + (f"; fastest here: {fastest}" if fastest != auto_label else "; also the fastest here"))
     if note:
         print(note)
     if not all_identical:

@@ -15,7 +15,15 @@ import logging
 import socket
 import sys
 
-from dsi.cli.generate import _load, add_engine_args, add_model_args, add_sampling_args, transport_options
+from dsi.cli.generate import (
+    _load,
+    add_engine_args,
+    add_model_args,
+    add_sampling_args,
+    auto_options,
+    server_count,
+    transport_options,
+)
 from dsi.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -92,8 +100,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.shutdown_timeout < 0:
         raise ConfigError(f"--shutdown-timeout={args.shutdown_timeout} must be >= 0")
     config = ServeConfig(
-        method=args.method, lookahead=args.lookahead, max_window=args.max_window, num_target_servers=args.sp,
-        transport=args.transport,
+        method=args.method, lookahead=args.lookahead, max_window=args.max_window, num_target_servers=server_count(args),
+        transport=args.transport, auto_options=auto_options(args),
         transport_options=transport_options(args), max_concurrent=args.max_concurrent, max_queue=args.max_queue, api_key=args.api_key,
         model_name=args.served_model_name or args.target, max_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,

@@ -27,6 +27,16 @@ def _info(args: argparse.Namespace, text: str) -> None:
 
 
 # ---- simulate -----------------------------------------------------------------------------------
+def _lookahead(text: str) -> int | str:
+    """``--lookahead`` values: an integer k, or "auto" (the event-driven policy)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither an integer nor 'auto'") from None
+
+
 def _register_simulate(subparsers) -> None:
     p = subparsers.add_parser(
         "simulate",
@@ -34,13 +44,25 @@ def _register_simulate(subparsers) -> None:
         description=(
             "Simulate non-SI, SI and DSI for one (c, a, k): the offline simulator of the paper "
             "(time units, target forward = 1) and the event simulator of the real algorithm "
-            "(TTFT/TPOT, queueing, preemption)."
+            "(TTFT/TPOT, queueing, preemption). --lookahead auto is DSI's event-driven policy (a "
+            "window whenever a target server is idle, with every draft made since the previous "
+            "one): event simulator only, compared with SI at its best k in 1..20."
         ),
     )
     p.add_argument("--c", type=float, required=True, help="drafter latency / target latency, in (0, 1)")
     p.add_argument("--a", type=float, required=True, help="acceptance rate, in [0, 1]")
-    p.add_argument("--lookahead", "-k", type=int, required=True, help="drafts per verification window (k >= 1)")
-    p.add_argument("--sp", type=int, default=7, help="target servers for DSI (default 7; must meet Equation 1)")
+    p.add_argument(
+        "--lookahead",
+        "-k",
+        type=_lookahead,
+        nargs="+",
+        required=True,
+        metavar="K",
+        help="drafts per verification window (k >= 1), or 'auto' (event-driven DSI); several: one row each",
+    )
+    p.add_argument(
+        "--sp", type=int, default=7, help="target servers for DSI (default 7; with a k it must meet Equation 1)"
+    )
     p.add_argument("--tokens", type=int, default=1000, help="tokens to generate (default 1000)")
     p.add_argument("--repeats", type=int, default=5, help="repeats (default 5)")
     p.add_argument("--seed", type=int, default=42, help="random seed (default 42)")
@@ -57,89 +79,178 @@ def _register_simulate(subparsers) -> None:
     e.add_argument("--drafter-ttft", type=float, default=None, help="drafter time to first token (default: its TPOT)")
     e.add_argument("--preempt-delay", type=float, default=0.0, help="time a preempted server needs to stop (default 0)")
     e.add_argument("--queue", choices=("fifo", "newest"), default="fifo", help="task queue order (default fifo)")
+    e.add_argument(
+        "--max-window", type=int, default=None, metavar="N", help="with --lookahead auto: at most N drafts per window"
+    )
+    e.add_argument(
+        "--latency-cv",
+        type=float,
+        default=0.0,
+        metavar="X",
+        help="random target forward times: lognormal factors of mean 1 and this coefficient of variation (default 0)",
+    )
     e.add_argument("--no-events", action="store_true", help="offline simulator only")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_simulate)
 
 
-def cmd_simulate(args: argparse.Namespace) -> int:
+SI_AUTO_LOOKAHEADS = range(1, 21)  # SI's k for the comparison with event-driven DSI
+
+
+def _simulate_fixed(args: argparse.Namespace, k: int, common: dict) -> dict:
+    """Offline simulator, closed forms and (unless --no-events) the event simulator for lookahead k."""
     from dsi.sim import analytic
     from dsi.sim.events import simulate
     from dsi.sim.offline import simulate_offline
 
     offline = simulate_offline(
-        args.c,
-        args.a,
-        args.lookahead,
-        tokens=args.tokens,
-        repeats=args.repeats,
-        seed=args.seed,
-        sp=args.sp,
-        rng=args.rng,
+        args.c, args.a, k, tokens=args.tokens, repeats=args.repeats, seed=args.seed, sp=args.sp, rng=args.rng
     )
     data = offline.to_dict()
+    data["config"]["latency_cv"] = args.latency_cv
     data["analytic"] = {
         "nonsi": analytic.nonsi_time(args.tokens),
-        "si_expected": analytic.si_expected_time(args.c, args.a, args.lookahead, args.tokens),
-        "si_tokens_per_iteration": analytic.si_expected_tokens_per_iteration(args.a, args.lookahead),
-        "dsi_offline_expected": analytic.offline_dsi_expected_time(args.c, args.a, args.lookahead, args.tokens),
-        "dsi_lower_bound": analytic.dsi_lower_bound(args.c, args.lookahead, args.tokens),
+        "si_expected": analytic.si_expected_time(args.c, args.a, k, args.tokens),
+        "si_tokens_per_iteration": analytic.si_expected_tokens_per_iteration(args.a, k),
+        "dsi_offline_expected": analytic.offline_dsi_expected_time(args.c, args.a, k, args.tokens),
+        "dsi_lower_bound": analytic.dsi_lower_bound(args.c, k, args.tokens),
     }
     if not args.no_events:
-        drafter_tpot = args.c * args.target_tpot if args.drafter_tpot is None else args.drafter_tpot
-        common = dict(
-            target_tpot=args.target_tpot,
-            target_ttft=args.target_ttft,
-            drafter_tpot=drafter_tpot,
-            drafter_ttft=args.drafter_ttft,
-            lookahead=args.lookahead,
-            tokens=args.tokens,
-            acceptance=args.a,
-            repeats=args.repeats,
-            seed=args.seed,
-        )
         events = {
-            "nonsi": simulate("ar", **common),
-            "si": simulate("si", **common),
-            "dsi": simulate("dsi", num_servers=args.sp, queue=args.queue, preempt_delay=args.preempt_delay, **common),
-        }
-        for method, result in events.items():
-            entry = result.to_dict()
-            entry["speedup_vs_nonsi"] = events["nonsi"].mean / result.mean
-            entry["speedup_vs_si"] = events["si"].mean / result.mean
-            data[method]["event"] = entry
-    if args.json:
-        print_json(data)
-        return 0
-    cfg = data["config"]
-    print(
-        f"c={cfg['c']} a={cfg['a']} k={cfg['lookahead']} SP={cfg['sp']} (Equation 1: >= {cfg['required_sp']}) "
-        f"tokens={cfg['tokens']} repeats={cfg['repeats']} seed={cfg['seed']}"
+            "nonsi": simulate("ar", lookahead=k, **common),
+            "si": simulate("si", lookahead=k, **common),
+            "dsi": simulate("dsi", lookahead=k, num_servers=args.sp, queue=args.queue,
+                            preempt_delay=args.preempt_delay, **common),
+        }  # fmt: skip
+        _add_events(data, events)
+    return data
+
+
+def _simulate_auto(args: argparse.Namespace, common: dict) -> dict:
+    """Event-driven DSI (event simulator only), beside non-SI and SI at its best k."""
+    from dsi.sim.events import simulate
+
+    si = min((simulate("si", lookahead=k, **common) for k in SI_AUTO_LOOKAHEADS), key=lambda r: r.mean)
+    events = {
+        "nonsi": simulate("ar", lookahead="auto", **common),
+        "si": si,
+        "dsi": simulate("dsi", lookahead="auto", max_window=args.max_window, num_servers=args.sp, queue=args.queue,
+                        preempt_delay=args.preempt_delay, **common),
+    }  # fmt: skip
+    data = {
+        "config": {
+            "c": args.c,
+            "a": args.a,
+            "lookahead": "auto",
+            "max_window": args.max_window,
+            "tokens": args.tokens,
+            "repeats": args.repeats,
+            "seed": args.seed,
+            "sp": args.sp,
+            "latency_cv": args.latency_cv,
+            "si_lookahead": si.lookahead,  # SI's best k in 1..20
+        },
+        "nonsi": {},
+        "si": {"lookahead": si.lookahead},
+        "dsi": {},
+    }
+    _add_events(data, events)
+    return data
+
+
+def _add_events(data: dict, events: dict) -> None:
+    for method, result in events.items():
+        entry = result.to_dict()
+        entry["speedup_vs_nonsi"] = events["nonsi"].mean / result.mean
+        entry["speedup_vs_si"] = events["si"].mean / result.mean
+        data[method]["event"] = entry
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    lookaheads = list(dict.fromkeys(args.lookahead))  # in order, without repeats
+    auto = "auto" in lookaheads
+    if auto and args.no_events:
+        raise ConfigError("--lookahead auto is simulated by the event simulator only: drop --no-events")
+    if args.max_window is not None and not auto:
+        raise ConfigError(f"--max-window={args.max_window} is only valid with --lookahead auto")
+    common = dict(
+        target_tpot=args.target_tpot,
+        target_ttft=args.target_ttft,
+        drafter_tpot=args.c * args.target_tpot if args.drafter_tpot is None else args.drafter_tpot,
+        drafter_ttft=args.drafter_ttft,
+        tokens=args.tokens,
+        acceptance=args.a,
+        repeats=args.repeats,
+        seed=args.seed,
+        latency_cv=args.latency_cv,
     )
+    if auto:  # the offline simulator's checks of c and a, for auto alone too
+        from dsi.sim.offline import check_a, check_c
+
+        check_c(args.c, 1.0)
+        check_a(args.a)
+    results = [_simulate_auto(args, common) if k == "auto" else _simulate_fixed(args, k, common) for k in lookaheads]
+    if args.json:
+        print_json(results[0] if len(results) == 1 else {"lookaheads": lookaheads, "results": results})
+        return 0
+    if lookaheads == [lookaheads[0]] and lookaheads[0] != "auto":
+        cfg = results[0]["config"]
+        print(
+            f"c={cfg['c']} a={cfg['a']} k={cfg['lookahead']} SP={cfg['sp']} (Equation 1: >= {cfg['required_sp']}) "
+            f"tokens={cfg['tokens']} repeats={cfg['repeats']} seed={cfg['seed']}"
+        )
+    else:
+        print(f"c={args.c} a={args.a} SP={args.sp} tokens={args.tokens} repeats={args.repeats} seed={args.seed}")
+        notes = [f"k={r['config']['lookahead']} needs SP >= {r['config']['required_sp']}" for r in results
+                 if r["config"]["lookahead"] != "auto"]  # fmt: skip
+        if notes:
+            print("Equation 1: " + "; ".join(notes))
+        if auto:
+            cap = "no cap" if args.max_window is None else f"at most {args.max_window} drafts"
+            print(f"auto: event-driven DSI, a window whenever a target server is idle, paced by Equation 1 and the "
+                  f"acceptance ({cap}); event simulator only")
+    if args.latency_cv > 0:
+        print(f"target forward times vary: lognormal factors, mean 1, CV {args.latency_cv}")
     headers = ["method", "offline mean", "vs non-SI", "vs SI"]
     if not args.no_events:
-        headers += ["event mean", "vs non-SI", "vs SI", "target util.", "wasted target"]
+        headers += ["event mean", "vs non-SI", "vs SI", "target util.", "wasted target", "window"]
     rows = []
-    for method, label in (("nonsi", "non-SI"), ("si", "SI"), ("dsi", "DSI")):
-        m = data[method]
-        row = [label, m["mean"], f"{m['speedup_vs_nonsi']:.2f}x", f"{m['speedup_vs_si']:.2f}x"]
-        if not args.no_events:
-            ev = m["event"]
-            row += [
-                ev["mean"],
-                f"{ev['speedup_vs_nonsi']:.2f}x",
-                f"{ev['speedup_vs_si']:.2f}x",
-                f"{ev['utilisation']:.2f}",
-                ev["wasted_target_time"],
-            ]
-        rows.append(row)
+    seen = set()
+    # the non-SI row from a fixed k's results where there is one (they carry the offline figures)
+    for data in sorted(results, key=lambda d: d["config"]["lookahead"] == "auto"):
+        k = data["config"]["lookahead"]
+        labels = [("nonsi", "non-SI")]
+        if k == "auto":
+            labels += [("si", f"SI k={data['si']['lookahead']} (best)"), ("dsi", "DSI auto")]
+        else:
+            labels += [("si", f"SI k={k}"), ("dsi", f"DSI k={k}")]
+        for method, label in labels:
+            if label in seen:
+                continue
+            seen.add(label)
+            m = data[method]
+            if "mean" in m:
+                row = [label, m["mean"], f"{m['speedup_vs_nonsi']:.2f}x", f"{m['speedup_vs_si']:.2f}x"]
+            else:
+                row = [label, "-", "-", "-"]
+            if not args.no_events:
+                ev = m["event"]
+                row += [
+                    ev["mean"],
+                    f"{ev['speedup_vs_nonsi']:.2f}x",
+                    f"{ev['speedup_vs_si']:.2f}x",
+                    f"{ev['utilisation']:.2f}",
+                    ev["wasted_target_time"],
+                    f"{ev['mean_window']:.2f}" if method != "nonsi" else "-",
+                ]
+            rows.append(row)
     print(format_table(headers, rows))
     return 0
 
 
 # ---- heatmap ------------------------------------------------------------------------------------
 def _register_heatmap(subparsers) -> None:
-    from dsi.sim.heatmap import PANELS
+    from dsi.sim.heatmap import EVENT_REPEATS, EVENT_TOKENS, PANELS
 
     p = subparsers.add_parser(
         "heatmap",
@@ -147,7 +258,9 @@ def _register_heatmap(subparsers) -> None:
         description=(
             "Figure 1 of the paper from the offline simulator: for every (c, a) on an ndim x ndim "
             "grid, each method's best lookahead in 1..ndim (DSI only where Equation 1 holds with "
-            "SP <= --max-sp). Writes heatmap.csv, heatmap.png and heatmap.pdf."
+            "SP <= --max-sp). A fifth panel compares DSI's event-driven policy with its best fixed "
+            "lookahead in the event simulator (shorter runs: --event-tokens x --event-repeats). "
+            "Writes heatmap.csv, heatmap.png and heatmap.pdf."
         ),
     )
     p.add_argument("--ndim", type=int, default=20, help="grid points per axis minus one, and largest k (default 20)")
@@ -169,6 +282,19 @@ def _register_heatmap(subparsers) -> None:
         action="store_true",
         help="let SI use every k (default: only k valid for DSI under Equation 1, as the authors)",
     )
+    p.add_argument(
+        "--event-tokens",
+        type=int,
+        default=EVENT_TOKENS,
+        help=f"tokens per run of the event-simulator panel fixed_auto (default {EVENT_TOKENS})",
+    )
+    p.add_argument(
+        "--event-repeats",
+        type=int,
+        default=EVENT_REPEATS,
+        help=f"repeats of the event-simulator panel (default {EVENT_REPEATS})",
+    )
+    p.add_argument("--no-event-panel", action="store_true", help="skip the event-simulator panel (fixed_auto)")
     p.add_argument("--format", action="append", choices=("png", "pdf"), help="figure formats (default png and pdf)")
     p.add_argument("--no-plot", action="store_true", help="write the CSV only (no matplotlib needed)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -178,9 +304,13 @@ def _register_heatmap(subparsers) -> None:
 
 def cmd_heatmap(args: argparse.Namespace) -> int:
     from dsi.sim.files import prepare_out_dir
-    from dsi.sim.heatmap import check_panels, compute_heatmap, write_heatmap
+    from dsi.sim.heatmap import EVENT_PANEL, check_panels, compute_heatmap, write_heatmap
 
     panels = check_panels(args.panel)
+    if args.no_event_panel:
+        if args.panel and EVENT_PANEL in args.panel:
+            raise ConfigError(f"--panel {EVENT_PANEL} needs the event-simulator panel: drop --no-event-panel")
+        panels = tuple(p for p in panels if p != EVENT_PANEL)
     prepare_out_dir(args.out)  # fail before simulating
     result = compute_heatmap(
         args.ndim,
@@ -191,6 +321,9 @@ def cmd_heatmap(args: argparse.Namespace) -> int:
         rng=args.rng,
         si_all_k=args.si_all_k,
         progress=not args.no_progress,
+        event_panel=not args.no_event_panel,
+        event_tokens=args.event_tokens,
+        event_repeats=args.event_repeats,
     )
     files = write_heatmap(result, args.out, panels, plot=not args.no_plot, formats=tuple(args.format or ("png", "pdf")))
     summary = result.summary()
@@ -207,6 +340,13 @@ def cmd_heatmap(args: argparse.Namespace) -> int:
         f"DSI slower than SI in {summary['cells_dsi_slower_than_si']}, than non-SI in "
         f"{summary['cells_dsi_slower_than_nonsi']}"
     )
+    if summary["event_panel"]:
+        print(
+            f"event simulator ({summary['event_tokens']} tokens x {summary['event_repeats']} repeats, "
+            f"{summary['event_simulations']} runs in {summary['event_seconds']:.2f} s): event-driven DSI faster than "
+            f"the best fixed k in {summary['cells_event_driven_faster']} cells, slower in "
+            f"{summary['cells_event_driven_slower']}, equal in the rest"
+        )
     rows = [[p, summary[f"min_{p}"], summary[f"max_{p}"]] for p in panels]
     print(format_table(["panel", "min ratio", "max ratio"], rows))
     for f in files:
@@ -286,7 +426,9 @@ def _register_plan(subparsers) -> None:
         help="choose the lookahead and number of target servers for a drafter/target pair",
         description=(
             "Equation 1, then the event simulator: the fastest (lookahead, target servers) within "
-            "--max-servers, with its predicted latency per token and speedups over SI and non-SI. "
+            "--max-servers, with its predicted latency per token and speedups over SI and non-SI; "
+            "beside it, for each number of servers, DSI's event-driven policy (no lookahead: a "
+            "window whenever a target server is idle) and which of the two is faster. "
             "Inputs from flags or from JSON files written by dsi measure (--from, repeatable); "
             "flags override files."
         ),
@@ -351,4 +493,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
     best = sorted(plan.candidates, key=lambda c: c.latency_ms)[:5]
     rows = [[c.lookahead, c.num_servers, c.required_sp, c.per_token_ms, c.queue_wait_ms, c.utilisation] for c in best]
     print(format_table(["k", "servers", "Eq.1 SP", "ms/token", "queue wait ms", "utilisation"], rows))
+    ev = plan.event_driven
+    verdict = {"event-driven": "the event-driven policy is faster", "fixed k": "the fixed lookahead is faster",
+               "tie": "a tie"}  # fmt: skip
+    print(
+        f"\nevent-driven policy (no lookahead: a window whenever a target server is idle, paced by Equation 1 "
+        f"and the acceptance): {ev.num_servers} target "
+        f"server(s), predicted {ev.per_token_ms:.2f} ms/token (mean window {ev.mean_window:.2f} drafts), "
+        f"{plan.best.per_token_ms / ev.per_token_ms:.3f}x the plan's: {verdict[plan.event_driven_better]}"
+    )
+    rows = []
+    for row in plan.by_servers:
+        f, a = row.fixed, row.event_driven
+        rows.append(
+            [row.num_servers, "-" if f is None else f.lookahead, "-" if f is None else f.per_token_ms,
+             a.per_token_ms, f"{a.mean_window:.2f}", "-" if f is None else f"{f.latency_ms / a.latency_ms:.3f}x",
+             row.better]
+        )  # fmt: skip
+    print("per number of target servers (fixed k: the best candidate with exactly that many servers):")
+    print(format_table(["servers", "best k", "ms/token", "event-driven ms/token", "window", "fixed/event",
+                        "better"], rows))  # fmt: skip
     return 0

@@ -20,7 +20,7 @@ from dsi.models.base import LanguageModel
 from dsi.sampling import SamplingParams
 from dsi.transport import TRANSPORTS, make_pool
 
-METHODS = ("dsi", "si", "ar")
+METHODS = ("auto", "dsi", "si", "ar")  # "auto": the fastest of the others here (dsi.autotune)
 
 
 class Decoder(Protocol):
@@ -71,14 +71,32 @@ def build_decoder(
     transport: str = "threads",
     transport_options: dict | None = None,
     max_window: int | None = None,
+    auto_options: dict | None = None,
 ) -> Decoder:
     """A decoder that keeps its workers (threads, caches) across requests; ``close()`` it.
+
+    ``method="auto"`` measures non-SI, SI and DSI on this placement (once; the choice is cached)
+    and builds the fastest; ``num_target_servers`` is then the most DSI may use, and
+    ``auto_options`` go to :func:`dsi.autotune.choose_method` (``cache_dir``, ``refresh``,
+    ``tokens``, ``prompt``). The decoder's ``choice`` says what was picked and why.
 
     ``lookahead``: drafts per verification window (k), or ``"auto"`` (DSI only): event-driven
     windows, sent whenever a target server is idle, carrying every draft made since the previous
     window (at most ``max_window``)."""
     require(method in METHODS, f"method={method!r} must be one of {', '.join(METHODS)}")
     check_lookahead(method, lookahead, max_window)
+    if method == "auto":
+        require(
+            _is_int(num_target_servers) and num_target_servers >= 1,
+            f"num_target_servers={num_target_servers!r} must be an integer >= 1",
+        )
+        require(transport in TRANSPORTS, f"transport={transport!r} must be one of {', '.join(TRANSPORTS)}")
+        from dsi.autotune import build_auto_decoder  # measures with this very API: imported on use
+
+        return build_auto_decoder(
+            target=_check_model(target, "target"), drafter=drafter, transport=transport,
+            transport_options=transport_options, num_target_servers=num_target_servers, tune_options=auto_options,
+        )
     require(
         _is_int(num_target_servers) and num_target_servers >= 1,
         f"num_target_servers={num_target_servers!r} must be an integer >= 1",
@@ -163,6 +181,7 @@ def generate(
     sampling: SamplingParams | None = None,
     transport: str = "threads",
     transport_options: dict | None = None,
+    auto_options: dict | None = None,
     eos_token_id: int | Sequence[int] | None = None,
     on_tokens: TokenCallback | None = None,
     abort: threading.Event | None = None,
@@ -186,6 +205,7 @@ def generate(
         transport=transport,
         transport_options=transport_options,
         max_window=max_window,
+        auto_options=auto_options,
     )
     try:
         request = make_request(prompt, max_new_tokens, sampling, eos_token_id, target.vocab_size)

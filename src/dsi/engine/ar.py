@@ -34,8 +34,11 @@ class AutoregressiveDecoder:
             params = request.sampling
             start = time.perf_counter()
             row = forward_rows(self._session, out.tokens, 1, greedy=params.greedy)[-1]  # greedy: an id; else [V]
-            stats.target_busy_s += time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            stats.target_busy_s += elapsed
+            stats.completed_target_s += elapsed
             stats.target_forwards += 1
+            stats.completed_target_forwards += 1
             out.commit(int(row) if params.greedy else bonus(process_logits(row, params), params, len(out.tokens)))
             stats.bonus_tokens += 1
         return GenerationResult(out.finalize(), stats)

@@ -146,9 +146,10 @@ class _DSIRun:
                 continue
             self.handle(event)
             self.out.check_abort()
+            # decide first: a draft may complete a rejection, and no window is sent into a dying epoch
             self.apply()
-            if self.event_driven and not isinstance(event, Draft | DraftsDone) and not self.out.finished:
-                self.submit_ready_windows()  # a server may have become idle
+            if not self.out.finished:
+                self.submit_ready_windows()  # new drafts, or (event-driven) a server became idle
 
     def stop(self) -> None:
         """Cancel whatever is still running for this request; collect late statistics."""
@@ -191,16 +192,16 @@ class _DSIRun:
                 self.draft.append(event.token)
                 self.qs.append(event.q)
                 self.stats.drafted_tokens += 1
-                self.submit_ready_windows()
         elif isinstance(event, DraftsDone):
             if event.epoch == self.epoch:
                 self.drafter_done = True
-                self.submit_ready_windows()
         elif isinstance(event, TaskResult | TaskAborted) and event.task_id not in self.task_ids:
             return  # a late answer to a task a previous request cancelled: not this request's time
         elif isinstance(event, TaskResult):
             self.stats.target_forwards += 1
             self.stats.target_busy_s += event.compute_s
+            self.stats.completed_target_forwards += 1
+            self.stats.completed_target_s += event.compute_s
             index = self.outstanding.pop(event.task_id, None)
             self.decoder.pacer.add_target(event.compute_s)
             if index is None:  # computed on a context a rejection made stale
@@ -277,6 +278,7 @@ class _DSIRun:
                     first, len(self.draft), self.horizon(), idle_servers=self.pool.idle_servers(),
                     min_window=self.decoder.pacer.min_window(self.pool.alive_servers()),
                     max_window=self.max_window, drafter_done=self.drafter_done,
+                    in_flight=len(self.outstanding),
                 )
                 if last is None:
                     return

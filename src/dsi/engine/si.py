@@ -44,8 +44,11 @@ class SpeculativeDecoder:
             start = time.perf_counter()
             # greedy: the target's argmax ids [kk+1]; sampling: its logit rows [kk+1, V]
             rows = forward_rows(self._target, base + tuple(drafts), len(drafts) + 1, greedy=params.greedy)
-            stats.target_busy_s += time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            stats.target_busy_s += elapsed
+            stats.completed_target_s += elapsed
             stats.target_forwards += 1
+            stats.completed_target_forwards += 1
             stats.verify_tasks += 1
             for i, x in enumerate(drafts):
                 if params.greedy:

@@ -29,6 +29,8 @@ class GenerationStats:
     target_forwards: int = 0  # target forwards run to completion or aborted
     drafter_forwards: int = 0
     target_busy_s: float = 0.0  # summed target server time
+    completed_target_forwards: int = 0  # target forwards that ran to their end (not aborted)
+    completed_target_s: float = 0.0  # their summed time
     drafter_busy_s: float = 0.0  # summed drafter forward time (DSI: including abandoned forwards)
     wasted_target_s: float = 0.0  # target server time on tasks whose results were not used
     num_target_servers: int = 1
@@ -68,8 +70,9 @@ class GenerationStats:
 
     @property
     def mean_target_forward_s(self) -> float:
-        """Mean target forward time as the servers saw it (while running next to the others)."""
-        return self.target_busy_s / self.target_forwards if self.target_forwards else 0.0
+        """Mean time of a target forward that ran to its end, as the servers saw it (in DSI, while
+        running next to the drafter and the other servers)."""
+        return self.completed_target_s / self.completed_target_forwards if self.completed_target_forwards else 0.0
 
     @property
     def mean_drafter_forward_s(self) -> float:

@@ -2,6 +2,9 @@
 
 The first forward of a session (the prefill) takes ``ttft`` seconds, every later one ``tpot``
 seconds, whatever the number of new tokens: the memory-bound regime the DSI paper simulates.
+With ``cv > 0`` each forward's latency is instead multiplied by an independent lognormal factor of
+mean 1 and coefficient of variation ``cv`` (seeded per session from ``seed``): forwards whose
+time varies, as on shared or throttled hardware.
 The wrapped model's own compute time counts towards that latency (the forward lasts
 ``max(latency, compute)``), so emulated timings stay accurate for cheap inner models. The wait
 is interruptible: a set cancel flag ends it at once and restores the session.
@@ -9,6 +12,8 @@ is interruptible: a set cancel flag ends it at once and restores the session.
 
 from __future__ import annotations
 
+import itertools
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -44,30 +49,55 @@ def precise_wait(seconds: float, cancel: CancelFlag | None) -> bool:
 
 
 class WithLatency:
-    """A model whose sessions take ``ttft`` s for their first forward and ``tpot`` s after."""
+    """A model whose sessions take ``ttft`` s for their first forward and ``tpot`` s after
+    (times a random lognormal factor of mean 1 when ``cv > 0``)."""
 
-    def __init__(self, model: LanguageModel, ttft: float, tpot: float) -> None:
+    def __init__(self, model: LanguageModel, ttft: float, tpot: float, cv: float = 0.0, seed: int = 0) -> None:
         self.model = model
         self.ttft = _check_latency("ttft", ttft)
         self.tpot = _check_latency("tpot", tpot)
+        self.cv = _check_latency("cv", cv)
+        self.seed = seed
+        self._sessions = itertools.count()
+        self._lock = threading.Lock()
 
     @property
     def vocab_size(self) -> int:
         return self.model.vocab_size
 
     def new_session(self) -> LatencySession:
-        return LatencySession(self.model.new_session(), self.ttft, self.tpot)
+        rng = None
+        if self.cv > 0:
+            import numpy as np
+
+            with self._lock:
+                rng = np.random.default_rng([self.seed, next(self._sessions)])
+        return LatencySession(self.model.new_session(), self.ttft, self.tpot, self.cv, rng)
+
+    def __getstate__(self) -> dict:  # picklable for process and Ray servers (locks are not)
+        state = dict(self.__dict__)
+        state.pop("_lock"), state.pop("_sessions")
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._sessions = itertools.count()
+        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
-        return f"WithLatency({self.model!r}, ttft={self.ttft}, tpot={self.tpot})"
+        noise = f", cv={self.cv}, seed={self.seed}" if self.cv else ""
+        return f"WithLatency({self.model!r}, ttft={self.ttft}, tpot={self.tpot}{noise})"
 
 
 class LatencySession:
-    def __init__(self, inner: ModelSession, ttft: float, tpot: float) -> None:
+    def __init__(self, inner: ModelSession, ttft: float, tpot: float, cv: float = 0.0, rng=None) -> None:
         self._inner = inner
         self._ttft = ttft
         self._tpot = tpot
         self._prefilled = False
+        self._rng = rng
+        if cv > 0:  # lognormal with mean 1: sigma^2 = ln(1 + cv^2), mu = -sigma^2 / 2
+            self._sigma = math.sqrt(math.log1p(cv * cv))
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -79,6 +109,8 @@ class LatencySession:
     def extend_rows(self, tokens: Sequence[int], cancel: CancelFlag | None, num_rows: int, greedy: bool) -> np.ndarray:
         start = time.perf_counter()
         latency = self._tpot if self._prefilled else self._ttft
+        if self._rng is not None:
+            latency *= float(self._rng.lognormal(-self._sigma ** 2 / 2, self._sigma))
         before = len(self._inner.tokens)
         rows = extend_rows(self._inner, tokens, cancel, num_rows, greedy)
         if precise_wait(latency - (time.perf_counter() - start), cancel):

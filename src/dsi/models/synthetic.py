@@ -67,11 +67,13 @@ def synthetic_pair(
     target_tpot: float | None = None,
     drafter_ttft: float | None = None,
     drafter_tpot: float | None = None,
+    target_cv: float = 0.0,
 ):
     """Build ``(target, drafter)`` over ``vocab_size`` tokens with greedy acceptance ``acceptance``.
 
     Latencies in seconds: give ``*_tpot`` (and optionally ``*_ttft``, default equal to tpot) to
-    wrap a model in :class:`WithLatency`.
+    wrap a model in :class:`WithLatency`; ``target_cv > 0`` makes every target forward's latency
+    random (lognormal, mean ``target_tpot``, coefficient of variation ``target_cv``).
     """
     if not isinstance(acceptance, int | float) or not 0.0 <= acceptance <= 1.0:
         raise ConfigError(f"acceptance={acceptance!r} must be in [0, 1]")
@@ -82,7 +84,8 @@ def synthetic_pair(
     target = CallableLM(target_fn, vocab_size, name=f"synthetic-target(seed={seed})")
     drafter = CallableLM(drafter_fn, vocab_size, name=f"synthetic-drafter(a={acceptance})")
     if target_tpot is not None:
-        target = WithLatency(target, target_tpot if target_ttft is None else target_ttft, target_tpot)
+        target = WithLatency(target, target_tpot if target_ttft is None else target_ttft, target_tpot,
+                             cv=target_cv, seed=seed)
     if drafter_tpot is not None:
         drafter = WithLatency(drafter, drafter_tpot if drafter_ttft is None else drafter_ttft, drafter_tpot)
     return target, drafter

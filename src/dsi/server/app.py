@@ -73,7 +73,8 @@ class ServeConfig:
     method: str = "dsi"
     lookahead: int | str = 5  # k, or "auto" (DSI's event-driven windows)
     max_window: int | None = None  # with lookahead="auto": the most drafts per window
-    num_target_servers: int = 1
+    num_target_servers: int = 1  # with method="auto": the most DSI may use
+    auto_options: dict | None = None  # method="auto": options of dsi.autotune.choose_method
     transport: str = "threads"
     transport_options: dict | None = None
     max_concurrent: int = 1  # engine slots, each one decoder
@@ -128,7 +129,7 @@ class ServerState:
         c = self.config
         return build_decoder(
             target=self.target, drafter=self.drafter, method=c.method, lookahead=c.lookahead, max_window=c.max_window,
-            num_target_servers=c.num_target_servers, transport=c.transport, transport_options=c.transport_options,
+            num_target_servers=c.num_target_servers, auto_options=c.auto_options, transport=c.transport, transport_options=c.transport_options,
         )
 
     def _build_slots(self) -> list[Slot]:
@@ -233,7 +234,7 @@ def _dsi_info(outcome: Outcome) -> DSIInfo | None:
         verify_tasks=s.verify_tasks, preempted_tasks=s.preempted_tasks,
         cancelled_tasks=s.cancelled_tasks, wasted_target_s=s.wasted_target_s,
         target_utilisation=s.target_utilisation, num_target_servers=s.num_target_servers, lookahead=s.lookahead,
-        mean_window=s.mean_window,
+        mean_window=s.mean_window, auto=s.extra.get("auto"),
         queue_time_s=outcome.queue_time_s, time_to_first_token_s=s.time_to_first_token_s,
         wall_time_s=s.wall_time_s,
     )

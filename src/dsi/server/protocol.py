@@ -254,6 +254,7 @@ class DSIInfo(BaseModel):
     num_target_servers: int
     lookahead: int | str  # k, or "auto" (event-driven windows)
     mean_window: float  # drafts per verification window, on average
+    auto: dict | None = None  # method="auto": what was picked and why
     queue_time_s: float
     time_to_first_token_s: float
     wall_time_s: float

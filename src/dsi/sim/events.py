@@ -19,15 +19,32 @@ Model of time
   the committed one).
 - **DSI.** At every (re)start the zero-draft task (context = committed) is submitted and the
   drafter starts drafting; it drafts ``tokens - i`` positions, one TPOT each, and never waits.
-  After every ``k`` drafts it submits window ``m`` (context = committed + ``m k`` drafts); when
-  drafting is done the final partial window is submitted (a window that would decide only
-  positions past the end is not sent). The zero-draft task decides
-  position ``i``; window ``m`` decides the ``k`` positions after those of window ``m - 1`` (its
-  last row the first draft of window ``m + 1``). Positions are decided strictly in order, each
-  as soon as its deciding task has finished and its draft exists. Acceptance commits the draft;
-  rejection commits the target's token, preempts every other task of the epoch (queued ones
-  are dropped, running ones free their server after ``preempt_delay``, finished unused ones are
-  discarded), interrupts the drafter and restarts.
+  Windows ``w = 1, 2, ...`` of an epoch each have an end ``last_w`` (context = committed +
+  ``last_w`` drafts) and decide the relative positions ``(last_{w-1}, last_w]`` (``last_0 = 0``;
+  the zero-draft task decides relative position 0; a window's last row decides the first draft
+  after its context). When windows are sent is the *policy*:
+
+  - fixed lookahead ``k``: after every ``k`` drafts window ``m`` is sent with ``last_m = m k``;
+    when drafting is done the final partial window is submitted (a window that would decide
+    only positions past the end is not sent);
+  - event-driven (``lookahead="auto"``, DSI.md section 8; the policy is :mod:`dsi.windows`,
+    the engine's own): a window is sent when a target server is idle and undispatched drafts
+    exist; it carries all of them, ``last_w = min(drafts, last_{w-1} + max_window, horizon)``
+    where the horizon ``tokens - 1 - i`` is the last relative position still to decide, but not
+    before it holds ``min_window`` drafts (Equation 1's k from running estimates of the target
+    forward and the drafter step, lowered to the expected distance to the next rejection), unless
+    no more drafts can join it (nothing is sent when that would not move ``last``). The checks run
+    when a draft arrives (before the decisions it allows, as the engine handles a draft), when a
+    server becomes free (a finished task's decisions first, so no window is sent into an epoch
+    that result ends; or the preemption delay ran out) and after a restart; while every server
+    is busy drafts pile up for the next window.
+    Only the zero-draft task (submitted at every restart whatever the servers) and preemption
+    delays ever make a task queue.
+
+  Positions are decided strictly in order, each as soon as its deciding task has finished and
+  its draft exists. Acceptance commits the draft; rejection commits the target's token, preempts
+  every other task of the epoch (queued ones are dropped, running ones free their server after
+  ``preempt_delay``, finished unused ones are discarded), interrupts the drafter and restarts.
 - **Servers.** ``num_servers`` target servers (``None``: as many as ever needed). A task goes to
   an idle server, a warm one first (it has the prompt cached); otherwise it waits in a queue
   served ``"fifo"`` (oldest first) or ``"newest"`` (newest first).
@@ -35,6 +52,9 @@ Model of time
   then one target forward deciding positions ``i .. i + kk`` (the correction, or the bonus
   token when all ``kk`` drafts are accepted).
 - **non-SI** (``"ar"``): ``TTFT + (tokens - 1) TPOT`` of the target.
+- **Latency noise.** With ``latency_cv > 0`` every target forward (TTFT or TPOT, in all three
+  methods) is multiplied by an independent lognormal factor of mean 1 and coefficient of
+  variation ``latency_cv``, drawn per repeat from a generator derived from ``seed``.
 
 With TTFT = TPOT, ``c <= T``, enough servers and no delays, E[DSI latency] is given exactly by
 :func:`dsi.sim.analytic.event_dsi_expected_time`; docs/simulator.md explains how and why it
@@ -44,12 +64,14 @@ Statistics of a run: latency; target busy time and utilisation (busy time over s
 latency; servers = ``num_servers``, or the number ever used when unlimited); wasted target time
 (server time on tasks whose results were not used: preempted runs up to their stop plus the
 preemption delay, and finished results discarded at a restart); fully accepted windows
-(windows, or SI iterations, whose ``k`` drafts were all accepted); rejections; tasks submitted
-and preempted; total queueing wait.
+(windows, or SI iterations, whose drafts were all accepted; for fixed ``k``: ``k`` drafts);
+rejections; tasks submitted and preempted; total queueing wait; mean window (drafts per
+verification window or SI iteration, zero-draft tasks excluded).
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
@@ -60,9 +82,11 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from dsi.errors import ConfigError
+from dsi.windows import WindowPacer, window_end
 
 METHODS = ("dsi", "si", "ar")
 QUEUES = ("fifo", "newest")
+AUTO = "auto"  # the event-driven policy's lookahead
 
 # event priorities at equal times: results first (servers free up before new submissions)
 _TASK_DONE, _SERVER_FREE, _DRAFT = 0, 1, 2
@@ -83,6 +107,7 @@ class RunStats:
     preempted_tasks: int
     queue_wait: float
     servers_used: int
+    mean_window: float = 0.0  # drafts per verification window (zero-draft tasks excluded)
 
 
 @dataclass(frozen=True)
@@ -91,7 +116,7 @@ class EventSimResult:
 
     method: str
     tokens: int
-    lookahead: int
+    lookahead: int | str  # an integer k, or "auto" (the event-driven policy)
     num_servers: int | None
     runs: tuple[RunStats, ...]
 
@@ -134,6 +159,10 @@ class EventSimResult:
     def queue_wait(self) -> float:
         return self._avg("queue_wait")
 
+    @property
+    def mean_window(self) -> float:
+        return self._avg("mean_window")
+
     def to_dict(self, runs: bool = False) -> dict:
         data = {
             "method": self.method,
@@ -149,6 +178,7 @@ class EventSimResult:
             "fully_accepted_windows": self.fully_accepted_windows,
             "rejections": self.rejections,
             "queue_wait": self.queue_wait,
+            "mean_window": self.mean_window,
         }
         if runs:
             data["runs"] = [asdict(r) for r in self.runs]
@@ -156,11 +186,11 @@ class EventSimResult:
 
 
 # ---- validation ---------------------------------------------------------------------------------
-def _latency(name: str, value: object) -> float:
+def _latency(name: str, value: object, what: str = "a latency") -> float:
     if not isinstance(value, int | float | np.integer | np.floating) or isinstance(value, bool):
         raise ConfigError(f"{name}={value!r} must be a number >= 0")
     if not (math.isfinite(value) and value >= 0):
-        raise ConfigError(f"{name}={value!r} must be a finite number >= 0 (a latency)")
+        raise ConfigError(f"{name}={value!r} must be a finite number >= 0 ({what})")
     return float(value)
 
 
@@ -218,6 +248,35 @@ def random_matches(acceptance: float, tokens: int, *, repeats: int = 1, seed: in
     return np.random.default_rng(seed).random((repeats, tokens)) < acceptance
 
 
+# ---- latency noise ------------------------------------------------------------------------------
+class _Noise:
+    """Independent lognormal factors of mean 1 and coefficient of variation ``cv``, drawn in blocks.
+
+    ``sigma^2 = ln(1 + cv^2)``, ``mu = -sigma^2 / 2``, so ``E[factor] = 1`` and
+    ``std[factor] = cv``.
+    """
+
+    __slots__ = ("rng", "mu", "sigma", "buf", "pos")
+
+    BLOCK = 256
+
+    def __init__(self, cv: float, rng: np.random.Generator) -> None:
+        var = math.log1p(cv * cv)
+        self.sigma = math.sqrt(var)
+        self.mu = -var / 2
+        self.rng = rng
+        self.buf: list[float] = []
+        self.pos = 0
+
+    def __call__(self) -> float:
+        if self.pos >= len(self.buf):
+            self.buf = self.rng.lognormal(self.mu, self.sigma, self.BLOCK).tolist()
+            self.pos = 0
+        factor = self.buf[self.pos]
+        self.pos += 1
+        return factor
+
+
 # ---- DSI ----------------------------------------------------------------------------------------
 class _Task:
     __slots__ = ("epoch", "index", "submitted", "start", "server", "duration", "state", "used")
@@ -245,7 +304,7 @@ class _DSIRun:
     def __init__(
         self,
         matches: np.ndarray,
-        k: int,
+        k: int | None,
         num_servers: int | None,
         target_ttft: float,
         target_tpot: float,
@@ -253,10 +312,14 @@ class _DSIRun:
         drafter_tpot: float,
         queue: str,
         preempt_delay: float,
+        max_window: int | None = None,
+        noise: _Noise | None = None,
     ) -> None:
         self.matches = matches
         self.n = len(matches)
-        self.k = k
+        self.k = k  # None: the event-driven policy
+        self.max_window = max_window
+        self.noise = noise
         self.unlimited = num_servers is None
         self.servers = [] if num_servers is None else [_Server() for _ in range(num_servers)]
         self.t_ttft, self.t_tpot = target_ttft, target_tpot
@@ -274,6 +337,8 @@ class _DSIRun:
         self.drafter_done = False
         self.drafter_warm = False
         self.windows: dict[int, _Task] = {}
+        self.lasts: list[int] = [0]  # window w's end (drafts in its context); window 0: the zero-draft task
+        self.epoch_accepted = 0  # drafts accepted in this epoch
         self.finished_at: float | None = None
         # statistics
         self.busy = 0.0
@@ -284,6 +349,9 @@ class _DSIRun:
         self.tasks = 0
         self.preempted = 0
         self.queue_wait = 0.0
+        self.window_count = 0  # verification windows sent (zero-draft tasks excluded)
+        self.window_drafts = 0  # positions they verify, summed
+        self.pacer = WindowPacer()  # the event-driven policy's estimates, fed as the engine feeds its own
 
     def push(self, time: float, priority: int, payload) -> None:
         heapq.heappush(self.heap, (round(time, 9), priority, next(self.seq), time, payload))
@@ -299,6 +367,7 @@ class _DSIRun:
             else:
                 self.on_draft(now, payload)
         latency = self.finished_at
+        self.count_full_windows()
         for server in self.servers:  # stopped at the end of the request
             task = server.task
             if task is not None and task.state == "running":
@@ -317,10 +386,17 @@ class _DSIRun:
             preempted_tasks=self.preempted,
             queue_wait=self.queue_wait,
             servers_used=len(self.servers),
+            mean_window=self.window_drafts / self.window_count if self.window_count else 0.0,
         )
 
     # -- epochs --
+    def count_full_windows(self) -> None:
+        """Event-driven policy, at the end of an epoch: its windows whose drafts were all accepted."""
+        if self.k is None:
+            self.full_windows += bisect.bisect_right(self.lasts, self.epoch_accepted) - 1
+
     def restart(self, now: float) -> None:
+        self.count_full_windows()
         for task in self.windows.values():
             if task.state == "queued":
                 task.state = "cancelled"
@@ -342,11 +418,14 @@ class _DSIRun:
         self.epoch += 1
         self.base = self.committed
         self.windows = {}
+        self.lasts = [0]
+        self.epoch_accepted = 0
         self.drafts = 0
         self.drafter_done = False
-        self.submit(0, now)
+        self.submit(0, now)  # whatever the servers: it may queue
         # the drafter abandons its forward (if any) and drafts the rest of the request
         self.push(now + (self.d_tpot if self.drafter_warm else self.d_ttft), _DRAFT, self.epoch)
+        self.submit_when_idle(now)  # no drafts yet: a no-op, kept for the policy's sake
 
     # -- drafts and windows --
     def on_draft(self, now: float, epoch: int) -> None:
@@ -354,29 +433,65 @@ class _DSIRun:
             return
         self.drafter_warm = True
         self.drafts += 1
+        if self.drafts > 1:  # the engine times the gap between consecutive drafts of an epoch
+            self.pacer.add_drafter(self.d_tpot)
         if self.base + self.drafts >= self.n:
             self.drafter_done = True
         else:
             self.push(now + self.d_tpot, _DRAFT, self.epoch)
+        # decide first (as the engine does): this draft may complete a rejection, and then no
+        # window is sent into the epoch it ends. A new draft can only unblock the decision that
+        # waits for it.
+        if self.committed - self.base == self.drafts - 1:
+            self.apply(now)
+            if self.epoch != epoch or self.finished_at is not None:
+                return
         k = self.k
-        while True:
-            index = len(self.windows)
-            first, last = (index - 1) * k + 1, index * k
-            if self.drafts >= last:
-                if first > self.n - 1 - self.base:
-                    break  # it would decide only positions past the end (k = 1): not sent
-                self.submit(index, now)
-                continue
-            if self.drafter_done and self.drafts - 1 >= first:
-                self.submit(index, now)  # the final, partial window
-            break
-        self.apply(now)
+        if k is None:
+            self.submit_when_idle(now)
+        elif self.drafter_done or self.drafts >= len(self.windows) * k:  # else: no window is due
+            while True:
+                index = len(self.windows)
+                first, last = (index - 1) * k + 1, index * k
+                if self.drafts >= last:
+                    if first > self.n - 1 - self.base:
+                        break  # it would decide only positions past the end (k = 1): not sent
+                    self.submit(index, now, last)
+                    continue
+                if self.drafter_done and self.drafts - 1 >= first:
+                    self.submit(index, now, last)  # the final, partial window
+                break
 
-    def submit(self, index: int, now: float) -> None:
+    def submit_when_idle(self, now: float) -> None:
+        """Event-driven policy (:func:`dsi.windows.window_end`): while a server is idle and enough
+        drafts exist past the last window, send a window with all of them."""
+        if self.k is not None or self.finished_at is not None:
+            return
+        horizon = self.n - 1 - self.base  # the last relative position still to decide
+        servers = 1 << 30 if self.unlimited else len(self.servers)
+        while True:
+            idle = self.unlimited or any(server.task is None for server in self.servers)
+            last = window_end(
+                self.lasts[-1] + 1, self.drafts, horizon, idle_servers=int(idle),
+                min_window=self.pacer.min_window(servers), max_window=self.max_window,
+                drafter_done=self.drafter_done,
+                in_flight=sum(task.state in ("queued", "running") for task in self.windows.values()),
+            )
+            if last is None:
+                return  # every server busy (drafts pile up), or too few drafts yet
+            self.submit(len(self.lasts), now, last, self.idle_server())
+
+    def submit(self, index: int, now: float, last: int = 0, server: int | None = None) -> None:
+        """Send window ``index`` (context = base + ``last`` drafts; 0: the zero-draft task)."""
         task = _Task(self.epoch, index, now)
         self.windows[index] = task
         self.tasks += 1
-        server = self.idle_server()
+        if index:
+            self.window_count += 1
+            self.window_drafts += min(last, self.n - 1 - self.base) - self.lasts[-1]
+            self.lasts.append(last)
+        if server is None:
+            server = self.idle_server()
         if server is None:
             self.queue.append(task)
         else:
@@ -402,12 +517,15 @@ class _DSIRun:
         task.start = now
         task.server = server_id
         task.duration = self.t_tpot if server.warm else self.t_ttft
+        if self.noise is not None:
+            task.duration *= self.noise()
         self.queue_wait += now - task.submitted
         self.push(now + task.duration, _TASK_DONE, task)
 
     def on_server_free(self, now: float, server_id: int) -> None:
         self.servers[server_id].task = None
         self.dispatch(server_id, now)
+        self.submit_when_idle(now)
 
     def dispatch(self, server_id: int, now: float) -> None:
         while self.queue:
@@ -424,16 +542,20 @@ class _DSIRun:
         server.warm = True
         server.task = None
         self.busy += task.duration
+        self.pacer.add_target(task.duration)
         self.dispatch(task.server, now)
         if task.epoch == self.epoch:
             self.apply(now)
+        self.submit_when_idle(now)  # decisions first: a window is only sent to a live epoch
 
     # -- decisions --
     def apply(self, now: float) -> None:
         k = self.k
+        lasts = self.lasts
         while self.finished_at is None:
             r = self.committed - self.base
-            task = self.windows.get(0 if r == 0 else (r - 1) // k + 1)
+            # the deciding window: the first whose end is >= r (window w decides (last_{w-1}, last_w])
+            task = self.windows.get(bisect.bisect_left(lasts, r))
             if task is None or task.state != "done":
                 return
             if r >= self.drafts:
@@ -441,9 +563,11 @@ class _DSIRun:
             task.used = True
             position = self.committed
             self.committed += 1
+            self.pacer.add_decision(bool(self.matches[position]))
             if self.matches[position]:
                 self.accepted += 1
-                if r % k == k - 1:
+                self.epoch_accepted += 1
+                if k is not None and r % k == k - 1:
                     self.full_windows += 1  # drafts (m-1)k .. mk-1 of window m all accepted
                 if self.committed >= self.n:
                     self.finished_at = now
@@ -457,7 +581,13 @@ class _DSIRun:
 
 # ---- SI and non-SI ------------------------------------------------------------------------------
 def _si_run(
-    matches: np.ndarray, k: int, target_ttft: float, target_tpot: float, drafter_ttft: float, drafter_tpot: float
+    matches: np.ndarray,
+    k: int,
+    target_ttft: float,
+    target_tpot: float,
+    drafter_ttft: float,
+    drafter_tpot: float,
+    noise: _Noise | None = None,
 ) -> RunStats:
     n = len(matches)
     now = 0.0
@@ -465,12 +595,18 @@ def _si_run(
     i = 0
     drafter_warm = target_warm = False
     full = accepted = rejections = iterations = 0
+    windows = window_drafts = 0
     while i < n:
         kk = min(k, n - 1 - i)
         for _ in range(kk):
             now += drafter_tpot if drafter_warm else drafter_ttft
             drafter_warm = True
+        if kk:
+            windows += 1
+            window_drafts += kk
         step = target_tpot if target_warm else target_ttft
+        if noise is not None:
+            step *= noise()
         target_warm = True
         now += step
         busy += step
@@ -498,11 +634,17 @@ def _si_run(
         preempted_tasks=0,
         queue_wait=0.0,
         servers_used=1,
+        mean_window=window_drafts / windows if windows else 0.0,
     )
 
 
-def _ar_run(tokens: int, target_ttft: float, target_tpot: float) -> RunStats:
-    latency = target_ttft + (tokens - 1) * target_tpot
+def _ar_run(tokens: int, target_ttft: float, target_tpot: float, noise: _Noise | None = None) -> RunStats:
+    if noise is None:
+        latency = target_ttft + (tokens - 1) * target_tpot
+    else:  # one forward per token, each with its own factor
+        latency = target_ttft * noise()
+        for _ in range(tokens - 1):
+            latency += target_tpot * noise()
     return RunStats(
         latency=latency, target_busy=latency, utilisation=1.0 if latency > 0 else 0.0,
         wasted_target_time=0.0, fully_accepted_windows=0, accepted=0, rejections=0,
@@ -518,7 +660,7 @@ def simulate(
     target_ttft: float | None = None,
     drafter_tpot: float | None = None,
     drafter_ttft: float | None = None,
-    lookahead: int = 5,
+    lookahead: int | str = 5,
     num_servers: int | None = 7,
     tokens: int | None = None,
     acceptance: float | None = None,
@@ -527,6 +669,8 @@ def simulate(
     seed: int = 0,
     queue: str = "fifo",
     preempt_delay: float = 0.0,
+    max_window: int | None = None,
+    latency_cv: float = 0.0,
 ) -> EventSimResult:
     """Simulate ``method`` ("dsi", "si" or "ar") in the model of time of this module.
 
@@ -535,6 +679,12 @@ def simulate(
     ``matches``: one per-position pattern, or a sequence of patterns (one run each), where
     ``matches[p]`` is True iff the drafter's token at output position ``p`` is the target's.
     ``tokens`` defaults to the pattern's length. TTFTs default to the TPOTs.
+
+    ``lookahead`` is DSI's and SI's ``k``, or ``"auto"`` for DSI's event-driven policy (a window
+    whenever a server is idle, carrying every undispatched draft, at most ``max_window``; SI
+    needs a ``k``, non-SI ignores it). ``latency_cv > 0`` multiplies every target forward by an
+    independent lognormal factor of mean 1 and that coefficient of variation (per repeat, a
+    generator spawned from ``np.random.default_rng(seed)``).
     """
     if method not in METHODS:
         raise ConfigError(f"method={method!r} must be one of {', '.join(METHODS)}")
@@ -547,7 +697,19 @@ def simulate(
     d_tpot = 0.0 if drafter_tpot is None else _latency("drafter_tpot", drafter_tpot)
     d_ttft = d_tpot if drafter_ttft is None else _latency("drafter_ttft", drafter_ttft)
     delay = _latency("preempt_delay", preempt_delay)
-    k = _positive_int("lookahead", lookahead)
+    if isinstance(lookahead, str):
+        if lookahead != AUTO:
+            raise ConfigError(f"lookahead={lookahead!r} must be an integer >= 1 or {AUTO!r}")
+        if method == "si":
+            raise ConfigError(f"lookahead={AUTO!r} is for DSI only: SI needs a lookahead k (an integer >= 1)")
+        k = None
+    else:
+        k = _positive_int("lookahead", lookahead)
+    if max_window is not None:
+        if k is not None:
+            raise ConfigError(f"max_window={max_window!r} is only valid with lookahead={AUTO!r}")
+        max_window = _positive_int("max_window", max_window)
+    cv = _latency("latency_cv", latency_cv, "a coefficient of variation")
     if num_servers is not None:
         num_servers = _positive_int("num_servers", num_servers)
     repeats = _positive_int("repeats", repeats)
@@ -557,12 +719,16 @@ def simulate(
         patterns = [np.ones(n, dtype=bool)] * repeats
     else:
         n, patterns = _patterns(tokens, acceptance, matches, repeats, seed)
+    noises: list[_Noise | None] = [None] * len(patterns)
+    if cv > 0:
+        noises = [_Noise(cv, rng) for rng in np.random.default_rng(seed).spawn(len(patterns))]
     runs = []
-    for pattern in patterns:
+    for pattern, noise in zip(patterns, noises, strict=True):
         if method == "ar":
-            runs.append(_ar_run(n, t_ttft, t_tpot))
+            runs.append(_ar_run(n, t_ttft, t_tpot, noise))
         elif method == "si":
-            runs.append(_si_run(pattern, k, t_ttft, t_tpot, d_ttft, d_tpot))
+            runs.append(_si_run(pattern, k, t_ttft, t_tpot, d_ttft, d_tpot, noise))
         else:
-            runs.append(_DSIRun(pattern, k, num_servers, t_ttft, t_tpot, d_ttft, d_tpot, queue, delay).run())
-    return EventSimResult(method, n, k, num_servers if method == "dsi" else 1, tuple(runs))
+            dsi = _DSIRun(pattern, k, num_servers, t_ttft, t_tpot, d_ttft, d_tpot, queue, delay, max_window, noise)
+            runs.append(dsi.run())
+    return EventSimResult(method, n, AUTO if k is None else k, num_servers if method == "dsi" else 1, tuple(runs))

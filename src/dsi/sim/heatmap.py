@@ -11,6 +11,18 @@ then at ``c = 0.01`` (where Equation 1 forces ``k >= 15`` on DSI) SI wins a few 
 Panels (each a ratio of times, > 1 means the second method is faster):
 ``nonsi_si`` = non-SI / SI, ``si_dsi`` = SI / DSI, ``nonsi_dsi`` = non-SI / DSI and
 ``min_dsi`` = min(SI, non-SI) / DSI. Ratios below 1 (slowdowns) are drawn in red.
+
+The fifth panel, ``fixed_auto`` = best fixed k / event-driven, compares DSI's two policies in the
+*event simulator* (both sides; the offline simulator has no event-driven policy): per cell, DSI
+with the best fixed ``k`` in ``1..ndim``, each with ``min(max_sp, Equation 1)`` servers (tasks
+queue when Equation 1 asks for more), against the event-driven policy (``lookahead="auto"``)
+with ``max_sp`` servers, on the same ``event_repeats`` acceptance patterns of ``event_tokens``
+tokens (fewer than the other panels: the event simulator runs one configuration at a time).
+The best fixed ``k`` is found exactly but without simulating every ``k``: with TTFT = TPOT,
+``c <= T``, no preemption delay and FIFO queueing, each epoch of a fixed-``k`` run has a lower
+bound in closed form (:func:`fixed_k_lower_bounds`: drafting, and queueing behind the earlier
+tasks of the epoch), so lookaheads are simulated in increasing order of that bound until the
+bound reaches the best time found (tests check the result equals simulating every ``k``).
 """
 
 from __future__ import annotations
@@ -22,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from dsi.errors import ConfigError
+from dsi.sim.events import random_matches, simulate
 from dsi.sim.files import figure_class, prepare_out_dir, write_csv
 from dsi.sim.offline import required_sp_array, simulate_many
 
@@ -30,8 +43,12 @@ PANELS: dict[str, str] = {
     "si_dsi": "SI / DSI",
     "nonsi_dsi": "non-SI / DSI",
     "min_dsi": "min(SI, non-SI) / DSI",
+    "fixed_auto": "DSI: best fixed k / event-driven",
 }
+EVENT_PANEL = "fixed_auto"
 FORMATS = ("png", "pdf")
+EVENT_TOKENS = 100  # defaults of the event-simulator panel (it runs one configuration at a time)
+EVENT_REPEATS = 2
 
 
 def check_panels(panels) -> tuple[str, ...]:
@@ -70,10 +87,29 @@ class HeatmapResult:
     seed: int
     max_sp: int
     seconds: float  # simulation wall time (no plotting)
+    # the event-simulator panel (None when not computed)
+    ev_fixed: np.ndarray | None = None  # [nc, na] best fixed-k DSI mean time
+    ev_k_fixed: np.ndarray | None = None  # [nc, na] its k
+    ev_sp_fixed: np.ndarray | None = None  # [nc, na] its servers: min(max_sp, Equation 1)
+    ev_auto: np.ndarray | None = None  # [nc, na] event-driven DSI mean time, max_sp servers
+    ev_window: np.ndarray | None = None  # [nc, na] its mean window (drafts)
+    event_tokens: int = 0
+    event_repeats: int = 0
+    event_simulations: int = 0  # event-simulator configurations run (fixed k and auto)
+    event_seconds: float = 0.0
+
+    @property
+    def panels(self) -> tuple[str, ...]:
+        """The panels this result holds."""
+        return tuple(p for p in PANELS if p != EVENT_PANEL or self.ev_auto is not None)
 
     def ratio(self, panel: str) -> np.ndarray:
         """``[nc, na]`` ratio of the panel."""
         check_panels([panel])
+        if panel == EVENT_PANEL:
+            if self.ev_auto is None:
+                raise ConfigError(f"panel {EVENT_PANEL!r} was not computed (event_panel=False)")
+            return self.ev_fixed / self.ev_auto
         if panel == "nonsi_si":
             return self.nonsi / self.si
         if panel == "si_dsi":
@@ -83,23 +119,30 @@ class HeatmapResult:
         return np.minimum(self.si, self.nonsi) / self.dsi
 
     def rows(self) -> list[dict]:
-        ratios = {p: self.ratio(p) for p in PANELS}
+        ratios = {p: self.ratio(p) for p in self.panels}
         out = []
         for i, c in enumerate(self.c):
             for j, a in enumerate(self.a):
-                out.append(
-                    {
-                        "c": float(c),
-                        "a": float(a),
-                        "nonsi": self.nonsi,
-                        "si": float(self.si[i, j]),
-                        "k_si": int(self.k_si[i, j]),
-                        "dsi": float(self.dsi[i, j]),
-                        "k_dsi": int(self.k_dsi[i, j]),
-                        "sp_dsi": int(self.sp_dsi[i, j]),
-                        **{p: float(r[i, j]) for p, r in ratios.items()},
-                    }
-                )
+                row = {
+                    "c": float(c),
+                    "a": float(a),
+                    "nonsi": self.nonsi,
+                    "si": float(self.si[i, j]),
+                    "k_si": int(self.k_si[i, j]),
+                    "dsi": float(self.dsi[i, j]),
+                    "k_dsi": int(self.k_dsi[i, j]),
+                    "sp_dsi": int(self.sp_dsi[i, j]),
+                }
+                if self.ev_auto is not None:
+                    row.update(
+                        ev_fixed=float(self.ev_fixed[i, j]),
+                        ev_k_fixed=int(self.ev_k_fixed[i, j]),
+                        ev_sp_fixed=int(self.ev_sp_fixed[i, j]),
+                        ev_auto=float(self.ev_auto[i, j]),
+                        ev_window=float(self.ev_window[i, j]),
+                    )
+                row.update({p: float(r[i, j]) for p, r in ratios.items()})
+                out.append(row)
         return out
 
     def summary(self) -> dict:
@@ -119,9 +162,138 @@ class HeatmapResult:
             "fraction_si_slower_than_nonsi": float(si_slower.mean()),
             "cells_dsi_slower_than_si": int(np.sum(self.dsi > self.si)),
             "cells_dsi_slower_than_nonsi": int(np.sum(self.dsi > self.nonsi)),
-            **{f"min_{p}": float(np.nanmin(self.ratio(p))) for p in PANELS},
-            **{f"max_{p}": float(np.nanmax(self.ratio(p))) for p in PANELS},
+            **{f"min_{p}": float(np.nanmin(self.ratio(p))) for p in self.panels},
+            **{f"max_{p}": float(np.nanmax(self.ratio(p))) for p in self.panels},
+            **self._event_summary(),
         }
+
+    def _event_summary(self) -> dict:
+        if self.ev_auto is None:
+            return {"event_panel": False}
+        r = self.ratio(EVENT_PANEL)
+        return {
+            "event_panel": True,
+            "event_tokens": self.event_tokens,
+            "event_repeats": self.event_repeats,
+            "event_simulations": self.event_simulations,
+            "event_seconds": self.event_seconds,
+            "cells_event_driven_faster": int(np.sum(r > 1 + 1e-9)),
+            "cells_event_driven_slower": int(np.sum(r < 1 - 1e-9)),
+            "median_fixed_auto": float(np.median(r)),
+        }
+
+
+def _epochs(patterns) -> tuple[np.ndarray, np.ndarray, int]:
+    """The epochs of fixed-lookahead DSI on ``patterns``: draft offsets ``j`` of their ends (first
+    rejection, or the last position) and tokens ``L`` left at their starts, for the epochs with
+    ``j >= 1``; and the number of epochs with ``j = 0``."""
+    offsets, lefts, zero = [], [], 0
+    for pattern in patterns:
+        n, i = len(pattern), 0
+        misses = np.flatnonzero(~np.asarray(pattern, dtype=bool)).tolist()
+        m = 0
+        while i < n:
+            while m < len(misses) and misses[m] < i:
+                m += 1
+            left = n - i
+            j = min(misses[m] - i, left - 1) if m < len(misses) else left - 1
+            if j > 0:
+                offsets.append(j)
+                lefts.append(left)
+            else:
+                zero += 1
+            i += j + 1
+    return np.array(offsets, dtype=np.int64), np.array(lefts, dtype=np.int64), zero
+
+
+def fixed_k_lower_bounds(patterns, c_vals, ks, servers=None) -> np.ndarray:
+    """``[nc, nk]`` lower bounds of the mean time of fixed-``k`` DSI (target forward T = 1).
+
+    Event simulator with TTFT = TPOT, ``c <= 1``, no preemption delay and a FIFO queue. An epoch
+    that starts with ``L`` tokens left and ends at draft offset ``j`` (its first rejection, or
+    ``L - 1``) costs exactly 1 if ``j = 0``; otherwise position ``j`` is decided by window
+    ``m = ceil(j / k)``, sent after ``min(m k, L)`` drafts and the ``m + 1``-th task of the epoch:
+    with ``S`` servers, all free at a restart, it cannot start before ``floor(m / S)`` target
+    forwards have passed (``s_{i+S} >= s_i + T`` in FIFO order). So the epoch costs at least
+    ``max(min(m k, L) c, floor(m / S)) + 1``, exactly ``min(m k, L) c + 1`` with unlimited
+    servers (``servers=None``; docs/simulator.md section 3). ``servers``: ``[nc, nk]``.
+    """
+    ks = np.asarray(ks, dtype=np.int64)
+    c_vals = np.asarray(c_vals, dtype=np.float64)
+    offsets, lefts, zero = _epochs(patterns)
+    count = len(patterns)
+    windows = -(-offsets[:, None] // ks[None, :])  # [E, nk] the deciding window m
+    drafts = np.minimum(windows * ks[None, :], lefts[:, None])  # [E, nk] drafts in its context
+    out = np.empty((len(c_vals), len(ks)))
+    for i, c in enumerate(c_vals):
+        ready = drafts * c
+        if servers is not None:
+            ready = np.maximum(ready, windows // np.asarray(servers[i])[None, :])
+        out[i] = (zero + len(offsets) + ready.sum(axis=0)) / count
+    return out
+
+
+def event_panel(
+    c_vals: np.ndarray,
+    a_vals: np.ndarray,
+    ks: np.ndarray,
+    *,
+    tokens: int = EVENT_TOKENS,
+    repeats: int = EVENT_REPEATS,
+    seed: int = 42,
+    max_sp: int = 7,
+    exhaustive: bool = False,
+) -> dict:
+    """Per (c, a): best fixed-k DSI and event-driven DSI in the event simulator (target forward = 1).
+
+    Fixed ``k`` in ``ks`` with ``min(max_sp, Equation 1)`` servers; event-driven with ``max_sp``.
+    Both read the same ``repeats`` patterns per ``a`` (from ``seed``). ``exhaustive`` simulates
+    every ``k`` instead of stopping at the lower bound (same result; for tests).
+    """
+    c_vals = np.asarray(c_vals, dtype=np.float64)
+    if np.any(c_vals > 1):
+        raise ConfigError("the event panel's lower bound needs c <= 1 (the drafter no slower than the target)")
+    ks = np.asarray(ks)
+    shape = (len(c_vals), len(a_vals))
+    fixed, auto, window = np.zeros(shape), np.zeros(shape), np.zeros(shape)
+    k_fixed, sp_fixed = np.zeros(shape, dtype=np.int64), np.zeros(shape, dtype=np.int64)
+    runs = 0
+    C, K = np.meshgrid(c_vals, ks, indexing="ij")
+    need_all = required_sp_array(C.ravel(), 1.0, K.ravel()).reshape(C.shape)  # [nc, nk] Equation 1
+    servers_all = np.minimum(max_sp, need_all)
+    for j, a in enumerate(a_vals):
+        patterns = random_matches(float(a), tokens, repeats=repeats, seed=seed)
+        bounds = fixed_k_lower_bounds(patterns, c_vals, ks, servers_all)  # [nc, nk]
+        for i, c in enumerate(c_vals):
+            kw = dict(target_tpot=1.0, drafter_tpot=float(c), matches=patterns)
+            need, servers = need_all[i], servers_all[i]
+            best, best_at = np.inf, -1
+            k1 = np.flatnonzero(ks == 1)
+            if not exhaustive and k1.size and need[k1[0]] <= max_sp:
+                # max_sp meets Equation 1 for k = 1: the event-driven policy never waits for a
+                # server, so it sends every draft alone, as k = 1 does (identical runs, tested)
+                best_at = int(k1[0])
+                ev = simulate("dsi", lookahead=1, num_servers=int(servers[best_at]), **kw)
+                best = ev.mean
+            else:
+                ev = simulate("dsi", lookahead="auto", num_servers=max_sp, **kw)
+            runs += 1
+            auto[i, j], window[i, j] = ev.mean, ev.mean_window
+            for idx in np.argsort(bounds[i], kind="stable"):
+                if idx == best_at:
+                    continue
+                if not exhaustive and bounds[i, idx] >= best - 1e-9 * max(1.0, best):
+                    break  # no remaining k can be faster
+                mean = simulate("dsi", lookahead=int(ks[idx]), num_servers=int(servers[idx]), **kw).mean
+                runs += 1
+                if mean < best - 1e-9 or (mean <= best + 1e-9 and ks[idx] < ks[best_at]):
+                    best, best_at = mean, idx
+            fixed[i, j], k_fixed[i, j], sp_fixed[i, j] = best, ks[best_at], servers[best_at]
+    return {"ev_fixed": fixed, "ev_k_fixed": k_fixed, "ev_sp_fixed": sp_fixed, "ev_auto": auto, "ev_window": window,
+            "event_simulations": runs}  # fmt: skip
+
+
+_event_panel = event_panel  # compute_heatmap's flag of the same name shadows it
 
 
 def compute_heatmap(
@@ -134,10 +306,20 @@ def compute_heatmap(
     rng: str = "pcg64",
     si_all_k: bool = False,
     progress: bool = False,
+    event_panel: bool = True,
+    event_tokens: int = EVENT_TOKENS,
+    event_repeats: int = EVENT_REPEATS,
 ) -> HeatmapResult:
-    """Simulate every (c, a, k) of the grid at once and keep each method's best k per cell."""
+    """Simulate every (c, a, k) of the grid at once and keep each method's best k per cell.
+
+    With ``event_panel`` also the event simulator's ``fixed_auto`` panel, on ``event_tokens``
+    tokens x ``event_repeats`` repeats (see :func:`event_panel`).
+    """
     if not isinstance(max_sp, int) or isinstance(max_sp, bool) or max_sp < 1:
         raise ConfigError(f"max_sp={max_sp!r} must be an integer >= 1")
+    for name, value in (("event_tokens", event_tokens), ("event_repeats", event_repeats)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{name}={value!r} must be an integer >= 1")
     c_vals, a_vals, ks = grid(ndim)
     C, A, K = np.meshgrid(c_vals, a_vals, ks, indexing="ij")  # [nc, na, nk]
     start = time.perf_counter()
@@ -157,6 +339,12 @@ def compute_heatmap(
     best_si = np.take_along_axis(si_pick, k_si_idx[..., None], axis=2)[..., 0]
     best_dsi = np.take_along_axis(dsi_valid, k_dsi_idx[..., None], axis=2)[..., 0]
     best_dsi = np.where(np.isfinite(best_dsi), best_dsi, np.nan)
+    events: dict = {}
+    if event_panel:
+        start = time.perf_counter()
+        events = _event_panel(c_vals, a_vals, ks, tokens=event_tokens, repeats=event_repeats, seed=seed, max_sp=max_sp)
+        events.update(event_tokens=event_tokens, event_repeats=event_repeats,
+                      event_seconds=time.perf_counter() - start)  # fmt: skip
     return HeatmapResult(
         c=c_vals,
         a=a_vals,
@@ -175,12 +363,13 @@ def compute_heatmap(
         seed=seed,
         max_sp=max_sp,
         seconds=seconds,
+        **events,
     )
 
 
 def plot_heatmap(result: HeatmapResult, out_dir: Path, panels=None, formats=FORMATS, dpi: int = 110) -> list[Path]:
-    """Draw the panels side by side (2 x 2 for four) and save one file per format."""
-    panels = check_panels(panels)
+    """Draw the panels side by side (2 x 2 for four, 3 x 2 for five) and save one file per format."""
+    panels = check_panels(panels) if panels else result.panels
     for fmt in formats:
         if fmt not in FORMATS:
             raise ConfigError(f"format={fmt!r} must be one of {', '.join(FORMATS)}")
@@ -188,7 +377,7 @@ def plot_heatmap(result: HeatmapResult, out_dir: Path, panels=None, formats=FORM
     from matplotlib import colormaps
     from matplotlib.colors import LogNorm, Normalize
 
-    ncols = 2 if len(panels) > 1 else 1
+    ncols = 1 if len(panels) == 1 else 3 if len(panels) > 4 else 2
     nrows = (len(panels) + ncols - 1) // ncols
     fig = Figure(figsize=(5.2 * ncols, 4.2 * nrows), layout="constrained")
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
@@ -213,12 +402,19 @@ def plot_heatmap(result: HeatmapResult, out_dir: Path, panels=None, formats=FORM
             ax.pcolormesh(result.c, result.a, slower, cmap=down, vmin=low, vmax=1 + 0.5 * (1 - low), shading="nearest")
             ax.plot([], [], "s", color=down(0.3), label=f"slowdown (< 1; min {low:.2f})")
             ax.legend(loc="lower left", fontsize=7, framealpha=0.8)
-        ax.set_title(PANELS[panel])
+        title = PANELS[panel]
+        if panel == EVENT_PANEL:
+            title += (
+                f"\n(event simulator, {result.event_tokens} tokens x {result.event_repeats} repeats, "
+                f"SP {result.max_sp}; k in 1..{len(result.lookaheads)})"
+            )
+        ax.set_title(title, fontsize=10 if panel == EVENT_PANEL else None)
         ax.set_xlabel("c = drafter latency / target latency")
         ax.set_ylabel("a = acceptance rate")
     fig.suptitle(
         f"Offline simulator, {result.tokens} tokens x {result.repeats} repeats, best k in 1..{len(result.lookaheads)}, "
-        f"DSI with SP <= {result.max_sp}",
+        f"DSI with SP <= {result.max_sp}"
+        + ("; last panel: event simulator" if EVENT_PANEL in panels else ""),
         fontsize=9,
     )
     written = []
@@ -231,7 +427,10 @@ def plot_heatmap(result: HeatmapResult, out_dir: Path, panels=None, formats=FORM
 
 def write_heatmap(result: HeatmapResult, out_dir, panels=None, plot: bool = True, formats=FORMATS) -> list[Path]:
     """CSV (always) and the figure (``plot``) under ``out_dir``; returns the files written."""
-    panels = check_panels(panels)
+    panels = check_panels(panels) if panels else result.panels
+    for panel in panels:
+        if panel not in result.panels:
+            raise ConfigError(f"panel {panel!r} was not computed (the event panel was switched off)")
     out = prepare_out_dir(out_dir)
     files = [write_csv(out / "heatmap.csv", result.rows())]
     if plot:

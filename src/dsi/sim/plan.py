@@ -7,6 +7,13 @@ each ``k`` gets ``min(max_servers, Equation 1)`` servers (fewer means tasks queu
 event simulator (:mod:`dsi.sim.events`) predicts the latency of each. The fastest wins (ties:
 fewer servers, then smaller ``k``). SI (best ``k``) and non-SI are simulated the same way for
 the speedups. Every candidate reads the same acceptance patterns (common random numbers).
+
+Beside the fixed lookaheads the planner simulates DSI's event-driven policy (``lookahead="auto"``:
+a window whenever a target server is idle, with every draft made since the previous one, paced by
+:mod:`dsi.windows`; no k to choose) with each number of servers ``1..max_servers``, and compares
+it, for each number of servers, with the best fixed ``k`` among the candidates that use exactly
+that many (below the budget those are the ``k`` Equation 1 pairs with it; at the budget also the
+smaller ``k`` that queue). :attr:`Plan.event_driven` is the fastest of them (ties: fewer servers).
 """
 
 from __future__ import annotations
@@ -46,6 +53,48 @@ class Candidate:
 
 
 @dataclass(frozen=True)
+class AutoCandidate:
+    """The event-driven policy (``lookahead="auto"``) with ``num_servers`` target servers."""
+
+    num_servers: int
+    latency_ms: float
+    per_token_ms: float
+    mean_window: float  # drafts per verification window
+    queue_wait_ms: float
+    utilisation: float
+
+
+def better(fixed_ms: float | None, auto_ms: float) -> str:
+    """Which policy is faster: "event-driven", "fixed k" or "tie" (equal within 1e-9)."""
+    if fixed_ms is None or fixed_ms > auto_ms * (1 + 1e-9):
+        return "event-driven"
+    if auto_ms > fixed_ms * (1 + 1e-9):
+        return "fixed k"
+    return "tie"
+
+
+@dataclass(frozen=True)
+class ServerComparison:
+    """With exactly ``num_servers`` target servers: the best fixed k beside the event-driven policy."""
+
+    num_servers: int
+    fixed: Candidate | None  # None: no k in 1..max_lookahead is given exactly this many servers
+    event_driven: AutoCandidate
+
+    @property
+    def better(self) -> str:
+        return better(None if self.fixed is None else self.fixed.latency_ms, self.event_driven.latency_ms)
+
+    def to_dict(self) -> dict:
+        return {
+            "num_servers": self.num_servers,
+            "fixed": None if self.fixed is None else asdict(self.fixed),
+            "event_driven": asdict(self.event_driven),
+            "better": self.better,
+        }
+
+
+@dataclass(frozen=True)
 class Plan:
     inputs: PlanInputs
     best: Candidate
@@ -58,6 +107,29 @@ class Plan:
     tokens: int
     repeats: int
     seed: int
+    auto_candidates: tuple[AutoCandidate, ...] = ()  # the event-driven policy with 1..max_servers servers
+
+    @property
+    def event_driven(self) -> AutoCandidate | None:
+        """The fastest event-driven configuration (ties: fewer servers)."""
+        if not self.auto_candidates:
+            return None
+        return min(self.auto_candidates, key=lambda c: (round(c.latency_ms, 9), c.num_servers))
+
+    @property
+    def event_driven_better(self) -> str:
+        """"event-driven", "fixed k" or "tie": the event-driven policy against the plan's (k, SP)."""
+        return better(self.best.latency_ms, self.event_driven.latency_ms)
+
+    @property
+    def by_servers(self) -> tuple[ServerComparison, ...]:
+        """For each number of servers: the best fixed-k candidate using exactly that many, and event-driven."""
+        rows = []
+        for auto in self.auto_candidates:
+            fixed = [c for c in self.candidates if c.num_servers == auto.num_servers]
+            best = min(fixed, key=lambda c: (round(c.latency_ms, 9), c.lookahead)) if fixed else None
+            rows.append(ServerComparison(auto.num_servers, best, auto))
+        return tuple(rows)
 
     @property
     def speedup_vs_si(self) -> float:
@@ -88,6 +160,14 @@ class Plan:
             "repeats": self.repeats,
             "seed": self.seed,
             "candidates": [asdict(c) for c in self.candidates],
+            "event_driven": None if self.event_driven is None else {
+                **asdict(self.event_driven),
+                "speedup_vs_plan": self.best.per_token_ms / self.event_driven.per_token_ms,
+                "speedup_vs_si": self.si_per_token_ms / self.event_driven.per_token_ms,
+                "speedup_vs_nonsi": self.nonsi_per_token_ms / self.event_driven.per_token_ms,
+                "better": self.event_driven_better,
+            },
+            "by_servers": [row.to_dict() for row in self.by_servers],
         }
 
 
@@ -239,8 +319,12 @@ def make_plan(
     tokens: int = 200,
     repeats: int = 30,
     seed: int = 0,
+    event_driven: bool = True,
 ) -> Plan:
-    """Simulate every lookahead ``1..max_lookahead`` within the server budget; keep the fastest."""
+    """Simulate every lookahead ``1..max_lookahead`` within the server budget; keep the fastest.
+
+    With ``event_driven`` also the event-driven policy with ``1..max_servers`` servers.
+    """
     for name, value in (("max_servers", max_servers), ("max_lookahead", max_lookahead),
                         ("tokens", tokens), ("repeats", repeats)):  # fmt: skip
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -269,6 +353,19 @@ def make_plan(
     best = min(candidates, key=lambda c: (round(c.latency_ms, 9), c.num_servers, c.lookahead))
     si = min(((k, simulate("si", lookahead=k, **lat).mean) for k in range(1, max_lookahead + 1)), key=lambda kv: kv[1])
     nonsi = simulate("ar", **lat).mean
+    autos = []
+    for sp in range(1, max_servers + 1) if event_driven else ():
+        result = simulate("dsi", lookahead="auto", num_servers=sp, **lat)
+        autos.append(
+            AutoCandidate(
+                num_servers=sp,
+                latency_ms=result.mean,
+                per_token_ms=result.mean / tokens,
+                mean_window=result.mean_window,
+                queue_wait_ms=result.queue_wait,
+                utilisation=result.utilisation,
+            )
+        )
     return Plan(
         inputs=inputs,
         best=best,
@@ -281,4 +378,5 @@ def make_plan(
         tokens=tokens,
         repeats=repeats,
         seed=seed,
+        auto_candidates=tuple(autos),
     )

@@ -90,13 +90,15 @@ class LatencyRecipe:
     inner: ModelRecipe
     ttft: float
     tpot: float
+    cv: float = 0.0
+    seed: int = 0
 
     @property
     def uses_device(self) -> bool:
         return bool(getattr(self.inner, "uses_device", False))
 
     def build(self) -> LanguageModel:
-        return WithLatency(self.inner.build(), self.ttft, self.tpot)
+        return WithLatency(self.inner.build(), self.ttft, self.tpot, self.cv, self.seed)
 
     def placed(self, device: str | None, threads: int | None) -> LatencyRecipe:
         return replace(self, inner=self.inner.placed(device, threads))
@@ -157,7 +159,7 @@ def model_recipe(model: object) -> ModelRecipe:
     if isinstance(model, WithLatency):
         inner = model_recipe(model.model)
         if not isinstance(inner, PickledModel):
-            return LatencyRecipe(inner, model.ttft, model.tpot)
+            return LatencyRecipe(inner, model.ttft, model.tpot, model.cv, model.seed)
     try:
         pickle.dumps(model, protocol=5)
     except Exception as exc:

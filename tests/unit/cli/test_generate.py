@@ -116,8 +116,11 @@ def test_demo_json_reports_identical_outputs(pair_dirs, capsys):
     assert code == 0
     assert doc["all_identical"] is True
     methods = {r["method"] for r in doc["rows"]}
-    assert methods == {"non-SI", "SI k=5", "DSI k=5 SP=1", "DSI k=5 SP=2"}
-    assert len(doc["rows"]) == 8
+    compared = {"non-SI", "SI k=5", "DSI k=5 SP=1", "DSI k=auto SP=1", "DSI k=5 SP=2", "DSI k=auto SP=2"}
+    picked = doc["auto"]["label"]  # the automatic choice, shown next to the fixed methods it compared
+    assert methods == compared | {picked}
+    assert len(doc["rows"]) == 2 * len(methods)
+    assert doc["auto"]["num_target_servers"] <= 2 and doc["auto"]["reason"].startswith(picked)
     for row in doc["rows"]:
         assert row["identical"] and row["latency_s"] > 0 and row["new_tokens"] == 10
 

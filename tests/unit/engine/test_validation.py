@@ -34,7 +34,7 @@ def _call(pair, **overrides):
         ({"num_target_servers": 0}, "num_target_servers=0 must be an integer >= 1"),
         ({"max_new_tokens": 0}, "max_new_tokens=0 must be an integer >= 1"),
         ({"max_new_tokens": -3}, "max_new_tokens=-3"),
-        ({"method": "beam"}, "method='beam' must be one of dsi, si, ar"),
+        ({"method": "beam"}, "method='beam' must be one of auto, dsi, si, ar"),
         ({"transport": "carrier-pigeon"}, "transport='carrier-pigeon'"),
         ({"prompt": []}, "prompt is empty"),
         ({"prompt": "hello"}, "tokenize text first"),

@@ -52,7 +52,11 @@ def test_serve_process_binds_loopback_serves_and_exits_cleanly_on_sigterm(tiny_d
         assert url.startswith("http://127.0.0.1:")
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
         r = client.completions.create(model="tiny", prompt="def add(a, b):", max_tokens=5, temperature=0)
-        assert r.usage.completion_tokens == 5 and r.dsi["method"] == "dsi"
+        assert r.usage.completion_tokens == 5
+        # the default method is auto: the dsi object says which method it measured fastest and why
+        picked = r.dsi["auto"]["picked"]
+        assert r.dsi["method"] == {"non-SI": "ar", "SI": "si", "DSI": "dsi"}[picked.split()[0]]
+        assert r.dsi["auto"]["reason"].startswith(picked)
         stream = client.completions.create(model="tiny", prompt="x", max_tokens=200, temperature=0, stream=True)
         next(iter(stream))  # a request in flight at shutdown
         proc.send_signal(signal.SIGTERM)
@@ -83,7 +87,7 @@ def test_serve_parser_takes_every_generate_model_and_engine_option():
     (["--max-concurrent", "0"], "--max-concurrent=0"),
     (["--lookahead", "auto", "--method", "si"], "SI needs an integer lookahead"),
     (["--lookahead", "5", "--max-window", "3"], "max_window=3 applies to lookahead='auto' only"),
-    (["--method", "dsi", "--sp", "0"], "num_target_servers=0"),
+    (["--method", "dsi", "--sp", "0"], "--sp=0 must be >= 1"),
 ])
 def test_serve_rejects_bad_options_before_loading(argv, message, capsys):
     from dsi.cli.main import main

@@ -1,0 +1,411 @@
+"""``method="auto"``: the fastest lossless method for this pair, on this hardware, with this placement.
+
+The candidates are non-SI, SI with k = 1..10, and DSI with SP = 1..``max_servers`` target servers
+and k = 1..10 or event-driven windows. Which wins depends on the pair, the engine and above all on
+where the workers run: on a shared CPU DSI's drafter and servers slow each other down, on separate
+devices they do not. So the choice is made from measurements taken where the workers will run,
+*while they run as each method would run them*:
+
+1. **Calibration runs** on one prompt (``tokens`` new tokens, greedy, after a short warm-up):
+   non-SI; SI with k = 4; and DSI with event-driven windows for each SP considered, on the real
+   transport and placement. The engine's telemetry gives, per run, the mean target forward and
+   drafter step *as they ran*: for DSI, next to each other (contention for cores, memory
+   bandwidth, a GIL or a GPU shows up as slower forwards).
+2. **The accept pattern** of the pair on that prompt: the drafter's greedy guess at every prefix of
+   non-SI's output (one drafter forward), i.e. exactly which drafts the target accepts.
+3. **Prediction**: the event simulator (:mod:`dsi.sim.events`) replays that pattern for every
+   candidate with the latencies of the calibration run of its own placement; a verification over
+   n tokens costs the one-token forward plus n - 1 times a per-token slope measured from SI's
+   verifications (flat on a GPU, steep on a CPU). Each method's prediction is then scaled by its
+   calibration run's measured / simulated time, which carries the engine's own overheads.
+4. **Check**: if the best candidate is not one that was run, it is run once and kept only if it
+   beats the best calibration run. A faster method must win by ``margin`` (3%) to displace a
+   simpler one (non-SI before SI before DSI): the measurements are noisy.
+
+The choice, with its evidence (latencies, acceptance, measured and predicted seconds of every
+candidate), is cached as JSON under ``<cache dir>/autotune/`` per (pair, dtypes, devices, threads,
+transport, SP bound, machine) and reused until ``refresh=True`` (``--retune``). The calibration
+costs a few short generations: about 20 s for the embedded pair on a 2-core CPU, paid once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from dsi.engine.api import build_decoder, make_request
+from dsi.errors import ConfigError
+from dsi.models.replay import record_decisions
+from dsi.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+CACHE_VERSION = 1
+LOOKAHEADS = tuple(range(1, 11))
+SI_CALIBRATION_K = 4
+_SIMPLER = {"ar": 0, "si": 1, "dsi": 2}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    method: str  # "ar" | "si" | "dsi"
+    lookahead: int | str | None  # k, "auto", or None for non-SI
+    servers: int
+    predicted_s: float  # for the calibration tokens
+    measured_s: float | None = None  # when this exact configuration was run
+
+    @property
+    def label(self) -> str:
+        from dsi.compare import method_label
+
+        return method_label(self.method, self.lookahead, self.servers)
+
+    @property
+    def seconds(self) -> float:
+        return self.measured_s if self.measured_s is not None else self.predicted_s
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """What ``method="auto"`` picked and why."""
+
+    method: str
+    lookahead: int | str
+    num_target_servers: int
+    reason: str
+    candidates: tuple[Candidate, ...]  # the best of each (method, SP), fastest first
+    measured: dict  # per calibration run: wall seconds and forward latencies as they ran
+    acceptance: float  # of the calibration pattern
+    tokens: int
+    key: str
+    created: str
+    cached: bool = False
+    cache_file: str | None = None
+    calibration_s: float = 0.0  # what measuring cost (0 when read from the cache)
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return Candidate(self.method, None if self.method == "ar" else self.lookahead, self.num_target_servers,
+                         0.0).label
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["label"] = self.label
+        data["candidates"] = [{**asdict(c), "label": c.label} for c in self.candidates]
+        return data
+
+    def summary(self) -> dict:
+        """The short form shown in stats: the pick, the reason and each family's best."""
+        return {"picked": self.label, "reason": self.reason, "cached": self.cached,
+                "candidates": {c.label: round(c.seconds, 4) for c in self.candidates[:6]}}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> AutoChoice:
+        data = dict(data)
+        data.pop("label", None)
+        data["candidates"] = tuple(Candidate(**{k: v for k, v in c.items() if k != "label"})
+                                   for c in data["candidates"])
+        return cls(**data)
+
+
+# ---- identity and cache ----------------------------------------------------------------------------
+def model_identity(model: object) -> str:
+    """What distinguishes a model for the cache: its repr plus where and how it runs."""
+    parts = [repr(model)]
+    for attr in ("source_dir", "threads", "dtype", "device"):
+        value = getattr(model, attr, None)
+        if value is not None:
+            parts.append(f"{attr}={value}")
+    return " ".join(parts)
+
+
+def tuning_key(target, drafter, transport: str, transport_options: dict | None, max_servers: int,
+               prompt: Sequence[int] | None = None, tokens: int = 32) -> str:
+    options = {k: v for k, v in (transport_options or {}).items() if k not in ("recipe",)}
+    identity = {
+        "target": model_identity(target), "drafter": model_identity(drafter), "transport": transport,
+        "options": repr(sorted(options.items())), "max_servers": max_servers,
+        "calibration": [list(prompt) if prompt is not None else None, tokens],
+        "machine": [platform.node(), platform.machine(), os.cpu_count()], "version": CACHE_VERSION,
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def default_cache_dir() -> Path:
+    """``$DSI_AUTOTUNE_DIR``, else ``autotune/`` in the dsi cache (:func:`dsi.models.loading.cache_dir`)."""
+    if os.environ.get("DSI_AUTOTUNE_DIR"):
+        return Path(os.environ["DSI_AUTOTUNE_DIR"]).expanduser()
+    from dsi.models.loading import cache_dir
+
+    return cache_dir() / "autotune"
+
+
+# ---- measurement -------------------------------------------------------------------------------------
+def _run(decoder, prompt: Sequence[int], tokens: int, vocab: int) -> tuple[float, dict, list[int]]:
+    greedy = SamplingParams()
+    decoder.generate(make_request(prompt, min(4, tokens), greedy, None, vocab))  # warm-up
+    out = decoder.generate(make_request(prompt, tokens, greedy, None, vocab))
+    return out.stats.wall_time_s, out.stats.to_dict(), list(out.tokens)
+
+
+def _latencies(stats: dict) -> dict:
+    return {"target_forward_s": stats.get("mean_target_forward_s") or 0.0,
+            "drafter_step_s": stats.get("mean_drafter_forward_s") or 0.0,
+            "mean_window": stats.get("mean_window") or 0.0}
+
+
+def _server_counts(max_servers: int) -> list[int]:
+    counts, n = [], 1
+    while n < max_servers:
+        counts.append(n)
+        n *= 2
+    return counts + [max_servers]
+
+
+def choose_method(
+    target,
+    drafter,
+    *,
+    transport: str = "threads",
+    transport_options: dict | None = None,
+    max_servers: int = 1,
+    prompt: Sequence[int] | None = None,
+    tokens: int = 32,
+    cache_dir: str | Path | None = None,
+    refresh: bool = False,
+    margin: float = 0.03,
+    progress: Callable[[str], None] | None = None,
+) -> AutoChoice:
+    """Measure, predict and pick (see the module docstring); cached unless ``refresh``."""
+    if drafter is None:
+        raise ConfigError("method='auto' needs a drafter (it compares non-SI with SI and DSI)")
+    if not isinstance(max_servers, int) or isinstance(max_servers, bool) or max_servers < 1:
+        raise ConfigError(f"max_servers={max_servers!r} must be an integer >= 1")
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 8:
+        raise ConfigError(f"tokens={tokens!r} must be an integer >= 8 (calibration tokens)")
+    key = tuning_key(target, drafter, transport, transport_options, max_servers, prompt, tokens)
+    folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    path = folder / f"{key}.json"
+    say = progress or (lambda message: None)
+    if not refresh and path.is_file():
+        try:
+            choice = replace(AutoChoice.from_dict(json.loads(path.read_text(encoding="utf-8"))),
+                             cached=True, cache_file=str(path), calibration_s=0.0)
+            say(f"picked {choice.reason} (measured {choice.created}, cached in {path}; --retune measures again)")
+            return choice
+        except (ValueError, TypeError, KeyError) as exc:
+            log.warning("ignoring unreadable autotune cache %s: %s", path, exc)
+    choice = _measure_and_choose(target, drafter, transport, dict(transport_options or {}), max_servers,
+                                 list(prompt) if prompt is not None else _default_prompt(target), tokens,
+                                 margin, progress, key)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(choice.to_dict(), indent=2), encoding="utf-8")
+        tmp.replace(path)
+        choice = replace(choice, cache_file=str(path))
+    except OSError as exc:
+        log.warning("could not cache the autotune choice in %s: %s", path, exc)
+    say(f"picked {choice.reason} (measured in {choice.calibration_s:.1f} s)")
+    return choice
+
+
+def _default_prompt(target) -> list[int]:
+    if getattr(target, "tokenizer", None) is not None:
+        from dsi.compare import CODE_PROMPTS
+
+        return list(target.encode(CODE_PROMPTS[0]))
+    return [1, 2, 3, 4]
+
+
+def _measure_and_choose(target, drafter, transport, options, max_servers, prompt, tokens, margin, progress,
+                        key) -> AutoChoice:
+    from dsi.sim.events import simulate
+
+    began = time.perf_counter()
+    vocab = target.vocab_size
+    say = progress or (lambda message: None)
+    measured: dict[str, dict] = {}
+
+    def calibrate(label: str, **config) -> list[int]:
+        say(f"measuring {label}")
+        threads = worker_threads(target, drafter, config["method"], config.get("num_target_servers", 1),
+                                 transport)
+        with threads_set(threads, target, drafter):
+            decoder = build_decoder(target=target, drafter=drafter, transport=transport,
+                                    transport_options=options if config["method"] == "dsi" else None, **config)
+            try:
+                wall, stats, out = _run(decoder, prompt, tokens, vocab)
+            finally:
+                decoder.close()
+        measured[label] = {"wall_s": wall, **_latencies(stats), "config": config, "threads": threads}
+        return out
+
+    reference = calibrate("non-SI", method="ar")
+    pattern = record_decisions(drafter, prompt, reference).accept_pattern
+    acceptance = sum(pattern) / len(pattern)
+    calibrate(f"SI k={SI_CALIBRATION_K}", method="si", lookahead=SI_CALIBRATION_K)
+    server_counts = _server_counts(max_servers)
+    for sp in server_counts:
+        calibrate(f"DSI auto SP={sp}", method="dsi", lookahead="auto", num_target_servers=sp)
+
+    # a verification over n tokens: the one-token forward plus (n - 1) x a slope from SI's verifications
+    t1 = measured["non-SI"]["target_forward_s"] or measured["non-SI"]["wall_s"] / tokens
+    si = measured[f"SI k={SI_CALIBRATION_K}"]
+    slope = max(0.0, (si["target_forward_s"] - t1) / SI_CALIBRATION_K) if si["target_forward_s"] else 0.0
+
+    def simulated(method: str, lookahead, servers: int, one_token_s: float, drafter_s: float, rows: float) -> float:
+        """The event simulator's time on the calibration pattern; a forward costs what one over
+        ``rows`` tokens costs on this placement (its one-token time plus the slope per extra row)."""
+        tpot = one_token_s + (rows - 1) * slope
+        result = simulate(method, target_tpot=tpot, drafter_tpot=max(drafter_s, 1e-9), lookahead=lookahead,
+                          num_servers=servers, matches=pattern)
+        return float(result.mean)
+
+    non_si = measured["non-SI"]["wall_s"]
+    candidates: list[Candidate] = [Candidate("ar", None, 1, non_si, non_si)]
+    # SI: each prediction scaled by the calibration run's measured / simulated time
+    si_d = si["drafter_step_s"] or t1
+    si_fit = si["wall_s"] / simulated("si", SI_CALIBRATION_K, 1, t1, si_d, SI_CALIBRATION_K + 1)
+    for k in LOOKAHEADS:
+        candidates.append(Candidate("si", k, 1, si_fit * simulated("si", k, 1, t1, si_d, k + 1),
+                                    si["wall_s"] if k == SI_CALIBRATION_K else None))
+    # DSI: this placement's forwards as they ran next to each other
+    for sp in server_counts:
+        run = measured[f"DSI auto SP={sp}"]
+        window = max(1.0, run["mean_window"] or 1.0)
+        one_token = max(run["target_forward_s"] - (window - 1) * slope, 0.5 * t1) if run["target_forward_s"] else t1
+        d_sp = run["drafter_step_s"] or si_d
+        fit = run["wall_s"] / simulated("dsi", "auto", sp, one_token, d_sp, window + 1)
+        candidates.append(Candidate("dsi", "auto", sp, run["wall_s"], run["wall_s"]))
+        for k in LOOKAHEADS:
+            candidates.append(Candidate("dsi", k, sp, fit * simulated("dsi", k, sp, one_token, d_sp, k + 1)))
+
+    def ranking() -> list[Candidate]:
+        best_of: dict[tuple, Candidate] = {}
+        for c in candidates:
+            family = (c.method, c.servers)
+            if family not in best_of or c.seconds < best_of[family].seconds:
+                best_of[family] = c
+        return sorted(best_of.values(), key=lambda c: c.seconds)
+
+    ranked = ranking()
+    pick = ranked[0]
+    if pick.measured_s is None:  # predicted only: run it once, keep it only if it really wins
+        label = pick.label
+        calibrate(label, method=pick.method, lookahead=pick.lookahead, num_target_servers=pick.servers)
+        candidates[candidates.index(pick)] = Candidate(pick.method, pick.lookahead, pick.servers, pick.predicted_s,
+                                                       measured[label]["wall_s"])
+        ranked = ranking()
+        pick = ranked[0]
+    for c in ranked[1:]:  # prefer a simpler method unless the pick wins by the margin
+        if _SIMPLER[c.method] < _SIMPLER[pick.method] and c.seconds <= pick.seconds * (1 + margin):
+            pick = c
+    runner_up = next((c for c in ranked if c is not pick), None)
+    reason = f"{pick.label}: {pick.seconds:.3f} s for {tokens} tokens" + (
+        f", {runner_up.seconds / pick.seconds:.2f}x faster than {runner_up.label}" if runner_up else "")
+    if pick.method != "dsi":
+        best_dsi = min((c for c in ranked if c.method == "dsi"), key=lambda c: c.seconds, default=None)
+        if best_dsi is not None and best_dsi.seconds > pick.seconds:
+            reason += (f"; DSI's best here ({best_dsi.label}) is {best_dsi.seconds / pick.seconds:.2f}x slower: "
+                       + _why_dsi_loses(measured, best_dsi.servers, acceptance, t1))
+    return AutoChoice(
+        method=pick.method, lookahead=pick.lookahead if pick.lookahead is not None else 1,
+        num_target_servers=pick.servers, reason=reason, candidates=tuple(ranked), measured=measured,
+        acceptance=acceptance, tokens=tokens, key=key, created=time.strftime("%Y-%m-%dT%H:%M:%S"),
+        calibration_s=time.perf_counter() - began,
+    )
+
+
+def _why_dsi_loses(measured: dict, servers: int, acceptance: float, target_alone_s: float) -> str:
+    """The likeliest reason, from the calibration runs: contention, a poor drafter, a slow drafter."""
+    run = measured.get(f"DSI auto SP={servers}", {})
+    together = run.get("target_forward_s") or 0.0
+    drafter_step = run.get("drafter_step_s") or 0.0
+    si_step = measured.get(f"SI k={SI_CALIBRATION_K}", {}).get("drafter_step_s") or 0.0
+    if target_alone_s > 0 and (together > 1.2 * target_alone_s or (si_step and drafter_step > 1.2 * si_step)):
+        return (f"its workers slow each other down on this placement (a target forward "
+                f"{together * 1e3:.1f} ms next to the drafter vs {target_alone_s * 1e3:.1f} ms alone; a drafter "
+                f"step {drafter_step * 1e3:.1f} vs {si_step * 1e3:.1f} ms)")
+    if acceptance < 0.5:
+        return f"the drafter is right only {acceptance:.0%} of the time"
+    return (f"a drafter step costs {drafter_step / target_alone_s:.2f} of a target forward"
+            if target_alone_s > 0 and drafter_step else "no placement of its workers pays off here")
+
+
+def worker_threads(target, drafter, method: str, servers: int, transport: str) -> int | None:
+    """Torch threads per worker that ``method`` should run with here, or None to leave them alone.
+
+    Only for models on a CPU whose ``threads`` the user left unset (None): non-SI and SI run one
+    worker at a time, which may use every core (torch's default); DSI's drafter and thread-placed
+    servers run at once, so each gets an equal share of the cores (at least one).
+    """
+    models = [m for m in (target, drafter) if m is not None]
+    if method != "dsi" or not models or any(getattr(m, "threads", 0) is not None for m in models):
+        return None
+    if any(getattr(getattr(m, "device", None), "type", "cpu") != "cpu" for m in models):
+        return None
+    workers = 1 + (servers if transport == "threads" else 0)
+    return max(1, (os.cpu_count() or 1) // workers)
+
+
+class threads_set:
+    """Set ``threads`` on the models for a while (None: change nothing)."""
+
+    def __init__(self, threads: int | None, *models) -> None:
+        self.threads, self.models = threads, [m for m in models if m is not None]
+
+    def __enter__(self) -> None:
+        if self.threads is not None:
+            self.saved = [m.threads for m in self.models]
+            for m in self.models:
+                m.threads = self.threads
+
+    def __exit__(self, *exc: object) -> None:
+        if self.threads is not None:
+            for m, value in zip(self.models, self.saved, strict=True):
+                m.threads = value
+
+
+class AutoDecoder:
+    """The decoder ``method="auto"`` picked, with the choice attached to every result's stats."""
+
+    def __init__(self, inner, choice: AutoChoice) -> None:
+        self.inner = inner
+        self.choice = choice
+        self.method = inner.method
+
+    def generate(self, request, on_tokens=None, abort=None):
+        result = self.inner.generate(request, on_tokens, abort)
+        result.stats.extra["auto"] = self.choice.summary()
+        return result
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+def build_auto_decoder(*, target, drafter, transport="threads", transport_options=None, num_target_servers=1,
+                       tune_options: dict | None = None) -> AutoDecoder:
+    """Choose (or read the cached choice), then build that decoder."""
+    choice = choose_method(target, drafter, transport=transport, transport_options=transport_options,
+                           max_servers=num_target_servers, **(tune_options or {}))
+    threads = worker_threads(target, drafter, choice.method, choice.num_target_servers, transport)
+    if threads is not None:  # run as it was measured (the models keep this setting)
+        for model in (target, drafter):
+            model.threads = threads
+    inner = build_decoder(target=target, drafter=drafter, method=choice.method,
+                          lookahead=choice.lookahead if choice.method != "ar" else 5,
+                          num_target_servers=choice.num_target_servers, transport=transport,
+                          transport_options=transport_options if choice.method == "dsi" else None)
+    return AutoDecoder(inner, choice)

@@ -1,0 +1,164 @@
+"""method="auto" (dsi.autotune): measured where the workers run, predicted, checked, cached."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+import dsi
+import dsi.autotune as autotune
+from dsi.autotune import AutoChoice, choose_method
+from dsi.errors import ConfigError
+from dsi.models import synthetic_pair
+
+
+class OneCore:
+    """Models whose forwards all need one shared "core" (a lock held for the whole forward): the
+    drafter and target servers of DSI then take turns, as on a CPU whose cores they share."""
+
+    def __init__(self, model, core: threading.Lock) -> None:
+        self.model, self.core = model, core
+
+    @property
+    def vocab_size(self):
+        return self.model.vocab_size
+
+    def new_session(self):
+        return _OneCoreSession(self.model.new_session(), self.core)
+
+    def __repr__(self):
+        return f"OneCore({self.model!r})"
+
+
+class _OneCoreSession:
+    def __init__(self, inner, core):
+        self._inner, self._core = inner, core
+
+    @property
+    def tokens(self):
+        return self._inner.tokens
+
+    def extend(self, tokens, cancel=None):
+        with self._core:
+            return self._inner.extend(tokens, cancel)
+
+    def truncate(self, length):
+        self._inner.truncate(length)
+
+    def close(self):
+        self._inner.close()
+
+
+def test_a_good_drafter_on_separate_hardware_picks_dsi(tmp_path, no_thread_leak):
+    target, drafter = synthetic_pair(0.9, target_tpot=0.020, drafter_tpot=0.001)
+    choice = choose_method(target, drafter, max_servers=2, cache_dir=tmp_path)
+    assert choice.method == "dsi" and not choice.cached
+    labels = [c.label for c in choice.candidates]
+    assert labels[0] == choice.label and "non-SI" in labels and any(label.startswith("SI") for label in labels)
+    assert {"non-SI", "SI k=4", "DSI auto SP=1", "DSI auto SP=2"} <= set(choice.measured)
+    assert choice.acceptance > 0.7
+    # the evidence: DSI measured faster than SI's and non-SI's calibration runs
+    assert choice.measured["DSI auto SP=2"]["wall_s"] < choice.measured["SI k=4"]["wall_s"]
+    assert choice.measured["non-SI"]["target_forward_s"] == pytest.approx(0.020, rel=0.3)
+
+
+def test_a_drafter_that_is_never_right_picks_non_si(tmp_path, no_thread_leak):
+    target, drafter = synthetic_pair(0.0, target_tpot=0.010, drafter_tpot=0.002)
+    choice = choose_method(target, drafter, max_servers=2, cache_dir=tmp_path)
+    assert choice.method == "ar", choice.reason
+    assert choice.acceptance == 0.0
+
+
+def test_workers_sharing_one_core_make_dsi_lose_and_the_choice_sees_it(tmp_path, no_thread_leak):
+    """Alone, each forward costs the same whatever the method; run concurrently on one "core",
+    DSI's drafter waits for the servers. Isolated latencies would predict a DSI win; the
+    concurrent calibration shows the slowdown and SI (sequential by nature) is picked."""
+    core = threading.Lock()
+    target, drafter = synthetic_pair(0.9, target_tpot=0.015, drafter_tpot=0.003)
+    target, drafter = OneCore(target, core), OneCore(drafter, core)
+    choice = choose_method(target, drafter, max_servers=2, cache_dir=tmp_path)
+    assert choice.method == "si", choice.reason
+    dsi_run = choice.measured["DSI auto SP=1"]
+    assert dsi_run["wall_s"] > 0.9 * choice.measured["SI k=4"]["wall_s"]
+    assert "slow each other down" in choice.reason  # the evidence is named: forwards slower together
+
+
+def test_the_choice_is_cached_and_refreshed_on_demand(tmp_path, monkeypatch, no_thread_leak):
+    target, drafter = synthetic_pair(0.9, target_tpot=0.010, drafter_tpot=0.001)
+    first = choose_method(target, drafter, cache_dir=tmp_path)
+    files = list(tmp_path.glob("*.json"))
+    assert len(files) == 1 and first.cache_file == str(files[0])
+    assert json.loads(files[0].read_text())["label"] == first.label
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured although a cached choice exists")
+
+    monkeypatch.setattr(autotune, "_measure_and_choose", no_measuring)
+    again = choose_method(target, drafter, cache_dir=tmp_path)
+    assert again.cached and again.label == first.label and again.candidates == first.candidates
+    with pytest.raises(AssertionError, match="measured although"):
+        choose_method(target, drafter, cache_dir=tmp_path, refresh=True)
+    other_sp = tmp_path / "other"
+    with pytest.raises(AssertionError):  # another bound on SP is another key
+        choose_method(target, drafter, cache_dir=other_sp, max_servers=3)
+
+
+def test_a_corrupt_cache_file_is_measured_again(tmp_path, no_thread_leak):
+    target, drafter = synthetic_pair(0.9, target_tpot=0.010, drafter_tpot=0.001)
+    first = choose_method(target, drafter, cache_dir=tmp_path)
+    (tmp_path / f"{first.key}.json").write_text("{not json")
+    again = choose_method(target, drafter, cache_dir=tmp_path)
+    assert not again.cached  # measured again, and the file rewritten
+    assert json.loads((tmp_path / f"{first.key}.json").read_text())["key"] == first.key
+
+
+def test_generate_with_method_auto_is_lossless_and_says_what_it_picked(tmp_path, no_thread_leak):
+    target, drafter = synthetic_pair(0.8, target_tpot=0.010, drafter_tpot=0.001)
+    reference = dsi.generate(target=target, prompt=[5, 6], method="ar", max_new_tokens=30).tokens
+    out = dsi.generate(target=target, drafter=drafter, prompt=[5, 6], method="auto", max_new_tokens=30,
+                       num_target_servers=2, auto_options={"cache_dir": tmp_path})
+    assert out.tokens == reference
+    auto = out.stats.to_dict()["auto"]
+    assert auto["picked"].split()[0] in ("non-SI", "SI", "DSI") and auto["reason"].startswith(auto["picked"])
+    assert out.stats.method == {"non-SI": "ar", "SI": "si", "DSI": "dsi"}[auto["picked"].split()[0]]
+
+
+def test_choice_round_trips_through_its_dict():
+    choice = AutoChoice("dsi", "auto", 2, "why", (autotune.Candidate("dsi", "auto", 2, 1.0, 1.1),), {"x": {}},
+                        0.9, 32, "k", "now")
+    assert AutoChoice.from_dict(json.loads(json.dumps(choice.to_dict()))) == choice
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_servers": 0}, "max_servers=0"), ({"tokens": 4}, "tokens=4 must be an integer >= 8"),
+])
+def test_bad_arguments_name_the_value(kwargs, message, tmp_path):
+    target, drafter = synthetic_pair(0.9)
+    with pytest.raises(ConfigError, match=message):
+        choose_method(target, drafter, cache_dir=tmp_path, **kwargs)
+    with pytest.raises(ConfigError, match="needs a drafter"):
+        choose_method(target, None, cache_dir=tmp_path)
+
+
+def test_dsi_workers_share_the_cores_when_the_user_left_threads_unset(monkeypatch):
+    import os
+    import types
+
+    from dsi.autotune import threads_set, worker_threads
+
+    class Model:
+        def __init__(self, threads=None, device="cpu"):
+            self.threads, self.device = threads, types.SimpleNamespace(type=device)
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert worker_threads(Model(), Model(), "dsi", 3, "threads") == 2  # drafter + 3 servers on 8 cores
+    assert worker_threads(Model(), Model(), "dsi", 1, "processes") == 8  # only the drafter runs here
+    assert worker_threads(Model(), Model(), "si", 3, "threads") is None  # one worker at a time: all cores
+    assert worker_threads(Model(threads=4), Model(), "dsi", 3, "threads") is None  # the user's setting
+    assert worker_threads(Model(device="cuda"), Model(device="cuda"), "dsi", 3, "threads") is None
+    a, b = Model(), Model()
+    with threads_set(2, a, b):
+        assert (a.threads, b.threads) == (2, 2)
+    assert (a.threads, b.threads) == (None, None)
