@@ -78,9 +78,11 @@ class MethodRun:
         return statistics.median(self.wall_s)
 
 
-def _set_threads(model, threads: int | None) -> None:
-    if threads is not None and hasattr(model, "threads"):
-        model.threads = threads
+def _set_threads(model, threads: int | None, default: int | None) -> None:
+    """``threads`` for this config, or the model's own setting (``default``) when it gives none, so
+    that a config's threads never leak into the next one."""
+    if hasattr(model, "threads"):
+        model.threads = threads if threads is not None else default
 
 
 def iter_compare(
@@ -101,10 +103,11 @@ def iter_compare(
     """
     greedy = SamplingParams()
     decoder, workers = None, None
+    own = {id(m): getattr(m, "threads", None) for m in (target, drafter)}
     try:
         for config in configs:
-            _set_threads(target, config.threads)
-            _set_threads(drafter, config.threads)
+            _set_threads(target, config.threads, own[id(target)])
+            _set_threads(drafter, config.threads, own[id(drafter)])
             if decoder is None or config.workers != workers:
                 if decoder is not None:
                     decoder.close()
@@ -138,6 +141,8 @@ def iter_compare(
     finally:
         if decoder is not None:
             decoder.close()
+        for model in (target, drafter):
+            _set_threads(model, None, own[id(model)])
 
 
 def compare(target, drafter, prompt_ids: Sequence[Sequence[int]], configs: Sequence[MethodConfig],

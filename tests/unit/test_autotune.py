@@ -52,7 +52,9 @@ class _OneCoreSession:
 
 
 def test_a_good_drafter_on_separate_hardware_picks_dsi(tmp_path, no_thread_leak):
-    target, drafter = synthetic_pair(0.9, target_tpot=0.020, drafter_tpot=0.001)
+    # forwards that sleep (no compute to share): DSI's ideal here is about 2x SI's, a margin no
+    # scheduling noise of a loaded test machine closes
+    target, drafter = synthetic_pair(0.95, target_tpot=0.030, drafter_tpot=0.001)
     choice = choose_method(target, drafter, max_servers=2, cache_dir=tmp_path)
     assert choice.method == "dsi" and not choice.cached
     labels = [c.label for c in choice.candidates]
@@ -61,7 +63,7 @@ def test_a_good_drafter_on_separate_hardware_picks_dsi(tmp_path, no_thread_leak)
     assert choice.acceptance > 0.7
     # the evidence: DSI measured faster than SI's and non-SI's calibration runs
     assert choice.measured["DSI auto SP=2"]["wall_s"] < choice.measured["SI k=4"]["wall_s"]
-    assert choice.measured["non-SI"]["target_forward_s"] == pytest.approx(0.020, rel=0.3)
+    assert choice.measured["non-SI"]["target_forward_s"] >= 0.030 * 0.999  # a forward sleeps its latency
 
 
 def test_a_drafter_that_is_never_right_picks_non_si(tmp_path, no_thread_leak):

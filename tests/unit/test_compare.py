@@ -69,3 +69,43 @@ def test_labels_name_the_transport_when_it_is_not_threads():
     assert MethodConfig("dsi", 3, 2, transport="processes").label == "DSI k=3 SP=2 processes"
     split = MethodConfig("dsi", 3, 2, threads=4, transport="processes", transport_options=(("threads_per_server", 6),))
     assert split.label == "DSI k=3 SP=2 processes t=6 d=4"
+
+
+class _ThreadsSeen:
+    """A model with a ``threads`` setting that records the setting each forward runs with."""
+
+    def __init__(self, model) -> None:
+        self.model, self.threads, self.seen = model, None, []
+
+    @property
+    def vocab_size(self):
+        return self.model.vocab_size
+
+    def new_session(self):
+        owner, inner = self, self.model.new_session()
+
+        class Session:
+            tokens = property(lambda s: inner.tokens)
+
+            def extend(s, tokens, cancel=None):
+                owner.seen.append(owner.threads)
+                return inner.extend(tokens, cancel)
+
+            def truncate(s, n):
+                inner.truncate(n)
+
+            def close(s):
+                inner.close()
+
+        return Session()
+
+
+def test_a_configs_threads_do_not_leak_into_the_next_one(no_thread_leak):
+    """DSI with one thread per worker, then SI with the model's own setting: SI must not inherit
+    DSI's single thread (that would slow it down and bias the comparison)."""
+    target, drafter = synthetic_pair(0.8)
+    target, drafter = _ThreadsSeen(target), _ThreadsSeen(drafter)
+    compare(target, drafter, [[1, 2]], [MethodConfig("dsi", 3, 1, threads=1), MethodConfig("si", 3)],
+            max_new_tokens=8, warmup_tokens=0)
+    assert 1 in target.seen and target.seen[-1] is None  # SI ran last, with the model's own setting
+    assert target.threads is None and drafter.threads is None  # restored after the comparison

@@ -220,22 +220,27 @@ def run_demo(args: argparse.Namespace) -> int:
     target, drafter = _load(args, need_drafter=True)
     load_s = time.perf_counter() - start
     prompts = [target.encode(p) for p in CODE_PROMPTS[: args.prompts]]
-    whole = args.threads  # threads for single-worker methods (None: torch default)
+    from dsi.autotune import worker_threads
+
+    whole = args.threads  # threads for single-worker methods (None: torch's default, all cores)
+
+    def dsi_threads(sp: int) -> int:  # per DSI worker: --threads, else an equal share of the cores
+        return args.threads or worker_threads(target, drafter, "dsi", sp, "threads") or 1
+
     configs = [MethodConfig("ar", threads=whole), MethodConfig("si", args.lookahead, threads=whole)]
     placement = tuple(transport_options(args).items())
-    configs += [MethodConfig("dsi", k, sp, threads=args.threads or 1, transport_options=placement)
+    configs += [MethodConfig("dsi", k, sp, threads=dsi_threads(sp), transport_options=placement)
                 for sp in args.sp for k in (args.lookahead, "auto")]
     choice = None
-    if not args.no_auto:
+    if not args.no_auto:  # measured with the same threads per worker as the comparison below
         from dsi.autotune import choose_method
 
-        for model in (target, drafter):  # the threads each method runs with, as in the comparison
-            model.threads = args.threads or 1
         choice = choose_method(target, drafter, transport_options=dict(placement), max_servers=max(args.sp),
                                refresh=args.retune, progress=auto_options(args, quiet=args.json)["progress"])
+        dsi = choice.method == "dsi"
         picked = MethodConfig(choice.method, choice.lookahead, choice.num_target_servers,
-                              threads=whole if choice.method != "dsi" else args.threads or 1,
-                              transport_options=placement if choice.method == "dsi" else ())
+                              threads=dsi_threads(choice.num_target_servers) if dsi else whole,
+                              transport_options=placement if dsi else ())
         if picked.label not in {c.label for c in configs}:
             configs.append(picked)
     bar = tqdm(total=len(configs) * len(prompts) * args.repeats, desc="demo", unit="run",

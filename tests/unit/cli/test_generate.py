@@ -48,7 +48,8 @@ def test_generate_json_matches_transformers_greedy(pair_dirs, capsys, method, lo
         assert key in doc["stats"]
     if method == "dsi":
         assert doc["stats"]["lookahead"] == (lookahead if lookahead == "auto" else int(lookahead))
-        assert doc["stats"]["mean_window"] > 0
+        # drafts per window: at most k (0 when every epoch ended before a window was due)
+        assert 0 <= doc["stats"]["mean_window"] <= (12 if lookahead == "auto" else int(lookahead))
 
 
 def test_generate_streams_text_and_accepts_prompt_ids(pair_dirs, capsys):
