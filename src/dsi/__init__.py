@@ -18,6 +18,7 @@ from dsi.engine import (
 )
 from dsi.errors import (
     ConfigError,
+    ContextLengthError,
     DSIError,
     ModelError,
     VocabularyMismatchError,
@@ -29,6 +30,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ConfigError",
+    "ContextLengthError",
     "DSIError",
     "GenerationAborted",
     "GenerationResult",

@@ -12,7 +12,8 @@ devices they do not. So the choice is made from measurements taken where the wor
    drafter step *as they ran*: for DSI, next to each other (contention for cores, memory
    bandwidth, a GIL or a GPU shows up as slower forwards).
 2. **The accept pattern** of the pair on that prompt: the drafter's greedy guess at every prefix of
-   non-SI's output (one drafter forward), i.e. exactly which drafts the target accepts.
+   non-SI's output (one drafter forward), i.e. exactly which drafts the target accepts (none past
+   the drafter's declared context: :func:`dsi.models.replay.accept_pattern`).
 3. **Prediction**: the event simulator (:mod:`dsi.sim.events`) replays that pattern for every
    candidate with the latencies of the calibration run of its own placement; a verification over
    n tokens costs the one-token forward plus n - 1 times a per-token slope measured from SI's
@@ -42,7 +43,7 @@ from pathlib import Path
 
 from dsi.engine.api import build_decoder, make_request
 from dsi.errors import ConfigError
-from dsi.models.replay import record_decisions
+from dsi.models.replay import accept_pattern
 from dsi.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -250,7 +251,7 @@ def _measure_and_choose(target, drafter, transport, options, max_servers, prompt
         return out
 
     reference = calibrate("non-SI", method="ar")
-    pattern = record_decisions(drafter, prompt, reference).accept_pattern
+    pattern = accept_pattern(drafter, prompt, reference)  # False past the drafter's context
     acceptance = sum(pattern) / len(pattern)
     calibrate(f"SI k={SI_CALIBRATION_K}", method="si", lookahead=SI_CALIBRATION_K)
     server_counts = _server_counts(max_servers)

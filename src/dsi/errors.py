@@ -16,6 +16,15 @@ class ConfigError(DSIError, ValueError):
     """An argument or configuration value is invalid (bad lookahead, temperature, prompt...)."""
 
 
+class ContextLengthError(ConfigError):
+    """A sequence is longer than a model's declared context (its ``max_context``).
+
+    Raised by a session before it runs the forward (the session is left unchanged). A drafter
+    that raises it has only reached its limit: the engines stop drafting and go on with the
+    target's own tokens.
+    """
+
+
 class ModelError(DSIError):
     """A model misbehaved or cannot be used (wrong output shape, NaN logits, load failure)."""
 

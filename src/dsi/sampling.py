@@ -25,7 +25,7 @@ from enum import IntEnum
 
 import numpy as np
 
-from dsi.errors import ConfigError, require
+from dsi.errors import ConfigError, ModelError, require
 
 _MAX_SEED = 2**63 - 1
 
@@ -37,6 +37,13 @@ class SamplingParams:
     ``top_k == 0`` disables top-k; ``top_p == 1.0`` disables nucleus filtering. The same
     processing is applied to target and drafter distributions, which keeps sampling lossless
     with respect to the processed target distribution.
+
+    Every finite ``temperature > 0`` is sampling, however small: a temperature so small that
+    ``logits / temperature`` overflows (e.g. 1e-320) gives the limit of the softmax as the
+    temperature goes to 0, all the mass on the largest logits (shared equally by exact ties),
+    i.e. greedy decoding up to ties (see :func:`process_logits`). It is not rewritten to 0: target
+    and drafter go through the same :func:`process_logits`, so either choice is lossless, and
+    keeping it keeps the parameters the caller gave (and their uniform draw among exact ties).
     """
 
     temperature: float = 0.0
@@ -85,26 +92,60 @@ def uniform(seed: int, position: int, purpose: Purpose) -> float:
     return (int.from_bytes(digest, "little") >> 11) * (1.0 / 9007199254740992.0)  # 53 bits
 
 
+def check_logit_row(row: np.ndarray, what: str = "model") -> None:
+    """Raise :class:`ModelError` unless ``row`` ([V]) can be turned into a distribution.
+
+    NaN logits (a broken forward: no order, no limit) and rows whose every logit is -inf (no
+    token is possible) are refused with the offending ids; +inf logits and huge finite values
+    are accepted (:func:`process_logits` takes their limit).
+    """
+    if row.ndim != 1 or row.size == 0:
+        raise ModelError(f"{what} logits have shape {row.shape}; expected one row [vocab_size]")
+    nan = np.isnan(row)
+    if nan.any():
+        ids = np.flatnonzero(nan)
+        raise ModelError(f"{what} returned NaN logits at {ids.size} token ids (first {ids[:5].tolist()}); "
+                         "a logit must be a number or -inf")
+    if not (row > -np.inf).any():
+        raise ModelError(f"{what} returned -inf for all {row.size} logits: no token has positive probability")
+
+
 def process_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """Turn one logit row into the sampling distribution: temperature, then top-k, then top-p.
 
-    ``logits``: ``[vocab_size]``. Returns float64 probabilities ``[vocab_size]`` summing to 1.
+    ``logits``: ``[vocab_size]``. Returns float64 probabilities ``[vocab_size]``: finite,
+    non-negative, summing to 1, with positive mass on the first argmax of ``logits``.
     In greedy mode returns the one-hot distribution of ``argmax(logits)`` (first index on ties).
+
+    Extreme values take their limits, never NaN: logits of +inf share all the mass equally (the
+    softmax's limit as they grow); a temperature so small that ``logits / temperature``
+    overflows gives the limit as the temperature goes to 0 (all mass on the largest logits,
+    equally on exact ties), computed as ``(logits - max) / temperature``; logits far below the
+    maximum get probability 0. NaN logits, or all -inf, raise :class:`ModelError`
+    (:func:`check_logit_row`).
     """
     row = np.asarray(logits, dtype=np.float64)  # [V]
+    check_logit_row(row)
+    if np.isposinf(row).any():  # the limit as those logits grow: they share the mass equally
+        row = np.where(np.isposinf(row), 0.0, -np.inf)
     if params.greedy:
         probs = np.zeros_like(row)
         probs[int(np.argmax(row))] = 1.0
         return probs
-    scores = row / params.temperature  # [V]
-    if params.top_k and params.top_k < scores.size:
-        kth = np.partition(scores, -params.top_k)[-params.top_k]
-        scores = np.where(scores < kth, -np.inf, scores)  # ties with the k-th are kept
-    scores = scores - scores.max()
-    probs = np.exp(scores)
+    with np.errstate(over="ignore", under="ignore"):
+        scores = row / params.temperature  # [V]
+        if not np.isfinite(scores.max()):  # overflow: shift first, the maximum becomes exactly 0
+            scores = (row - row.max()) / params.temperature
+        if params.top_k and params.top_k < scores.size:
+            kth = np.partition(scores, -params.top_k)[-params.top_k]
+            scores = np.where(scores < kth, -np.inf, scores)  # ties with the k-th are kept
+        scores = scores - scores.max()  # [V], <= 0 with 0 at the maximum (a gap past -1.8e308 is -inf)
+        probs = np.exp(scores)  # the maximum has 1, so the sum is in [1, V]
     probs /= probs.sum()
     if params.top_p < 1.0:
-        order = np.argsort(-probs, kind="stable")  # [V], most likely first
+        # most likely first; ordered by the logits themselves, so probabilities that rounding made
+        # equal keep the logits' order (the first argmax always comes first and is always kept)
+        order = np.argsort(-row, kind="stable")  # [V]
         cumulative = np.cumsum(probs[order])
         # keep the smallest prefix whose mass reaches top_p (always at least one token)
         keep_count = int(np.searchsorted(cumulative, params.top_p, side="left")) + 1
@@ -116,8 +157,16 @@ def process_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
 
 
 def sample_from(probs: np.ndarray, u: float) -> int:
-    """Inverse-CDF sample from ``probs`` ([V], non-negative, positive sum) with uniform ``u``."""
+    """Inverse-CDF sample from ``probs`` ([V], non-negative, positive sum) with uniform ``u``.
+
+    The token returned always has positive probability. A row with no positive finite mass
+    (all zero, negative or NaN entries) raises :class:`ModelError` rather than giving a token.
+    """
     cdf = np.cumsum(probs)  # [V]
+    if not (np.isfinite(cdf[-1]) and cdf[-1] > 0.0) or (probs < 0.0).any():
+        raise ModelError(f"cannot sample from a distribution of total mass {cdf[-1]!r} with "
+                         f"{int((probs < 0.0).sum())} negative entries; it needs finite non-negative "
+                         "probabilities with a positive sum")
     index = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
     index = min(index, probs.size - 1)
     while probs[index] <= 0.0:  # guard against landing on a zero-mass token by rounding
@@ -128,7 +177,8 @@ def sample_from(probs: np.ndarray, u: float) -> int:
 def residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:
     """``normalize(max(0, p - q))``, the law of the correction token ([V] each).
 
-    If ``p <= q`` everywhere (so a rejection had probability 0), falls back to ``p``.
+    If ``p <= q`` everywhere (so a rejection had probability 0, or rounding left no mass),
+    falls back to ``p``: the result always has positive mass, and only on tokens with ``p > 0``.
     """
     r = np.maximum(p - q, 0.0)  # [V]
     total = r.sum()
@@ -158,7 +208,9 @@ def draft_from_logits(logits: np.ndarray, params: SamplingParams, position: int)
     Greedy: ``(argmax logits, None)`` (no distribution needed); sampling: a draw from ``q``.
     """
     if params.greedy:
-        return int(np.argmax(logits)), None
+        row = np.asarray(logits)
+        check_logit_row(row, "the drafter")
+        return int(np.argmax(row)), None
     q = process_logits(logits, params)  # [V]
     return draft_token(q, params, position), q
 
@@ -180,15 +232,19 @@ def decide(
 
     ``p``, ``q``: processed distributions ``[V]``. Greedy: accept iff ``draft == argmax p``,
     otherwise the correction is ``argmax p``. Sampling: accept with probability
-    ``min(1, p[draft] / q[draft])``, otherwise draw the correction from the residual.
+    ``min(1, p[draft] / q[draft])``, otherwise draw the correction from the residual. A draft the
+    drafter could not have drawn (``q[draft] == 0``) is accepted iff ``p[draft] > 0``, so the
+    committed token always has positive target probability.
     """
+    if not (isinstance(draft, int | np.integer) and 0 <= draft < p.size):
+        raise ConfigError(f"draft={draft!r} must be a token id in [0, {p.size})")
     if params.greedy:
         best = int(np.argmax(p))
         return Decision(best, best == draft)
     if q is None:
         raise ConfigError("sampling decisions need the drafter distribution q")
-    q_x = q[draft]
-    ratio = 1.0 if q_x <= 0.0 else p[draft] / q_x
+    q_x, p_x = q[draft], p[draft]
+    ratio = p_x / q_x if q_x > 0.0 else (1.0 if p_x > 0.0 else 0.0)
     if uniform(params.seed, position, Purpose.ACCEPT) < ratio:
         return Decision(draft, True)
     correction = sample_from(residual(p, q), uniform(params.seed, position, Purpose.RESIDUAL))

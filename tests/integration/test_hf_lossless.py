@@ -2,7 +2,9 @@
 
 Greedy DSI and SI reproduce ``model.generate(do_sample=False)`` for Llama and GPT-2 over many
 prompts, lookaheads and server counts; DSI sampling on a tiny-vocabulary Llama matches the
-model's exact two-token law (seeded chi-square, alpha = 1e-4).
+model's exact two-token law (seeded chi-square, alpha = 1e-4). A drafter with a much shorter
+context than the target (16 positions vs 256) never fails a request: prompts shorter than, equal
+to and longer than its context give the target's own output.
 """
 
 from __future__ import annotations
@@ -22,18 +24,18 @@ from dsi.sampling import SamplingParams, process_logits  # noqa: E402
 pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("one_torch_thread")]
 
 
-def llama(seed, vocab=97, layers=2):
+def llama(seed, vocab=97, layers=2, positions=128):
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(
         vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, bos_token_id=0, eos_token_id=None, pad_token_id=0,
+        num_key_value_heads=2, max_position_embeddings=positions, bos_token_id=0, eos_token_id=None, pad_token_id=0,
     )
     return transformers.LlamaForCausalLM(config).eval()
 
 
-def gpt2(seed, vocab=97, layers=2):
+def gpt2(seed, vocab=97, layers=2, positions=128):
     torch.manual_seed(seed)
-    config = transformers.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=layers, n_head=4, n_positions=128,
+    config = transformers.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=layers, n_head=4, n_positions=positions,
                                      bos_token_id=0, eos_token_id=None)
     return transformers.GPT2LMHeadModel(config).eval()
 
@@ -102,3 +104,63 @@ def test_dsi_sampling_matches_the_exact_law_of_a_tiny_vocabulary_model(lookahead
     assert rejections > samples // 10  # the residual branch was exercised often
     _, p_value = chisquare(observed, expected)
     assert p_value > 1e-4, (observed, expected.round(1))
+
+
+DRAFTER_POSITIONS = 16
+
+
+def short_context_pair(arch):
+    """A target of 256 positions and a drafter of 16 (Llama: the target plus noise; GPT-2: its own
+    learned 16 position embeddings, which a longer sequence would index out of range)."""
+    if arch == "llama":
+        target_model, drafter_model = llama(0, positions=256), llama(0, positions=DRAFTER_POSITIONS)
+        with torch.no_grad():
+            for p in drafter_model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+    else:
+        target_model, drafter_model = gpt2(0, positions=256), gpt2(1, positions=DRAFTER_POSITIONS)
+    target, drafter = HFModel(target_model), HFModel(drafter_model)
+    assert (target.max_context, drafter.max_context) == (256, DRAFTER_POSITIONS)
+    return target, drafter
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("prompt_len", [9, DRAFTER_POSITIONS, DRAFTER_POSITIONS + 5])
+def test_greedy_with_a_drafter_of_shorter_context_equals_non_si(arch, prompt_len, no_thread_leak):
+    target, drafter = short_context_pair(arch)
+    prompt = [int(t) for t in np.random.default_rng(prompt_len).integers(1, 97, size=prompt_len)]
+    new = 20  # well past the drafter's 16 positions
+    reference = dsi.generate(target=target, prompt=prompt, method="ar", max_new_tokens=new).tokens
+    assert len(reference) == new
+    si = dsi.generate(target=target, drafter=drafter, prompt=prompt, method="si", lookahead=3, max_new_tokens=new)
+    assert si.tokens == reference
+    for lookahead, servers in [(1, 1), (3, 2), ("auto", 2)]:
+        out = dsi.generate(target=target, drafter=drafter, prompt=prompt, lookahead=lookahead,
+                           num_target_servers=servers, max_new_tokens=new)
+        assert out.tokens == reference, (lookahead, servers)
+        assert out.stats.extra["drafter_context_limited"] >= 1
+        assert out.stats.bonus_tokens >= prompt_len + new - max(prompt_len, DRAFTER_POSITIONS + 1)
+        if prompt_len > DRAFTER_POSITIONS:
+            assert out.stats.drafted_tokens == 0 and out.stats.drafter_forwards == 0
+
+
+def test_sampling_with_a_drafter_of_shorter_context(no_thread_leak):
+    """Past the prompt, positions beyond the drafter's context are the target's own samples: with a
+    prompt longer than that context, exactly non-SI's tokens for the same seed; with a shorter one,
+    the same tokens for every window policy and server count (drafts exist at the same positions)."""
+    target, drafter = short_context_pair("llama")
+    rng = np.random.default_rng(1)
+    long_prompt = [int(t) for t in rng.integers(1, 97, size=DRAFTER_POSITIONS + 2)]
+    short_prompt = long_prompt[:10]
+    for seed in range(2):
+        sampling = SamplingParams(temperature=1.0, seed=seed)
+        reference = dsi.generate(target=target, prompt=long_prompt, method="ar", max_new_tokens=12,
+                                 sampling=sampling).tokens
+        assert dsi.generate(target=target, drafter=drafter, prompt=long_prompt, method="si", lookahead=2,
+                            max_new_tokens=12, sampling=sampling).tokens == reference
+        assert dsi.generate(target=target, drafter=drafter, prompt=long_prompt, lookahead="auto",
+                            num_target_servers=2, max_new_tokens=12, sampling=sampling).tokens == reference
+        outputs = {tuple(dsi.generate(target=target, drafter=drafter, prompt=short_prompt, lookahead=lookahead,
+                                      num_target_servers=servers, max_new_tokens=12, sampling=sampling).tokens)
+                   for lookahead, servers in [(1, 1), (4, 2), ("auto", 2)]}
+        assert len(outputs) == 1, outputs

@@ -13,6 +13,8 @@ from scipy.stats import chisquare
 
 import dsi
 from dsi.engine.api import build_decoder, make_request
+from dsi.models import CallableLM
+from dsi.models.synthetic import SyntheticTarget
 from tests.conftest import exact_sequence_law, random_lm
 
 ALPHA = 1e-4
@@ -36,6 +38,11 @@ def sample_counts(decoder, params_for_seed, law):
 def test_sampling_matches_the_target_law(method, lookahead, servers, processing, no_thread_leak):
     target = random_lm(VOCAB, seed=21, sharpness=1.0)
     drafter = random_lm(VOCAB, seed=99, sharpness=1.5)  # a poor drafter: many residual draws
+    assert_target_law(target, drafter, method, lookahead, servers, processing)
+
+
+def assert_target_law(target, drafter, method, lookahead, servers, processing) -> None:
+    """Chi-square of N_SAMPLES seeded generations against the target's exact sequence law."""
     law = exact_sequence_law(target, PROMPT, LENGTH, dsi.SamplingParams(**processing, seed=0))
     decoder = build_decoder(
         target=target, drafter=drafter, method=method, lookahead=lookahead, num_target_servers=servers
@@ -48,6 +55,15 @@ def test_sampling_matches_the_target_law(method, lookahead, servers, processing,
     assert counts.sum() == N_SAMPLES
     _, p_value = chisquare(counts, expected)
     assert p_value > ALPHA, f"p={p_value:.2e}: counts {counts} vs expected {np.round(expected, 1)}"
+
+
+@pytest.mark.parametrize("method, lookahead, servers", [("dsi", 2, 2), ("dsi", "auto", 2), ("si", 2, 1)])
+def test_sampling_with_a_drafter_out_of_context_matches_the_target_law(method, lookahead, servers, no_thread_leak):
+    """The drafter holds 3 tokens: after the 2-token prompt it drafts positions 2 and 3 at most,
+    position 4 is always the target's own (bonus) token. The law is still exactly the target's."""
+    target = random_lm(VOCAB, seed=21, sharpness=1.0)
+    drafter = CallableLM(SyntheticTarget(VOCAB, 99, 1.5), VOCAB, name="short drafter", max_context=3)
+    assert_target_law(target, drafter, method, lookahead, servers, dict(temperature=0.9, top_k=2))
 
 
 def test_the_chi_square_check_detects_a_biased_sampler():

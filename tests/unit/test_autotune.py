@@ -164,3 +164,15 @@ def test_dsi_workers_share_the_cores_when_the_user_left_threads_unset(monkeypatc
     with threads_set(2, a, b):
         assert (a.threads, b.threads) == (2, 2)
     assert (a.threads, b.threads) == (None, None)
+
+
+def test_a_drafter_with_a_short_context_is_measured_not_refused(tmp_path, no_thread_leak):
+    """The calibration prompt plus 32 tokens is longer than the drafter's 12 positions: every run
+    still completes, and positions past the drafter's context count as no accepted draft."""
+    from dsi.models import CallableLM, WithLatency
+
+    target, drafter = synthetic_pair(1.0, vocab_size=32)  # a drafter that is always right...
+    short = WithLatency(CallableLM(drafter.next_logits, 32, max_context=12), 0.0005, 0.0005)  # ...while it can see
+    choice = choose_method(WithLatency(target, 0.002, 0.002), short, max_servers=1, cache_dir=tmp_path, tokens=32)
+    assert {"non-SI", "SI k=4", "DSI auto SP=1"} <= set(choice.measured)
+    assert choice.acceptance == pytest.approx((12 - 4 + 1) / 32)  # drafts only for positions 4..12

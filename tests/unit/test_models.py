@@ -8,8 +8,9 @@ import time
 import numpy as np
 import pytest
 
-from dsi.errors import ConfigError, TaskCancelled
-from dsi.models import CallableLM, WithLatency, common_prefix_length, forward_rows, synthetic_pair
+from dsi.errors import ConfigError, ContextLengthError, ModelError, TaskCancelled
+from dsi.models import CallableLM, WithLatency, common_prefix_length, extend_rows, forward_rows, synthetic_pair
+from dsi.models.base import context_limit
 
 
 def counting_model(vocab=6):
@@ -109,3 +110,45 @@ def test_synthetic_pair_with_latency_and_bad_acceptance():
     assert isinstance(target, WithLatency) and target.tpot == 0.02 and drafter.ttft == 0.002
     with pytest.raises(ConfigError, match="acceptance=1.5"):
         synthetic_pair(1.5)
+
+
+def test_callable_max_context_is_declared_enforced_and_validated():
+    model = CallableLM(lambda ctx: np.zeros(4), 4, max_context=5)
+    assert context_limit(model) == 5 and "max_context=5" in repr(model)
+    session = model.new_session()
+    session.extend([1, 2, 3])
+    with pytest.raises(ContextLengthError, match="6 tokens exceed max_context=5"):
+        session.extend([1, 2, 3])
+    assert session.tokens == (1, 2, 3)  # refused before anything ran
+    session.extend([1, 2])
+    assert context_limit(CallableLM(lambda ctx: np.zeros(4), 4)) is None
+    for bad in (0, -3, 2.5, True, "16"):
+        with pytest.raises(ConfigError, match=f"max_context={bad!r} must be None"):
+            CallableLM(lambda ctx: np.zeros(4), 4, max_context=bad)
+
+
+def test_wrappers_declare_the_wrapped_models_context_and_bad_declarations_are_named():
+    from dsi.models import ReplayLM
+
+    inner = CallableLM(lambda ctx: np.zeros(4), 4, max_context=7)
+    assert context_limit(WithLatency(inner, 0.0, 0.0)) == 7
+    assert context_limit(ReplayLM(WithLatency(inner, 0.0, 0.0), {})) == 7
+    assert context_limit(WithLatency(CallableLM(lambda ctx: np.zeros(4), 4), 0.0, 0.0)) is None
+
+    class Odd:
+        vocab_size, max_context = 4, "lots"
+
+    with pytest.raises(ModelError, match="declares max_context='lots'; it must be None or an integer >= 1"):
+        context_limit(Odd())
+
+
+def test_greedy_rows_of_a_session_with_nan_logits_are_a_model_error():
+    class NaNSession:
+        tokens = ()
+
+        def extend(self, tokens, cancel=None):
+            return np.array([[0.0, np.nan, 1.0]] * len(tokens))
+
+    with pytest.raises(ModelError, match="NaN logits"):
+        extend_rows(NaNSession(), [1, 2], None, 1, greedy=True)
+    assert np.isnan(extend_rows(NaNSession(), [1, 2], None, 1, greedy=False)).any()  # sampling checks its rows

@@ -35,3 +35,66 @@ def test_flush_releases_a_dangling_partial_character():
     assert detok.push(list("ok".encode())) == "ok"
     assert detok.push(["é".encode()[0]]) == ""
     assert detok.flush() == "\ufffd"
+
+
+# ---- bounded work: the window never grows with the output --------------------------------------
+
+SPECIAL = 300  # ids >= 256 are special tokens, skipped by the decode
+
+
+def counting(decode):
+    """``decode`` that also counts the token ids it was given, over all calls."""
+    work = {"ids": 0, "calls": 0}
+
+    def wrapped(ids):
+        work["ids"] += len(ids)
+        work["calls"] += 1
+        return decode(ids)
+
+    return wrapped, work
+
+
+def skipping_decode(ids):
+    """Bytes, with special tokens skipped, and the leading space dropped as SentencePiece does."""
+    return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace").removeprefix(" ")
+
+
+def stream(decode, prompt, tokens):
+    detok = IncrementalDetokenizer(decode, prompt)
+    pieces = [detok.push([t]) for t in tokens]
+    pieces.append(detok.flush())
+    return pieces
+
+
+N = 3000  # tokens: the quadratic version decodes about N**2 ids (millions), the linear one ~N * 20
+
+
+@pytest.mark.parametrize("name, tokens", [
+    ("lone continuation bytes", [0x80] * N),
+    ("lead bytes without continuation", [0xE6] * N),
+    ("the character U+FFFD itself", list("\ufffd".encode()) * (N // 3)),
+    ("skipped special tokens", list(b"ab") + [SPECIAL] * N + list(b"cd")),
+    ("a 4-byte character then specials", list("🙂".encode()) + [SPECIAL] * N),
+])
+def test_work_per_token_is_bounded(name, tokens):
+    decode, work = counting(skipping_decode)
+    pieces = stream(decode, list(b"prompt: "), tokens)
+    assert "".join(pieces) == skipping_decode(tokens), name
+    assert work["calls"] <= 2 * len(tokens) + 2
+    assert work["ids"] <= 40 * len(tokens), f"{name}: {work['ids']} ids decoded for {len(tokens)} tokens"
+
+
+def test_skipped_specials_keep_the_left_context():
+    """Specials between words are dropped from the window, not the words before them: the space
+    of ' world' survives (a decode that drops a leading space would lose it otherwise)."""
+    tokens = [*b"hello", SPECIAL, SPECIAL, *b" world", SPECIAL, *b" \xc3", SPECIAL, 0xA9]
+    pieces = stream(skipping_decode, [], tokens)
+    assert "".join(pieces) == "hello world é"
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_invalid_bytes_are_released_after_a_bounded_wait():
+    """Garbage that keeps ending in U+FFFD is streamed (not held back to the end), a few tokens late."""
+    detok = IncrementalDetokenizer(skipping_decode)
+    pieces = [detok.push([0x80]) for _ in range(50)]
+    assert sum(len(p) for p in pieces) >= 50 - 10 and set("".join(pieces)) == {"\ufffd"}

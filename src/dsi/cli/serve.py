@@ -5,6 +5,8 @@ sampling options of ``generate`` become the defaults of requests that omit them.
 loopback unless ``--host`` says otherwise. SIGINT / SIGTERM: stop accepting connections, answer
 queued requests 503, let running ones finish for up to ``--shutdown-timeout`` seconds, cancel the
 rest, close every decoder, exit 0 (:mod:`dsi.server.runner`). fastapi / uvicorn are imported only when the command runs.
+Every option is checked (an API key included) before any model is loaded. The model id shown to
+clients (``--served-model-name``) defaults to a name, never a local path (:func:`served_name`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import ipaddress
 import logging
 import socket
 import sys
+from pathlib import Path
 
 from dsi.cli.generate import (
     _load,
@@ -57,11 +60,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="engine slots: requests generated at once, each on its own decoder (default 1)")
     g.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for a slot; more get 429 (default 64)")
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 endpoints")
-    g.add_argument("--served-model-name", default=None, help="model id in the API (default: the --target value)")
+    g.add_argument("--max-body-bytes", type=int, default=None,
+                   help="largest request body in bytes; larger ones get 413 (default 16777216: 16 MiB)")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 endpoints (printable ASCII, no surrounding spaces)")
+    g.add_argument("--served-model-name", default=None,
+                   help="model id in the API, /health and responses (default: the --target name without its "
+                        "directories, e.g. 'my-7b' for ./models/my-7b)")
     g.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="on SIGINT/SIGTERM, seconds running requests may take before they are cancelled (default 10)")
     p.set_defaults(func=run_serve)
+
+
+def served_name(target: str) -> str:
+    """The default model id for ``--target``: a local path's last component (no directories, no
+    ``.gguf``), or the spec itself (an embedded short name or a hub id ``org/name``)."""
+    path = Path(target).expanduser()
+    try:
+        local = path.exists()
+    except OSError:
+        local = False
+    if not local:
+        return target
+    name = path.resolve().name
+    return name[: -len(".gguf")] if name.lower().endswith(".gguf") and len(name) > 5 else name
 
 
 def _is_loopback(host: str) -> bool:
@@ -99,11 +121,15 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-concurrent={args.max_concurrent} must be >= 1 and --max-queue={args.max_queue} >= 0")
     if args.shutdown_timeout < 0:
         raise ConfigError(f"--shutdown-timeout={args.shutdown_timeout} must be >= 0")
+    if args.max_body_bytes is not None and args.max_body_bytes < 1:
+        raise ConfigError(f"--max-body-bytes={args.max_body_bytes} must be >= 1")
+    limits = {} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}
     config = ServeConfig(
         method=args.method, lookahead=args.lookahead, max_window=args.max_window, num_target_servers=server_count(args),
         transport=args.transport, auto_options=auto_options(args),
-        transport_options=transport_options(args), max_concurrent=args.max_concurrent, max_queue=args.max_queue, api_key=args.api_key,
-        model_name=args.served_model_name or args.target, max_tokens=args.max_new_tokens,
+        transport_options=transport_options(args), max_concurrent=args.max_concurrent, max_queue=args.max_queue,
+        api_key=args.api_key, **limits,
+        model_name=args.served_model_name or served_name(args.target), max_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         shutdown_grace_s=args.shutdown_timeout,
     )

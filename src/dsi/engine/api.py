@@ -30,6 +30,11 @@ class Decoder(Protocol):
         self, request: Request, on_tokens: TokenCallback | None = None, abort: threading.Event | None = None
     ) -> GenerationResult: ...
 
+    def healthy(self) -> bool:
+        """Whether the decoder can serve another request (after a failed one, a server rebuilds it
+        only when not)."""
+        ...
+
     def close(self) -> None: ...
 
 

@@ -43,5 +43,10 @@ class AutoregressiveDecoder:
             stats.bonus_tokens += 1
         return GenerationResult(out.finalize(), stats)
 
+    def healthy(self) -> bool:
+        """Always: its sessions re-align with each request's context, so a failed request leaves
+        nothing broken behind."""
+        return True
+
     def close(self) -> None:
         self._session.close()

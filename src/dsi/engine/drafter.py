@@ -5,6 +5,12 @@ The orchestrator calls :meth:`DraftWorker.restart` with a new epoch and the comm
 session back to the longest common prefix, and drafts up to ``limit`` tokens, reporting each as
 a :class:`Draft` event and finally a :class:`DraftsDone`. Events carry the epoch so that drafts
 of an abandoned context are recognised and ignored.
+
+A drafter's context limit (its declared ``max_context``) never fails a request: drafting stops
+where the drafter runs out of room (:func:`capped_drafts`; not even a prefill when the context
+alone is too long), and a :class:`~dsi.errors.ContextLengthError` raised by the drafter's
+session ends the drafts like the token limit does. The engines then commit the target's own
+tokens (bonus tokens), which keeps the output lossless. Any other drafter error stays an error.
 """
 
 from __future__ import annotations
@@ -17,11 +23,24 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dsi.errors import TaskCancelled
-from dsi.models.base import LanguageModel, extend_rows, forward_rows
+from dsi.errors import ContextLengthError, TaskCancelled
+from dsi.models.base import LanguageModel, context_limit, extend_rows, forward_rows
 from dsi.sampling import SamplingParams, draft_from_logits
 
 log = logging.getLogger(__name__)
+
+
+def capped_drafts(model: LanguageModel, context_length: int, wanted: int) -> int:
+    """How many of ``wanted`` drafts the drafter ``model`` can make after ``context_length`` tokens.
+
+    Drafting d tokens feeds the drafter the context and the first d - 1 drafts (the last draft
+    is never fed back), so a drafter holding at most L tokens can make L - n + 1 drafts after n
+    tokens: none when the context alone is longer than L. No declared limit: ``wanted``.
+    """
+    limit = context_limit(model)
+    if limit is None:
+        return max(wanted, 0)
+    return max(min(wanted, limit - context_length + 1), 0)
 
 
 @dataclass(frozen=True)
@@ -36,6 +55,7 @@ class Draft:
 class DraftsDone:
     epoch: int
     count: int  # drafts produced in this epoch
+    context_limited: bool = False  # the drafter's session refused to go further (ContextLengthError)
 
 
 @dataclass(frozen=True)
@@ -91,6 +111,10 @@ class DraftWorker:
                 self._job.cancel.set()
             self._job = None
 
+    def capped(self, context_length: int, wanted: int) -> int:
+        """:func:`capped_drafts` for this worker's model."""
+        return capped_drafts(self._model, context_length, wanted)
+
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
@@ -128,20 +152,26 @@ class DraftWorker:
     def _draft(self, session, job: _Job) -> None:
         params, cancel = job.sampling, job.cancel
         count = 0
-        if job.limit > 0:
-            # greedy: the session returns the argmax id only (taken where the logits are)
-            out = self._forward(lambda: forward_rows(session, job.context, 1, cancel, greedy=params.greedy)[-1])
-            while True:
-                position = len(job.context) + count
-                token, q = (int(out), None) if params.greedy else draft_from_logits(out, params, position)
-                if cancel.is_set():
-                    raise TaskCancelled("drafts abandoned")
-                self._on_event(Draft(job.epoch, count, token, q))
-                count += 1
-                if count >= job.limit or token in job.eos_token_ids:
-                    break
-                out = self._forward(lambda: extend_rows(session, [token], cancel, 1, params.greedy)[-1])
-        self._on_event(DraftsDone(job.epoch, count))
+        limit = self.capped(len(job.context), job.limit)  # never past the drafter's own context
+        limited = False
+        try:
+            if limit > 0:
+                # greedy: the session returns the argmax id only (taken where the logits are)
+                out = self._forward(lambda: forward_rows(session, job.context, 1, cancel, greedy=params.greedy)[-1])
+                while True:
+                    position = len(job.context) + count
+                    token, q = (int(out), None) if params.greedy else draft_from_logits(out, params, position)
+                    if cancel.is_set():
+                        raise TaskCancelled("drafts abandoned")
+                    self._on_event(Draft(job.epoch, count, token, q))
+                    count += 1
+                    if count >= limit or token in job.eos_token_ids:
+                        break
+                    out = self._forward(lambda: extend_rows(session, [token], cancel, 1, params.greedy)[-1])
+        except ContextLengthError as exc:  # a declared limit reached: no more drafts, not a failure
+            log.debug("drafter stopped after %d drafts at its context limit: %s", count, exc)
+            limited = True
+        self._on_event(DraftsDone(job.epoch, count, limited))
 
     def _forward(self, run):
         """Run one drafter forward, counting it and its time (also when it is cancelled)."""

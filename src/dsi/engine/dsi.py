@@ -19,7 +19,9 @@ so where windows end (which may depend on timing) never changes the output. Resu
 strictly in window order; an early result waits, stored, for its turn. A rejection commits the
 correction token, preempts every outstanding task (all of them contain the rejected draft),
 rolls the drafter back and restarts with a new zero-draft task. Where the drafter stopped early
-(its model gave out before the token limit without EOS) the target's row gives a bonus token.
+(its model gave out before the token limit without EOS, e.g. at the end of its context, see
+:mod:`dsi.engine.drafter`) the target's row gives a bonus token; a drafter with no room left
+after ``committed`` is not run at all, and every position is a bonus (non-SI on the pool).
 A position whose draft is still being computed waits for it (at most one drafter step), so the
 output never depends on timing. Only the target commits EOS.
 """
@@ -94,6 +96,12 @@ class DSIDecoder:
         finally:
             run.stop()
         return GenerationResult(run.out.finalize(), run.stats)
+
+    def healthy(self) -> bool:
+        """Whether this decoder can serve another request: a failed request (a model error, a lost
+        server that was replaced) leaves it usable; only a dead drafter thread or a pool with no
+        server left (all given up) calls for a new decoder."""
+        return self._drafter.is_alive() and self.pool.alive_servers() > 0
 
     def close(self) -> None:
         self._drafter.close()
@@ -195,6 +203,8 @@ class _DSIRun:
         elif isinstance(event, DraftsDone):
             if event.epoch == self.epoch:
                 self.drafter_done = True
+                if event.context_limited:
+                    self._count_context_limited()
         elif isinstance(event, TaskResult | TaskAborted) and event.task_id not in self.task_ids:
             return  # a late answer to a task a previous request cancelled: not this request's time
         elif isinstance(event, TaskResult):
@@ -236,10 +246,19 @@ class _DSIRun:
         self.draft, self.qs, self.windows, self.lasts = [], [], {}, []
         self.drafter_done = False
         self.limit = self.out.remaining  # positions after base that may be committed
+        drafts = self.drafter.capped(len(self.base), self.limit)  # the drafter's context may allow fewer
         self.submit_window(0, 0, 0)
-        self.drafter.restart(
-            self.epoch, self.base, self.limit, self.request.sampling, self.request.eos_token_ids
-        )
+        if drafts < self.limit:
+            self._count_context_limited()
+        if drafts > 0:
+            self.drafter.restart(self.epoch, self.base, drafts, self.request.sampling, self.request.eos_token_ids)
+        else:  # no room for even one draft: no prefill; every position is the target's own token
+            self.drafter.stop()
+            self.drafter_done = True
+
+    def _count_context_limited(self) -> None:
+        """Count an epoch whose drafts the drafter's context cut short (``drafter_context_limited``)."""
+        self.stats.extra["drafter_context_limited"] = self.stats.extra.get("drafter_context_limited", 0) + 1
 
     def submit_window(self, index: int, first: int, last: int) -> None:
         task_id = next(self.decoder._task_ids)

@@ -5,6 +5,11 @@ Leviathan et al. 2023 / Chen et al. 2023. Each iteration the drafter proposes
 scores all of them plus one more position; the longest accepted prefix is committed, then the
 correction token (on a rejection) or the bonus token (all accepted). Drafter and target run
 one after the other in the calling thread.
+
+The drafter's context limit never fails a request: ``kk`` is also capped at the drafter's room
+(:func:`dsi.engine.drafter.capped_drafts`), and a drafter session that raises
+:class:`~dsi.errors.ContextLengthError` ends the iteration's drafts. With no drafts the
+target's extra row gives the bonus token: plain non-SI steps once the drafter is out of room.
 """
 
 from __future__ import annotations
@@ -14,9 +19,11 @@ import time
 
 import numpy as np
 
+from dsi.engine.drafter import capped_drafts
 from dsi.engine.request import Output, Request, TokenCallback
 from dsi.engine.result import GenerationResult
 from dsi.engine.stats import GenerationStats
+from dsi.errors import ContextLengthError
 from dsi.models.base import LanguageModel, extend_rows, forward_rows
 from dsi.sampling import bonus, decide, decide_greedy, draft_from_logits, process_logits
 
@@ -28,6 +35,7 @@ class SpeculativeDecoder:
 
     def __init__(self, target: LanguageModel, drafter: LanguageModel, lookahead: int) -> None:
         self.lookahead = lookahead
+        self._drafter_model = drafter
         self._target = target.new_session()
         self._drafter = drafter.new_session()
 
@@ -40,7 +48,10 @@ class SpeculativeDecoder:
         while not out.finished:
             out.check_abort()
             base = tuple(out.tokens)
-            drafts, qs = self._draft(base, min(self.lookahead, out.remaining - 1), request, stats)
+            wanted = min(self.lookahead, out.remaining - 1)
+            drafts, qs = self._draft(base, capped_drafts(self._drafter_model, len(base), wanted), request, stats)
+            if len(drafts) < wanted and (not drafts or drafts[-1] not in request.eos_token_ids):
+                stats.extra["drafter_context_limited"] = stats.extra.get("drafter_context_limited", 0) + 1
             start = time.perf_counter()
             # greedy: the target's argmax ids [kk+1]; sampling: its logit rows [kk+1, V]
             rows = forward_rows(self._target, base + tuple(drafts), len(drafts) + 1, greedy=params.greedy)
@@ -77,22 +88,30 @@ class SpeculativeDecoder:
             return drafts, qs
         params = request.sampling
         start = time.perf_counter()
-        out = forward_rows(self._drafter, base, 1, greedy=params.greedy)[-1]  # greedy: an id; else [V]
-        stats.drafter_forwards += 1
-        while True:
-            if params.greedy:
-                token, q = int(out), None
-            else:
-                token, q = draft_from_logits(out, params, len(base) + len(drafts))
-            drafts.append(token)
-            qs.append(q)
-            if len(drafts) >= count or token in request.eos_token_ids:
-                break
-            out = extend_rows(self._drafter, [token], None, 1, params.greedy)[-1]
+        try:
             stats.drafter_forwards += 1
+            out = forward_rows(self._drafter, base, 1, greedy=params.greedy)[-1]  # greedy: an id; else [V]
+            while True:
+                if params.greedy:
+                    token, q = int(out), None
+                else:
+                    token, q = draft_from_logits(out, params, len(base) + len(drafts))
+                drafts.append(token)
+                qs.append(q)
+                if len(drafts) >= count or token in request.eos_token_ids:
+                    break
+                stats.drafter_forwards += 1
+                out = extend_rows(self._drafter, [token], None, 1, params.greedy)[-1]
+        except ContextLengthError:  # the drafter's declared limit: no more drafts this iteration
+            pass
         stats.drafter_busy_s += time.perf_counter() - start
         stats.drafted_tokens += len(drafts)
         return drafts, qs
+
+    def healthy(self) -> bool:
+        """Always: its sessions re-align with each request's context, so a failed request leaves
+        nothing broken behind."""
+        return True
 
     def close(self) -> None:
         self._target.close()

@@ -11,6 +11,10 @@ Cancellation is cooperative: ``extend`` receives a flag (anything with ``is_set(
 slices). On cancellation it raises :class:`dsi.errors.TaskCancelled` and leaves the session
 exactly as it was before the call.
 
+A model may declare the most tokens one of its sessions can hold as ``max_context`` (an int, or
+None for no limit; see :func:`context_limit`); a session asked to go beyond it raises
+:class:`dsi.errors.ContextLengthError` before running anything.
+
 Callers usually need only a few rows of a forward (the last one when drafting, the k+1 rows a
 verification decides), and in greedy decoding only their argmax. :func:`extend_rows` asks for
 exactly that. A session may implement it itself (``extend_rows``, see
@@ -88,6 +92,16 @@ class LanguageModel(Protocol):
     def new_session(self) -> ModelSession: ...
 
 
+def context_limit(model: object) -> int | None:
+    """The most tokens a session of ``model`` may hold: its ``max_context``, or None (no declared limit)."""
+    limit = getattr(model, "max_context", None)
+    if limit is None:
+        return None
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+        raise ModelError(f"{model!r} declares max_context={limit!r}; it must be None or an integer >= 1")
+    return limit
+
+
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the longest common prefix of two token sequences."""
     n = min(len(a), len(b))
@@ -117,7 +131,11 @@ def extend_rows(
     if own is not None:
         return own(tokens, cancel, n, greedy)
     rows = session.extend(tokens, cancel)[-n:]  # [n, V]
-    return np.argmax(rows, axis=-1).astype(np.int64) if greedy else rows
+    if not greedy:
+        return rows
+    if np.isnan(rows).any():  # the argmax of a row with NaN is meaningless (sampling refuses it too)
+        raise ModelError(f"{session!r} returned NaN logits; a logit must be a number or -inf")
+    return np.argmax(rows, axis=-1).astype(np.int64)
 
 
 def forward_rows(

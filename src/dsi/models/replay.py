@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from dsi.errors import ConfigError
-from dsi.models.base import CancelFlag, LanguageModel, ModelSession, extend_rows
+from dsi.errors import ConfigError, ContextLengthError
+from dsi.models.base import CancelFlag, LanguageModel, ModelSession, context_limit, extend_rows
 
 RECORDING_VERSION = 1
 
@@ -50,18 +50,47 @@ class RecordedPrompt:
         return [d == t for d, t in zip(self.drafter, self.target, strict=True)]
 
 
-def record_decisions(drafter: LanguageModel, prompt: Sequence[int], target_output: Sequence[int]) -> RecordedPrompt:
-    """Record ``prompt``: the target's greedy output (given) and the drafter's greedy guess at
-    every prefix of it, from one drafter forward over ``prompt + target_output[:-1]``."""
-    prompt, output = [int(t) for t in prompt], [int(t) for t in target_output]
+def _drafter_guesses(drafter: LanguageModel, prompt: list[int], output: list[int]) -> list[int]:
+    """The drafter's greedy guess of ``output[i]`` after ``prompt + output[:i]``, for every i its
+    declared context reaches (all of them without a limit), from one forward."""
     if not prompt or not output:
         raise ConfigError("a recording needs a non-empty prompt and a non-empty target output")
+    limit = context_limit(drafter)
+    count = len(output) if limit is None else max(min(len(output), limit - len(prompt) + 1), 0)
+    if count == 0:
+        return []
     session = drafter.new_session()
     try:
-        rows = session.extend(prompt + output[:-1])[len(prompt) - 1:]
+        rows = session.extend(prompt + output[: count - 1])[len(prompt) - 1:]
     finally:
         session.close()
-    return RecordedPrompt(tuple(prompt), tuple(output), tuple(int(np.argmax(row)) for row in rows))
+    return [int(np.argmax(row)) for row in rows]
+
+
+def record_decisions(drafter: LanguageModel, prompt: Sequence[int], target_output: Sequence[int]) -> RecordedPrompt:
+    """Record ``prompt``: the target's greedy output (given) and the drafter's greedy guess at
+    every prefix of it, from one drafter forward over ``prompt + target_output[:-1]``.
+
+    A drafter whose declared context (``max_context``) is too short for that raises
+    :class:`~dsi.errors.ContextLengthError`; :func:`accept_pattern` needs no full recording."""
+    prompt, output = [int(t) for t in prompt], [int(t) for t in target_output]
+    guesses = _drafter_guesses(drafter, prompt, output)
+    if len(guesses) < len(output):
+        raise ContextLengthError(
+            f"the drafter's max_context={context_limit(drafter)} cannot hold the prompt of {len(prompt)} tokens and "
+            f"{len(output) - 1} output tokens; record a shorter output (at most {len(guesses)} tokens)")
+    return RecordedPrompt(tuple(prompt), tuple(output), tuple(guesses))
+
+
+def accept_pattern(drafter: LanguageModel, prompt: Sequence[int], target_output: Sequence[int]) -> list[bool]:
+    """Whether the drafter's greedy guess equals the target's token at each position of
+    ``target_output`` (the target's greedy output after ``prompt``).
+
+    Past the drafter's declared context there is no draft, so no accepted one: False (the
+    engines commit the target's own token there)."""
+    prompt, output = [int(t) for t in prompt], [int(t) for t in target_output]
+    guesses = _drafter_guesses(drafter, prompt, output)
+    return [g == t for g, t in zip(guesses, output, strict=False)] + [False] * (len(output) - len(guesses))
 
 
 def save_recording(path: str | Path, prompts: Sequence[RecordedPrompt], meta: Mapping[str, Any] | None = None) -> None:
@@ -188,6 +217,11 @@ class ReplayLM:
     @property
     def vocab_size(self) -> int:
         return self._vocab_size
+
+    @property
+    def max_context(self) -> int | None:
+        """The inner model's declared context limit (:func:`dsi.models.base.context_limit`)."""
+        return context_limit(self.model)
 
     @property
     def threads(self) -> int | None:  # torch threads of an HF inner model (see dsi.compare)

@@ -8,109 +8,80 @@ whatever is still queued or running. Endpoints: ``GET /v1/models``, ``POST /v1/c
 ``Authorization: Bearer <key>``; ``/health`` and ``/metrics`` stay open (bind to loopback or put
 them behind your proxy).
 
+What one request may cost is bounded before it reaches the queue: its body (413 over
+``max_body_bytes``, :mod:`~dsi.server.limits`), how many requests are being read and tokenised
+at once (``max_queue + max_concurrent``, beyond that 429), and its prompt (checked against the
+target's context while it is tokenised). Parsing, tokenising and every check run on a small pool
+of preparation threads (:mod:`~dsi.server.prepare`), never on the event loop. No answer carries a
+local path or a traceback: a 500 names the error's type and a reference to the server log.
+
 Does not know: how models are loaded (the CLI does it) or how decoding works (the engine).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
-import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dsi.engine.api import METHODS, build_decoder, check_lookahead, make_request
-from dsi.errors import ConfigError, require
+from dsi.engine.api import build_decoder
+from dsi.errors import ConfigError
 from dsi.models.base import LanguageModel
-from dsi.sampling import SamplingParams
 from dsi.server.codec import Codec, HFCodec
+from dsi.server.config import ServeConfig
 from dsi.server.jobs import Job, Outcome
+from dsi.server.limits import BodyLimit, check_json_content_type, read_body
 from dsi.server.metrics import CONTENT_TYPE, ServerMetrics
+from dsi.server.prepare import Prepared, Preparer
 from dsi.server.protocol import (
-    MAX_SEED,
     APIError,
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
     CompletionChoice,
-    CompletionRequest,
     CompletionResponse,
     DSIInfo,
     ModelCard,
     ModelList,
     Usage,
     dump,
-    parse_request,
-    unsupported_option,
 )
 from dsi.server.scheduler import QueueFull, Scheduler, Slot
+
+__all__ = ["ServeConfig", "create_app"]
 
 log = logging.getLogger(__name__)
 
 CLIENT_GONE = "client disconnected"
 SHUTTING_DOWN = "server shutting down"
 HANDLER_CANCELLED = "request handler cancelled (shutdown timeout)"
+PREPARE_THREADS = 2  # parse and tokenise two requests at once (the tokenizer itself is serialised)
 
 
-@dataclass(frozen=True)
-class ServeConfig:
-    """Engine and server settings. Sampling fields are the defaults of requests that omit them."""
-
-    method: str = "dsi"
-    lookahead: int | str = 5  # k, or "auto" (DSI's event-driven windows)
-    max_window: int | None = None  # with lookahead="auto": the most drafts per window
-    num_target_servers: int = 1  # with method="auto": the most DSI may use
-    auto_options: dict | None = None  # method="auto": options of dsi.autotune.choose_method
-    transport: str = "threads"
-    transport_options: dict | None = None
-    max_concurrent: int = 1  # engine slots, each one decoder
-    max_queue: int = 64  # requests waiting for a slot; more get 429
-    api_key: str | None = None
-    model_name: str = "dsi"
-    max_tokens: int = 256  # default max_tokens (clipped to the context)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None  # None: a fresh random seed for each request that gives none
-    retry_after_s: int = 1
-    shutdown_grace_s: float = 5.0  # at shutdown, how long running requests may take to stop
-
-    def __post_init__(self) -> None:
-        def positive_int(v: object) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool) and v >= 1
-
-        require(self.method in METHODS, f"method={self.method!r} must be one of {', '.join(METHODS)}")
-        check_lookahead(self.method, self.lookahead, self.max_window)
-        require(positive_int(self.num_target_servers), f"num_target_servers={self.num_target_servers!r} must be >= 1")
-        require(positive_int(self.max_concurrent), f"max_concurrent={self.max_concurrent!r} must be an integer >= 1")
-        require(isinstance(self.max_queue, int) and self.max_queue >= 0,
-                f"max_queue={self.max_queue!r} must be an integer >= 0")
-        require(positive_int(self.max_tokens), f"max_tokens={self.max_tokens!r} must be an integer >= 1")
-        require(self.api_key is None or (isinstance(self.api_key, str) and self.api_key.strip() != ""),
-                "api_key must be a non-empty string or None")
-        require(bool(self.model_name), "model_name must not be empty")
-        require(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed <= MAX_SEED),
-                f"seed={self.seed!r} must be None or an integer in [0, 2**63 - 1]")
-        SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)  # validates them
-        require(positive_int(self.retry_after_s), f"retry_after_s={self.retry_after_s!r} must be an integer >= 1")
+def target_context(target: LanguageModel, codec: Codec) -> int | None:
+    """The most tokens a request may span: the target's context (the codec's, or the target's own
+    declared ``max_context``, whichever is smaller). The drafter's limits do not count."""
+    limits = [c for c in (codec.max_context, getattr(target, "max_context", None))
+              if isinstance(c, int) and not isinstance(c, bool) and c >= 1]
+    return min(limits) if limits else None
 
 
 class ServerState:
-    """Everything one app owns: slots, live jobs, metrics."""
+    """Everything one app owns: slots, live jobs, metrics, the preparation threads."""
 
     def __init__(self, target: LanguageModel, drafter: LanguageModel | None, config: ServeConfig, codec: Codec) -> None:
         if config.method != "ar" and drafter is None:
@@ -119,13 +90,18 @@ class ServerState:
         self.drafter = drafter
         self.config = config
         self.codec = codec
+        self.max_context = target_context(target, codec)
+        self.preparer = Preparer(config, codec, target.vocab_size, self.max_context)
         self.metrics = ServerMetrics()
         self.scheduler: Scheduler | None = None
         self.jobs: set[Job] = set()
+        self.preparing = 0  # requests admitted and not queued yet (body, parse, tokenise)
+        self.max_preparing = config.max_queue + config.max_concurrent
+        self._prepare_pool: ThreadPoolExecutor | None = None
         self.closing = False
         self.created = int(time.time())
 
-    def _new_decoder(self) -> Any:
+    def _new_decoder(self) -> object:
         c = self.config
         return build_decoder(
             target=self.target, drafter=self.drafter, method=c.method, lookahead=c.lookahead, max_window=c.max_window,
@@ -151,6 +127,7 @@ class ServerState:
             self.metrics.running.set(running)
 
         self.scheduler = Scheduler(slots, self.config.max_queue, on_change)
+        self._prepare_pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="dsi-serve-prepare")
         self.metrics.slots.set(len(slots))
         log.info("dsi serve: %d engine slot(s) ready (%s)", len(slots), self.config.method)
 
@@ -164,6 +141,8 @@ class ServerState:
     async def stop(self) -> None:
         """Cancel queued and running requests, wait for the slots, close every decoder."""
         self.closing = True
+        if self._prepare_pool is not None:
+            self._prepare_pool.shutdown(wait=False, cancel_futures=True)
         if self.scheduler is None:
             return
         jobs = list(self.jobs)
@@ -178,47 +157,41 @@ class ServerState:
         log.info("dsi serve: all decoders closed")
 
     # ---- requests ----------------------------------------------------------------------------
-    def sampling(self, req: Any) -> SamplingParams:
-        c = self.config
-        top_k = c.top_k if req.top_k is None else max(0, req.top_k)
-        seed = req.seed if req.seed is not None else (c.seed if c.seed is not None else secrets.randbits(63))
-        try:
-            return SamplingParams(
-                temperature=c.temperature if req.temperature is None else float(req.temperature),
-                top_k=top_k, top_p=c.top_p if req.top_p is None else float(req.top_p), seed=seed,
-            )
-        except ConfigError as exc:
-            raise APIError(422, str(exc), code="invalid_value") from exc
-
-    def submit(self, req: Any, prompt_ids: list[int], max_tokens: int | None, param: str) -> Job:
-        """Validate the generation request, queue it (429 if the queue is full) and start it."""
-        if self.closing or self.scheduler is None:
+    def _check_open(self) -> None:
+        if self.closing or self.scheduler is None or self._prepare_pool is None:
             raise APIError(503, "the server is shutting down", type="server_error", code="unavailable")
-        n = len(prompt_ids)
-        if n == 0:
-            raise APIError(400, "the prompt has no tokens", param="prompt", code="empty_prompt")
-        ctx = self.codec.max_context
-        if max_tokens is None:
-            max_tokens = self.config.max_tokens if ctx is None else min(self.config.max_tokens, ctx - n)
-            if max_tokens < 1:
-                raise APIError(400, f"the prompt of {n} tokens fills the model's context of {ctx} tokens",
-                               param="prompt" if param == "prompt" else "messages", code="context_length_exceeded")
-        elif ctx is not None and n + max_tokens > ctx:
-            raise APIError(400, f"the prompt of {n} tokens + {param}={max_tokens} exceeds the model's context of "
-                                f"{ctx} tokens; shorten the prompt or lower {param}",
-                           param=param, code="context_length_exceeded")
-        sampling = self.sampling(req)
+
+    def _busy(self, what: str) -> APIError:
+        return APIError(429, f"server busy: {what}; retry later", type="rate_limit_error", code="queue_full",
+                        headers={"Retry-After": str(self.config.retry_after_s)})
+
+    @contextlib.contextmanager
+    def admitted(self) -> Iterator[None]:
+        """Count a request from its body to the queue; 429 if ``max_queue + max_concurrent`` are already."""
+        self._check_open()
+        if self.preparing >= self.max_preparing:
+            raise self._busy(f"{self.preparing} requests are being read and tokenised")
+        self.preparing += 1
+        self.metrics.preparing.set(self.preparing)
         try:
-            request = make_request(prompt_ids, max_tokens, sampling, self.codec.eos_token_ids or None,
-                                   self.target.vocab_size)
-        except ConfigError as exc:
-            raise APIError(400, str(exc), param="prompt", code="invalid_prompt") from exc
-        job = Job(request, self.codec, self.metrics, stop=req.stop_strings(), stream=req.stream)
+            yield
+        finally:
+            self.preparing -= 1
+            self.metrics.preparing.set(self.preparing)
+
+    async def prepare(self, step: Callable[[list[bytearray]], Prepared], body: list[bytearray]) -> Prepared:
+        """Run ``step`` (a :class:`Preparer` method) on a preparation thread."""
+        self._check_open()
+        return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, step, body)
+
+    def submit(self, prepared: Prepared) -> Job:
+        """Queue a prepared request (429 if the queue is full) and start it."""
+        self._check_open()
+        job = Job(prepared.request, self.codec, self.metrics, stop=prepared.stop, stream=prepared.stream)
         try:
             job.start(self.scheduler)
         except QueueFull as exc:
-            raise APIError(429, f"server busy: {exc}; retry later", type="rate_limit_error", code="queue_full",
-                           headers={"Retry-After": str(self.config.retry_after_s)}) from exc
+            raise self._busy(str(exc)) from exc
         self.jobs.add(job)
         job.add_done_callback(self.jobs.discard)
         return job
@@ -249,9 +222,11 @@ def _sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-def _endpoint(request: Request) -> str:
-    path = request.url.path
-    return path if path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics") else "other"
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+
+
+def _endpoint(path: str) -> str:
+    return path if path in ENDPOINTS else "other"
 
 
 async def _watch_disconnect(request: Request, job: Job) -> None:
@@ -264,9 +239,14 @@ async def _watch_disconnect(request: Request, job: Job) -> None:
 
 
 def _failure(outcome: Outcome, job: Job) -> APIError | None:
-    """The error to answer for a job that did not finish normally (None if it did)."""
+    """The error to answer for a job that did not finish normally (None if it did).
+
+    A failed generation is answered with the error's type and the job's id only: its message
+    may carry local paths (a model's name is often its directory); the server log has it all.
+    """
     if outcome.finish_reason == "error":
-        return APIError(500, f"generation failed: {outcome.error}", type="server_error", code="generation_failed")
+        return APIError(500, f"generation failed ({type(outcome.error).__name__}); the server log has the details "
+                             f"under job {job.id}", type="server_error", code="generation_failed")
     if outcome.finish_reason == "cancelled":
         if job.cancel_reason == CLIENT_GONE:
             return APIError(499, "client closed the request", code="client_closed_request")
@@ -301,8 +281,14 @@ def create_app(
     app = FastAPI(title="dsi serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.dsi = state
 
+    def count_path(path: str, status: int) -> None:
+        metrics.requests.labels(_endpoint(path), str(status)).inc()
+
     def count(request: Request, status: int) -> None:
-        metrics.requests.labels(_endpoint(request), str(status)).inc()
+        count_path(request.url.path, status)
+
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes,
+                       on_reject=lambda scope, status: count_path(scope.get("path", ""), status))
 
     def error_response(request: Request, exc: APIError) -> JSONResponse:
         count(request, exc.status)
@@ -320,9 +306,11 @@ def create_app(
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unexpected error in %s", request.url.path)
-        return error_response(request, APIError(500, f"internal error: {type(exc).__name__}: {exc}",
-                                                type="server_error", code="internal_error"))
+        reference = uuid.uuid4().hex[:12]
+        log.error("unexpected error %s in %s", reference, request.url.path, exc_info=exc)
+        return error_response(request, APIError(
+            500, f"internal error ({type(exc).__name__}); the server log has the details under {reference}",
+            type="server_error", code="internal_error"))
 
     def authorize(request: Request) -> None:
         if config.api_key is None:
@@ -333,19 +321,14 @@ def create_app(
                            type="authentication_error", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
 
-    def check_common(req: Any) -> None:
-        error = unsupported_option(req)
-        if error is not None:
-            raise error
-        if req.model is not None and req.model != config.model_name:
-            raise APIError(404, f"the model {req.model!r} does not exist; this server serves {config.model_name!r}",
-                           param="model", code="model_not_found")
-
-    def encode(fn: Callable[[Any], list[int]], arg: Any, param: str) -> list[int]:
-        try:
-            return fn(arg)
-        except ConfigError as exc:
-            raise APIError(400, str(exc), param=param) from exc
+    async def accept(request: Request, step: Callable[[list[bytearray]], Prepared]) -> tuple[Prepared, Job]:
+        """Authorise, read, parse, tokenise and check a generation request, then queue it."""
+        authorize(request)
+        check_json_content_type(request.headers.get("content-type"))
+        with state.admitted():
+            # the body goes in a list the preparation step empties: once parsed, nothing holds it
+            prepared = await state.prepare(step, [await read_body(request.receive)])
+            return prepared, state.submit(prepared)
 
     async def finish_plain(request: Request, job: Job) -> Outcome:
         watcher = asyncio.create_task(_watch_disconnect(request, job))
@@ -404,10 +387,10 @@ def create_app(
         ok = sched is not None and not state.closing
         status = 200 if ok else 503
         count(request, status)
-        return JSONResponse({
+        return JSONResponse({  # the served name only: never a local path (this endpoint is open)
             "status": "ok" if ok else "unavailable", "model": config.model_name, "method": config.method,
             "slots": len(sched.slots) if sched else 0, "running": sched.running if sched else 0,
-            "queued": sched.queued if sched else 0,
+            "queued": sched.queued if sched else 0, "preparing": state.preparing,
         }, status_code=status)
 
     @app.get("/metrics")
@@ -418,7 +401,7 @@ def create_app(
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
         authorize(request)
-        card = ModelCard(id=config.model_name, created=state.created, max_model_len=state.codec.max_context, dsi={
+        card = ModelCard(id=config.model_name, created=state.created, max_model_len=state.max_context, dsi={
             "method": config.method, "lookahead": config.lookahead, "num_target_servers": config.num_target_servers,
             "transport": config.transport, "max_concurrent": config.max_concurrent,
         })
@@ -427,29 +410,20 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        authorize(request)
-        req: CompletionRequest = parse_request(CompletionRequest, await request.body())
-        check_common(req)
-        prompt = req.single_prompt()
-        if isinstance(prompt, str):
-            ids, prompt_text = encode(state.codec.encode, prompt, "prompt"), prompt
-        else:
-            ids = list(prompt)
-            prompt_text = state.codec.decode(ids) if req.echo else ""
-        job = state.submit(req, ids, req.max_tokens, "max_tokens")
+        prepared, job = await accept(request, state.preparer.completion)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        echo = prompt_text if req.echo else ""
+        echo, n_prompt = prepared.echo, prepared.prompt_tokens
 
         def response(text: str, finish: str | None, outcome: Outcome | None = None, usage: bool = False) -> dict:
             return dump(CompletionResponse(
                 id=rid, created=created, model=config.model_name,
                 choices=[CompletionChoice(text=text, finish_reason=finish)],
-                usage=_usage(len(ids), outcome) if usage else None, dsi=_dsi_info(outcome) if usage else None,
+                usage=_usage(n_prompt, outcome) if usage else None, dsi=_dsi_info(outcome) if usage else None,
             ))
 
-        if req.stream:
+        if prepared.stream:
             def closing(outcome: Outcome) -> list[dict]:
-                if not req.include_usage():
+                if not prepared.include_usage:
                     return [response("", outcome.finish_reason, outcome, usage=True)]
                 last = response("", None, outcome, usage=True)
                 last["choices"] = []
@@ -462,24 +436,20 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        authorize(request)
-        req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await request.body())
-        check_common(req)
-        ids = encode(state.codec.encode_chat, req.template_messages(), "messages")
-        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        job = state.submit(req, ids, req.max_new_tokens(), param)
+        prepared, job = await accept(request, state.preparer.chat)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        n_prompt = prepared.prompt_tokens
 
         def chunk(delta: ChatDelta | None, finish: str | None, outcome: Outcome | None = None) -> dict:
             choices = [] if delta is None else [ChatChunkChoice(delta=delta, finish_reason=finish)]
             return dump(ChatCompletionChunk(
                 id=rid, created=created, model=config.model_name, choices=choices,
-                usage=_usage(len(ids), outcome) if outcome else None, dsi=_dsi_info(outcome) if outcome else None,
+                usage=_usage(n_prompt, outcome) if outcome else None, dsi=_dsi_info(outcome) if outcome else None,
             ))
 
-        if req.stream:
+        if prepared.stream:
             def closing(outcome: Outcome) -> list[dict]:
-                if not req.include_usage():
+                if not prepared.include_usage:
                     return [chunk(ChatDelta(), outcome.finish_reason, outcome)]
                 return [chunk(ChatDelta(), outcome.finish_reason), chunk(None, None, outcome)]
 
@@ -490,7 +460,7 @@ def create_app(
         return JSONResponse(dump(ChatCompletionResponse(
             id=rid, created=created, model=config.model_name,
             choices=[ChatChoice(message=AssistantMessage(content=outcome.text), finish_reason=outcome.finish_reason)],
-            usage=_usage(len(ids), outcome), dsi=_dsi_info(outcome),
+            usage=_usage(n_prompt, outcome), dsi=_dsi_info(outcome),
         )))
 
     return app

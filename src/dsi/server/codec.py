@@ -2,18 +2,38 @@
 
 :class:`HFCodec` wraps a :class:`dsi.models.hf.HFModel` (its tokenizer, chat template, EOS ids
 and context length). Calls are serialised with a lock: Hugging Face fast tokenizers are not safe
-to use from several threads at once ("Already borrowed"), and the server encodes on the event
-loop while slot threads decode. Any object with the same attributes can stand in for it (tests
-use a byte codec over synthetic models).
+to use from several threads at once ("Already borrowed"), and the server encodes on its
+preparation threads while slot threads decode. Any object with the same attributes can stand in
+for it (tests use a byte codec over synthetic models).
+
+Tokenising is bounded by the context: ``encode(text, limit)`` gives up with
+:class:`PromptTooLong` once ``text`` surely has more than ``limit`` tokens, after tokenising
+prefixes of it rather than all of it (:func:`encode_within`), so a 20 MB prompt for a model of
+32k positions costs the tokenisation of 256 kB.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from dsi.errors import ConfigError
+
+PROBE_CHARS_PER_TOKEN = 8  # the first prefix tried: this many characters per allowed token (text has ~4)
+PROBE_GROWTH = 2  # each further prefix is this many times longer
+PROBE_SLACK = 16  # tokens a prefix cut inside a word may have beyond its share of the text's
+WORD_SEARCH = 1024  # characters before a cut searched for whitespace to cut at
+
+
+class PromptTooLong(Exception):
+    """A prompt has more than ``limit`` tokens: exactly ``count``, or at least ``count`` if not ``exact``."""
+
+    def __init__(self, count: int, limit: int, exact: bool) -> None:
+        super().__init__(f"the prompt has {'' if exact else 'at least '}{count} tokens, more than {limit}")
+        self.count = count
+        self.limit = limit
+        self.exact = exact
 
 
 class Codec(Protocol):
@@ -21,11 +41,48 @@ class Codec(Protocol):
     eos_token_ids: tuple[int, ...]
     max_context: int | None
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, limit: int | None = None) -> list[int]:
+        """Token ids of a prompt; :class:`PromptTooLong` if there are more than ``limit``."""
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]: ...
+    def encode_chat(self, messages: list[dict[str, str]], limit: int | None = None) -> list[int]:
+        """Token ids of the chat template applied to ``messages`` (same ``limit``)."""
 
     def decode(self, ids: Sequence[int]) -> str: ...
+
+
+def _cut(text: str, size: int) -> str:
+    """``text[:size]``, shortened to end before a whitespace if one is near, so it ends with a whole word."""
+    start = max(0, size - WORD_SEARCH)
+    space = max(text.rfind(c, start, size) for c in " \n\t")
+    return text[: space if space > 0 else size]
+
+
+def encode_within(encode: Callable[[str], list[int]], text: str, limit: int | None) -> list[int]:
+    """``encode(text)``, or :class:`PromptTooLong` without tokenising all of a text far beyond ``limit``.
+
+    A text longer than ``PROBE_CHARS_PER_TOKEN * (limit + 1)`` characters (more than natural text
+    needs for ``limit`` tokens) is first tokenised by prefixes of that length, then
+    ``PROBE_GROWTH`` times longer each time, each cut before a whitespace where one is near: the
+    words of the prefix are words of the text, so the prefix has no more tokens than the text.
+    Where no whitespace is near (a long word, text without spaces), a cut changes only the tokens
+    around it, which ``PROBE_SLACK`` covers. Once a prefix has more than ``limit + PROBE_SLACK``
+    tokens, so has the text. The work is that of the prefix that proves it (``PROBE_CHARS_PER_TOKEN
+    * limit`` characters for natural text); a text within the limit is probed only if it has
+    more than ``PROBE_CHARS_PER_TOKEN`` characters per token, and then costs at most twice one
+    tokenisation.
+    """
+    if limit is None:
+        return encode(text)
+    size = PROBE_CHARS_PER_TOKEN * (limit + 1)
+    while size < len(text):
+        count = len(encode(_cut(text, size)))
+        if count > limit + PROBE_SLACK:
+            raise PromptTooLong(count - PROBE_SLACK, limit, exact=False)
+        size *= PROBE_GROWTH
+    ids = encode(text)
+    if len(ids) > limit:
+        raise PromptTooLong(len(ids), limit, exact=True)
+    return ids
 
 
 class HFCodec:
@@ -40,20 +97,28 @@ class HFCodec:
         self.eos_token_ids: tuple[int, ...] = tuple(model.eos_token_ids)
         self.max_context: int | None = model.max_context
 
-    def encode(self, text: str) -> list[int]:
-        with self._lock:
-            return self._model.encode(text)
+    def encode(self, text: str, limit: int | None = None) -> list[int]:
+        def encode(part: str) -> list[int]:
+            with self._lock:
+                return self._model.encode(part)
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        return encode_within(encode, text, limit)
+
+    def encode_chat(self, messages: list[dict[str, str]], limit: int | None = None) -> list[int]:
         tok = self._model.tokenizer
-        if not getattr(tok, "chat_template", None):
-            raise ConfigError(f"{self._model.name}'s tokenizer has no chat template; use /v1/completions")
+        if not getattr(tok, "chat_template", None):  # no model path in the message: clients see it
+            raise ConfigError("the served model's tokenizer has no chat template; use /v1/completions")
         with self._lock:
             try:
                 text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             except Exception as exc:  # noqa: BLE001 - jinja raises TemplateError and others
                 raise ConfigError(f"the chat template rejected the messages: {exc}") from exc
-            return list(tok.encode(text, add_special_tokens=False))
+
+        def encode(part: str) -> list[int]:
+            with self._lock:
+                return list(tok.encode(part, add_special_tokens=False))
+
+        return encode_within(encode, text, limit)
 
     def decode(self, ids: Sequence[int]) -> str:
         with self._lock:

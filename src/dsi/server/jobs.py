@@ -15,6 +15,7 @@ import asyncio
 import logging
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
@@ -33,33 +34,34 @@ class StopStrings:
 
     ``feed`` returns the text that is safe to send; once a stop string appears, the text is cut
     just before it and :attr:`matched` is set. Text held back (a possible stop prefix) comes out
-    of :meth:`flush` at the end.
+    of :meth:`flush` at the end. Only the held-back text is kept (at most the longest stop string
+    less one character, plus the last delta), so each ``feed`` costs the same however long the
+    output grows.
     """
 
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = tuple(stops)
         self._hold = max((len(s) for s in self.stops), default=1) - 1
-        self.text = ""
-        self.sent = 0  # characters of self.text released so far
+        self.held = ""  # text not released yet: a stop string can only begin here
         self.matched: str | None = None
 
     def feed(self, delta: str) -> str:
         if self.matched is not None:
             return ""
-        self.text += delta
-        hits = [(i, s) for s in self.stops if (i := self.text.find(s, self.sent)) >= 0]
+        text = self.held + delta
+        hits = [(i, s) for s in self.stops if (i := text.find(s)) >= 0]
         if hits:
             index, self.matched = min(hits)
-            out, self.sent = self.text[self.sent : index], index
-            return out
-        upto = max(self.sent, len(self.text) - self._hold)
-        out, self.sent = self.text[self.sent : upto], upto
-        return out
+            self.held = ""
+            return text[:index]
+        upto = max(0, len(text) - self._hold)
+        self.held = text[upto:]
+        return text[:upto]
 
     def flush(self) -> str:
         if self.matched is not None:
             return ""
-        out, self.sent = self.text[self.sent :], len(self.text)
+        out, self.held = self.held, ""
         return out
 
 
@@ -101,6 +103,7 @@ class Job:
         stop: Sequence[str] = (),
         stream: bool = False,
     ) -> None:
+        self.id = uuid.uuid4().hex[:12]  # names the job in the server log and in 500 answers
         self.request = request
         self.codec = codec
         self.metrics = metrics
@@ -188,6 +191,7 @@ class Job:
             future.add_done_callback(lambda _: scheduler.release(slot))
             raise
         except BaseException as exc:  # noqa: BLE001 - reported to the client, never raised into the loop
+            log.error("job %s: generation failed", self.id, exc_info=exc)
             outcome = Outcome("error", list(self._tokens), error=exc)
         scheduler.release(slot)
         outcome.queue_time_s = queue_time
@@ -236,10 +240,10 @@ class Job:
         except GenerationAborted as exc:
             stats = exc.stats
             reason = "cancelled"
-        except Exception as exc:  # noqa: BLE001 - a failed worker: answer 500, rebuild the decoder
-            log.exception("slot %d: generation failed", slot.index)
+        except Exception as exc:  # noqa: BLE001 - a failed worker: answer 500; rebuild the decoder only if broken
+            log.exception("job %s on slot %d: generation failed", self.id, slot.index)
             try:
-                slot.rebuild()
+                slot.recover()
             except Exception:  # noqa: BLE001
                 log.exception("slot %d: could not rebuild its decoder", slot.index)
             return Outcome("error", list(self._tokens), error=exc)

@@ -5,7 +5,8 @@ Series (all prefixed ``dsi_``):
 - ``requests_total{endpoint,status}``: HTTP requests by status code (499: the client went away
   before the response was complete); ``request_finish_total{reason}``: generations by how they
   ended (stop, length, cancelled, error).
-- ``queue_length``, ``running_requests``, ``engine_slots``: the scheduler right now.
+- ``preparing_requests`` (bodies being read, parsed, tokenised), ``queue_length``,
+  ``running_requests``, ``engine_slots``: the server right now.
 - histograms ``queue_time_seconds``, ``time_to_first_token_seconds`` (arrival to first
   committed token, queue included), ``inter_token_latency_seconds`` (per token: time since the
   previous committed token of the request; DSI commits accepted runs at once, so many are ~0),
@@ -39,6 +40,8 @@ class ServerMetrics:
                                 ["endpoint", "status"], registry=r)
         self.finished = Counter("dsi_request_finish", "Generations by finish reason (stop, length, cancelled, error)",
                                 ["reason"], registry=r)
+        self.preparing = Gauge("dsi_preparing_requests",
+                               "Requests being read, parsed and tokenised (not queued yet)", registry=r)
         self.queue_length = Gauge("dsi_queue_length", "Requests waiting for an engine slot", registry=r)
         self.running = Gauge("dsi_running_requests", "Requests being generated", registry=r)
         self.slots = Gauge("dsi_engine_slots", "Engine slots (decoders)", registry=r)

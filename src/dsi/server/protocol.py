@@ -1,24 +1,30 @@
 """The OpenAI wire format of ``dsi serve``: request and response models (pydantic v2).
 
-Requests are parsed from the raw body with :func:`parse_request` in strict JSON mode (``"3"`` is
-not an integer, ``true`` is not a number) and forbid unknown fields: an option we do not
+Requests are parsed from the raw body with :func:`parse_request` (:func:`load_json`, then
+:func:`validate_request` in strict mode: ``"3"`` is not an integer, ``true`` is not a number)
+and forbid unknown fields: an option we do not
 implement is a 400 naming it, never a silent ignore. Options of the OpenAI API that we support
 only at their default value (``n``, ``best_of``, ``logprobs``, penalties, ...) are declared and
 checked by :func:`unsupported_option`. Responses follow the OpenAI objects and add a ``dsi``
 object with the run's speculation statistics.
 
-Status codes: malformed JSON, an unsupported option or a batched prompt -> 400; a well-formed
-body whose fields have the wrong type or range -> 422; both name the field in ``error.param``.
+Status codes: malformed JSON (or not UTF-8, or nested too deep), an unsupported option or a
+batched prompt -> 400; a well-formed body whose fields have the wrong type or range (numbers that
+are not finite, more than 16 stop strings or one over 1000 characters) -> 422; both name the
+field in ``error.param``.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 MAX_SEED = 2**63 - 1
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1000  # text that could begin a stop string is held back and searched at each token
 
 
 class APIError(Exception):
@@ -62,8 +68,8 @@ class _GenerationRequest(_Strict):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    temperature: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(default=None, ge=-1)  # extension (vLLM): 0 or -1 disable it
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     stop: str | list[str] | None = None
@@ -84,6 +90,8 @@ class _GenerationRequest(_Strict):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
         if any(s == "" for s in stops):
             raise ValueError("stop strings must not be empty")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
         return value
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -176,10 +184,87 @@ def _param(loc: tuple) -> str | None:
     return ".".join(parts) or None
 
 
-def parse_request(model: type[_Strict], body: bytes) -> Any:
-    """Parse a JSON body into ``model``; raise :class:`APIError` (400 or 422) naming the field."""
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # "\\uD800" to "\\uDFFF" in the JSON text
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _has_surrogate(value: Any) -> bool:
+    if isinstance(value, str):
+        return not value.isascii() and _SURROGATE.search(value) is not None
+    if isinstance(value, dict):
+        return any(_has_surrogate(k) or _has_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_surrogate(v) for v in value)
+    return False
+
+
+class TooManyNumbers(APIError):
+    """400: the body holds more numbers than ``max_numbers`` (a token-id prompt beyond the context)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(400, f"the body has more than {limit} numbers: a token-id prompt may not be longer than "
+                              "the model's context", param="prompt", code="context_length_exceeded")
+
+
+def _counting(convert: Any, limit: int, counter: list[int]) -> Any:
+    def parse(text: str) -> Any:
+        counter[0] += 1
+        if counter[0] > limit:
+            raise TooManyNumbers(limit)
+        return convert(text)
+
+    return parse
+
+
+def load_json(body: bytes | bytearray, max_numbers: int | None = None) -> dict:
+    """The JSON object of a body, or :class:`APIError` 400 (not UTF-8, not JSON, not an object).
+
+    Standard JSON only: no ``NaN`` / ``Infinity``, no unpaired surrogate escapes (no tokenizer
+    could take them), numbers of at most 4300 digits, nesting within Python's recursion limit.
+    With ``max_numbers``, parsing stops (:class:`TooManyNumbers`) at the number after that many,
+    so that a huge token-id list costs no more than a valid one. Memory: the body is decoded,
+    then released if the caller holds no other reference to it, so at most two body-sized
+    objects are alive at once for a text prompt (``pydantic``'s own JSON parser holds about four).
+    """
     try:
-        return model.model_validate_json(body or b"", strict=True)
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise APIError(400, f"invalid JSON body: not UTF-8 ({exc.reason} at byte {exc.start})",
+                       code="invalid_json") from None
+    del body
+    try:
+        numbers: dict[str, Any] = {}
+        if max_numbers is not None:
+            counter = [0]
+            numbers = {"parse_int": _counting(int, max_numbers, counter),
+                       "parse_float": _counting(float, max_numbers, counter)}
+        value = json.loads(text, parse_constant=_no_constant, **numbers)
+    except TooManyNumbers:
+        raise
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, huge numbers, NaN; deep nesting
+        raise APIError(400, f"invalid JSON body: {str(exc) or type(exc).__name__}", code="invalid_json") from None
+    if not isinstance(value, dict):
+        raise APIError(400, f"invalid JSON body: expected a JSON object, got {type(value).__name__}",
+                       code="invalid_json")
+    if _SURROGATE_ESCAPE.search(text) is not None and _has_surrogate(value):
+        raise APIError(400, "invalid JSON body: a string has an unpaired surrogate (\\uD800-\\uDFFF)",
+                       code="invalid_json")
+    return value
+
+
+def parse_request(model: type[_Strict], body: bytes | bytearray) -> Any:
+    """Parse a JSON body into ``model``; raise :class:`APIError` (400 or 422) naming the field."""
+    return validate_request(model, load_json(body))
+
+
+def validate_request(model: type[_Strict], value: dict) -> Any:
+    """``value`` (a parsed JSON object) as ``model``, strictly; :class:`APIError` 400 or 422 naming the field."""
+    try:
+        return model.model_validate(value, strict=True)
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
     for err in errors:
@@ -187,9 +272,6 @@ def parse_request(model: type[_Strict], body: bytes) -> Any:
             name = _param(err["loc"])
             raise APIError(400, f"unsupported parameter {name!r}: dsi serve does not implement it",
                            param=name, code="unsupported_parameter")
-    for err in errors:
-        if err["type"] in ("json_invalid", "json_type") or (err["type"] == "model_type" and not err["loc"]):
-            raise APIError(400, f"invalid JSON body: {err['msg']}; expected a JSON object", code="invalid_json")
     first = _param(errors[0]["loc"])
     seen: dict[str | None, str] = {}
     for err in errors:

@@ -40,6 +40,20 @@ class Slot:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"dsi-serve-slot{index}")
         self.served = 0
 
+    def recover(self) -> bool:
+        """After a failed request: keep the decoder if it can serve on (a model error, a lost target
+        server that was replaced: see ``Decoder.healthy``), else rebuild it. Runs on the slot thread;
+        returns whether it rebuilt."""
+        healthy = getattr(self.decoder, "healthy", None)
+        try:
+            if healthy is not None and healthy():
+                return False
+        except Exception:  # noqa: BLE001 - a decoder that cannot tell is replaced
+            log.exception("slot %d: checking the decoder's health", self.index)
+        log.warning("slot %d: the decoder cannot serve on; rebuilding it", self.index)
+        self.rebuild()
+        return True
+
     def rebuild(self) -> None:
         """Replace a decoder that failed (a worker died) by a fresh one. Runs on the slot thread."""
         try:

@@ -5,17 +5,30 @@ shares the longest prefix with the task's context (it has the most KV cache to r
 otherwise it waits in a FIFO queue and the next server to finish takes it. Cancelled tasks
 leave the queue at once. :class:`Dispatcher` is not thread-safe by itself: the pool holds its
 lock around calls. :class:`DispatchingPool` is that locked use, shared by the thread pool and
-the remote (process, Ray) pools.
+the remote (process, Ray) pools, with the failure policy they share:
+
+- a dead server's task goes first in line again, unless it was running on
+  :data:`MAX_TASK_DEATHS` servers that died: such a *poison* task fails (a ``TaskFailed``) instead
+  of killing every server in turn;
+- a dead server is replaced at most :data:`MAX_RESTARTS` times in a row; the count starts again
+  once a replacement completes a task, so one-off faults never use a server up;
+- each running task has a liveness deadline (:mod:`dsi.transport.liveness`); a server past it is
+  declared dead like one that crashed.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 
 from dsi.errors import WorkerError
 from dsi.models.base import common_prefix_length
-from dsi.transport.base import VerifyTask
+from dsi.transport.base import TaskFailed, TaskResult, VerifyTask
+from dsi.transport.liveness import ForwardRates, LivenessPolicy
+
+MAX_TASK_DEATHS = 2  # servers that may die running one task before the task fails instead
+MAX_RESTARTS = 3  # replacements of one server id in a row (without a completed task in between)
 
 
 class Dispatcher:
@@ -24,6 +37,9 @@ class Dispatcher:
         self.last_context: dict[int, Sequence[int]] = {i: () for i in range(num_servers)}
         self.queue: deque[VerifyTask] = deque()
         self.dead: set[int] = set()
+        self.started: dict[int, float] = {i: 0.0 for i in range(num_servers)}  # monotonic start of the running task
+        self.new_tokens: dict[int, int] = {i: 0 for i in range(num_servers)}  # tokens it processes beyond the cache
+        self.deaths: dict[int, int] = {}  # task id -> servers that died running it
 
     def idle_servers(self) -> list[int]:
         return [s for s, task in self.running.items() if task is None and s not in self.dead]
@@ -61,17 +77,25 @@ class Dispatcher:
         return task
 
     def _start(self, server: int, task: VerifyTask) -> None:
+        self.new_tokens[server] = len(task.context) - common_prefix_length(self.last_context[server], task.context)
+        self.started[server] = time.monotonic()
         self.running[server] = task
         self.last_context[server] = task.context
 
 
 class DispatchingPool:
-    """Submitting and re-queueing under the pool's lock, for every pool built on a Dispatcher.
+    """Submitting, re-queueing and liveness under the pool's lock, for every pool built on a
+    Dispatcher.
 
-    A subclass sets ``_lock``, ``_dispatch``, ``_closed`` and ``_name`` (for messages) and
-    implements ``num_servers``, ``_alive()`` (servers in service; lock held) and
-    ``_hand_over(server, task)`` (start ``task`` on the idle ``server``; lock held).
+    A subclass sets ``_lock``, ``_dispatch``, ``_closed``, ``_name`` (for messages), ``_rates``
+    (:class:`ForwardRates`), ``_liveness`` (:class:`LivenessPolicy`) and ``_restarts`` (a list, one
+    count per server), and implements ``num_servers``, ``_alive()`` (servers in service; lock held)
+    and ``_hand_over(server, task)`` (start ``task`` on the idle ``server``; lock held).
     """
+
+    _rates: ForwardRates
+    _liveness: LivenessPolicy
+    _restarts: list[int]
 
     def submit(self, task: VerifyTask) -> None:
         with self._lock:
@@ -88,11 +112,52 @@ class DispatchingPool:
         with self._lock:
             return 0 if self._dispatch.queue else len(self._dispatch.idle_servers())
 
-    def _requeue(self, task: VerifyTask) -> None:
-        """Put a lost server's task first in line (lock held)."""
+    def _requeue(self, task: VerifyTask, server: int, error: str) -> TaskFailed | None:
+        """A dead server's task: first in line again, or failed if it is poison (lock held)."""
+        deaths = self._dispatch.deaths[task.task_id] = self._dispatch.deaths.get(task.task_id, 0) + 1
+        if len(self._dispatch.deaths) > 4096:  # ids of long-finished tasks
+            self._dispatch.deaths = {task.task_id: deaths}
+        if deaths >= MAX_TASK_DEATHS:
+            return TaskFailed(task.task_id, server, f"task {task.task_id} was running on {deaths} target servers "
+                                                    f"that died; not retried (last: {error})")
         if self._dispatch.idle_servers():
-            server = self._dispatch.place(task)
-            if server is not None:
-                self._hand_over(server, task)
+            placed = self._dispatch.place(task)
+            if placed is not None:
+                self._hand_over(placed, task)
         else:
             self._dispatch.queue.appendleft(task)
+        return None
+
+    def _may_restart(self, server: int) -> bool:
+        """Count a replacement of ``server`` if it is allowed (lock held)."""
+        if self._closed or self._restarts[server] >= MAX_RESTARTS:
+            return False
+        self._restarts[server] += 1
+        return True
+
+    def _answered(self, server: int, event: object) -> None:
+        """``server`` answered its running task with ``event`` (lock held; before ``finish``): it is
+        healthy, and a completed forward tells how fast it is."""
+        self._restarts[server] = 0
+        if isinstance(event, TaskResult):
+            self._rates.record(server, event.compute_s, self._dispatch.new_tokens[server])
+
+    def _overdue(self) -> list[tuple[int, VerifyTask, float]]:
+        """(server, task, deadline_s) of every running task past its liveness deadline (lock held)."""
+        now = time.monotonic()
+        late = []
+        for server, task in self._dispatch.running.items():
+            if task is None or server in self._dispatch.dead:
+                continue
+            deadline = self._rates.deadline_s(self._liveness, server, self._dispatch.new_tokens[server])
+            if deadline is not None and now - self._dispatch.started[server] > deadline:
+                late.append((server, task, deadline))
+        return late
+
+    @staticmethod
+    def _frozen(task: VerifyTask, deadline: float) -> str:
+        """Why a server past its deadline is declared dead."""
+        return f"no answer to task {task.task_id} within its liveness deadline of {deadline:.1f} s (frozen?)"
+
+    def _watch_period(self) -> float:
+        return min(1.0, self._liveness.floor_s / 4)

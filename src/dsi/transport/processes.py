@@ -16,8 +16,11 @@ or checking it (the Condition inside waits for the dead sleeper), which hung ``c
 server was killed. A plain shared integer has no lock a dead child can hold.
 
 Failures: a child that dies closes its end of the pipe; the listener sees EOF at once, and the
-pool re-queues its task (see :mod:`dsi.transport.remote`). Children are daemonic and also exit
-when the parent's end of the pipe closes, so none outlives the parent.
+pool re-queues its task and starts a replacement (see :mod:`dsi.transport.remote`). A child past
+its task's liveness deadline (a stopped process, a wedged call) is killed and treated the same way.
+An answer that does not unpickle in the parent fails its task only; a malformed frame loses the
+server. Children are daemonic and also exit when the parent's end of the pipe closes, so none
+outlives the parent.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -36,12 +40,15 @@ from dsi.errors import ConfigError, ModelError, WorkerError
 from dsi.models.base import LanguageModel
 from dsi.transport.base import EventSink, VerifyTask
 from dsi.transport.recipes import ModelRecipe, build_with_threads, model_recipe
-from dsi.transport.remote import RemotePool, ServerLost, check_options, per_server
-from dsi.transport.wire import answer, recv_message, send_message
+from dsi.transport.remote import BadAnswer, RemotePool, ServerLost, check_options, per_server
+from dsi.transport.wire import (
+    HANDSHAKE_TIMEOUT_S, MalformedFrame, UndecodableMessage, answer, deadline_for, recv_message, restore_exception,
+    send_message, shutdown,
+)
 
 log = logging.getLogger(__name__)
 
-OPTIONS = ("devices", "threads_per_server", "restart_dead", "start_timeout", "recipe")
+OPTIONS = ("devices", "threads_per_server", "restart_dead", "start_timeout", "liveness", "recipe")
 
 POLL_S = 0.001  # how often TaskCancelFlag.wait looks at the shared slot
 
@@ -86,6 +93,9 @@ def serve(recipe: ModelRecipe, conn: Connection, cancel_slot: Any, server_id: in
                 task = recv_message(conn)
             except (EOFError, OSError):
                 return  # the parent is gone
+            except (MalformedFrame, UndecodableMessage) as exc:  # the parent sees EOF and replaces us
+                print(f"dsi target server {server_id}: unreadable task ({exc}); exiting", file=sys.stderr)
+                return
             if task is None:
                 return
             event = answer(session, task, server_id, TaskCancelFlag(cancel_slot, task.task_id))
@@ -146,7 +156,12 @@ class ProcessServer:
         if not self.conn.poll(timeout):
             raise WorkerError(f"target server process {self.server_id} did not start within {timeout:.0f} s")
         try:
-            message = recv_message(self.conn)
+            with deadline_for(self.conn, HANDSHAKE_TIMEOUT_S, "ready message"):
+                message = recv_message(self.conn)
+            if not (isinstance(message, tuple) and message and message[0] in ("ready", "error")):
+                raise MalformedFrame(f"expected a ready message, got {type(message).__name__}")
+        except (TimeoutError, MalformedFrame, UndecodableMessage) as exc:
+            raise WorkerError(f"target server {self.server_id} sent no readable ready message: {exc}") from None
         except (EOFError, OSError):
             raise WorkerError(f"target server {self.server_id} died while starting: {self.exit_reason()} "
                               f"(its stderr above says why; a script that uses transport='processes' must "
@@ -168,7 +183,11 @@ class ProcessServer:
 
     def receive(self) -> object:
         try:
-            return recv_message(self.conn)
+            return restore_exception(recv_message(self.conn))
+        except UndecodableMessage as exc:
+            raise BadAnswer(str(exc)) from exc
+        except MalformedFrame as exc:
+            raise ServerLost(f"process {self.pid} sent a malformed frame: {exc}") from None
         except (EOFError, OSError):
             raise ServerLost(self.exit_reason()) from None
 
@@ -194,13 +213,20 @@ class ProcessServer:
             self._join(2.0)
         # the pipe is left to the listener thread, which leaves at its EOF; it closes when collected
 
+    def kill(self) -> None:
+        self._stopped = True
+        self.process.kill()  # SIGKILL ends a stopped (SIGSTOP) process too
+        shutdown(self.conn)  # the listener wakes now, not when the kernel gets round to the exit
+        self._join(5.0)
+
 
 class ProcessTargetPool(RemotePool):
     """``num_servers`` target servers, each a spawned process with its own copy of the model.
 
     Options: ``devices`` (one device string, or one per server, cycled: HF models only),
     ``threads_per_server`` (torch intra-op threads in each child), ``restart_dead`` (start a
-    replacement for a server that died), ``start_timeout`` (seconds to build the models),
+    replacement for a server that died; default True), ``start_timeout`` (seconds to build the
+    models), ``liveness`` (the liveness deadline: see :class:`~dsi.transport.liveness.LivenessPolicy`),
     ``recipe`` (how to build the model in a child, instead of :func:`model_recipe`).
     """
 
@@ -212,8 +238,9 @@ class ProcessTargetPool(RemotePool):
         *,
         devices: str | list[str] | None = None,
         threads_per_server: int | None = None,
-        restart_dead: bool = False,
+        restart_dead: bool = True,
         start_timeout: float = 600.0,
+        liveness: object = None,
         recipe: ModelRecipe | None = None,
     ) -> None:
         if not isinstance(num_servers, int) or isinstance(num_servers, bool) or num_servers < 1:
@@ -231,7 +258,7 @@ class ProcessTargetPool(RemotePool):
             return ProcessServer(ctx, recipes[server_id], server_id, threads_per_server, vocab)
 
         super().__init__(launch, num_servers, on_event, restart_dead=restart_dead,
-                         start_timeout=start_timeout, name="process")
+                         start_timeout=start_timeout, liveness=liveness, name="process")
 
     def server_pids(self) -> list[int | None]:
         """The pid of each server's current process (for monitoring and failure-injection tests)."""

@@ -40,18 +40,22 @@ from dsi.errors import ConfigError, ModelError, WorkerError
 from dsi.models.base import LanguageModel
 from dsi.transport.base import EventSink, TaskAborted, TaskFailed, VerifyTask
 from dsi.transport.recipes import ModelRecipe, build_with_threads, model_recipe
-from dsi.transport.remote import STOPPED, RemotePool, ServerLost, check_options, per_server
-from dsi.transport.wire import accept, answer, connect, listen, recv_message, send_message
+from dsi.transport.remote import STOPPED, BadAnswer, RemotePool, ServerLost, check_options, per_server
+from dsi.transport.wire import (
+    MalformedFrame, UndecodableMessage, accept, answer, connect, listen, recv_message, restore_exception,
+    send_message, shutdown,
+)
 
 log = logging.getLogger(__name__)
 
 OPTIONS = (
     "address", "num_cpus", "num_gpus", "resources", "node_ids", "placement", "devices",
-    "threads_per_server", "restart_dead", "start_timeout", "recipe", "channel", "actor_options",
+    "threads_per_server", "restart_dead", "start_timeout", "liveness", "recipe", "channel", "actor_options",
     "init_options",
 )
 CHANNELS = ("direct", "ray")
-CONNECT_TIMEOUT_S = 10.0  # for the driver to reach an actor's port before falling back to "ray"
+CONNECT_TIMEOUT_S = 10.0  # for the driver to reach an actor's port and authenticate before falling back to "ray"
+ACCEPT_TIMEOUT_S = 60.0  # for the driver to connect to an actor's channel once it was opened
 
 
 def import_ray() -> Any:
@@ -116,7 +120,10 @@ class TargetServerActor:
 
     def _serve_channel(self, listener: Any) -> None:
         try:
-            conn = accept(listener)
+            conn = accept(listener, ACCEPT_TIMEOUT_S)
+        except (TimeoutError, OSError) as exc:  # the driver gave up on us (it falls back to Ray calls)
+            log.warning("target server actor %d: no driver on the direct channel: %s", self.server_id, exc)
+            return
         finally:
             listener.close()  # one driver per actor
         tasks: queue.SimpleQueue = queue.SimpleQueue()
@@ -133,15 +140,24 @@ class TargetServerActor:
                     self.cancel(value)
         except (EOFError, OSError):
             pass  # the driver is gone
+        except Exception as exc:  # noqa: BLE001 - an unreadable message: drop the channel, the driver replaces us
+            log.error("target server actor %d: unreadable message on the channel: %s: %s",
+                      self.server_id, type(exc).__name__, exc)
+            shutdown(conn)
         tasks.put(None)
 
     def _compute(self, conn: Any, tasks: queue.SimpleQueue) -> None:
-        while (task := tasks.get()) is not None:
-            event = self._execute(task)
-            try:
-                send_message(conn, event)
-            except (OSError, ValueError):
-                return
+        try:
+            while (task := tasks.get()) is not None:
+                event = self._execute(task)
+                try:
+                    send_message(conn, event)
+                except (OSError, ValueError):
+                    return
+        except BaseException as exc:  # model code ended the thread: the driver must not wait for an answer
+            log.error("target server actor %d: the compute thread died: %s: %s", self.server_id,
+                      type(exc).__name__, exc)
+            shutdown(conn)  # the driver sees the channel close, replaces this actor and re-queues the task
 
 
 @functools.cache
@@ -200,7 +216,7 @@ class RayServer:
             try:
                 address = ray.get(self.actor.open_channel.remote(authkey), timeout=timeout)
                 self._conn = connect(tuple(address), authkey, CONNECT_TIMEOUT_S)
-            except (OSError, EOFError, ray.exceptions.RayError) as exc:
+            except (OSError, EOFError, ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as exc:
                 log.warning("target server actor %d: no direct channel (%s: %s); using Ray calls",
                             self.server_id, type(exc).__name__, exc)
                 self.channel = "ray"
@@ -218,7 +234,11 @@ class RayServer:
     def receive(self) -> object:
         if self._conn is not None:
             try:
-                return recv_message(self._conn)
+                return restore_exception(recv_message(self._conn))
+            except UndecodableMessage as exc:
+                raise BadAnswer(str(exc)) from exc
+            except MalformedFrame as exc:
+                raise ServerLost(f"actor {self.server_id} (pid {self.pid}) sent a malformed frame: {exc}") from None
             except (EOFError, OSError):
                 if self._stopped:
                     return STOPPED
@@ -230,13 +250,17 @@ class RayServer:
         task, ref = item
         ray = self._ray
         try:
-            return ray.get(ref)
+            return restore_exception(ray.get(ref))
         except ray.exceptions.RayActorError as exc:
             raise ServerLost(f"actor {self.server_id} died: {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
         except ray.exceptions.RayTaskError as exc:  # run() itself raised (e.g. an unpicklable task)
             return TaskFailed(task.task_id, self.server_id, f"{type(exc).__name__}: {exc}", None)
+        except ray.exceptions.RaySystemError as exc:  # e.g. the answer did not deserialize here
+            raise BadAnswer(f"{type(exc).__name__}: {str(exc).splitlines()[0]}") from None
         except ray.exceptions.RayError as exc:  # object lost, node died...
             raise ServerLost(f"actor {self.server_id} lost: {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+        except Exception as exc:  # noqa: BLE001 - an answer that could not be read here
+            raise BadAnswer(f"{type(exc).__name__}: {exc}") from exc
 
     def _death_cause(self) -> str:
         ray = self._ray
@@ -275,6 +299,17 @@ class RayServer:
         except Exception as exc:  # Ray already shut down, actor already gone
             log.debug("ray.kill of server %d: %s", self.server_id, exc)
 
+    def kill(self) -> None:
+        self._stopped = True
+        try:
+            self._ray.kill(self.actor, no_restart=True)  # Ray's raylet force-kills a worker that does not exit
+        except Exception as exc:  # Ray already shut down, actor already gone
+            log.debug("ray.kill of server %d: %s", self.server_id, exc)
+        if self._conn is not None:
+            shutdown(self._conn)  # wake the listener now
+        else:
+            self._calls.put(STOPPED)
+
 
 class RayTargetPool(RemotePool):
     """``num_servers`` target servers, each a Ray actor built from the model's recipe.
@@ -302,8 +337,9 @@ class RayTargetPool(RemotePool):
         placement: str | None = None,
         devices: str | list[str] | None = None,
         threads_per_server: int | None = None,
-        restart_dead: bool = False,
+        restart_dead: bool = True,
         start_timeout: float = 600.0,
+        liveness: object = None,
         recipe: ModelRecipe | None = None,
         channel: str = "direct",
         actor_options: dict | None = None,
@@ -357,7 +393,7 @@ class RayTargetPool(RemotePool):
 
         try:
             super().__init__(launch, num_servers, on_event, restart_dead=restart_dead,
-                             start_timeout=start_timeout, name="ray")
+                             start_timeout=start_timeout, liveness=liveness, name="ray")
         except BaseException:
             self._shutdown_ray()
             raise

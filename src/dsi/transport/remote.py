@@ -3,14 +3,20 @@
 :class:`RemotePool` implements the pool protocol of :mod:`dsi.transport.base` over
 :class:`ServerHandle` s (a spawned process, a Ray actor) that each run one task at a time. It
 owns the :class:`~dsi.transport.dispatch.Dispatcher`, one *listener* thread per server (it blocks
-until the server answers, hands the server its next task, then reports the event), and failure
-handling:
+until the server answers, hands the server its next task, then reports the event), a liveness
+watchdog, and failure handling. No failure ends a listener without a verdict:
 
-- a server that is lost (its process or actor died) is taken out of service; the task it was
-  running goes back to the front of the queue (or to an idle server), so the request completes on
-  the others; a :class:`~dsi.transport.base.ServerDied` event reports it;
-- with ``restart_dead`` a replacement is started in the background (at most
-  :data:`MAX_RESTARTS` times per server id) and takes over the same server id when ready;
+- an answer that cannot be read although the connection is in step (:class:`BadAnswer`, e.g. an
+  exception that pickles but does not unpickle) is a ``TaskFailed`` of the running task; the
+  server serves on;
+- anything else that goes wrong receiving (the server died, a malformed frame, an unexpected
+  error) means the server is lost: it is stopped and taken out of service; the task it was running
+  goes back to the front of the queue (or fails, if servers keep dying on it: see
+  :mod:`dsi.transport.dispatch`), and a :class:`~dsi.transport.base.ServerDied` event reports it;
+- a server past its task's liveness deadline (:mod:`dsi.transport.liveness`) is lost too, and
+  killed;
+- with ``restart_dead`` (the default) a replacement is started in the background and takes over the
+  same server id when ready;
 - when no server is left, ``submit`` raises :class:`~dsi.errors.WorkerError` at once.
 
 A transport supplies ``launch(server_id) -> ServerHandle``; everything about processes or Ray
@@ -26,16 +32,23 @@ from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from dsi.errors import ConfigError, WorkerError
-from dsi.transport.base import EventSink, ServerDied, TaskAborted, VerifyTask
-from dsi.transport.dispatch import Dispatcher, DispatchingPool
+from dsi.transport.base import EventSink, ServerDied, TaskAborted, TaskFailed, VerifyTask
+from dsi.transport.dispatch import MAX_RESTARTS, Dispatcher, DispatchingPool
+from dsi.transport.liveness import ForwardRates, LivenessPolicy, Watchdog
 
 log = logging.getLogger(__name__)
 
-MAX_RESTARTS = 3  # replacements started per server id before it stays dead
+__all__ = ["MAX_RESTARTS", "BadAnswer", "RemotePool", "ServerHandle", "ServerLost", "STOPPED"]
 
 
 class ServerLost(Exception):
-    """The server behind a handle is gone (raised by ``send`` / ``receive``)."""
+    """The server behind a handle is gone, or its connection is unusable (raised by ``send`` /
+    ``receive``)."""
+
+
+class BadAnswer(Exception):
+    """The server's answer to its running task could not be read, but the connection is still in
+    step: the task failed, the server is fine (raised by ``receive``)."""
 
 
 STOPPED = object()  # what ``receive`` returns after ``request_stop`` on an idle server
@@ -54,7 +67,8 @@ class ServerHandle(Protocol):
 
     def receive(self) -> object:
         """Block until the running task's event (TaskResult / TaskAborted / TaskFailed), or
-        :data:`STOPPED` after ``request_stop``; raise :class:`ServerLost` if the server died."""
+        :data:`STOPPED` after ``request_stop``; raise :class:`ServerLost` if the server died or its
+        connection broke, :class:`BadAnswer` if its answer could not be read."""
         ...
 
     def cancel(self, task_id: int) -> None:
@@ -67,6 +81,11 @@ class ServerHandle(Protocol):
 
     def stop(self, timeout: float) -> None:
         """Stop the server for good, forcibly after ``timeout`` s; idempotent."""
+        ...
+
+    def kill(self) -> None:
+        """Stop the server at once, forcibly (it may be frozen), and wake a ``receive`` blocked on
+        it (which then raises :class:`ServerLost` or returns :data:`STOPPED`); idempotent."""
         ...
 
 
@@ -97,8 +116,9 @@ class RemotePool(DispatchingPool):
         num_servers: int,
         on_event: EventSink,
         *,
-        restart_dead: bool = False,
+        restart_dead: bool = True,
         start_timeout: float = 600.0,
+        liveness: object = None,
         name: str = "remote",
     ) -> None:
         if not isinstance(num_servers, int) or isinstance(num_servers, bool) or num_servers < 1:
@@ -111,13 +131,17 @@ class RemotePool(DispatchingPool):
         self._on_event = on_event
         self._restart_dead = restart_dead
         self._start_timeout = float(start_timeout)
+        self._liveness = LivenessPolicy.from_option(liveness)
+        self._rates = ForwardRates(num_servers)
         self._name = name
         self._lock = threading.Lock()
         self._dispatch = Dispatcher(num_servers)
         self._cancelled: set[int] = set()  # running task ids that were asked to stop
         self._restarting: dict[int, ServerHandle | None] = {}
         self._restarts = [0] * num_servers
+        self._lost_servers: set[int] = set()  # servers whose current handle was declared lost
         self._threads: list[threading.Thread] = []
+        self._watchdog: Watchdog | None = None
         self._closed = False
         self.handles: list[ServerHandle] = []
         try:
@@ -133,6 +157,8 @@ class RemotePool(DispatchingPool):
             raise
         for server, handle in enumerate(self.handles):
             self._start_listener(server, handle)
+        if self._liveness.enabled:
+            self._watchdog = Watchdog(f"dsi-{name}-watchdog", self._watch_period(), self._check_liveness)
 
     # ---- the pool protocol -------------------------------------------------------------------
     @property
@@ -170,6 +196,8 @@ class RemotePool(DispatchingPool):
                     self.handles[server].cancel(task.task_id)
             for handle in handles:
                 handle.request_stop()
+        if self._watchdog is not None:
+            self._watchdog.stop()
         deadline = time.monotonic() + timeout
         for handle in handles:
             handle.stop(max(0.0, deadline - time.monotonic()))
@@ -204,38 +232,81 @@ class RemotePool(DispatchingPool):
         thread.start()
 
     def _listen(self, server: int, handle: ServerHandle) -> None:
+        """Relay ``handle``'s answers until it stops or is lost; never leaves without a verdict."""
         while True:
             try:
                 event = handle.receive()
+            except BadAnswer as exc:
+                event = self._bad_answer(server, handle, str(exc))
+                if event is None:
+                    return
             except ServerLost as exc:
                 self._lost(server, handle, str(exc))
+                return
+            except Exception as exc:  # noqa: BLE001 - whatever it is, the server is unusable
+                log.exception("%s server %d: receiving failed", self._name, server)
+                self._lost(server, handle, f"receiving failed: {type(exc).__name__}: {exc}")
                 return
             if event is STOPPED:
                 return
             with self._lock:
+                if not self._current(server, handle):
+                    return  # declared lost (e.g. frozen) while this answer was on its way: its task moved on
                 task = self._dispatch.running[server]
-                if task is not None:
+                in_turn = task is not None and getattr(event, "task_id", None) == task.task_id
+                if in_turn:
                     self._cancelled.discard(task.task_id)
-                next_task = None if self._closed else self._dispatch.finish(server)
-                if next_task is not None:
-                    self._hand_over(server, next_task)
+                    self._answered(server, event)
+                    next_task = None if self._closed else self._dispatch.finish(server)
+                    if next_task is not None:
+                        self._hand_over(server, next_task)
+            if not in_turn:  # a server out of step with its tasks cannot be trusted with the next one
+                running = "no task" if task is None else f"task {task.task_id}"
+                self._lost(server, handle, f"it answered {type(event).__name__} "
+                                           f"{getattr(event, 'task_id', '?')} while running {running}")
+                return
             self._on_event(event)
 
-    def _lost(self, server: int, handle: ServerHandle, error: str) -> None:
+    def _current(self, server: int, handle: ServerHandle) -> bool:
+        """``handle`` is still ``server``'s and in service (lock held)."""
+        return self.handles[server] is handle and server not in self._lost_servers
+
+    def _bad_answer(self, server: int, handle: ServerHandle, error: str) -> TaskFailed | None:
+        """An unreadable answer: the running task's TaskFailed (None if no task was running: a
+        server that talks out of turn is lost)."""
+        with self._lock:
+            task = self._dispatch.running[server] if self._current(server, handle) else None
+        if task is None:
+            self._lost(server, handle, f"an unreadable message out of turn: {error}")
+            return None
+        log.warning("%s server %d: unreadable answer to task %d: %s", self._name, server, task.task_id, error)
+        return TaskFailed(task.task_id, server, f"the answer of target server {server} could not be read: {error}")
+
+    def _check_liveness(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            late = [(server, self.handles[server], task, deadline) for server, task, deadline in self._overdue()]
+        for server, handle, task, deadline in late:
+            self._lost(server, handle, self._frozen(task, deadline), kill=True)
+
+    def _lost(self, server: int, handle: ServerHandle, error: str, kill: bool = False) -> None:
         events: list[object] = []
         with self._lock:
-            if self._closed or self.handles[server] is not handle:
+            if self._closed or not self._current(server, handle):
                 return
+            self._lost_servers.add(server)
             task = self._dispatch.mark_dead(server)
             if task is not None:
                 if task.task_id in self._cancelled:
                     self._cancelled.discard(task.task_id)
                     events.append(TaskAborted(task.task_id, server, 0.0))
                 else:
-                    self._requeue(task)
-            restart = self._restart_dead and self._restarts[server] < MAX_RESTARTS
+                    failed = self._requeue(task, server, error)
+                    if failed is not None:
+                        events.append(failed)
+            restart = self._restart_dead and self._may_restart(server)
             if restart:
-                self._restarts[server] += 1
                 self._restarting[server] = None
                 thread = threading.Thread(target=self._restart, args=(server,),
                                           name=f"dsi-{self._name}-restart-{server}", daemon=True)
@@ -243,9 +314,12 @@ class RemotePool(DispatchingPool):
                 thread.start()
         log.warning("%s target server %d died (%s)%s; %d left", self._name, server, error,
                     ", restarting it" if restart else "", self.alive_servers())
-        handle.stop(1.0)
         for event in [ServerDied(server, error, restart), *events]:
             self._on_event(event)
+        if kill:
+            handle.kill()  # wakes its listener, which finds the handle lost and leaves
+        else:
+            handle.stop(1.0)
 
     def _restart(self, server: int) -> None:
         handle = None
@@ -272,6 +346,8 @@ class RemotePool(DispatchingPool):
                 handle.stop(1.0)
                 return
             self.handles[server] = handle
+            self._lost_servers.discard(server)
+            self._rates.forget(server)
             self._dispatch.dead.discard(server)
             self._dispatch.last_context[server] = ()
             self._start_listener(server, handle)

@@ -3,9 +3,18 @@
 Each server thread owns one session (its own KV cache) of the shared model. Torch kernels
 release the GIL, so forwards on different threads overlap. Cancellation sets the running
 task's flag, which the model checks between steps; the thread is free again as soon as the
-forward notices. ``close`` stops and joins every thread. A model error in a task is a
-``TaskFailed`` (the thread serves on); a thread that cannot make its session or breaks outside a
-task is dead: its task is re-queued on the others and a ``ServerDied`` reported.
+forward notices. ``close`` stops and joins every thread.
+
+Failures, on the same footing as the process and Ray transports (:mod:`dsi.transport.dispatch`):
+
+- an ``Exception`` in a task is a ``TaskFailed`` (the thread serves on);
+- a thread that cannot make its session, or that anything else ends (a ``BaseException`` from model
+  code such as ``SystemExit``, a library's own), is dead: its task is re-queued (or failed, if it
+  is poison), a ``ServerDied`` reported, and with ``restart_dead`` (the default) a new thread with a
+  new session takes over the server id;
+- a thread past its task's liveness deadline (:mod:`dsi.transport.liveness`; a wedged accelerator
+  call) is declared dead the same way and abandoned: a thread cannot be killed, so if it ever
+  returns, it finds itself replaced and leaves without a word.
 """
 
 from __future__ import annotations
@@ -20,21 +29,32 @@ from dsi.errors import ConfigError, TaskCancelled
 from dsi.models.base import LanguageModel
 from dsi.transport.base import EventSink, ServerDied, TaskAborted, TaskFailed, VerifyTask
 from dsi.transport.dispatch import Dispatcher, DispatchingPool
+from dsi.transport.liveness import ForwardRates, LivenessPolicy, Watchdog
 from dsi.transport.server import run_verify_task
 
 log = logging.getLogger(__name__)
+
+OPTIONS = ("devices", "restart_dead", "liveness")
 
 _STOP = None
 
 
 class ThreadTargetPool(DispatchingPool):
-    """``num_servers`` target servers, each a thread with its own session of ``model``."""
+    """``num_servers`` target servers, each a thread with its own session of ``model``.
+
+    Options: ``devices`` (server i on ``devices[i % len(devices)]``, for models whose
+    ``new_session`` takes a ``device``), ``restart_dead`` (replace a dead server thread; default
+    True), ``liveness`` (see :class:`~dsi.transport.liveness.LivenessPolicy`).
+    """
 
     def __init__(
-        self, model: LanguageModel, num_servers: int, on_event: EventSink, devices: list[str] | None = None
+        self, model: LanguageModel, num_servers: int, on_event: EventSink, devices: list[str] | None = None,
+        *, restart_dead: bool = True, liveness: object = None,
     ) -> None:
-        if not isinstance(num_servers, int) or num_servers < 1:
+        if not isinstance(num_servers, int) or isinstance(num_servers, bool) or num_servers < 1:
             raise ConfigError(f"{num_servers=} must be an integer >= 1")
+        if not isinstance(restart_dead, bool):
+            raise ConfigError(f"{restart_dead=} must be True or False")
         if devices:
             import inspect
 
@@ -45,26 +65,38 @@ class ThreadTargetPool(DispatchingPool):
         self._model = model
         self._on_event = on_event
         self._name = "thread"
+        self._restart_dead = restart_dead
+        self._liveness = LivenessPolicy.from_option(liveness)
+        self._rates = ForwardRates(num_servers)
+        self._restarts = [0] * num_servers
+        self._restarting: set[int] = set()  # dead servers whose replacement thread is making its session
         self._lock = threading.Lock()
         self._dispatch = Dispatcher(num_servers)
         self._cancel_flags: dict[int, threading.Event] = {}
-        self._inboxes = [queue.SimpleQueue() for _ in range(num_servers)]
         self._closed = False
-        self._threads = [
-            threading.Thread(target=self._serve, args=(i,), name=f"dsi-target-{i}", daemon=True)
-            for i in range(num_servers)
-        ]
-        for thread in self._threads:
-            thread.start()
+        self._generation = [0] * num_servers  # bumped when a server's thread is replaced
+        self._inboxes: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(num_servers)]
+        self._threads: list[threading.Thread] = []  # every thread started, replaced ones included
+        self._current: list[threading.Thread] = []
+        with self._lock:
+            for server in range(num_servers):
+                self._current.append(self._start_thread(server))
+        self._watchdog = (Watchdog("dsi-thread-watchdog", self._watch_period(), self._check_liveness)
+                          if self._liveness.enabled else None)
 
     @property
     def num_servers(self) -> int:
-        return len(self._threads)
+        return len(self._current)
 
     def alive_servers(self) -> int:
+        """Servers in service or being restarted (none once closed)."""
         with self._lock:
-            dead = set(self._dispatch.dead)
-        return sum(t.is_alive() and i not in dead for i, t in enumerate(self._threads))
+            return 0 if self._closed else self._alive()
+
+    def busy_servers(self) -> list[int]:
+        """Ids of the servers running a task now (for monitoring and failure-injection tests)."""
+        with self._lock:
+            return [s for s, task in self._dispatch.running.items() if task is not None]
 
     def cancel(self, task_ids: Iterable[int]) -> None:
         with self._lock:
@@ -81,6 +113,8 @@ class ThreadTargetPool(DispatchingPool):
                 flag.set()
             for inbox in self._inboxes:
                 inbox.put(_STOP)
+        if self._watchdog is not None:
+            self._watchdog.stop()
         deadline = time.monotonic() + timeout
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
@@ -93,8 +127,9 @@ class ThreadTargetPool(DispatchingPool):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # ---- internals (lock held where noted) -------------------------------------------------------
     def _alive(self) -> int:
-        return self.num_servers - len(self._dispatch.dead)
+        return self.num_servers - len(self._dispatch.dead) + len(self._restarting)
 
     def _hand_over(self, server: int, task: VerifyTask) -> None:
         """Give ``task`` to ``server`` (lock held)."""
@@ -102,18 +137,30 @@ class ThreadTargetPool(DispatchingPool):
         self._cancel_flags[server] = flag
         self._inboxes[server].put((task, flag))
 
-    def _serve(self, server: int) -> None:
+    def _start_thread(self, server: int) -> threading.Thread:
+        """A new thread (and inbox) for ``server`` (lock held); an older one is abandoned."""
+        self._generation[server] += 1
+        generation = self._generation[server]
+        self._inboxes[server] = inbox = queue.SimpleQueue()
+        name = f"dsi-target-{server}" + (f"-r{generation - 1}" if generation > 1 else "")
+        thread = threading.Thread(target=self._serve, args=(server, generation, inbox), name=name, daemon=True)
+        self._threads.append(thread)
+        thread.start()
+        return thread
+
+    def _serve(self, server: int, generation: int, inbox: queue.SimpleQueue) -> None:
         try:
             if self._devices:
                 session = self._model.new_session(device=self._devices[server % len(self._devices)])
             else:
                 session = self._model.new_session()
-        except Exception as exc:
-            self._died(server, exc)
+        except BaseException as exc:  # noqa: BLE001 - no session, no server
+            self._died(server, generation, f"{type(exc).__name__}: {exc}")
             return
         try:
+            self._revive(server, generation)
             while True:
-                item = self._inboxes[server].get()
+                item = inbox.get()
                 if item is _STOP:
                     return
                 task, flag = item
@@ -127,22 +174,70 @@ class ThreadTargetPool(DispatchingPool):
                     log.exception("target server %d failed on task %d", server, task.task_id)
                     event = TaskFailed(task.task_id, server, f"{type(exc).__name__}: {exc}", exc)
                 with self._lock:
+                    if self._generation[server] != generation:
+                        return  # declared frozen and replaced while this forward ran: its task moved on
+                    self._answered(server, event)
                     next_task = None if self._closed else self._dispatch.finish(server)
                     if next_task is not None:
                         self._hand_over(server, next_task)
                 self._on_event(event)
-        except Exception as exc:  # not a model error (those are TaskFailed): the thread itself broke
-            self._died(server, exc)
+        except BaseException as exc:  # noqa: BLE001 - not a model error (those are TaskFailed): the thread broke
+            log.error("target server thread %d died", server, exc_info=True)
+            self._died(server, generation, f"{type(exc).__name__}: {exc}")
         finally:
             session.close()
 
-    def _died(self, server: int, exc: BaseException) -> None:
-        """The thread of ``server`` is ending unexpectedly: re-queue its task, report it, stop using it."""
-        log.error("target server thread %d died: %s: %s", server, type(exc).__name__, exc)
+    def _revive(self, server: int, generation: int) -> None:
+        """A replacement thread has its session: ``server`` is back in service."""
+        with self._lock:
+            if server not in self._restarting or self._generation[server] != generation:
+                return
+            self._restarting.discard(server)
+            if self._closed:
+                return
+            self._dispatch.dead.discard(server)
+            self._dispatch.last_context[server] = ()
+            self._rates.forget(server)
+            next_task = self._dispatch.finish(server)
+            if next_task is not None:
+                self._hand_over(server, next_task)
+        log.info("target server thread %d restarted", server)
+
+    def _died(self, server: int, generation: int, error: str) -> None:
+        """The thread of ``server`` is ending (or declared frozen): re-queue its task, report it,
+        start a replacement if allowed."""
+        events: list[object] = []
+        with self._lock:
+            if self._closed or self._generation[server] != generation:
+                return
+            self._restarting.discard(server)
+            task = self._dispatch.mark_dead(server)
+            if task is not None:
+                flag = self._cancel_flags.get(server)
+                if flag is not None and flag.is_set():
+                    events.append(TaskAborted(task.task_id, server, 0.0))
+                else:
+                    failed = self._requeue(task, server, error)
+                    if failed is not None:
+                        events.append(failed)
+                if flag is not None:
+                    flag.set()  # a frozen forward that wakes up stops at its next check
+            restart = self._restart_dead and self._may_restart(server)
+            if restart:
+                self._restarting.add(server)
+                self._current[server] = self._start_thread(server)
+            else:
+                self._generation[server] += 1  # whatever the old thread does next is not reported
+            left = self._alive()
+        log.error("target server thread %d died (%s)%s; %d left", server, error,
+                  ", restarting it" if restart else "", left)
+        for event in [ServerDied(server, error, restart), *events]:
+            self._on_event(event)
+
+    def _check_liveness(self) -> None:
         with self._lock:
             if self._closed:
                 return
-            task = self._dispatch.mark_dead(server)
-            if task is not None:  # first in line again, on another server
-                self._requeue(task)
-        self._on_event(ServerDied(server, f"{type(exc).__name__}: {exc}"))
+            late = [(server, self._generation[server], task, deadline) for server, task, deadline in self._overdue()]
+        for server, generation, task, deadline in late:
+            self._died(server, generation, self._frozen(task, deadline))

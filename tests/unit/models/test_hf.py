@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from dsi.errors import ConfigError, ModelError, TaskCancelled  # noqa: E402
+from dsi.errors import ConfigError, ContextLengthError, ModelError, TaskCancelled  # noqa: E402
 from dsi.models.base import LanguageModel, ModelSession, extend_rows, forward_rows  # noqa: E402
 from dsi.models.hf import HFModel, check_device, decoder_layers, torch_dtype  # noqa: E402
 
@@ -139,11 +139,36 @@ def test_context_limit_is_checked(pair):
     _, model = pair
     assert model.max_context == 64
     session = model.new_session()
-    with pytest.raises(ConfigError, match="max_context=64"):
+    with pytest.raises(ContextLengthError, match="max_context=64"):  # a ConfigError: the drafter's "no more room"
         session.extend([5] * 65)
+    session.extend([5] * 60)
+    with pytest.raises(ContextLengthError, match="65 tokens exceed max_context=64"):
+        extend_rows(session, [5] * 5, None, 1, greedy=True)
+    assert session.tokens == (5,) * 60  # refused before the forward: the session is unchanged
     with pytest.raises(ConfigError, match="max_context=64"):
         model.check_length(60, 10)
     model.check_length(60, 4)
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_nan_logits_are_a_model_error_not_a_token(pair, greedy):
+    """A forward that produces NaN (here: a poisoned output layer) raises ModelError on the greedy
+    path too, where only the argmax would leave the device; the session is left as it was."""
+    from dsi.sampling import SamplingParams, process_logits
+
+    raw, model = pair
+    session = model.new_session()
+    extend_rows(session, IDS[:4], None, 1, greedy=greedy)
+    with torch.no_grad():
+        raw.get_output_embeddings().weight[7, 3] = float("nan")  # token 7's logit becomes NaN
+    if greedy:
+        with pytest.raises(ModelError, match="NaN logits"):
+            extend_rows(session, IDS[4:7], None, 2, greedy=True)
+        assert session.tokens == tuple(IDS[:4])
+    else:
+        rows = extend_rows(session, IDS[4:7], None, 2, greedy=False)  # [2, V]: raw rows pass through
+        with pytest.raises(ModelError, match=r"NaN logits at 1 token ids \(first \[7\]\)"):
+            process_logits(rows[-1], SamplingParams(temperature=1.0))
 
 
 def _cancel_after_layer(model: HFModel, index: int, flag: threading.Event):

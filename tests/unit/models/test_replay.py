@@ -9,9 +9,16 @@ import numpy as np
 import pytest
 
 import dsi
-from dsi.errors import ConfigError, TaskCancelled
-from dsi.models import WithLatency, synthetic_pair
-from dsi.models.replay import ReplayLM, load_recording, record_decisions, replay_pair, save_recording
+from dsi.errors import ConfigError, ContextLengthError, TaskCancelled
+from dsi.models import CallableLM, WithLatency, synthetic_pair
+from dsi.models.replay import (
+    ReplayLM,
+    accept_pattern,
+    load_recording,
+    record_decisions,
+    replay_pair,
+    save_recording,
+)
 from tests.conftest import random_lm
 
 PROMPTS = ([1, 2, 3], [7, 7], [4, 0, 9, 2])
@@ -115,3 +122,17 @@ def test_replay_fast_path_gives_the_recorded_ids_and_runs_the_inner_forward():
     assert session.tokens == (1, 5, 6)
     rows = extend_rows(session, [7], None, 1)  # off the recording: the fallback, as a one-hot row
     assert rows.shape == (1, 8) and int(rows[0].argmax()) == 0 and rows.sum() == 1.0
+
+
+def test_accept_pattern_stops_at_the_drafters_context_and_a_recording_says_why_it_cannot():
+    target, drafter = synthetic_pair(0.7, vocab_size=16, seed=3)
+    prompt = [1, 2, 3, 4]
+    output = dsi.generate(target=target, prompt=prompt, method="ar", max_new_tokens=12).tokens
+    full = record_decisions(drafter, prompt, output).accept_pattern
+    short = CallableLM(drafter.next_logits, 16, max_context=8)  # guesses output[i] for i <= 8 - 4
+    assert accept_pattern(short, prompt, output) == full[:5] + [False] * 7
+    assert accept_pattern(drafter, prompt, output) == full
+    assert accept_pattern(CallableLM(drafter.next_logits, 16, max_context=3), prompt, output) == [False] * 12
+    with pytest.raises(ContextLengthError, match="max_context=8 cannot hold the prompt of 4 tokens and 11 output"):
+        record_decisions(short, prompt, output)
+    assert record_decisions(short, prompt, output[:5]).accept_pattern == full[:5]

@@ -129,14 +129,21 @@ class TokenizerCodec:
         self.max_context = max_context
         self._lock = threading.Lock()
 
-    def encode(self, text):
+    def _encode(self, text, special=True):
         with self._lock:
-            return list(self.tok.encode(text)) + [SENTINEL]
+            return list(self.tok.encode(text, add_special_tokens=special)) + [SENTINEL]
 
-    def encode_chat(self, messages):
+    def encode(self, text, limit=None):
+        from dsi.server.codec import encode_within
+
+        return encode_within(self._encode, text, limit)
+
+    def encode_chat(self, messages, limit=None):
+        from dsi.server.codec import encode_within
+
         with self._lock:
             text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            return list(self.tok.encode(text, add_special_tokens=False)) + [SENTINEL]
+        return encode_within(lambda part: self._encode(part, special=False), text, limit)
 
     def decode(self, ids):
         with self._lock:

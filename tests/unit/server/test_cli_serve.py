@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -88,9 +89,54 @@ def test_serve_parser_takes_every_generate_model_and_engine_option():
     (["--lookahead", "auto", "--method", "si"], "SI needs an integer lookahead"),
     (["--lookahead", "5", "--max-window", "3"], "max_window=3 applies to lookahead='auto' only"),
     (["--method", "dsi", "--sp", "0"], "--sp=0 must be >= 1"),
+    (["--max-body-bytes", "0"], "--max-body-bytes=0 must be >= 1"),
+    (["--api-key", "s3cret "], "api_key (--api-key) has leading or trailing whitespace"),
+    (["--api-key", "clé"], "api_key (--api-key) has a character at position 2 that is not printable ASCII"),
 ])
 def test_serve_rejects_bad_options_before_loading(argv, message, capsys):
     from dsi.cli.main import main
 
     code = main(["serve", "--target", "/nonexistent", *argv])
     assert code == 2 and message in capsys.readouterr().err
+
+
+def test_serve_shows_a_name_not_the_model_path_and_answers_without_paths(tiny_dirs, tiny_pair, monkeypatch):
+    """Without --served-model-name the model id is the directory's name: /health (open to anyone),
+    /v1/models, responses and error bodies never show where the model lives."""
+    import dsi.cli.serve as serve
+    import dsi.server.runner as runner
+    from starlette.testclient import TestClient
+
+    target_dir, drafter_dir = tiny_dirs
+    apps = []
+
+    class Captured:
+        started = True
+
+        def __init__(self, app, **kwargs):
+            apps.append(app)
+
+        def run(self, sockets):
+            pass
+
+    monkeypatch.setattr(serve, "_load", lambda args, need_drafter: tiny_pair)
+    monkeypatch.setattr(runner, "make_server", Captured)
+    from dsi.cli.main import main
+
+    assert main(["serve", "--target", target_dir, "--drafter", drafter_dir, "--method", "si", "-k", "2",
+                 "--port", "0", "--max-body-bytes", "4096"]) == 0
+    [app] = apps
+    assert app.state.dsi.config.model_name == "target" and app.state.dsi.config.max_body_bytes == 4096
+    with TestClient(app) as client:
+        answers = [client.get("/health"), client.get("/v1/models"),
+                   client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "temperature": 0}),
+                   client.post("/v1/completions", json={"prompt": "hi", "model": "other"}),
+                   client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                             "max_tokens": 999}),
+                   client.post("/v1/completions", json={"prompt": "x" * 5000})]
+    assert [a.status_code for a in answers] == [200, 200, 200, 404, 400, 413]
+    assert answers[0].json()["model"] == "target" and answers[1].json()["data"][0]["id"] == "target"
+    assert answers[2].json()["model"] == "target"
+    parent = str(Path(target_dir).parent)
+    for answer in answers:
+        assert parent not in answer.text and target_dir not in answer.text, answer.text

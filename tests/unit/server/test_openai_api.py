@@ -252,9 +252,15 @@ def test_bad_requests_get_openai_errors_naming_the_field(server, path, body, sta
     assert set(error) == {"message", "type", "param", "code"} and error["param"] == param and error["message"]
 
 
-def test_context_overflow_message(server):
-    r = httpx.post(server[0] + "/v1/completions", headers=AUTH, json={"prompt": "x", "max_tokens": 300})
-    assert "exceeds the model's context of 256 tokens" in r.json()["error"]["message"]
+@pytest.mark.parametrize("body, message", [
+    ({"prompt": "x", "max_tokens": 300}, "max_tokens=300 leaves no room for a prompt in the model's context of 256"),
+    ({"prompt": "x y z " * 10, "max_tokens": 240}, "+ max_tokens=240 exceeds the model's context of 256 tokens"),
+    ({"prompt": list(range(250)), "max_tokens": 10}, "the prompt of 250 tokens + max_tokens=10 exceeds"),
+    ({"prompt": "x y z " * 100}, "fills the model's context of 256 tokens"),
+])
+def test_context_overflow_message(server, body, message):
+    r = httpx.post(server[0] + "/v1/completions", headers=AUTH, json=body)
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
     assert r.json()["error"]["code"] == "context_length_exceeded"
 
 

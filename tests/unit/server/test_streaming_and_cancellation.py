@@ -5,6 +5,7 @@ the same models behind :class:`dsi.models.WithLatency`."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
@@ -112,7 +113,8 @@ def test_stop_strings_end_generation_and_trim(scripted, stop, expected, stream, 
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_failing_worker_is_a_500_and_the_slot_recovers(scripted, stream):
+def test_a_failing_worker_is_a_500_and_the_slot_recovers(scripted, stream, caplog):
+    decoders = [slot.decoder for slot in scripted.app.state.dsi.scheduler.slots]
     body = {"prompt": "boom!", "max_tokens": 5, "stream": stream}
     r = httpx.post(scripted.url + "/v1/completions", json=body, timeout=30)
     if stream:
@@ -122,10 +124,18 @@ def test_a_failing_worker_is_a_500_and_the_slot_recovers(scripted, stream):
     else:
         assert r.status_code == 500
         error = r.json()["error"]
-    assert error["type"] == "server_error" and "poison" in error["message"]
-    for _ in range(3):  # every slot still serves (a failed decoder is rebuilt)
+    assert error["type"] == "server_error" and error["code"] == "generation_failed"
+    # the answer names the error's type and the job, never its message (it may hold local paths)
+    assert "WorkerError" in error["message"] and "poison" not in error["message"]
+    job = re.search(r"job ([0-9a-f]{12})", error["message"]).group(1)
+    assert any(job in r.getMessage() and "poison" in r.exc_text for r in caplog.records if r.exc_text), \
+        "the server log has the details under the job id"
+    for _ in range(3):  # every slot still serves...
         ok = httpx.post(scripted.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 100}, timeout=30)
         assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == TEXT
+    # ...with the same decoder: a model error leaves it healthy, so nothing is rebuilt (seconds per request)
+    assert [slot.decoder for slot in scripted.app.state.dsi.scheduler.slots] == decoders
+    assert not any("rebuilding" in r.getMessage() for r in caplog.records)
     assert metric(scripted.url, "dsi_request_finish_total", reason="error") >= 1
 
 

@@ -101,3 +101,117 @@ def test_unsupported_options_are_400(body, param):
 def test_supported_defaults_pass():
     req = parse_request(CompletionRequest, b'{"prompt": ["one"], "n": 1, "best_of": 1, "logprobs": null}')
     assert unsupported_option(req) is None and req.single_prompt() == "one"
+
+
+def test_stop_strings_keep_only_the_text_held_back():
+    """Each feed costs the same however long the output: only a possible stop prefix is kept."""
+    s = StopStrings(["<END>", "zz"])
+    out = [s.feed("ab <") for _ in range(10_000)]
+    assert out[0] == "" and set(out[1:]) == {"ab <"} and s.held == "ab <"  # 4 = len("<END>") - 1
+    assert s.feed("END> tail") == "ab " and s.matched == "<END>"
+
+
+@pytest.mark.parametrize("key, problem", [
+    (" s3cret", "whitespace"),
+    ("s3cret\n", "whitespace"),
+    ("\ts3cret", "whitespace"),
+    ("clé-secrète", "position 2 that is not printable ASCII"),
+    ("s3cret\x00", "position 6 that is not printable ASCII"),
+    ("", "non-empty"),
+])
+def test_api_keys_that_no_client_could_send_are_refused_at_start_up(key, problem):
+    from dsi.errors import ConfigError
+    from dsi.server import ServeConfig
+
+    with pytest.raises(ConfigError) as info:
+        ServeConfig(api_key=key)
+    assert problem in str(info.value) and "--api-key" in str(info.value)
+    if key.strip():
+        assert key.strip() not in str(info.value)  # the message never shows the key
+
+
+@pytest.mark.parametrize("key", ["s3cret", "sk-AbC_123.~+/=", "two words", "!#$%&'()*"])
+def test_printable_ascii_keys_are_accepted(key):
+    from dsi.server import ServeConfig
+
+    assert ServeConfig(api_key=key).api_key == key
+
+
+def test_the_default_served_name_is_never_a_local_path(tmp_path):
+    from dsi.cli.serve import served_name
+
+    model_dir = tmp_path / "models" / "my-7b"
+    model_dir.mkdir(parents=True)
+    gguf = tmp_path / "Llama-3.2-1B.Q4_K_M.gguf"
+    gguf.write_bytes(b"")
+    assert served_name(str(model_dir)) == "my-7b"
+    assert served_name(str(model_dir) + "/") == "my-7b"
+    assert served_name(str(gguf)) == "Llama-3.2-1B.Q4_K_M"
+    assert served_name("qwen2.5-coder-1.5b-instruct") == "qwen2.5-coder-1.5b-instruct"  # embedded short name
+    assert served_name("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"  # a hub id, not a local path
+
+
+def test_load_json_holds_at_most_two_body_sized_objects_and_stops_at_too_many_numbers():
+    import tracemalloc
+
+    from dsi.server.protocol import TooManyNumbers, load_json
+
+    text_body = bytearray(b'{"prompt": "' + b"x" * 4_000_000 + b'"}')
+    ids_body = bytearray(b'{"prompt": [' + b"1000, " * 700_000 + b'1]}')  # 4.2 MB, 700k ids
+    tracemalloc.start()
+    try:
+        holder = [text_body]
+        del text_body
+        tracemalloc.reset_peak()
+        value = load_json(holder.pop())
+        text_peak = tracemalloc.get_traced_memory()[1]
+        assert len(value["prompt"]) == 4_000_000
+        del value
+        size = len(ids_body)
+        holder = [ids_body]
+        del ids_body
+        tracemalloc.reset_peak()
+        with pytest.raises(TooManyNumbers) as info:
+            load_json(holder.pop(), max_numbers=1000)
+        ids_peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert text_peak < 2.2 * 4_000_000, f"{text_peak / 1e6:.1f} MB to parse a 4 MB prompt"
+    assert ids_peak < 1.2 * size, f"{ids_peak / 1e6:.1f} MB to refuse 700k token ids (a list of them is ~30 MB)"
+    assert info.value.status == 400 and info.value.code == "context_length_exceeded"
+    assert load_json(b'{"prompt": [1, 2, 3], "max_tokens": 2}', max_numbers=4)["prompt"] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("body", [b'{"prompt": NaN}', b'{"prompt": "\\ud800"}', b"\xff", b"[1]", b"{" * 5000,
+                                  b'{"prompt": 1' + b"0" * 5000 + b"}"])
+def test_load_json_refuses_what_is_not_standard_json_with_a_400(body):
+    from dsi.server.protocol import load_json
+
+    with pytest.raises(APIError) as info:
+        load_json(body)
+    assert info.value.status == 400 and info.value.code == "invalid_json" and info.value.message
+
+
+def test_a_slot_keeps_a_healthy_decoder_after_a_failure_and_rebuilds_a_broken_one():
+    from dsi.server.scheduler import Slot
+
+    class Fake:
+        def __init__(self, healthy):
+            self._healthy = healthy
+            self.closed = False
+
+        def healthy(self):
+            if isinstance(self._healthy, Exception):
+                raise self._healthy
+            return self._healthy
+
+        def close(self):
+            self.closed = True
+
+    for state, rebuilt in ((True, False), (False, True), (RuntimeError("cannot tell"), True)):
+        built = iter([Fake(state), Fake(True)])
+        slot = Slot(0, lambda: next(built))
+        first = slot.decoder
+        assert slot.recover() is rebuilt
+        assert (slot.decoder is not first) is rebuilt and first.closed is rebuilt
+        slot.close()

@@ -123,7 +123,7 @@ def test_cancel_stops_a_running_forward_within_one_step_and_the_server_serves_on
 
 
 def test_a_killed_busy_server_s_task_is_rerun_on_another_server(events):
-    with ProcessTargetPool(model(ttft=1.0, tpot=1.0), 2, events.put) as pool:
+    with ProcessTargetPool(model(ttft=1.0, tpot=1.0), 2, events.put, restart_dead=False) as pool:
         pool.submit(VerifyTask(0, (1, 2), 1, GREEDY))
         time.sleep(0.3)
         [busy] = pool.busy_servers()
@@ -161,7 +161,7 @@ def test_restart_dead_replaces_a_killed_server(events):
 
 
 def test_when_every_server_is_dead_submit_fails_at_once(events):
-    pool = ProcessTargetPool(model(), 2, events.put)
+    pool = ProcessTargetPool(model(), 2, events.put, restart_dead=False)
     pids = pool.server_pids()
     for pid in pids:
         os.kill(pid, signal.SIGKILL)

@@ -121,7 +121,7 @@ def test_a_killed_busy_actor_s_task_is_rerun_and_restart_dead_replaces_it(cluste
 
 
 def test_an_idle_actor_s_death_is_seen_at_once_on_the_direct_channel(cluster, events):
-    pool = make_pool("ray", model(), 2, events.put)
+    pool = make_pool("ray", model(), 2, events.put, restart_dead=False)
     try:
         ray.kill(pool.actors()[1])
         died = next_event(events, timeout=10)
@@ -148,7 +148,7 @@ def test_an_unreachable_actor_port_falls_back_to_ray_calls(cluster, events, monk
 
 
 def test_all_actors_dead_fails_fast(cluster, events):
-    pool = make_pool("ray", model(ttft=0.5, tpot=0.5), 2, events.put)
+    pool = make_pool("ray", model(ttft=0.5, tpot=0.5), 2, events.put, restart_dead=False)
     try:
         for i in range(2):
             pool.submit(VerifyTask(i, (1, i), 1, GREEDY))

@@ -63,7 +63,34 @@ def test_every_thread_dead_fails_fast(no_thread_leak):
     target, drafter = synthetic_pair(0.7, vocab_size=24, seed=2)
     with pytest.raises(WorkerError, match="no target server is alive"):
         dsi.generate(target=BrokenSessions(target, 2), drafter=drafter, prompt=[1, 2], max_new_tokens=30,
+                     num_target_servers=2, transport_options={"restart_dead": False})
+
+
+def test_dead_threads_are_replaced_and_the_request_completes(no_thread_leak):
+    target, drafter = synthetic_pair(0.7, vocab_size=24, seed=2)
+    reference = dsi.generate(target=target, prompt=[1, 2], max_new_tokens=30, method="ar").tokens
+    out = dsi.generate(target=BrokenSessions(target, 2), drafter=drafter, prompt=[1, 2], max_new_tokens=30,
+                       num_target_servers=2)  # both first sessions fail; both replacements serve
+    assert out.tokens == reference
+    assert out.stats.extra["dead_servers"] == 2
+
+
+def test_a_server_that_never_gets_a_session_is_given_up_after_max_restarts(no_thread_leak):
+    from dsi.transport.dispatch import MAX_RESTARTS
+
+    target, drafter = synthetic_pair(0.7, vocab_size=24, seed=2)
+    with pytest.raises(WorkerError, match="no target server is alive"):
+        dsi.generate(target=BrokenSessions(target, 10**6), drafter=drafter, prompt=[1, 2], max_new_tokens=30,
                      num_target_servers=2)
+    events = queue.SimpleQueue()
+    pool = ThreadTargetPool(BrokenSessions(target, 10**6), 2, events.put)
+    deaths = []
+    while len(deaths) < 2 * (MAX_RESTARTS + 1):
+        deaths.append(events.get(timeout=5))
+    assert all(isinstance(d, ServerDied) for d in deaths)
+    assert [d.restarting for d in deaths].count(False) == 2  # each server's last death is final
+    assert pool.alive_servers() == 0
+    pool.close()
 
 
 def test_a_task_error_is_task_failed_and_the_thread_serves_on(no_thread_leak):

@@ -1,0 +1,81 @@
+"""The settings of ``dsi serve`` (:class:`ServeConfig`), validated when they are made.
+
+A bad value is a :class:`dsi.errors.ConfigError` at start-up, before any model is loaded; in
+particular an API key that no client could send (see :func:`check_api_key`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dsi.engine.api import METHODS, check_lookahead
+from dsi.errors import ConfigError, require
+from dsi.sampling import SamplingParams
+from dsi.server.limits import DEFAULT_MAX_BODY_BYTES
+from dsi.server.protocol import MAX_SEED
+
+
+def check_api_key(key: object) -> None:
+    """Raise :class:`ConfigError` unless ``key`` is None or a key a client can send and match.
+
+    The key travels in an HTTP header (``Authorization: Bearer <key>``), which carries ASCII
+    reliably and nothing else, and the server strips the whitespace around the token: a key
+    with a character outside printable ASCII, or with surrounding whitespace, could never match.
+    The message names the position of the first bad character, never the key.
+    """
+    if key is None:
+        return
+    if not isinstance(key, str) or key == "":
+        raise ConfigError("api_key (--api-key) must be a non-empty string or None")
+    if key != key.strip():
+        raise ConfigError("api_key (--api-key) has leading or trailing whitespace, which clients cannot send "
+                          "in the Authorization header; remove it")
+    bad = next((i for i, c in enumerate(key) if not " " <= c <= "~"), None)
+    if bad is not None:
+        raise ConfigError(f"api_key (--api-key) has a character at position {bad} that is not printable ASCII; "
+                          "HTTP headers cannot carry it reliably, so no client could match the key. "
+                          "Use ASCII letters, digits and punctuation")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Engine and server settings. Sampling fields are the defaults of requests that omit them."""
+
+    method: str = "dsi"
+    lookahead: int | str = 5  # k, or "auto" (DSI's event-driven windows)
+    max_window: int | None = None  # with lookahead="auto": the most drafts per window
+    num_target_servers: int = 1  # with method="auto": the most DSI may use
+    auto_options: dict | None = None  # method="auto": options of dsi.autotune.choose_method
+    transport: str = "threads"
+    transport_options: dict | None = None
+    max_concurrent: int = 1  # engine slots, each one decoder
+    max_queue: int = 64  # requests waiting for a slot; more get 429
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
+    api_key: str | None = None
+    model_name: str = "dsi"  # the model id of the API (never a local path: clients see it)
+    max_tokens: int = 256  # default max_tokens (clipped to the context)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None  # None: a fresh random seed for each request that gives none
+    retry_after_s: int = 1
+    shutdown_grace_s: float = 5.0  # at shutdown, how long running requests may take to stop
+
+    def __post_init__(self) -> None:
+        def positive_int(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+        require(self.method in METHODS, f"method={self.method!r} must be one of {', '.join(METHODS)}")
+        check_lookahead(self.method, self.lookahead, self.max_window)
+        require(positive_int(self.num_target_servers), f"num_target_servers={self.num_target_servers!r} must be >= 1")
+        require(positive_int(self.max_concurrent), f"max_concurrent={self.max_concurrent!r} must be an integer >= 1")
+        require(isinstance(self.max_queue, int) and self.max_queue >= 0,
+                f"max_queue={self.max_queue!r} must be an integer >= 0")
+        require(positive_int(self.max_body_bytes), f"max_body_bytes={self.max_body_bytes!r} must be an integer >= 1")
+        require(positive_int(self.max_tokens), f"max_tokens={self.max_tokens!r} must be an integer >= 1")
+        check_api_key(self.api_key)
+        require(isinstance(self.model_name, str) and self.model_name.strip() != "", "model_name must not be empty")
+        require(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed <= MAX_SEED),
+                f"seed={self.seed!r} must be None or an integer in [0, 2**63 - 1]")
+        SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)  # validates them
+        require(positive_int(self.retry_after_s), f"retry_after_s={self.retry_after_s!r} must be an integer >= 1")

@@ -1,0 +1,178 @@
+"""From a request body to a validated engine request: parse, check, tokenise. Off the event loop.
+
+:class:`Preparer` runs on the server's preparation threads, so that parsing a large body and
+tokenising a long prompt never stall ``/health`` or the streams of running requests. Every
+check is made against the *target* (its vocabulary and its context; the drafter's limits are the
+engine's business), cheapest first and before anything is decoded:
+
+1. the JSON body against the OpenAI schema (400 / 422), unsupported options (400), the model name
+   (404); parsing stops at once in a body with more numbers than a token-id prompt filling the
+   context could have (400);
+2. ``max_tokens`` against the context, before the prompt is looked at;
+3. a token-id prompt: its length, then every id against the vocabulary (400), and only then is
+   it decoded (for ``echo``); a text prompt or chat is tokenised within the room the context
+   leaves (:func:`dsi.server.codec.encode_within` gives up early on a prompt far too long);
+4. the exact prompt length with ``max_tokens`` (400 ``context_length_exceeded``), sampling
+   parameters (422).
+
+The result, a :class:`Prepared`, holds only what the request needs afterwards: not the body,
+nor the prompt text (unless it is echoed). Does not know: HTTP, the queue, the engine slots.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from dsi.engine.api import make_request
+from dsi.engine.request import Request
+from dsi.errors import ConfigError
+from dsi.sampling import SamplingParams
+from dsi.server.codec import Codec, PromptTooLong
+from dsi.server.config import ServeConfig
+from dsi.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    load_json,
+    unsupported_option,
+    validate_request,
+)
+
+
+MAX_OPTION_NUMBERS = 64  # numbers a body may hold besides its token ids
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request ready for the queue."""
+
+    request: Request  # prompt ids, max_new_tokens, sampling, EOS ids
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    echo: str = ""  # the prompt text to echo (completions with echo=true)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.request.prompt)
+
+
+class Preparer:
+    """Checks requests against the served model: its name, the target's vocabulary and context."""
+
+    def __init__(self, config: ServeConfig, codec: Codec, vocab_size: int, max_context: int | None) -> None:
+        self.config = config
+        self.codec = codec
+        self.vocab_size = vocab_size
+        self.max_context = max_context
+        # numbers a valid body may hold: a token-id prompt filling the context, and the options
+        self._max_numbers = None if max_context is None else max_context + MAX_OPTION_NUMBERS
+
+    # ---- the two endpoints -------------------------------------------------------------------
+    def completion(self, body: list[bytearray]) -> Prepared:
+        """``body``: a one-item list holding the raw body; it is emptied, so the body is freed once parsed."""
+        req: CompletionRequest = validate_request(CompletionRequest, load_json(body.pop(), self._max_numbers))
+        self._check_common(req)
+        max_tokens, param = req.max_tokens, "max_tokens"
+        room = self._room(max_tokens, param)
+        prompt = req.single_prompt()
+        if isinstance(prompt, str):
+            ids = self._encode(self.codec.encode, prompt, room, max_tokens, param, "prompt")
+            echo = prompt if req.echo else ""
+        else:
+            ids = self._check_ids(prompt, room, max_tokens, param)
+            echo = self.codec.decode(ids) if req.echo else ""  # only valid ids reach the decoder
+        return self._prepared(req, ids, max_tokens, param, "prompt", echo)
+
+    def chat(self, body: list[bytearray]) -> Prepared:
+        """Like :meth:`completion`, for a chat completion."""
+        req: ChatCompletionRequest = validate_request(ChatCompletionRequest, load_json(body.pop(), self._max_numbers))
+        self._check_common(req)
+        max_tokens = req.max_new_tokens()
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        room = self._room(max_tokens, param)
+        ids = self._encode(self.codec.encode_chat, req.template_messages(), room, max_tokens, param, "messages")
+        return self._prepared(req, ids, max_tokens, param, "messages", "")
+
+    # ---- checks, cheapest first --------------------------------------------------------------
+    def _check_common(self, req: Any) -> None:
+        error = unsupported_option(req)
+        if error is not None:
+            raise error
+        name = self.config.model_name
+        if req.model is not None and req.model != name:
+            raise APIError(404, f"the model {req.model!r} does not exist; this server serves {name!r}",
+                           param="model", code="model_not_found")
+
+    def _room(self, max_tokens: int | None, param: str) -> int | None:
+        """The most prompt tokens the context leaves (None: no known context)."""
+        ctx = self.max_context
+        if ctx is None:
+            return None
+        if max_tokens is not None and max_tokens >= ctx:
+            raise APIError(400, f"{param}={max_tokens} leaves no room for a prompt in the model's context of "
+                                f"{ctx} tokens; lower {param}", param=param, code="context_length_exceeded")
+        return ctx - (max_tokens or 1)
+
+    def _too_long(self, count: int, exact: bool, max_tokens: int | None, param: str, prompt_param: str) -> APIError:
+        ctx = self.max_context
+        has = f"{count} tokens" if exact else f"at least {count} tokens"
+        if max_tokens is None:
+            return APIError(400, f"the prompt of {has} fills the model's context of {ctx} tokens",
+                            param=prompt_param, code="context_length_exceeded")
+        return APIError(400, f"the prompt of {has} + {param}={max_tokens} exceeds the model's context of "
+                             f"{ctx} tokens; shorten the prompt or lower {param}",
+                        param=param, code="context_length_exceeded")
+
+    def _encode(self, encode: Callable[..., list[int]], prompt: Any, room: int | None, max_tokens: int | None,
+                param: str, prompt_param: str) -> list[int]:
+        try:
+            return encode(prompt, room)
+        except PromptTooLong as exc:
+            raise self._too_long(exc.count, exc.exact, max_tokens, param, prompt_param) from None
+        except ConfigError as exc:
+            raise APIError(400, str(exc), param=prompt_param) from exc
+
+    def _check_ids(self, ids: list[int], room: int | None, max_tokens: int | None, param: str) -> list[int]:
+        if room is not None and len(ids) > room:
+            raise self._too_long(len(ids), True, max_tokens, param, "prompt")
+        vocab = self.vocab_size
+        bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"prompt[{bad}]={ids[bad]} is outside the vocabulary [0, {vocab})",
+                           param="prompt", code="invalid_prompt")
+        return ids
+
+    def _sampling(self, req: Any) -> SamplingParams:
+        c = self.config
+        top_k = c.top_k if req.top_k is None else max(0, req.top_k)
+        seed = req.seed if req.seed is not None else (c.seed if c.seed is not None else secrets.randbits(63))
+        try:
+            return SamplingParams(
+                temperature=c.temperature if req.temperature is None else float(req.temperature),
+                top_k=top_k, top_p=c.top_p if req.top_p is None else float(req.top_p), seed=seed,
+            )
+        except ConfigError as exc:
+            raise APIError(422, str(exc), code="invalid_value") from exc
+
+    def _prepared(self, req: Any, ids: list[int], max_tokens: int | None, param: str, prompt_param: str,
+                  echo: str) -> Prepared:
+        if not ids:
+            raise APIError(400, "the prompt has no tokens", param=prompt_param, code="empty_prompt")
+        ctx = self.max_context
+        if max_tokens is None:  # the default, clipped to the room the prompt leaves
+            max_tokens = self.config.max_tokens if ctx is None else min(self.config.max_tokens, ctx - len(ids))
+            if max_tokens < 1:
+                raise self._too_long(len(ids), True, None, param, prompt_param)
+        elif ctx is not None and len(ids) + max_tokens > ctx:
+            raise self._too_long(len(ids), True, max_tokens, param, prompt_param)
+        sampling = self._sampling(req)
+        try:
+            request = make_request(ids, max_tokens, sampling, self.codec.eos_token_ids or None, self.vocab_size)
+        except ConfigError as exc:
+            raise APIError(400, str(exc), param=prompt_param, code="invalid_prompt") from exc
+        return Prepared(request, stop=req.stop_strings(), stream=req.stream, include_usage=req.include_usage(),
+                        echo=echo)
