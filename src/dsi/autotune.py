@@ -121,7 +121,7 @@ class AutoChoice:
 def model_identity(model: object) -> str:
     """What distinguishes a model for the cache: its repr plus where and how it runs."""
     parts = [repr(model)]
-    for attr in ("source_dir", "threads", "dtype", "device"):
+    for attr in ("source_dir", "source_path", "threads", "dtype", "device"):
         value = getattr(model, attr, None)
         if value is not None:
             parts.append(f"{attr}={value}")
@@ -141,10 +141,10 @@ def tuning_key(target, drafter, transport: str, transport_options: dict | None, 
 
 
 def default_cache_dir() -> Path:
-    """``$DSI_AUTOTUNE_DIR``, else ``autotune/`` in the dsi cache (:func:`dsi.models.loading.cache_dir`)."""
+    """``$DSI_AUTOTUNE_DIR``, else ``autotune/`` in the dsi cache (:func:`dsi.models.cache.cache_dir`)."""
     if os.environ.get("DSI_AUTOTUNE_DIR"):
         return Path(os.environ["DSI_AUTOTUNE_DIR"]).expanduser()
-    from dsi.models.loading import cache_dir
+    from dsi.models.cache import cache_dir
 
     return cache_dir() / "autotune"
 

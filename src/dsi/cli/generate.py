@@ -1,6 +1,7 @@
 """``dsi generate`` (one prompt, streamed) and ``dsi demo`` (non-SI vs SI vs DSI on the
 embedded pair): thin layers over :mod:`dsi.engine`, :mod:`dsi.models.loading` and
-:mod:`dsi.compare`."""
+:mod:`dsi.compare`. The model options (``--backend``, ``--dtype``, ``--device``, ``--threads``) are
+:mod:`dsi.cli.backend`'s."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import os
 import sys
 import time
 
+from dsi.cli.advice import what_dsi_needs
+from dsi.cli.backend import add_backend_args, choose, describe, hf_dtype
 from dsi.errors import ConfigError
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
@@ -21,10 +24,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="MODEL: a checkpoint directory, a .gguf file, a hub id, or a short name of the "
                         f"embedded pair (default: {DEFAULT_TARGET})")
     g.add_argument("--drafter", default=DEFAULT_DRAFTER, help=f"MODEL of the drafter (default: {DEFAULT_DRAFTER})")
-    g.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default="bf16", help="weights dtype (default bf16)")
-    g.add_argument("--device", default="cpu", help="device of the drafter and of the target (default cpu)")
-    g.add_argument("--threads", type=int, default=None,
-                   help="torch threads per worker (drafter and each target server); default: torch's setting")
+    add_backend_args(g)
 
 
 def lookahead_arg(value: str) -> int | str:
@@ -143,15 +143,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     d.set_defaults(func=run_demo)
 
 
-def _load(args: argparse.Namespace, need_drafter: bool):
+def _load(args: argparse.Namespace, need_drafter: bool, hf_default_dtype: str = "bf16"):
+    """Load ``--target`` (and ``--drafter``) with the backend of ``--backend``; the choice is kept in
+    ``args.backend_choice`` for the report, and ``args.backend_label`` describes it."""
     from dsi.models.loading import load_model, load_pair
 
-    progress = not getattr(args, "json", False) or sys.stderr.isatty()
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError(f"--threads={args.threads} must be >= 1")
+    choice = choose(args, [args.target, args.drafter] if need_drafter else [args.target])
+    args.backend_choice = choice
+    args.backend_label = describe(choice.backend, args, hf_default_dtype)
+    hf = choice.backend == "hf"
+    options = {"backend": choice.backend, "dtype": hf_dtype(args, hf_default_dtype) if hf else None,
+               "device": args.device if hf else None, "threads": args.threads,
+               "progress": not getattr(args, "json", False) or sys.stderr.isatty()}
     if need_drafter:
-        return load_pair(args.target, args.drafter, dtype=args.dtype, device=args.device,
-                         progress=progress, threads=args.threads)
-    return load_model(args.target, dtype=args.dtype, device=args.device, role="target",
-                      progress=progress, threads=args.threads), None
+        return load_pair(args.target, args.drafter, **options)
+    return load_model(args.target, role="target", **options), None
 
 
 def _prompt_ids(args: argparse.Namespace, target) -> list[int]:
@@ -251,7 +259,8 @@ def run_demo(args: argparse.Namespace) -> int:
     finally:
         bar.close()
     rows = summarize(results)
-    tolerance = NEAR_TIE_MARGIN.get(args.dtype, 1e-3)
+    backend = args.backend_choice.backend
+    tolerance = NEAR_TIE_MARGIN.get(backend if backend != "hf" else hf_dtype(args), 1e-3)
     for r in rows:
         r["divergence"] = None
         if not r["identical"]:
@@ -266,16 +275,20 @@ def run_demo(args: argparse.Namespace) -> int:
     totals = {}
     for r in rows:
         totals[r["method"]] = totals.get(r["method"], 0.0) + r["latency_s"]
-    note = shared_hardware_note(args.device, args.target_devices, totals, os.cpu_count(), args.sp)
+    note = shared_hardware_note(args.device or "cpu", args.target_devices, totals, os.cpu_count(), args.sp)
     report = {
-        "target": args.target, "drafter": args.drafter, "dtype": args.dtype, "device": args.device,
+        "target": args.target, "drafter": args.drafter, "backend": backend,
+        "backend_reason": args.backend_choice.reason, "dtype": hf_dtype(args) if backend == "hf" else None,
+        "device": args.device or "cpu",
         "max_new_tokens": args.max_new_tokens, "lookahead": args.lookahead, "load_s": load_s,
         "rows": [{k: v for k, v in r.items() if k != "stats"} | {"stats": r["stats"]} for r in rows],
         "total_latency_s": totals, "all_identical": all_identical, "lossless": lossless,
         "near_tie_margin": tolerance,
         "note": note,
         "auto": choice.to_dict() if choice else None,
+        "fastest": min(totals, key=totals.get) if totals else None,
     }
+    report["dsi_needs"] = what_dsi_needs(rows, report["fastest"]) if report["fastest"] else None
     if args.json:
         print_json(report)
         return 0 if lossless else 1
@@ -290,18 +303,24 @@ def run_demo(args: argparse.Namespace) -> int:
     verdict = "✓" if all_identical else ("≈ (only at numerical near-ties)" if lossless else "✗")
     print("\nall prompts: " + ", ".join(
         f"{m} {t:.2f} s ({base / t:.2f}x)" for m, t in totals.items()) + f"; outputs identical: {verdict}")
-    print(f"models: {args.target} / {args.drafter}, {args.dtype} on {args.device}, greedy, "
+    why = f" (auto: {args.backend_choice.reason})" if args.backend == "auto" else ""
+    print(f"models: {args.target} / {args.drafter}, {args.backend_label}{why}, greedy, "
           f"{args.max_new_tokens} new tokens; loaded in {load_s:.1f} s")
+    fastest = min(totals, key=totals.get)
+    print(f"fastest here: {fastest} ({totals[fastest]:.2f} s, {base / totals[fastest]:.2f}x non-SI)" if base
+          else f"fastest here: {fastest}")
     if choice:
-        fastest = min(totals, key=totals.get)
         print(f"auto: picked {choice.reason}" + (" (cached choice)" if choice.cached else "")
-              + (f"; fastest here: {fastest}" if fastest != auto_label else "; also the fastest here"))
-    if note:
+              + ("; also the fastest here" if fastest == auto_label else f"; measured fastest: {fastest}"))
+    if report["dsi_needs"]:
+        print(report["dsi_needs"]["sentence"])
+    elif note:
         print(note)
     if not all_identical:
         print(f"≈: output departs from non-SI where the target's two best tokens are within {tolerance} logits "
               "of each other: a batched verification forward rounds differently from a one-token forward "
-              "(use --dtype fp32 for exact equality).")
+              + ("(use --dtype fp32 for exact equality)." if backend == "hf" else
+                 "(quantized llama.cpp kernels take different paths for one and several tokens)."))
     return 0 if lossless else 1
 
 

@@ -12,7 +12,7 @@
   reported too. The same passes give the target's and the drafter's TTFT/TPOT.
 
 The measuring functions below work on any :class:`~dsi.models.base.LanguageModel` (no torch);
-only the command functions load Hugging Face models (torch is imported inside them).
+only the command functions load models (:mod:`dsi.models.loading`; torch only for the hf backend).
 JSON written with ``--json`` / ``--out`` is what ``dsi plan --from FILE`` reads.
 """
 
@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from dsi.cli.backend import add_backend_args, choose, describe, hf_dtype
 from dsi.cli.output import dumps, format_table, print_json
 from dsi.errors import ConfigError
 from dsi.models.base import LanguageModel
@@ -277,10 +278,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             "(default: code)")
         p.add_argument("--num-prompts", type=int, default=None, metavar="N", help="use only the first N prompts")
         p.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
-        p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16"], help="weights dtype (default bf16)")
-        p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
-        p.add_argument("--threads", type=int, default=None, metavar="N",
-                       help="torch intra-op threads (default: torch's default, the number of cores)")
+        add_backend_args(p, threads_help="threads of the model: torch's intra-op threads (hf; default: the number "
+                                         "of cores) or llama.cpp's threads per session (default: the backend's)")
         p.add_argument("--max-new-tokens", type=int, default=max_new, metavar="N",
                        help=f"new tokens per prompt (default {max_new})")
         p.add_argument("--out", default=None, metavar="FILE", help="also write the JSON result to FILE")
@@ -330,12 +329,25 @@ def _check_common(args: argparse.Namespace) -> None:
         raise ConfigError(f"--threads={args.threads} must be >= 1")
 
 
-def _setup_threads(threads: int | None) -> int:
+def _setup_threads(threads: int | None, backend: str) -> int | None:
+    """The threads the measured model runs with: torch's, set process-wide for hf; for llama.cpp,
+    its sessions' own (``--threads``, or the backend's default, None here)."""
+    if backend != "hf":
+        return threads
     import torch
 
     if threads is not None:
         torch.set_num_threads(threads)
     return torch.get_num_threads()
+
+
+def _load_options(args: argparse.Namespace, specs: list[str]) -> tuple[dict[str, Any], str]:
+    """``load_model`` / ``load_pair`` options for the backend chosen for ``specs``, and a label."""
+    choice = choose(args, specs)
+    hf = choice.backend == "hf"
+    options = {"backend": choice.backend, "dtype": hf_dtype(args) if hf else None,
+               "device": args.device if hf else None, "threads": args.threads}
+    return options, describe(choice.backend, args)
 
 
 def _emit(result: dict[str, Any], args: argparse.Namespace, headers: list[str], rows: list[list[Any]],
@@ -356,20 +368,21 @@ def run_latency(args: argparse.Namespace) -> int:
     from dsi.models.loading import load_model
 
     _check_common(args)
-    threads = _setup_threads(args.threads)
-    model = load_model(args.model, dtype=args.dtype, device=args.device, role=args.role, threads=args.threads)
+    options, label = _load_options(args, [args.model])
+    threads = _setup_threads(args.threads, options["backend"])
+    model = load_model(args.model, role=args.role, **options)
     prompts = _prompt_ids(model, args)
     measured = measure_latency(model, prompts, args.max_new_tokens)
     result = {
         "kind": "latency", "model": args.model, "role": args.role,
-        "ttft_ms": measured["ttft_ms"], "tpot_ms": measured["tpot_ms"],
-        "dtype": args.dtype, "device": str(model.device), "prompts": len(prompts),
+        "ttft_ms": measured["ttft_ms"], "tpot_ms": measured["tpot_ms"], "backend": options["backend"],
+        "dtype": options["dtype"], "device": str(getattr(model, "device", "cpu")), "prompts": len(prompts),
         "threads": threads, "max_new_tokens": args.max_new_tokens, "per_prompt": measured["per_prompt"],
     }
     rows = [[i, r["prompt_tokens"], r["new_tokens"], r["ttft_ms"], r["tpot_ms"]]
             for i, r in enumerate(measured["per_prompt"])]
     _emit(result, args, ["prompt", "prompt tokens", "new tokens", "TTFT ms", "TPOT ms"], rows,
-          [("model", args.model), ("dtype / device / threads", f"{args.dtype} / {model.device} / {threads}"),
+          [("model", args.model), ("backend / threads", f"{label} / {threads or 'default'}"),
            ("TTFT ms (mean)", result["ttft_ms"]), ("TPOT ms (mean)", result["tpot_ms"])])
     return 0
 
@@ -378,14 +391,16 @@ def run_acceptance(args: argparse.Namespace) -> int:
     from dsi.models.loading import load_pair
 
     _check_common(args)
-    threads = _setup_threads(args.threads)
-    target, drafter = load_pair(args.target, args.drafter, dtype=args.dtype, device=args.device, threads=args.threads)
+    options, label = _load_options(args, [args.target, args.drafter])
+    threads = _setup_threads(args.threads, options["backend"])
+    target, drafter = load_pair(args.target, args.drafter, **options)
     prompts = _prompt_ids(target, args)
     measured = measure_acceptance(target, drafter, prompts, args.max_new_tokens, target.eos_token_ids)
     result = {
         "kind": "acceptance", "target": args.target, "drafter": args.drafter,
         **{k: v for k, v in measured.items() if k != "per_prompt"},
-        "dtype": args.dtype, "device": str(target.device), "prompts": len(prompts), "threads": threads,
+        "backend": options["backend"], "dtype": options["dtype"], "device": str(getattr(target, "device", "cpu")),
+        "prompts": len(prompts), "threads": threads,
         "max_new_tokens": args.max_new_tokens, "per_prompt": measured["per_prompt"],
     }
     rows = [[i, r["prompt_tokens"], r["new_tokens"], r["matches"], len(r["runs"])]

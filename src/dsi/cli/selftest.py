@@ -8,8 +8,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from dsi.cli.backend import hf_dtype
 from dsi.cli.generate import _load, add_model_args
 from dsi.errors import ConfigError
+
+HF_DTYPE = "fp32"  # the hf backend's default here: exact equality needs no bf16 near-ties
 
 DEFAULT_PROMPTS = (
     "def fibonacci(n):\n",
@@ -23,11 +26,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "selftest", help="check that DSI and SI reproduce the target exactly on your model pair",
         description="Greedy: SI and DSI must equal non-SI token for token on the prompts. Sampling: a "
         "seeded chi-square test of DSI's next-two-token law against the target's exact law at a few "
-        "prefixes. Reports acceptance rates and measured speedups; exits 1 on any failure. Runs in fp32 "
-        "by default (bf16 near-ties can flip greedy tokens between a 1-token and a k-token forward).",
+        "prefixes. Reports acceptance rates and measured speedups; exits 1 on any failure. The hf backend "
+        "runs in fp32 by default (bf16 near-ties can flip greedy tokens between a 1-token and a k-token forward).",
     )
     add_model_args(p)
-    p.set_defaults(dtype="fp32")
+    for action in p._actions:
+        if action.dest == "dtype":
+            action.help = (f"weights dtype of the hf backend (default {HF_DTYPE} here); setting it makes --backend "
+                           "auto pick hf")
     p.add_argument("--prompts", metavar="FILE",
                    help='prompts, one per line (a line starting with " is a JSON string); default: 3 built-in')
     p.add_argument("--lookahead", "-k", type=int, default=3, help="lookahead of SI and DSI (default 3)")
@@ -57,7 +63,8 @@ def run_selftest_command(args: argparse.Namespace) -> int:
     texts = read_prompts(args.prompts) if args.prompts else list(DEFAULT_PROMPTS)
     if not texts:
         raise ConfigError(f"--prompts={args.prompts!r} holds no prompt")
-    target, drafter = _load(args, need_drafter=True)
+    target, drafter = _load(args, need_drafter=True, hf_default_dtype=HF_DTYPE)
+    backend = args.backend_choice.backend
     prompts = [target.encode(t) for t in texts]
     for t, ids in zip(texts, prompts, strict=True):
         if not ids:
@@ -67,7 +74,8 @@ def run_selftest_command(args: argparse.Namespace) -> int:
     report = run_selftest(target, drafter, prompts, config,
                           progress=None if quiet else (lambda msg: print(f"selftest: {msg}", file=sys.stderr)))
     if args.json:
-        print_json({"target": args.target, "drafter": args.drafter, "dtype": args.dtype, **report.to_dict()})
+        print_json({"target": args.target, "drafter": args.drafter, "backend": backend,
+                    "dtype": hf_dtype(args, HF_DTYPE) if backend == "hf" else None, **report.to_dict()})
         return 0 if report.passed else 1
     rows = []
     for check in report.checks:
@@ -87,6 +95,6 @@ def run_selftest_command(args: argparse.Namespace) -> int:
     speed = ", ".join(f"{k.upper()} {v:.2f}x" for k, v in report.speedup_vs_nonsi.items())
     print(f"\nacceptance: {accept}; greedy speedup vs non-SI: {speed} "
           f"(non-SI {report.latency_s['ar']:.2f} s over {len(prompts)} prompts)")
-    print(f"models: {args.target} / {args.drafter}, {args.dtype} on {args.device}, k={args.lookahead}, SP={args.sp}")
+    print(f"models: {args.target} / {args.drafter}, {args.backend_label}, k={args.lookahead}, SP={args.sp}")
     print("selftest: PASSED" if report.passed else f"selftest: FAILED ({'; '.join(report.failures)})")
     return 0 if report.passed else 1

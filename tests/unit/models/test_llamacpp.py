@@ -1,0 +1,168 @@
+"""The llama.cpp backend on tiny GGUF files written in-test (tests/tiny_gguf.py): logits against
+transformers on the same weights, the session contract (rows, cache reuse, truncate, cancellation
+mid-forward), the GGUF tokenizer and chat template against the HF tokenizer, and lossless greedy
+SI and DSI against the backend's own non-SI output."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+pytest.importorskip("llama_cpp")
+torch = pytest.importorskip("torch")
+
+import dsi  # noqa: E402
+from dsi.errors import ConfigError, ContextLengthError, TaskCancelled  # noqa: E402
+from dsi.models.base import forward_rows  # noqa: E402
+from dsi.models.llamacpp import LlamaCppModel  # noqa: E402
+from tests.tiny_gguf import write_tiny_gguf  # noqa: E402
+from tests.tiny_hf import CORPUS  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path, hf, tok = write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "target.gguf", seed=0)
+    model = LlamaCppModel(path, threads=1)
+    yield model, hf, tok
+    model.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_drafter(tmp_path_factory):
+    path, _, _ = write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "drafter.gguf", seed=1, layers=1)
+    model = LlamaCppModel(path, threads=1)
+    yield model
+    model.close()
+
+
+def hf_logits(hf, ids):
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].numpy()
+
+
+def test_logits_match_transformers_on_the_same_weights(tiny):
+    model, hf, tok = tiny
+    ids = tok.encode(CORPUS[1])
+    session = model.new_session()
+    rows = session.extend(ids)
+    assert rows.shape == (len(ids), model.vocab_size) and rows.dtype == np.float32
+    np.testing.assert_allclose(rows, hf_logits(hf, ids), atol=2e-3, rtol=0)
+    session.close()
+
+
+def test_only_the_rows_asked_for_and_greedy_ids(tiny):
+    model, hf, tok = tiny
+    ids = tok.encode(CORPUS[0])
+    ref = hf_logits(hf, ids)
+    session = model.new_session()
+    last3 = session.extend_rows(ids, None, 3, greedy=False)
+    np.testing.assert_allclose(last3, ref[-3:], atol=2e-3, rtol=0)
+    session.truncate(0)
+    greedy = session.extend_rows(ids, None, 4, greedy=True)
+    assert greedy.dtype == np.int64 and greedy.tolist() == ref[-4:].argmax(-1).tolist()
+    session.close()
+
+
+def test_the_cache_is_reused_and_truncate_rolls_back_exactly(tiny):
+    model, hf, tok = tiny
+    ids = tok.encode(CORPUS[2])
+    ref = hf_logits(hf, ids)
+    session = model.new_session()
+    session.extend(ids[:5])
+    rows = session.extend(ids[5:])  # on top of the cached 5
+    np.testing.assert_allclose(rows, ref[5:], atol=2e-3, rtol=0)
+    session.truncate(3)
+    assert session.tokens == tuple(ids[:3])
+    again = forward_rows(session, ids, 2)  # reuses the 3 cached, runs the rest
+    np.testing.assert_allclose(again, ref[-2:], atol=2e-3, rtol=0)
+    with pytest.raises(ConfigError, match="truncate"):
+        session.truncate(len(ids) + 1)
+    session.close()
+
+
+class FlipsAfter:
+    """A cancel flag that reads unset ``n`` times, then set: it fires inside llama_decode."""
+
+    def __init__(self, n: int) -> None:
+        self.calls = 0
+        self.n = n
+
+    def is_set(self) -> bool:
+        self.calls += 1
+        return self.calls > self.n
+
+    def wait(self, timeout=None) -> bool:
+        return self.is_set()
+
+
+def test_a_cancel_stops_the_forward_inside_llama_decode_and_leaves_the_session_as_it_was(tiny):
+    model, hf, tok = tiny
+    ids = tok.encode(CORPUS[1])
+    session = model.new_session()
+    session.extend(ids[:4])
+    flag = FlipsAfter(1)  # the check before the batch passes; the abort callback then fires
+    with pytest.raises(TaskCancelled):
+        session.extend(ids[4:], flag)
+    assert flag.calls >= 2  # llama.cpp asked the flag during the forward
+    assert session.tokens == tuple(ids[:4])
+    rows = session.extend(ids[4:])  # the cache holds exactly the 4 tokens
+    np.testing.assert_allclose(rows, hf_logits(hf, ids)[4:], atol=2e-3, rtol=0)
+    event = threading.Event()
+    event.set()
+    with pytest.raises(TaskCancelled):
+        session.extend([1, 2], event)
+    assert session.tokens == tuple(ids)
+    session.close()
+
+
+def test_limits_and_bad_ids_are_clear_errors(tiny, tmp_path):
+    model, _, _ = tiny
+    session = model.new_session()
+    with pytest.raises(ContextLengthError, match="n_ctx=256"):
+        session.extend([1] * 257)
+    with pytest.raises(ConfigError, match="outside the vocabulary"):
+        session.extend([model.vocab_size])
+    assert session.tokens == ()
+    session.close()
+    with pytest.raises(ConfigError, match="n_ctx=0"):
+        LlamaCppModel(model.source_path, n_ctx=0)
+    with pytest.raises(ConfigError, match="is not a file"):
+        LlamaCppModel(tmp_path / "missing.gguf")
+    with pytest.raises(ConfigError, match="threads=0"):
+        model.threads = 0
+
+
+def test_the_gguf_tokenizer_and_chat_template_match_the_hf_tokenizer(tiny):
+    model, _, tok = tiny
+    for text in CORPUS:
+        assert model.tokenizer.encode(text, add_special_tokens=False) == tok.encode(text, add_special_tokens=False)
+        assert model.decode(tok.encode(text)) == tok.decode(tok.encode(text))
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": CORPUS[0]}]
+    assert model.tokenizer.apply_chat_template(messages, tokenize=False) == \
+        tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert model.encode(CORPUS[4], chat=True) == tok.encode(
+        tok.apply_chat_template([{"role": "user", "content": CORPUS[4]}], add_generation_prompt=True,
+                                tokenize=False), add_special_tokens=False)
+    assert model.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
+    assert model.decode([model.eos_token_id], skip_special_tokens=False) == "<|im_end|>"
+    assert model.decode([model.eos_token_id]) == ""
+    assert model.tokenizer.get_vocab()["<|im_start|>"] == tok.convert_tokens_to_ids("<|im_start|>")
+
+
+@pytest.mark.parametrize("method, lookahead, servers", [
+    ("si", 3, 1), ("dsi", 2, 2), ("dsi", "auto", 2), ("dsi", 4, 1),
+])
+@pytest.mark.parametrize("same_drafter", [True, False])
+def test_greedy_si_and_dsi_equal_the_backend_s_own_non_si(tiny, tiny_drafter, method, lookahead, servers,
+                                                          same_drafter, no_thread_leak):
+    model, _, tok = tiny
+    drafter = model if same_drafter else tiny_drafter  # all accepted / many rejections
+    prompt = tok.encode(CORPUS[0])
+    reference = dsi.generate(target=model, prompt=prompt, method="ar", max_new_tokens=40).tokens
+    out = dsi.generate(target=model, drafter=drafter, prompt=prompt, method=method, lookahead=lookahead,
+                       num_target_servers=servers, max_new_tokens=40)
+    assert out.tokens == reference
+    if not same_drafter:
+        assert out.stats.rejections > 0  # the comparison covered corrections
