@@ -202,6 +202,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
     p.add_argument("--drafter", default="qwen2.5-coder-0.5b-instruct")
+    p.add_argument("--backend", default="hf", choices=["hf", "llama.cpp"],
+                   help="hf (transformers, --dtype) or llama.cpp (the GGUF's own weights, CPU; no assisted row)")
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--device", default="cpu", help="device of the drafter (and of the target for non-SI/SI)")
     p.add_argument("--target-devices", nargs="+", default=None,
@@ -219,9 +221,10 @@ def main() -> int:
     p.add_argument("--no-ideal", action="store_true", help="skip the latency measurements and the ideal")
     p.add_argument("--latency-threads", type=int, nargs="*", default=[], metavar="N",
                    help="also measure each worker alone on these torch thread counts (thread scaling)")
-    p.add_argument("--threads", type=int, default=2, help="torch threads of non-SI, SI and assisted generation")
+    p.add_argument("--threads", type=int, default=2, help="threads (torch or llama.cpp) of non-SI, SI and "
+                                                          "assisted generation")
     p.add_argument("--dsi-threads", type=int, default=1,
-                   help="torch threads of the DSI drafter and of thread-placed target servers")
+                   help="threads of the DSI drafter and of thread-placed target servers")
     p.add_argument("--no-assisted", action="store_true")
     p.add_argument("--deadline", type=float, default=None, metavar="S",
                    help="start no new configuration after S seconds (the rest is reported as skipped)")
@@ -265,7 +268,12 @@ def main() -> int:
               file=sys.stderr)
     else:
         args.tokens = 64 if args.tokens is None else args.tokens
-        target, drafter = load_pair(args.target, args.drafter, dtype=args.dtype, device=args.device, progress=True)
+        llama = args.backend == "llama.cpp"
+        if llama:  # llama.cpp runs the GGUF's own weights on the CPU; transformers' assisted generation needs HF
+            args.dtype, args.no_assisted = None, True
+        target, drafter = load_pair(args.target, args.drafter, backend=args.backend,
+                                    dtype=None if llama else args.dtype, device=None if llama else args.device,
+                                    progress=True)
         prompts = [target.encode(t) for t in CODE_PROMPTS[: args.prompts]]
         names = (args.target, args.drafter)
 
@@ -375,7 +383,7 @@ def main() -> int:
                     {"prompt": i, **(first_divergence(target, prompts[i], res["non-SI"].tokens, run.tokens) or {})}
                     for i, (run, res) in enumerate(zip(runs, results, strict=True)) if run.tokens != res["non-SI"].tokens
                 ]
-                tie = NEAR_TIE_MARGIN.get(args.dtype, 1e-3)
+                tie = NEAR_TIE_MARGIN.get("llama.cpp" if args.backend == "llama.cpp" else args.dtype, 1e-3)
                 row["near_tie"] = all(d.get("margin") is not None and abs(d["margin"]) <= tie for d in row["divergence"])
             if patterns is not None and latencies and config.method != "ar":
                 add_ideal(row)

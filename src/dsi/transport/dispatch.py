@@ -10,8 +10,11 @@ the remote (process, Ray) pools, with the failure policy they share:
 - a dead server's task goes first in line again, unless it was running on
   :data:`MAX_TASK_DEATHS` servers that died: such a *poison* task fails (a ``TaskFailed``) instead
   of killing every server in turn;
-- a dead server is replaced at most :data:`MAX_RESTARTS` times in a row; the count starts again
-  once a replacement completes a task, so one-off faults never use a server up;
+- a dead server is replaced. A death while running a task is charged to the task (above); any
+  other (the server could not start, or died idle) counts against the server: at most
+  :data:`MAX_RESTARTS` of those within :data:`RESTART_WINDOW_S` (systemd's default start limit),
+  cleared once a replacement answers a task. A crash loop stops; faults that tasks trigger never
+  use a server up, since a request fails at its first failed task;
 - each running task has a liveness deadline (:mod:`dsi.transport.liveness`); a server past it is
   declared dead like one that crashed.
 """
@@ -28,7 +31,8 @@ from dsi.transport.base import TaskFailed, TaskResult, VerifyTask
 from dsi.transport.liveness import ForwardRates, LivenessPolicy
 
 MAX_TASK_DEATHS = 2  # servers that may die running one task before the task fails instead
-MAX_RESTARTS = 3  # replacements of one server id in a row (without a completed task in between)
+MAX_RESTARTS = 5  # replacements of one server id within RESTART_WINDOW_S (without an answered task between)
+RESTART_WINDOW_S = 10.0
 
 
 class Dispatcher:
@@ -88,14 +92,14 @@ class DispatchingPool:
     Dispatcher.
 
     A subclass sets ``_lock``, ``_dispatch``, ``_closed``, ``_name`` (for messages), ``_rates``
-    (:class:`ForwardRates`), ``_liveness`` (:class:`LivenessPolicy`) and ``_restarts`` (a list, one
-    count per server), and implements ``num_servers``, ``_alive()`` (servers in service; lock held)
+    (:class:`ForwardRates`), ``_liveness`` (:class:`LivenessPolicy`) and ``_restarts`` (a list, per
+    server, of the monotonic times of its recent replacements), and implements ``num_servers``, ``_alive()`` (servers in service; lock held)
     and ``_hand_over(server, task)`` (start ``task`` on the idle ``server``; lock held).
     """
 
     _rates: ForwardRates
     _liveness: LivenessPolicy
-    _restarts: list[int]
+    _restarts: list[list[float]]
 
     def submit(self, task: VerifyTask) -> None:
         with self._lock:
@@ -128,17 +132,25 @@ class DispatchingPool:
             self._dispatch.queue.appendleft(task)
         return None
 
-    def _may_restart(self, server: int) -> bool:
-        """Count a replacement of ``server`` if it is allowed (lock held)."""
-        if self._closed or self._restarts[server] >= MAX_RESTARTS:
+    def _may_restart(self, server: int, charged_to_task: bool) -> bool:
+        """Whether to replace ``server``, counting the death against it unless ``charged_to_task``
+        (it died running a task, which the poison guard bounds) (lock held)."""
+        if self._closed:
             return False
-        self._restarts[server] += 1
+        if charged_to_task:
+            return True
+        now = time.monotonic()
+        recent = [t for t in self._restarts[server] if now - t < RESTART_WINDOW_S]
+        if len(recent) >= MAX_RESTARTS:
+            self._restarts[server] = recent
+            return False
+        self._restarts[server] = [*recent, now]
         return True
 
     def _answered(self, server: int, event: object) -> None:
         """``server`` answered its running task with ``event`` (lock held; before ``finish``): it is
         healthy, and a completed forward tells how fast it is."""
-        self._restarts[server] = 0
+        self._restarts[server] = []
         if isinstance(event, TaskResult):
             self._rates.record(server, event.compute_s, self._dispatch.new_tokens[server])
 

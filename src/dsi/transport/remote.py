@@ -138,7 +138,7 @@ class RemotePool(DispatchingPool):
         self._dispatch = Dispatcher(num_servers)
         self._cancelled: set[int] = set()  # running task ids that were asked to stop
         self._restarting: dict[int, ServerHandle | None] = {}
-        self._restarts = [0] * num_servers
+        self._restarts: list[list[float]] = [[] for _ in range(num_servers)]
         self._lost_servers: set[int] = set()  # servers whose current handle was declared lost
         self._threads: list[threading.Thread] = []
         self._watchdog: Watchdog | None = None
@@ -305,7 +305,7 @@ class RemotePool(DispatchingPool):
                     failed = self._requeue(task, server, error)
                     if failed is not None:
                         events.append(failed)
-            restart = self._restart_dead and self._may_restart(server)
+            restart = self._restart_dead and self._may_restart(server, charged_to_task=task is not None)
             if restart:
                 self._restarting[server] = None
                 thread = threading.Thread(target=self._restart, args=(server,),

@@ -68,7 +68,7 @@ class ThreadTargetPool(DispatchingPool):
         self._restart_dead = restart_dead
         self._liveness = LivenessPolicy.from_option(liveness)
         self._rates = ForwardRates(num_servers)
-        self._restarts = [0] * num_servers
+        self._restarts: list[list[float]] = [[] for _ in range(num_servers)]
         self._restarting: set[int] = set()  # dead servers whose replacement thread is making its session
         self._lock = threading.Lock()
         self._dispatch = Dispatcher(num_servers)
@@ -155,7 +155,7 @@ class ThreadTargetPool(DispatchingPool):
             else:
                 session = self._model.new_session()
         except BaseException as exc:  # noqa: BLE001 - no session, no server
-            self._died(server, generation, f"{type(exc).__name__}: {exc}")
+            self._died(server, generation, f"{type(exc).__name__}: {exc}", charged_to_task=False)
             return
         try:
             self._revive(server, generation)
@@ -183,7 +183,7 @@ class ThreadTargetPool(DispatchingPool):
                 self._on_event(event)
         except BaseException as exc:  # noqa: BLE001 - not a model error (those are TaskFailed): the thread broke
             log.error("target server thread %d died", server, exc_info=True)
-            self._died(server, generation, f"{type(exc).__name__}: {exc}")
+            self._died(server, generation, f"{type(exc).__name__}: {exc}", charged_to_task=True)
         finally:
             session.close()
 
@@ -203,9 +203,10 @@ class ThreadTargetPool(DispatchingPool):
                 self._hand_over(server, next_task)
         log.info("target server thread %d restarted", server)
 
-    def _died(self, server: int, generation: int, error: str) -> None:
+    def _died(self, server: int, generation: int, error: str, charged_to_task: bool) -> None:
         """The thread of ``server`` is ending (or declared frozen): re-queue its task, report it,
-        start a replacement if allowed."""
+        start a replacement if allowed (a death that is not ``charged_to_task`` counts against the
+        server's restart budget)."""
         events: list[object] = []
         with self._lock:
             if self._closed or self._generation[server] != generation:
@@ -222,7 +223,7 @@ class ThreadTargetPool(DispatchingPool):
                         events.append(failed)
                 if flag is not None:
                     flag.set()  # a frozen forward that wakes up stops at its next check
-            restart = self._restart_dead and self._may_restart(server)
+            restart = self._restart_dead and self._may_restart(server, charged_to_task and task is not None)
             if restart:
                 self._restarting.add(server)
                 self._current[server] = self._start_thread(server)
@@ -240,4 +241,4 @@ class ThreadTargetPool(DispatchingPool):
                 return
             late = [(server, self._generation[server], task, deadline) for server, task, deadline in self._overdue()]
         for server, generation, task, deadline in late:
-            self._died(server, generation, self._frozen(task, deadline))
+            self._died(server, generation, self._frozen(task, deadline), charged_to_task=True)

@@ -19,6 +19,7 @@ from dsi.models.base import forward_rows  # noqa: E402
 from dsi.models.llamacpp import LlamaCppModel  # noqa: E402
 from tests.tiny_gguf import write_tiny_gguf  # noqa: E402
 from tests.tiny_hf import CORPUS  # noqa: E402
+from tests.transport_support import ray_cluster  # noqa: E402  (sets Ray's environment before Ray is imported)
 
 
 @pytest.fixture(scope="module")
@@ -166,3 +167,85 @@ def test_greedy_si_and_dsi_equal_the_backend_s_own_non_si(tiny, tiny_drafter, me
     assert out.tokens == reference
     if not same_drafter:
         assert out.stats.rejections > 0  # the comparison covered corrections
+
+
+def test_processes_rebuild_the_gguf_model_from_its_recipe_and_stay_lossless(tiny, tiny_drafter, no_thread_leak):
+    model, _, tok = tiny
+    prompt = tok.encode(CORPUS[2])
+    reference = dsi.generate(target=model, prompt=prompt, method="ar", max_new_tokens=24).tokens
+    out = dsi.generate(target=model, drafter=tiny_drafter, prompt=prompt, method="dsi", lookahead=3,
+                       num_target_servers=2, max_new_tokens=24, transport="processes")
+    assert out.tokens == reference
+
+
+def test_threads_can_change_between_forwards(tiny):
+    model, hf, tok = tiny
+    ids = tok.encode(CORPUS[4])
+    session = model.new_session()
+    try:
+        model.threads = 2
+        first = session.extend(ids[:6])
+        model.threads = 1  # picked up by the next forward of the open session
+        rest = session.extend(ids[6:])
+    finally:
+        model.threads = 1
+        session.close()
+    np.testing.assert_allclose(np.concatenate([first, rest]), hf_logits(hf, ids), atol=2e-3, rtol=0)
+
+
+def test_the_cli_runs_gguf_files_on_llama_cpp_losslessly(tiny, tiny_drafter, capsys):
+    import json
+
+    from dsi.cli.main import main
+
+    model, _, tok = tiny
+    ids = ",".join(map(str, tok.encode(CORPUS[0])))
+    common = ["--target", str(model.source_path), "--drafter", str(tiny_drafter.source_path), "--backend",
+              "llama.cpp", "--prompt-ids", ids, "--max-new-tokens", "24", "--json", "--threads", "1"]
+    outputs = {}
+    for method in ("ar", "si", "dsi"):
+        assert main(["generate", *common, "--method", method]) == 0
+        outputs[method] = json.loads(capsys.readouterr().out)["token_ids"]
+    assert outputs["si"] == outputs["dsi"] == outputs["ar"] and len(outputs["ar"]) == 24
+    assert main(["selftest", "--target", str(model.source_path), "--drafter", str(tiny_drafter.source_path),
+                 "--backend", "llama.cpp", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["backend"] == "llama.cpp" and report["passed"]
+
+
+def test_dsi_serve_answers_text_and_chat_from_a_gguf_pair(tiny, tiny_drafter):
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from dsi.server import ServeConfig, create_app
+    from tests.unit.server.conftest import running_server
+
+    model, _, tok = tiny
+    prompt = CORPUS[0]
+    expected = model.decode(dsi.generate(target=model, prompt=model.encode(prompt), method="ar",
+                                         max_new_tokens=16).tokens)
+    chat_ids = model.encode(CORPUS[4], chat=True)
+    expected_chat = dsi.generate(target=model, prompt=chat_ids, method="ar", max_new_tokens=16,
+                                 eos_token_id=list(model.eos_token_ids)).tokens
+    config = ServeConfig(method="dsi", lookahead=3, num_target_servers=2, temperature=0.0, model_name="tiny")
+    with running_server(create_app(model, tiny_drafter, config)) as server:
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 16}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == expected
+        r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": CORPUS[4]}], "max_tokens": 16})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len(chat_ids)  # the GGUF's chat template, as HF renders it
+        assert r.json()["choices"][0]["message"]["content"] == model.decode(expected_chat)
+
+
+@pytest.mark.ray
+def test_ray_actors_rebuild_the_gguf_model_and_stay_lossless(tiny, tiny_drafter, no_thread_leak):
+    pytest.importorskip("ray")
+    ray_cluster()
+    model, _, tok = tiny
+    prompt = tok.encode(CORPUS[3])
+    reference = dsi.generate(target=model, prompt=prompt, method="ar", max_new_tokens=16).tokens
+    out = dsi.generate(target=model, drafter=tiny_drafter, prompt=prompt, method="dsi", lookahead="auto",
+                       num_target_servers=2, max_new_tokens=16, transport="ray",
+                       transport_options={"num_cpus": 0})
+    assert out.tokens == reference
