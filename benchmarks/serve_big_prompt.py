@@ -101,7 +101,9 @@ def main() -> int:
     p.add_argument("--target", help="MODEL of dsi serve (default with --tiny: a tiny random Llama)")
     p.add_argument("--tiny", action="store_true", help="build a tiny random model (context 256) in a temp dir")
     p.add_argument("--mb", type=float, default=20.0, help="body size in MB (default 20)")
-    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--dtype", default="bf16", help="hf backend only")
+    p.add_argument("--backend", default="hf", choices=["hf", "llama.cpp"],
+                   help="dsi serve's backend (llama.cpp: a .gguf target or the embedded pair's short names)")
     p.add_argument("--cases", default="text,chat,ids",
                    help="prompts to send, in order, to each server: text, chat, ids (default text,chat,ids)")
     p.add_argument("--out", default=None, help="write the JSON here")
@@ -116,7 +118,8 @@ def main() -> int:
             target = str(make_model_dir(Path(tmp) / "target", seed=0, layers=2))
         rows = []
         for limit in (None, 4 * size):
-            extra = ["--dtype", args.dtype] + ([] if limit is None else ["--max-body-bytes", str(limit)])
+            extra = ["--backend", args.backend] + (["--dtype", args.dtype] if args.backend == "hf" else [])
+            extra += [] if limit is None else ["--max-body-bytes", str(limit)]
             proc, url = start_server(target, extra)
             try:
                 httpx.post(url + "/v1/completions", json={"prompt": "warm up", "max_tokens": 2}, timeout=120)

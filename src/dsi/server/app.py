@@ -327,7 +327,9 @@ def create_app(
         check_json_content_type(request.headers.get("content-type"))
         with state.admitted():
             # the body goes in a list the preparation step empties: once parsed, nothing holds it
-            prepared = await state.prepare(step, [await read_body(request.receive)])
+            size = request.headers.get("content-length")
+            prepared = await state.prepare(step, [await read_body(request.receive,
+                                                                  int(size) if size and size.isdigit() else None)])
             return prepared, state.submit(prepared)
 
     async def finish_plain(request: Request, job: Job) -> Outcome:

@@ -215,3 +215,29 @@ def test_a_slot_keeps_a_healthy_decoder_after_a_failure_and_rebuilds_a_broken_on
         assert slot.recover() is rebuilt
         assert (slot.decoder is not first) is rebuilt and first.closed is rebuilt
         slot.close()
+
+
+def test_read_body_fills_a_buffer_of_the_declared_size_and_refuses_more():
+    import asyncio
+
+    from dsi.server.limits import read_body
+    from dsi.server.protocol import APIError
+
+    def receiver(chunks, disconnect=False):
+        messages = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
+        if disconnect:
+            messages = messages[:1] + [{"type": "http.disconnect"}]
+
+        async def receive():
+            return messages.pop(0)
+        return receive
+
+    chunks = [b"abc", b"", b"defgh", b"ij"]
+    for size in (10, None):
+        body = asyncio.run(read_body(receiver(list(chunks)), size))
+        assert isinstance(body, bytearray) and body == b"abcdefghij"
+    assert asyncio.run(read_body(receiver([b"abc"]), 10)) == b"abc"  # shorter than declared: what came
+    with pytest.raises(APIError, match="longer than its Content-Length of 4"):
+        asyncio.run(read_body(receiver(list(chunks)), 4))
+    with pytest.raises(APIError, match="client closed"):
+        asyncio.run(read_body(receiver(list(chunks), disconnect=True), 10))
