@@ -40,27 +40,55 @@ def tiny_llama(seed: int = 0, layers: int = 2, hidden: int = 32, max_positions: 
     return transformers.LlamaForCausalLM(config).eval(), tok
 
 
-def write_tiny_gguf(path: Path, seed: int = 0, layers: int = 2, hidden: int = 32, max_positions: int = 256):
-    """Write the tiny Llama as ``path`` (a .gguf file); return ``(path, hf_model, tokenizer)``."""
+def add_llama(writer, model) -> None:
+    """The hyperparameters and float32 tensors of the HF ``LlamaForCausalLM`` ``model`` under
+    llama.cpp's names, as its converter writes them (query and key permuted)."""
     import gguf
 
-    model, tok = tiny_llama(seed, layers, hidden, max_positions)
     config = model.config
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name(f"tiny-llama-{seed}")
-    writer.add_context_length(max_positions)
-    writer.add_embedding_length(hidden)
+    heads, kv_heads, layers = config.num_attention_heads, config.num_key_value_heads, config.num_hidden_layers
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(layers)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(float(getattr(config, "rope_theta", None) or config.rope_parameters["rope_theta"]))
-    writer.add_rope_dimension_count(hidden // heads)
-    writer.add_vocab_size(len(tok))
+    writer.add_rope_dimension_count(config.hidden_size // heads)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    weights = {name: t.detach().float().numpy() for name, t in model.state_dict().items()}
+    writer.add_tensor("token_embd.weight", weights["model.embed_tokens.weight"])
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", weights[p + "input_layernorm.weight"])
+        writer.add_tensor(f"blk.{i}.attn_q.weight", _permute(weights[p + "self_attn.q_proj.weight"], heads))
+        writer.add_tensor(f"blk.{i}.attn_k.weight", _permute(weights[p + "self_attn.k_proj.weight"], kv_heads))
+        writer.add_tensor(f"blk.{i}.attn_v.weight", weights[p + "self_attn.v_proj.weight"])
+        writer.add_tensor(f"blk.{i}.attn_output.weight", weights[p + "self_attn.o_proj.weight"])
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", weights[p + "post_attention_layernorm.weight"])
+        writer.add_tensor(f"blk.{i}.ffn_gate.weight", weights[p + "mlp.gate_proj.weight"])
+        writer.add_tensor(f"blk.{i}.ffn_up.weight", weights[p + "mlp.up_proj.weight"])
+        writer.add_tensor(f"blk.{i}.ffn_down.weight", weights[p + "mlp.down_proj.weight"])
+    writer.add_tensor("output_norm.weight", weights["model.norm.weight"])
+    writer.add_tensor("output.weight", weights["lm_head.weight"])
 
+
+def finish(writer) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def write_tiny_gguf(path: Path, seed: int = 0, layers: int = 2, hidden: int = 32, max_positions: int = 256):
+    """Write the tiny Llama as ``path`` (a .gguf file); return ``(path, hf_model, tokenizer)``."""
+    import gguf
+
+    model, tok = tiny_llama(seed, layers, hidden, max_positions)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name(f"tiny-llama-{seed}")
+    writer.add_vocab_size(len(tok))
     vocab = tok.get_vocab()
     tokens = [""] * len(vocab)
     for text, index in vocab.items():
@@ -77,24 +105,6 @@ def write_tiny_gguf(path: Path, seed: int = 0, layers: int = 2, hidden: int = 32
     writer.add_pad_token_id(tok.pad_token_id)
     writer.add_add_bos_token(False)
     writer.add_chat_template(tok.chat_template)
-
-    weights = {name: t.detach().float().numpy() for name, t in model.state_dict().items()}
-    writer.add_tensor("token_embd.weight", weights["model.embed_tokens.weight"])
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        writer.add_tensor(f"blk.{i}.attn_norm.weight", weights[p + "input_layernorm.weight"])
-        writer.add_tensor(f"blk.{i}.attn_q.weight", _permute(weights[p + "self_attn.q_proj.weight"], heads))
-        writer.add_tensor(f"blk.{i}.attn_k.weight", _permute(weights[p + "self_attn.k_proj.weight"], kv_heads))
-        writer.add_tensor(f"blk.{i}.attn_v.weight", weights[p + "self_attn.v_proj.weight"])
-        writer.add_tensor(f"blk.{i}.attn_output.weight", weights[p + "self_attn.o_proj.weight"])
-        writer.add_tensor(f"blk.{i}.ffn_norm.weight", weights[p + "post_attention_layernorm.weight"])
-        writer.add_tensor(f"blk.{i}.ffn_gate.weight", weights[p + "mlp.gate_proj.weight"])
-        writer.add_tensor(f"blk.{i}.ffn_up.weight", weights[p + "mlp.up_proj.weight"])
-        writer.add_tensor(f"blk.{i}.ffn_down.weight", weights[p + "mlp.down_proj.weight"])
-    writer.add_tensor("output_norm.weight", weights["model.norm.weight"])
-    writer.add_tensor("output.weight", weights["lm_head.weight"])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    add_llama(writer, model)
+    finish(writer)
     return Path(path), model, tok

@@ -97,7 +97,8 @@ class DraftWorker:
         sampling: SamplingParams,
         eos_token_ids: frozenset[int],
     ) -> None:
-        """Abandon the current drafts and start drafting ``limit`` tokens after ``context``."""
+        """Abandon the current drafts and start drafting ``limit`` tokens after ``context`` (the
+        caller has capped ``limit`` at the drafter's room: :meth:`capped`)."""
         with self._cond:
             if self._job is not None:
                 self._job.cancel.set()
@@ -152,7 +153,7 @@ class DraftWorker:
     def _draft(self, session, job: _Job) -> None:
         params, cancel = job.sampling, job.cancel
         count = 0
-        limit = self.capped(len(job.context), job.limit)  # never past the drafter's own context
+        limit = job.limit  # capped at the drafter's own context by the orchestrator
         limited = False
         try:
             if limit > 0:

@@ -28,7 +28,7 @@ This module knows nothing about torch, sampling or the algorithm.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -90,6 +90,18 @@ class LanguageModel(Protocol):
     def vocab_size(self) -> int: ...
 
     def new_session(self) -> ModelSession: ...
+
+
+def encode_prompt(tokenizer: Any, name: str, text: str, *, chat: bool = False, system: str | None = None) -> list[int]:
+    """Token ids of ``text`` by a Hugging Face-style ``tokenizer``; with ``chat``, of its chat template
+    applied to one user message (after a ``system`` one if given). ``name`` names the model in errors."""
+    if not chat:
+        return list(tokenizer.encode(text))
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"{name}'s tokenizer has no chat template; drop --chat")
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def context_limit(model: object) -> int | None:

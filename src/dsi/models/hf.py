@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from dsi.errors import ConfigError, ContextLengthError, ModelError, TaskCancelled
-from dsi.models.base import CancelFlag
+from dsi.models.base import CancelFlag, encode_prompt
 from dsi.models.hf_checkpoint import checkpoint_dir
 from dsi.models.sources import resolve_source
 
@@ -341,14 +341,7 @@ class HFModel:
 
     def encode(self, text: str, *, chat: bool = False, system: str | None = None) -> list[int]:
         """Token ids of ``text``; with ``chat``, of the chat template applied to one user message."""
-        tok = self._need_tokenizer()
-        if chat:
-            if not getattr(tok, "chat_template", None):
-                raise ConfigError(f"{self.name}'s tokenizer has no chat template; drop --chat")
-            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            return list(tok.encode(text, add_special_tokens=False))
-        return list(tok.encode(text))
+        return encode_prompt(self._need_tokenizer(), self.name, text, chat=chat, system=system)
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self._need_tokenizer().decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from dsi.errors import ConfigError, ContextLengthError, ModelError, TaskCancelled
-from dsi.models.base import CancelFlag
+from dsi.models.base import CancelFlag, encode_prompt
 
 log = logging.getLogger(__name__)
 
@@ -189,14 +189,7 @@ class LlamaCppModel:
 
     def encode(self, text: str, *, chat: bool = False, system: str | None = None) -> list[int]:
         """Token ids of ``text``; with ``chat``, of the chat template applied to one user message."""
-        tok = self.tokenizer
-        if chat:
-            if not tok.chat_template:
-                raise ConfigError(f"{self.name}'s GGUF has no chat template; drop --chat")
-            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            return tok.encode(text, add_special_tokens=False)
-        return tok.encode(text)
+        return encode_prompt(self.tokenizer, self.name, text, chat=chat, system=system)
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -41,7 +41,7 @@ from dsi.models.base import LanguageModel
 from dsi.server.codec import Codec, HFCodec
 from dsi.server.config import ServeConfig
 from dsi.server.jobs import Job, Outcome
-from dsi.server.limits import BodyLimit, check_json_content_type, read_body
+from dsi.server.limits import BodyLimit, check_json_content_type, content_length, read_body
 from dsi.server.metrics import CONTENT_TYPE, ServerMetrics
 from dsi.server.prepare import Prepared, Preparer
 from dsi.server.protocol import (
@@ -327,9 +327,8 @@ def create_app(
         check_json_content_type(request.headers.get("content-type"))
         with state.admitted():
             # the body goes in a list the preparation step empties: once parsed, nothing holds it
-            size = request.headers.get("content-length")
-            prepared = await state.prepare(step, [await read_body(request.receive,
-                                                                  int(size) if size and size.isdigit() else None)])
+            body = [await read_body(request.receive, content_length(request.scope))]
+            prepared = await state.prepare(step, body)
             return prepared, state.submit(prepared)
 
     async def finish_plain(request: Request, job: Job) -> Outcome:

@@ -40,7 +40,8 @@ class BodyTooLarge(APIError):
                          code="request_too_large")
 
 
-def _content_length(scope: Scope) -> int | None:
+def content_length(scope: Scope) -> int | None:
+    """The request's declared body size (None: not given, or malformed)."""
     for name, value in scope.get("headers", ()):
         if name == b"content-length":
             try:
@@ -70,7 +71,7 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        length = _content_length(scope)
+        length = content_length(scope)
         if length is not None and length > self.max_bytes:
             await self._refuse(BodyTooLarge(self.max_bytes, length), scope, receive, send)
             return
@@ -110,7 +111,7 @@ async def read_body(receive: Receive, size: int | None = None) -> bytearray:
     With the declared ``size`` (Content-Length, already within the limit) the buffer is allocated
     once at that size and filled in place: a growing buffer would be copied as it grows, which
     at least doubles a large body's peak memory."""
-    if size:
+    if size is not None and size > 0:
         body = bytearray(size)
         view, filled = memoryview(body), 0
         try:

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Sequence
 from dsi.errors import WorkerError
 from dsi.models.base import common_prefix_length
 from dsi.transport.base import TaskFailed, TaskResult, VerifyTask
-from dsi.transport.liveness import ForwardRates, LivenessPolicy
+from dsi.transport.liveness import ForwardRates, LivenessPolicy, Watchdog
 
 MAX_TASK_DEATHS = 2  # servers that may die running one task before the task fails instead
 MAX_RESTARTS = 5  # replacements of one server id within RESTART_WINDOW_S (without an answered task between)
@@ -93,8 +93,11 @@ class DispatchingPool:
 
     A subclass sets ``_lock``, ``_dispatch``, ``_closed``, ``_name`` (for messages), ``_rates``
     (:class:`ForwardRates`), ``_liveness`` (:class:`LivenessPolicy`) and ``_restarts`` (a list, per
-    server, of the monotonic times of its recent replacements), and implements ``num_servers``, ``_alive()`` (servers in service; lock held)
-    and ``_hand_over(server, task)`` (start ``task`` on the idle ``server``; lock held).
+    server, of the monotonic times of its recent replacements), and implements ``num_servers``,
+    ``_alive()`` (servers in service; lock held), ``_hand_over(server, task)`` (start ``task`` on
+    the idle ``server``; lock held), ``_incarnation(server)`` (what identifies the server's current
+    worker: a handle, a thread generation; lock held) and ``_declare_frozen(server, incarnation,
+    reason)`` (that worker missed its liveness deadline: take it out of service).
     """
 
     _rates: ForwardRates
@@ -115,6 +118,11 @@ class DispatchingPool:
         """Servers in service with nothing to do: a task submitted now starts at once on one."""
         with self._lock:
             return 0 if self._dispatch.queue else len(self._dispatch.idle_servers())
+
+    def busy_servers(self) -> list[int]:
+        """Ids of the servers running a task now (for monitoring and failure-injection tests)."""
+        with self._lock:
+            return [s for s, task in self._dispatch.running.items() if task is not None]
 
     def _requeue(self, task: VerifyTask, server: int, error: str) -> TaskFailed | None:
         """A dead server's task: first in line again, or failed if it is poison (lock held)."""
@@ -147,6 +155,16 @@ class DispatchingPool:
         self._restarts[server] = [*recent, now]
         return True
 
+    def _reinstate(self, server: int) -> None:
+        """A replacement of ``server`` is ready: back in service with an empty cache, no measured
+        rate of its own, and the next queued task if any (lock held)."""
+        self._dispatch.dead.discard(server)
+        self._dispatch.last_context[server] = ()
+        self._rates.forget(server)
+        next_task = self._dispatch.finish(server)
+        if next_task is not None:
+            self._hand_over(server, next_task)
+
     def _answered(self, server: int, event: object) -> None:
         """``server`` answered its running task with ``event`` (lock held; before ``finish``): it is
         healthy, and a completed forward tells how fast it is."""
@@ -166,10 +184,19 @@ class DispatchingPool:
                 late.append((server, task, deadline))
         return late
 
-    @staticmethod
-    def _frozen(task: VerifyTask, deadline: float) -> str:
-        """Why a server past its deadline is declared dead."""
-        return f"no answer to task {task.task_id} within its liveness deadline of {deadline:.1f} s (frozen?)"
+    def _start_watchdog(self) -> Watchdog | None:
+        """The thread that checks the liveness deadlines (None when they are off)."""
+        if not self._liveness.enabled:
+            return None
+        period = min(1.0, self._liveness.floor_s / 4)
+        return Watchdog(f"dsi-{self._name}-watchdog", period, self._check_liveness)
 
-    def _watch_period(self) -> float:
-        return min(1.0, self._liveness.floor_s / 4)
+    def _check_liveness(self) -> None:
+        """Declare every server past its running task's deadline frozen (the watchdog's check)."""
+        with self._lock:
+            if self._closed:
+                return
+            late = [(server, self._incarnation(server), task, deadline) for server, task, deadline in self._overdue()]
+        for server, incarnation, task, deadline in late:
+            self._declare_frozen(server, incarnation, f"no answer to task {task.task_id} within its liveness "
+                                                      f"deadline of {deadline:.1f} s (frozen?)")

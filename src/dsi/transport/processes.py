@@ -40,10 +40,10 @@ from dsi.errors import ConfigError, ModelError, WorkerError
 from dsi.models.base import LanguageModel
 from dsi.transport.base import EventSink, VerifyTask
 from dsi.transport.recipes import ModelRecipe, build_with_threads, model_recipe
-from dsi.transport.remote import BadAnswer, RemotePool, ServerLost, check_options, per_server
+from dsi.transport.remote import RemotePool, ServerLost, check_options, per_server, read_answer
 from dsi.transport.wire import (
-    HANDSHAKE_TIMEOUT_S, MalformedFrame, UndecodableMessage, answer, deadline_for, recv_message, restore_exception,
-    send_message, shutdown,
+    HANDSHAKE_TIMEOUT_S, MalformedFrame, UndecodableMessage, answer, deadline_for, recv_message, send_message,
+    shutdown,
 )
 
 log = logging.getLogger(__name__)
@@ -183,11 +183,7 @@ class ProcessServer:
 
     def receive(self) -> object:
         try:
-            return restore_exception(recv_message(self.conn))
-        except UndecodableMessage as exc:
-            raise BadAnswer(str(exc)) from exc
-        except MalformedFrame as exc:
-            raise ServerLost(f"process {self.pid} sent a malformed frame: {exc}") from None
+            return read_answer(self.conn, f"process {self.pid}")
         except (EOFError, OSError):
             raise ServerLost(self.exit_reason()) from None
 

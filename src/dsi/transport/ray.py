@@ -40,10 +40,9 @@ from dsi.errors import ConfigError, ModelError, WorkerError
 from dsi.models.base import LanguageModel
 from dsi.transport.base import EventSink, TaskAborted, TaskFailed, VerifyTask
 from dsi.transport.recipes import ModelRecipe, build_with_threads, model_recipe
-from dsi.transport.remote import STOPPED, BadAnswer, RemotePool, ServerLost, check_options, per_server
+from dsi.transport.remote import STOPPED, BadAnswer, RemotePool, ServerLost, check_options, per_server, read_answer
 from dsi.transport.wire import (
-    MalformedFrame, UndecodableMessage, accept, answer, connect, listen, recv_message, restore_exception,
-    send_message, shutdown,
+    accept, answer, connect, listen, recv_message, restore_exception, send_message, shutdown,
 )
 
 log = logging.getLogger(__name__)
@@ -216,7 +215,7 @@ class RayServer:
             try:
                 address = ray.get(self.actor.open_channel.remote(authkey), timeout=timeout)
                 self._conn = connect(tuple(address), authkey, CONNECT_TIMEOUT_S)
-            except (OSError, EOFError, ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as exc:
+            except (OSError, EOFError, ray.exceptions.RayError) as exc:  # GetTimeoutError is a RayError
                 log.warning("target server actor %d: no direct channel (%s: %s); using Ray calls",
                             self.server_id, type(exc).__name__, exc)
                 self.channel = "ray"
@@ -234,11 +233,7 @@ class RayServer:
     def receive(self) -> object:
         if self._conn is not None:
             try:
-                return restore_exception(recv_message(self._conn))
-            except UndecodableMessage as exc:
-                raise BadAnswer(str(exc)) from exc
-            except MalformedFrame as exc:
-                raise ServerLost(f"actor {self.server_id} (pid {self.pid}) sent a malformed frame: {exc}") from None
+                return read_answer(self._conn, f"actor {self.server_id} (pid {self.pid})")
             except (EOFError, OSError):
                 if self._stopped:
                     return STOPPED

@@ -29,16 +29,18 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
+from multiprocessing.connection import Connection
 from typing import Protocol
 
 from dsi.errors import ConfigError, WorkerError
 from dsi.transport.base import EventSink, ServerDied, TaskAborted, TaskFailed, VerifyTask
 from dsi.transport.dispatch import MAX_RESTARTS, Dispatcher, DispatchingPool
 from dsi.transport.liveness import ForwardRates, LivenessPolicy, Watchdog
+from dsi.transport.wire import MalformedFrame, UndecodableMessage, recv_message, restore_exception
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MAX_RESTARTS", "BadAnswer", "RemotePool", "ServerHandle", "ServerLost", "STOPPED"]
+__all__ = ["MAX_RESTARTS", "BadAnswer", "RemotePool", "ServerHandle", "ServerLost", "STOPPED", "read_answer"]
 
 
 class ServerLost(Exception):
@@ -87,6 +89,19 @@ class ServerHandle(Protocol):
         """Stop the server at once, forcibly (it may be frozen), and wake a ``receive`` blocked on
         it (which then raises :class:`ServerLost` or returns :data:`STOPPED`); idempotent."""
         ...
+
+
+def read_answer(conn: Connection, who: str) -> object:
+    """The next answer on a :mod:`dsi.transport.wire` connection, its read errors as a handle's
+    ``receive`` reports them: a pickle that does not load is a :class:`BadAnswer`, broken framing a
+    :class:`ServerLost` (``who`` names the server). ``EOFError`` / ``OSError`` pass through: each
+    handle knows best why its peer is gone."""
+    try:
+        return restore_exception(recv_message(conn))
+    except UndecodableMessage as exc:
+        raise BadAnswer(str(exc)) from exc
+    except MalformedFrame as exc:
+        raise ServerLost(f"{who} sent a malformed frame: {exc}") from None
 
 
 def check_options(transport: str, options: dict, allowed: Iterable[str]) -> None:
@@ -157,8 +172,7 @@ class RemotePool(DispatchingPool):
             raise
         for server, handle in enumerate(self.handles):
             self._start_listener(server, handle)
-        if self._liveness.enabled:
-            self._watchdog = Watchdog(f"dsi-{name}-watchdog", self._watch_period(), self._check_liveness)
+        self._watchdog = self._start_watchdog()
 
     # ---- the pool protocol -------------------------------------------------------------------
     @property
@@ -169,11 +183,6 @@ class RemotePool(DispatchingPool):
         """Servers in service or being restarted."""
         with self._lock:
             return self._alive()
-
-    def busy_servers(self) -> list[int]:
-        """Ids of the servers running a task now (for monitoring and failure-injection tests)."""
-        with self._lock:
-            return [s for s, task in self._dispatch.running.items() if task is not None]
 
     def cancel(self, task_ids: Iterable[int]) -> None:
         with self._lock:
@@ -282,13 +291,11 @@ class RemotePool(DispatchingPool):
         log.warning("%s server %d: unreadable answer to task %d: %s", self._name, server, task.task_id, error)
         return TaskFailed(task.task_id, server, f"the answer of target server {server} could not be read: {error}")
 
-    def _check_liveness(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            late = [(server, self.handles[server], task, deadline) for server, task, deadline in self._overdue()]
-        for server, handle, task, deadline in late:
-            self._lost(server, handle, self._frozen(task, deadline), kill=True)
+    def _incarnation(self, server: int) -> ServerHandle:
+        return self.handles[server]
+
+    def _declare_frozen(self, server: int, handle: ServerHandle, reason: str) -> None:
+        self._lost(server, handle, reason, kill=True)
 
     def _lost(self, server: int, handle: ServerHandle, error: str, kill: bool = False) -> None:
         events: list[object] = []
@@ -347,11 +354,6 @@ class RemotePool(DispatchingPool):
                 return
             self.handles[server] = handle
             self._lost_servers.discard(server)
-            self._rates.forget(server)
-            self._dispatch.dead.discard(server)
-            self._dispatch.last_context[server] = ()
             self._start_listener(server, handle)
-            next_task = self._dispatch.finish(server)
-            if next_task is not None:
-                self._hand_over(server, next_task)
+            self._reinstate(server)
         log.info("%s target server %d restarted", self._name, server)

@@ -29,7 +29,7 @@ from dsi.errors import ConfigError, TaskCancelled
 from dsi.models.base import LanguageModel
 from dsi.transport.base import EventSink, ServerDied, TaskAborted, TaskFailed, VerifyTask
 from dsi.transport.dispatch import Dispatcher, DispatchingPool
-from dsi.transport.liveness import ForwardRates, LivenessPolicy, Watchdog
+from dsi.transport.liveness import ForwardRates, LivenessPolicy
 from dsi.transport.server import run_verify_task
 
 log = logging.getLogger(__name__)
@@ -77,26 +77,19 @@ class ThreadTargetPool(DispatchingPool):
         self._generation = [0] * num_servers  # bumped when a server's thread is replaced
         self._inboxes: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(num_servers)]
         self._threads: list[threading.Thread] = []  # every thread started, replaced ones included
-        self._current: list[threading.Thread] = []
         with self._lock:
             for server in range(num_servers):
-                self._current.append(self._start_thread(server))
-        self._watchdog = (Watchdog("dsi-thread-watchdog", self._watch_period(), self._check_liveness)
-                          if self._liveness.enabled else None)
+                self._start_thread(server)
+        self._watchdog = self._start_watchdog()
 
     @property
     def num_servers(self) -> int:
-        return len(self._current)
+        return len(self._generation)
 
     def alive_servers(self) -> int:
         """Servers in service or being restarted (none once closed)."""
         with self._lock:
             return 0 if self._closed else self._alive()
-
-    def busy_servers(self) -> list[int]:
-        """Ids of the servers running a task now (for monitoring and failure-injection tests)."""
-        with self._lock:
-            return [s for s, task in self._dispatch.running.items() if task is not None]
 
     def cancel(self, task_ids: Iterable[int]) -> None:
         with self._lock:
@@ -137,7 +130,7 @@ class ThreadTargetPool(DispatchingPool):
         self._cancel_flags[server] = flag
         self._inboxes[server].put((task, flag))
 
-    def _start_thread(self, server: int) -> threading.Thread:
+    def _start_thread(self, server: int) -> None:
         """A new thread (and inbox) for ``server`` (lock held); an older one is abandoned."""
         self._generation[server] += 1
         generation = self._generation[server]
@@ -146,7 +139,6 @@ class ThreadTargetPool(DispatchingPool):
         thread = threading.Thread(target=self._serve, args=(server, generation, inbox), name=name, daemon=True)
         self._threads.append(thread)
         thread.start()
-        return thread
 
     def _serve(self, server: int, generation: int, inbox: queue.SimpleQueue) -> None:
         try:
@@ -195,12 +187,7 @@ class ThreadTargetPool(DispatchingPool):
             self._restarting.discard(server)
             if self._closed:
                 return
-            self._dispatch.dead.discard(server)
-            self._dispatch.last_context[server] = ()
-            self._rates.forget(server)
-            next_task = self._dispatch.finish(server)
-            if next_task is not None:
-                self._hand_over(server, next_task)
+            self._reinstate(server)
         log.info("target server thread %d restarted", server)
 
     def _died(self, server: int, generation: int, error: str, charged_to_task: bool) -> None:
@@ -226,7 +213,7 @@ class ThreadTargetPool(DispatchingPool):
             restart = self._restart_dead and self._may_restart(server, charged_to_task and task is not None)
             if restart:
                 self._restarting.add(server)
-                self._current[server] = self._start_thread(server)
+                self._start_thread(server)
             else:
                 self._generation[server] += 1  # whatever the old thread does next is not reported
             left = self._alive()
@@ -235,10 +222,8 @@ class ThreadTargetPool(DispatchingPool):
         for event in [ServerDied(server, error, restart), *events]:
             self._on_event(event)
 
-    def _check_liveness(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            late = [(server, self._generation[server], task, deadline) for server, task, deadline in self._overdue()]
-        for server, generation, task, deadline in late:
-            self._died(server, generation, self._frozen(task, deadline), charged_to_task=True)
+    def _incarnation(self, server: int) -> int:
+        return self._generation[server]
+
+    def _declare_frozen(self, server: int, generation: int, reason: str) -> None:
+        self._died(server, generation, reason, charged_to_task=True)

@@ -14,6 +14,7 @@ from dsi.errors import ConfigError, ModelError, VocabularyMismatchError
 from dsi.models import hf_checkpoint, loading
 from dsi.models.cache import MARKER, cache_dir
 from dsi.models.hf_checkpoint import ensure_converted, gguf_cache_key, resolve_model_dir
+from tests.tiny_gguf import add_llama, finish
 
 
 @pytest.fixture(autouse=True)
@@ -208,7 +209,8 @@ def test_load_pair_vocabulary_checks(tmp_path):
 def write_tiny_gguf(path, seed: int = 0):
     """A tiny Llama written as an F32 GGUF file (with a byte-level BPE tokenizer), plus the source model.
 
-    The query/key weights are permuted the way llama.cpp stores them; transformers undoes that on load.
+    The query/key weights are permuted the way llama.cpp stores them (tests/tiny_gguf.py); transformers
+    undoes that on load.
     """
     torch, transformers = _hf()
     gguf = pytest.importorskip("gguf")
@@ -222,44 +224,15 @@ def write_tiny_gguf(path, seed: int = 0):
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                       rms_norm_eps=1e-6, tie_word_embeddings=False)
     model = transformers.LlamaForCausalLM(config).eval()
-    sd = {k: v.detach().numpy().astype(np.float32) for k, v in model.state_dict().items()}
-
-    def permute(w, heads):
-        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_context_length(64)
-    w.add_embedding_length(32)
-    w.add_block_count(2)
-    w.add_feed_forward_length(64)
-    w.add_head_count(4)
-    w.add_head_count_kv(2)
-    w.add_rope_dimension_count(8)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_freq_base(10000.0)
-    w.add_file_type(0)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
     w.add_token_merges(["Ġ t", "h e"])
     w.add_token_types([1] * (vocab - 1) + [3])
     w.add_eos_token_id(vocab - 1)
-    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
-    names = {"attn_norm": "input_layernorm", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-             "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-             "ffn_down": "mlp.down_proj"}
-    for i in range(2):
-        p = f"model.layers.{i}."
-        for short, long in names.items():
-            w.add_tensor(f"blk.{i}.{short}.weight", sd[f"{p}{long}.weight"])
-        w.add_tensor(f"blk.{i}.attn_q.weight", permute(sd[p + "self_attn.q_proj.weight"], 4))
-        w.add_tensor(f"blk.{i}.attn_k.weight", permute(sd[p + "self_attn.k_proj.weight"], 2))
-    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
-    w.add_tensor("output.weight", sd["lm_head.weight"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    add_llama(w, model)
+    finish(w)
     return model
 
 
