@@ -174,6 +174,21 @@ def hf_assisted(target, drafter, prompts, tokens, repeats, threads):
     return walls, outputs
 
 
+def near_tie_margin(backend: str, dtype: str | None) -> float:
+    """The largest logit gap at a greedy departure that counts as a numerical near-tie (dsi demo's rule)."""
+    return NEAR_TIE_MARGIN.get("llama.cpp" if backend == "llama.cpp" else dtype, 1e-3)
+
+
+def divergences(target, prompts, references, outputs, tie: float) -> dict:
+    """``{"divergence": [...], "near_tie": bool}`` for the prompts whose ``outputs`` depart from
+    ``references`` (non-SI's greedy tokens): where each departs, the target's logit margin there
+    (dsi.compare.first_divergence), and whether every departure is within ``tie`` of a tie."""
+    found = [{"prompt": i, **(first_divergence(target, prompts[i], ref, out) or {})}
+             for i, (ref, out) in enumerate(zip(references, outputs, strict=True)) if list(out) != list(ref)]
+    return {"divergence": found,
+            "near_tie": all(d.get("margin") is not None and abs(d["margin"]) <= tie for d in found)}
+
+
 def parse_dsi_spec(spec: str) -> tuple[str, list[int], list[int], int | None, int | None]:
     """``TRANSPORT:KS:SPS[:THREADS[:DRAFTER_THREADS]]`` -> (transport, lookaheads, server counts,
     torch threads per server process, torch threads of the drafter)."""
@@ -379,12 +394,8 @@ def main() -> int:
                 "gpu_utilisation_pct": gpu.mean_over([s for r in runs for s in r.spans]) if gpu.available else None,
             }
             if not row["identical"]:  # where, and how close the target's two best tokens were there
-                row["divergence"] = [
-                    {"prompt": i, **(first_divergence(target, prompts[i], res["non-SI"].tokens, run.tokens) or {})}
-                    for i, (run, res) in enumerate(zip(runs, results, strict=True)) if run.tokens != res["non-SI"].tokens
-                ]
-                tie = NEAR_TIE_MARGIN.get("llama.cpp" if args.backend == "llama.cpp" else args.dtype, 1e-3)
-                row["near_tie"] = all(d.get("margin") is not None and abs(d["margin"]) <= tie for d in row["divergence"])
+                row.update(divergences(target, prompts, [res["non-SI"].tokens for res in results],
+                                       [r.tokens for r in runs], near_tie_margin(args.backend, args.dtype)))
             if patterns is not None and latencies and config.method != "ar":
                 add_ideal(row)
             report["rows"][config.label] = row

@@ -106,3 +106,14 @@ def no_thread_leak():
             return
         time.sleep(0.01)
     pytest.fail(f"leaked threads: {alive}")
+
+
+def interval_law(fn, cdf_points):
+    """Exact law of fn(u) for u ~ U[0,1) when fn is constant between consecutive cdf_points."""
+    points = np.unique(np.clip(np.concatenate([[0.0, 1.0], cdf_points]), 0.0, 1.0))
+    law = {}
+    for lo, hi in zip(points[:-1], points[1:], strict=True):
+        if hi > lo:
+            out = fn((lo + hi) / 2)
+            law[out] = law.get(out, 0.0) + (hi - lo)
+    return law

@@ -78,7 +78,7 @@ class MethodRun:
         return statistics.median(self.wall_s)
 
 
-def _set_threads(model, threads: int | None, default: int | None) -> None:
+def set_threads(model, threads: int | None, default: int | None) -> None:
     """``threads`` for this config, or the model's own setting (``default``) when it gives none, so
     that a config's threads never leak into the next one."""
     if hasattr(model, "threads"):
@@ -96,37 +96,57 @@ def iter_compare(
     eos_token_id=None,
     warmup_tokens: int = 4,
     progress: Callable[[], None] | None = None,
+    sampling: SamplingParams | None = None,
+    cold: bool = False,
 ) -> Iterator[tuple[MethodConfig, list[MethodRun]]]:
     """Run each config in turn; after each, yield it with its runs (one :class:`MethodRun` per prompt).
 
-    A caller that stops iterating early closes the decoder in use.
+    ``sampling``: the requests' parameters (default greedy). A decoder keeps its sessions' caches
+    between requests, so repeats of a prompt reuse its cached prefix; with ``cold`` every timed run
+    gets a decoder of its own instead (as ``transformers.generate`` starts every call), first run
+    for two tokens after a one-token prompt that starts none of the prompts (its workers and
+    sessions start outside the timed call). A caller that stops iterating early closes the
+    decoder in use.
     """
-    greedy = SamplingParams()
+    params = sampling if sampling is not None else SamplingParams()
+    firsts = {ids[0] for ids in prompt_ids}
+    flush = next(([t] for ids in prompt_ids for t in reversed(ids) if t not in firsts), None)
     decoder, workers = None, None
     own = {id(m): getattr(m, "threads", None) for m in (target, drafter)}
+
+    def build(config: MethodConfig):
+        built = build_decoder(
+            target=target, drafter=drafter, method=config.method, lookahead=config.lookahead,
+            num_target_servers=config.servers, transport=config.transport,
+            transport_options=dict(config.transport_options),
+        )
+        if cold and flush is not None:
+            built.generate(make_request(flush, 2, params, None, target.vocab_size))
+        return built
+
     try:
         for config in configs:
-            _set_threads(target, config.threads, own[id(target)])
-            _set_threads(drafter, config.threads, own[id(drafter)])
-            if decoder is None or config.workers != workers:
+            set_threads(target, config.threads, own[id(target)])
+            set_threads(drafter, config.threads, own[id(drafter)])
+            if decoder is None or config.workers != workers or cold:
                 if decoder is not None:
                     decoder.close()
                     decoder = None
-                decoder = build_decoder(
-                    target=target, drafter=drafter, method=config.method, lookahead=config.lookahead,
-                    num_target_servers=config.servers, transport=config.transport,
-                    transport_options=dict(config.transport_options),
-                )
+                decoder = build(config)
                 workers = config.workers
             if config.method != "ar":
                 decoder.lookahead = config.lookahead
             if warmup_tokens:
-                decoder.generate(make_request(prompt_ids[0], warmup_tokens, greedy, None, target.vocab_size))
+                decoder.generate(make_request(prompt_ids[0], warmup_tokens, params, None, target.vocab_size))
             runs = []
             for ids in prompt_ids:
                 run = MethodRun(config)
                 for _ in range(repeats):
-                    request = make_request(ids, max_new_tokens, greedy, eos_token_id, target.vocab_size)
+                    if cold:
+                        decoder.close()
+                        decoder = None
+                        decoder = build(config)
+                    request = make_request(ids, max_new_tokens, params, eos_token_id, target.vocab_size)
                     start = time.perf_counter()
                     out = decoder.generate(request)
                     run.spans.append((start, time.perf_counter()))
@@ -142,7 +162,7 @@ def iter_compare(
         if decoder is not None:
             decoder.close()
         for model in (target, drafter):
-            _set_threads(model, None, own[id(model)])
+            set_threads(model, None, own[id(model)])
 
 
 def compare(target, drafter, prompt_ids: Sequence[Sequence[int]], configs: Sequence[MethodConfig],

@@ -33,6 +33,13 @@ class VocabularyMismatchError(ModelError, ValueError):
     """Target and drafter do not share one vocabulary."""
 
 
+class DraftUnavailable(DSIError):
+    """A drafter has nothing to propose for the next position (e.g. a drafter with another
+    tokenizer whose text has ended, or that cannot spell the context). Raised by a drafter session;
+    the engines stop drafting for the moment and go on with the target's own tokens, as at a
+    drafter's context limit. Never escapes the engine."""
+
+
 class WorkerError(DSIError, RuntimeError):
     """A target server or the drafter failed while serving a request."""
 

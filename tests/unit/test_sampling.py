@@ -18,6 +18,7 @@ from dsi.sampling import (
     sample_from,
     uniform,
 )
+from tests.conftest import interval_law
 
 SAMPLE = SamplingParams(temperature=1.0, seed=7)
 
@@ -79,20 +80,9 @@ def test_top_k_keeps_ties_with_the_kth_value():
     assert (probs > 0).tolist() == [True, True, True, False]
 
 
-def _interval_law(fn, cdf_points):
-    """Exact law of fn(u) for u ~ U[0,1) when fn is constant between consecutive cdf_points."""
-    points = np.unique(np.clip(np.concatenate([[0.0, 1.0], cdf_points]), 0.0, 1.0))
-    law = {}
-    for lo, hi in zip(points[:-1], points[1:], strict=True):
-        if hi > lo:
-            out = fn((lo + hi) / 2)
-            law[out] = law.get(out, 0.0) + (hi - lo)
-    return law
-
-
 def test_sample_from_has_exactly_the_given_law():
     probs = np.array([0.1, 0.0, 0.35, 0.05, 0.5])
-    law = _interval_law(lambda u: sample_from(probs, u), np.cumsum(probs))
+    law = interval_law(lambda u: sample_from(probs, u), np.cumsum(probs))
     assert set(law) == {0, 2, 3, 4}  # never the zero-mass token
     for token, mass in law.items():
         assert mass == pytest.approx(probs[token], abs=1e-15)
@@ -119,7 +109,7 @@ def _decide_law(p, q, params, monkeypatch):
             if u_a_hi <= u_a_lo:
                 continue
             current[Purpose.ACCEPT] = (u_a_lo + u_a_hi) / 2
-            branch = _interval_law(
+            branch = interval_law(
                 lambda u: (current.__setitem__(Purpose.RESIDUAL, u), decide(p, int(x), q, params, 0))[1],
                 res_cdf,
             )
@@ -169,7 +159,7 @@ def test_exact_law_of_windowed_decoding_with_residual_and_bonus_branches(k, monk
             monkeypatch.setattr(sampling, "uniform", lambda *a: u)
             return bonus(p, SAMPLE, 0)
 
-        return _interval_law(run, np.cumsum(p))
+        return interval_law(run, np.cumsum(p))
 
     def law_from(context, left, drafted):
         """Law of the next `left` tokens; `drafted` = drafts accepted so far in this window."""

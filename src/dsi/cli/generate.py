@@ -23,7 +23,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--target", default=DEFAULT_TARGET,
                    help="MODEL: a checkpoint directory, a .gguf file, a hub id, or a short name of the "
                         f"embedded pair (default: {DEFAULT_TARGET})")
-    g.add_argument("--drafter", default=DEFAULT_DRAFTER, help=f"MODEL of the drafter (default: {DEFAULT_DRAFTER})")
+    g.add_argument("--drafter", default=DEFAULT_DRAFTER,
+                   help=f"MODEL of the drafter (default: {DEFAULT_DRAFTER}); it may come from another model "
+                        "family with its own tokenizer (see --vocab-mode), e.g. smollm2-135m-instruct")
+    g.add_argument("--vocab-mode", choices=["auto", "shared", "string", "intersection"], default="auto",
+                   help="how the drafter's tokens reach the target: 'auto' (default) uses them as they are when "
+                        "both share one vocabulary, else translates through text: 'string' (greedy: the "
+                        "drafter's text re-tokenized for the target) or 'intersection' (sampling and greedy: "
+                        "the tokens both vocabularies share); 'shared' requires one vocabulary. Output is exact "
+                        "in every mode")
     add_backend_args(g)
 
 
@@ -158,7 +166,11 @@ def _load(args: argparse.Namespace, need_drafter: bool, hf_default_dtype: str = 
                "device": args.device if hf else None, "threads": args.threads,
                "progress": not getattr(args, "json", False) or sys.stderr.isatty()}
     if need_drafter:
-        return load_pair(args.target, args.drafter, **options)
+        from dsi.models.crossvocab import bridge_drafter
+
+        mode = getattr(args, "vocab_mode", "auto")
+        target, drafter = load_pair(args.target, args.drafter, vocab_mode=mode, **options)
+        return target, bridge_drafter(target, drafter, mode)  # translated once, shared by every decoder
     return load_model(args.target, role="target", **options), None
 
 
@@ -179,6 +191,10 @@ def run_generate(args: argparse.Namespace) -> int:
     sampling = dsi.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
+    if args.method != "ar":
+        from dsi.models.crossvocab import check_mode_sampling
+
+        check_mode_sampling(args.vocab_mode, sampling)  # before loading anything
     target, drafter = _load(args, need_drafter=args.method != "ar")
     ids = _prompt_ids(args, target)
     target.check_length(len(ids), args.max_new_tokens)

@@ -31,6 +31,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_model_args(p)
     for action in p._actions:
+        if action.dest == "backend":  # exact checks need exact arithmetic: llama.cpp's batched kernels round
+            action.default = "hf"     # differently from its one-token ones (near-ties flip, top-k edges move)
+            action.help = ("engine of the models (default hf here: an exact check needs the same arithmetic in a "
+                           "1-token and a k-token forward, which llama.cpp's quantized kernels do not give; "
+                           "--backend llama.cpp reports its near-ties as failures)")
         if action.dest == "dtype":
             action.help = (f"weights dtype of the hf backend (default {HF_DTYPE} here); setting it makes --backend "
                            "auto pick hf")

@@ -131,7 +131,7 @@ def run_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key, **limits,
         model_name=args.served_model_name or served_name(args.target), max_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-        shutdown_grace_s=args.shutdown_timeout,
+        shutdown_grace_s=args.shutdown_timeout, vocab_mode=args.vocab_mode,
     )
     if not _is_loopback(args.host):
         log.warning("dsi serve: listening on %s, reachable from other machines%s", args.host,

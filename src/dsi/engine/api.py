@@ -15,8 +15,9 @@ from dsi.engine.dsi import DSIDecoder
 from dsi.engine.request import Request, TokenCallback
 from dsi.engine.result import GenerationResult
 from dsi.engine.si import SpeculativeDecoder
-from dsi.errors import ConfigError, VocabularyMismatchError, require
+from dsi.errors import ConfigError, require
 from dsi.models.base import LanguageModel
+from dsi.models.crossvocab import VOCAB_MODES, bridge_drafter
 from dsi.sampling import SamplingParams
 from dsi.transport import TRANSPORTS, make_pool
 
@@ -77,6 +78,9 @@ def build_decoder(
     transport_options: dict | None = None,
     max_window: int | None = None,
     auto_options: dict | None = None,
+    vocab_mode: str = "auto",
+    target_tokenizer: object = None,
+    drafter_tokenizer: object = None,
 ) -> Decoder:
     """A decoder that keeps its workers (threads, caches) across requests; ``close()`` it.
 
@@ -87,9 +91,20 @@ def build_decoder(
 
     ``lookahead``: drafts per verification window (k), or ``"auto"`` (DSI only): event-driven
     windows, sent whenever a target server is idle, carrying every draft made since the previous
-    window (at most ``max_window``)."""
+    window (at most ``max_window``).
+
+    ``vocab_mode``: how a drafter's tokens relate to the target's (:mod:`dsi.models.crossvocab`).
+    ``"auto"``: the drafter's own tokens when both share one vocabulary, else a drafter of another
+    vocabulary drafts through text (string-level for greedy requests, the token intersection for
+    sampling); ``"shared"``: one vocabulary required; ``"string"`` / ``"intersection"``: that
+    translation. Translating needs both tokenizers: the models' ``tokenizer`` attributes, or
+    ``target_tokenizer`` / ``drafter_tokenizer``. Output stays exact in every mode."""
     require(method in METHODS, f"method={method!r} must be one of {', '.join(METHODS)}")
+    require(vocab_mode in VOCAB_MODES, f"vocab_mode={vocab_mode!r} must be one of {', '.join(VOCAB_MODES)}")
     check_lookahead(method, lookahead, max_window)
+    if drafter is not None and method != "ar":
+        drafter = bridge_drafter(_check_model(target, "target"), _check_model(drafter, "drafter"), vocab_mode,
+                                 target_tokenizer=target_tokenizer, drafter_tokenizer=drafter_tokenizer)
     if method == "auto":
         require(
             _is_int(num_target_servers) and num_target_servers >= 1,
@@ -112,12 +127,6 @@ def build_decoder(
         return AutoregressiveDecoder(target)
     if drafter is None:
         raise ConfigError(f"method={method!r} needs a drafter model")
-    drafter = _check_model(drafter, "drafter")
-    if drafter.vocab_size != target.vocab_size:
-        raise VocabularyMismatchError(
-            f"drafter vocab_size={drafter.vocab_size} differs from target vocab_size="
-            f"{target.vocab_size}; target and drafter must share one vocabulary"
-        )
     if method == "si":
         return SpeculativeDecoder(target, drafter, lookahead)
     options = dict(transport_options or {})
@@ -190,6 +199,9 @@ def generate(
     eos_token_id: int | Sequence[int] | None = None,
     on_tokens: TokenCallback | None = None,
     abort: threading.Event | None = None,
+    vocab_mode: str = "auto",
+    target_tokenizer: object = None,
+    drafter_tokenizer: object = None,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt`` with non-SI, SI or DSI.
 
@@ -197,7 +209,7 @@ def generate(
     sampled output has exactly the target's distribution, and for a fixed seed it is the same
     for any number of target servers and any timing. ``on_tokens`` receives each committed
     token as it is committed (streaming). ``lookahead="auto"`` gives DSI event-driven windows
-    (see :func:`build_decoder`). Workers are started for this call and stopped before it returns;
+    (see :func:`build_decoder`, also for ``vocab_mode`` and a drafter with another tokenizer). Workers are started for this call and stopped before it returns;
     use :func:`build_decoder` to keep them across calls.
     """
     sampling = SamplingParams() if sampling is None else sampling
@@ -211,6 +223,9 @@ def generate(
         transport_options=transport_options,
         max_window=max_window,
         auto_options=auto_options,
+        vocab_mode=vocab_mode,
+        target_tokenizer=target_tokenizer,
+        drafter_tokenizer=drafter_tokenizer,
     )
     try:
         request = make_request(prompt, max_new_tokens, sampling, eos_token_id, target.vocab_size)

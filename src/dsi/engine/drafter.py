@@ -10,7 +10,9 @@ A drafter's context limit (its declared ``max_context``) never fails a request: 
 where the drafter runs out of room (:func:`capped_drafts`; not even a prefill when the context
 alone is too long), and a :class:`~dsi.errors.ContextLengthError` raised by the drafter's
 session ends the drafts like the token limit does. The engines then commit the target's own
-tokens (bonus tokens), which keeps the output lossless. Any other drafter error stays an error.
+tokens (bonus tokens), which keeps the output lossless. A drafter session with nothing to
+propose (:class:`~dsi.errors.DraftUnavailable`: a drafter of another vocabulary whose text has
+ended) ends the drafts the same way. Any other drafter error stays an error.
 """
 
 from __future__ import annotations
@@ -23,11 +25,22 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dsi.errors import ContextLengthError, TaskCancelled
-from dsi.models.base import LanguageModel, context_limit, extend_rows, forward_rows
+from dsi.errors import ContextLengthError, DraftUnavailable, TaskCancelled
+from dsi.models.base import LanguageModel, context_limit, extend_rows, forward_rows, session_counters
 from dsi.sampling import SamplingParams, draft_from_logits
 
 log = logging.getLogger(__name__)
+
+
+def request_info(model: LanguageModel, sampling: SamplingParams) -> dict:
+    """Check that the drafter ``model`` can serve a request with ``sampling`` (raises
+    :class:`~dsi.errors.ConfigError` if not) and return what it reports about it for the stats
+    (a drafter of another vocabulary: its mode and the vocabulary intersection); ``{}`` for others."""
+    check = getattr(model, "check_sampling", None)
+    if check is not None:
+        check(sampling)
+    info = getattr(model, "request_info", None)
+    return dict(info(sampling)) if info is not None else {}
 
 
 def capped_drafts(model: LanguageModel, context_length: int, wanted: int) -> int:
@@ -86,6 +99,7 @@ class DraftWorker:
         self._closed = False
         self.forwards = 0  # drafter forwards started (read by the orchestrator for stats)
         self.busy_s = 0.0  # time spent in drafter forwards, finished or cancelled (likewise)
+        self._session = None  # the drafter's session (its own counters are read for stats)
         self._thread = threading.Thread(target=self._run, name="dsi-drafter", daemon=True)
         self._thread.start()
 
@@ -116,6 +130,10 @@ class DraftWorker:
         """:func:`capped_drafts` for this worker's model."""
         return capped_drafts(self._model, context_length, wanted)
 
+    def counters(self) -> dict[str, int]:
+        """The work counters of the drafter's session (:func:`dsi.models.base.session_counters`)."""
+        return session_counters(self._session)
+
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
@@ -134,7 +152,7 @@ class DraftWorker:
             return None if self._closed else self._job
 
     def _run(self) -> None:
-        session = self._model.new_session()
+        session = self._session = self._model.new_session()
         try:
             while (job := self._next_job()) is not None:
                 try:
@@ -172,6 +190,8 @@ class DraftWorker:
         except ContextLengthError as exc:  # a declared limit reached: no more drafts, not a failure
             log.debug("drafter stopped after %d drafts at its context limit: %s", count, exc)
             limited = True
+        except DraftUnavailable as exc:  # nothing to propose (e.g. a foreign drafter's text ended)
+            log.debug("drafter stopped after %d drafts: %s", count, exc)
         self._on_event(DraftsDone(job.epoch, count, limited))
 
     def _forward(self, run):

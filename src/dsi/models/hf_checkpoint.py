@@ -6,8 +6,10 @@ Hugging Face backend loads.
 - a ``.gguf`` file is converted once to bf16 safetensors plus tokenizer files in the cache
   (:func:`dsi.models.cache.cache_dir`), so later loads read safetensors (about a second) instead of
   dequantizing the GGUF (about a minute for 1.5B parameters);
-- the embedded pair's verified GGUF (:mod:`dsi.models.embedded`) likewise, into ``models/<name>/``,
-  with the upstream generation config's EOS tokens.
+- an embedded model's verified GGUF (:mod:`dsi.models.embedded`: the default Qwen pair, the
+  SmolLM2 drafter) likewise, into ``models/<name>/``, with the model's pinned EOS tokens in its
+  generation config. The same code converts the Qwen2 GGUFs (Q4_K_M) and SmolLM2's Llama GGUF
+  (Q4_1, tied embeddings, GPT-2 style tokenizer): transformers' GGUF loader reads both.
 
 The conversion happens only when the Hugging Face backend is actually used; the llama.cpp backend
 reads the GGUF directly. torch and transformers are imported only inside the conversion.
@@ -94,7 +96,7 @@ def _hub_snapshot(repo_id: str) -> Path:
 
 
 # ----------------------------------------------------------------------------------------------
-# The embedded pair, converted
+# The embedded models, converted
 
 
 def embedded_dir(name: str) -> Path:
@@ -103,8 +105,9 @@ def embedded_dir(name: str) -> Path:
 
 
 def is_converted(name: str | None = None) -> bool:
-    """True if the embedded model ``name`` (default: both) is converted in the cache, from the pinned GGUF."""
-    models = [embedded.get(name)] if name is not None else [embedded.TARGET, embedded.DRAFTER]
+    """True if the embedded model ``name`` (default: both of the default pair) is converted in the cache,
+    from the pinned GGUF."""
+    models = [embedded.get(name)] if name is not None else list(embedded.PAIR)
     for m in models:
         marker = read_marker(embedded_dir(m.name))
         if marker is None or marker.get("sha256") != m.sha256:
@@ -113,7 +116,7 @@ def is_converted(name: str | None = None) -> bool:
 
 
 def ensure_embedded_pair(progress: bool = True, keep_downloads: bool = False) -> tuple[Path, Path]:
-    """Fetch, verify and convert the pair if needed; return ``(target_dir, drafter_dir)``."""
+    """Fetch, verify and convert the default pair if needed; return ``(target_dir, drafter_dir)``."""
     return (
         ensure_embedded(embedded.TARGET.name, progress=progress, keep_downloads=keep_downloads),
         ensure_embedded(embedded.DRAFTER.name, progress=progress, keep_downloads=keep_downloads),
@@ -143,10 +146,12 @@ def ensure_embedded(
 
 
 def _convert_embedded(m: embedded.EmbeddedModel) -> Converter:
-    """transformers' GGUF conversion, then the upstream generation settings' EOS tokens.
+    """transformers' GGUF conversion, then ``m.eos_token_ids`` as the generation config's EOS list.
 
-    The GGUF names only ``<|im_end|>`` as EOS; the upstream Qwen2.5-Coder-Instruct generation
-    config also stops at ``<|endoftext|>``, which raw (non-chat) completions end with.
+    The GGUFs name only ``<|im_end|>`` as EOS. For the Qwen pair the list is the upstream
+    Qwen2.5-Coder-Instruct generation config's, which also stops at ``<|endoftext|>`` (what raw,
+    non-chat completions end with); for SmolLM2 it is the end-of-generation set llama.cpp derives
+    from the GGUF (``<|im_end|>``, ``<|endoftext|>``, ``<reponame>``), so both backends stop alike.
     """
 
     def convert(gguf: Path, out: Path, progress: bool) -> None:

@@ -334,6 +334,7 @@ class GGUFTokenizer:
         self._vocab = vocab
         self._size = model.vocab_size
         self._text_vocab: dict[str, int] | None = None
+        self._pieces: list[bytes] | None = None
         self.eos_token_id = _token_or_none(ll.llama_vocab_eos(vocab))
         self.bos_token_id = _token_or_none(ll.llama_vocab_bos(vocab))
         eog = [t for t in range(self._size) if ll.llama_vocab_is_eog(vocab, t)]
@@ -379,6 +380,22 @@ class GGUFTokenizer:
                 return buf.raw[:n].decode("utf-8", errors="replace")
             room = -n
         raise ModelError(f"llama.cpp could not detokenise {len(ids)} tokens")
+
+    def token_bytes(self) -> list[bytes]:
+        """The bytes each token spells (special tokens: their text), by id; built once."""
+        if self._pieces is None:
+            buf = ctypes.create_string_buffer(256)
+            pieces = []
+            for token in range(self._size):
+                n = self._ll.llama_token_to_piece(self._vocab, token, buf, 256, 0, True)
+                if n < 0:  # longer than the buffer: ask again with room for it
+                    big = ctypes.create_string_buffer(-n)
+                    n = self._ll.llama_token_to_piece(self._vocab, token, big, -n, 0, True)
+                    pieces.append(big.raw[:n])
+                else:
+                    pieces.append(buf.raw[:n])
+            self._pieces = pieces
+        return self._pieces
 
     def get_vocab(self) -> dict[str, int]:
         """Token text -> id (the GGUF's token strings), built once."""

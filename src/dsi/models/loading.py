@@ -160,16 +160,41 @@ def load_pair(
     progress: bool = True,
     threads: int | None = None,
     n_ctx: int | None = None,
+    vocab_mode: str = "auto",
 ) -> tuple[Any, Any]:
-    """Load a target and a drafter with one backend and check that they share one vocabulary."""
+    """Load a target and a drafter with one backend.
+
+    With ``vocab_mode="shared"`` they must share one vocabulary (:func:`check_same_vocabulary`); any
+    other mode lets a drafter of another vocabulary draft through text (:mod:`dsi.models.crossvocab`,
+    bridged by :func:`dsi.build_decoder`), and only a drafter without a tokenizer is refused then."""
+    from dsi.models.crossvocab import VOCAB_MODES
+
+    if vocab_mode not in VOCAB_MODES:
+        raise ConfigError(f"vocab_mode={vocab_mode!r} must be one of {', '.join(VOCAB_MODES)}")
     sources = [resolve_source(target_spec), resolve_source(drafter_spec)]
     choice = _choice(sources, backend, [device, drafter_device], dtype or drafter_dtype, False, n_ctx)
     common = {"progress": progress, "threads": threads, "n_ctx": n_ctx}
     target = _load_one(sources[0], choice.backend, dtype=dtype, device=device, role="target", **common)
     drafter = _load_one(sources[1], choice.backend, dtype=drafter_dtype or dtype, device=drafter_device or device,
                         role="drafter", **common)
-    check_same_vocabulary(target, drafter)
+    if vocab_mode == "shared":
+        check_same_vocabulary(target, drafter)
+    elif not _one_vocabulary(target, drafter):
+        if target.tokenizer is None or drafter.tokenizer is None:
+            raise VocabularyMismatchError(
+                f"{target.name} and {drafter.name} have different vocabularies ({target.vocab_size} vs "
+                f"{drafter.vocab_size} ids) and {'the target' if target.tokenizer is None else 'the drafter'} has "
+                "no tokenizer to translate between them")
+        logger.info("%s drafts for %s across vocabularies (vocab_mode=%s)", drafter.name, target.name, vocab_mode)
     return target, drafter
+
+
+def _one_vocabulary(target: Any, drafter: Any) -> bool:
+    try:
+        check_same_vocabulary(target, drafter)
+    except VocabularyMismatchError:
+        return False
+    return True
 
 
 def _choice(sources: list[ModelSource], backend: str, devices: list, dtype: str | None, trust_remote_code: bool,
@@ -208,7 +233,7 @@ def check_same_vocabulary(target: Any, drafter: Any) -> None:
 
     Compares the logit dimension and, when both have tokenizers, the token -> id maps.
     """
-    hint = "mixed tokenizers are not supported yet; use a drafter from the target's model family"
+    hint = "vocab_mode='shared' needs one vocabulary; 'auto' lets a drafter of another family draft through text"
     if target.vocab_size != drafter.vocab_size:
         raise VocabularyMismatchError(
             f"target vocab_size={target.vocab_size} ({target.name}) != drafter vocab_size="

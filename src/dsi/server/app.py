@@ -38,6 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from dsi.engine.api import build_decoder
 from dsi.errors import ConfigError
 from dsi.models.base import LanguageModel
+from dsi.models.crossvocab import bridge_drafter
 from dsi.server.codec import Codec, HFCodec
 from dsi.server.config import ServeConfig
 from dsi.server.jobs import Job, Outcome
@@ -87,11 +88,14 @@ class ServerState:
         if config.method != "ar" and drafter is None:
             raise ConfigError(f"method={config.method!r} needs a drafter model")
         self.target = target
+        if drafter is not None and config.method != "ar":  # one translation shared by every slot's decoder
+            drafter = bridge_drafter(target, drafter, config.vocab_mode)
         self.drafter = drafter
         self.config = config
         self.codec = codec
         self.max_context = target_context(target, codec)
-        self.preparer = Preparer(config, codec, target.vocab_size, self.max_context)
+        drafter_check = getattr(drafter, "check_sampling", None) if config.method != "ar" else None
+        self.preparer = Preparer(config, codec, target.vocab_size, self.max_context, drafter_check)
         self.metrics = ServerMetrics()
         self.scheduler: Scheduler | None = None
         self.jobs: set[Job] = set()

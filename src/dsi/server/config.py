@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from dsi.engine.api import METHODS, check_lookahead
 from dsi.errors import ConfigError, require
+from dsi.models.crossvocab import VOCAB_MODES, check_mode_sampling
 from dsi.sampling import SamplingParams
 from dsi.server.limits import DEFAULT_MAX_BODY_BYTES
 from dsi.server.protocol import MAX_SEED
@@ -60,6 +61,7 @@ class ServeConfig:
     seed: int | None = None  # None: a fresh random seed for each request that gives none
     retry_after_s: int = 1
     shutdown_grace_s: float = 5.0  # at shutdown, how long running requests may take to stop
+    vocab_mode: str = "auto"  # how the drafter's tokens reach the target (dsi.models.crossvocab)
 
     def __post_init__(self) -> None:
         def positive_int(v: object) -> bool:
@@ -77,5 +79,8 @@ class ServeConfig:
         require(isinstance(self.model_name, str) and self.model_name.strip() != "", "model_name must not be empty")
         require(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed <= MAX_SEED),
                 f"seed={self.seed!r} must be None or an integer in [0, 2**63 - 1]")
-        SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)  # validates them
+        defaults = SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)  # validates them
+        require(self.vocab_mode in VOCAB_MODES, f"vocab_mode={self.vocab_mode!r} must be one of {', '.join(VOCAB_MODES)}")
+        if self.method != "ar":  # string-level drafting serves greedy requests only: the default must be one
+            check_mode_sampling(self.vocab_mode, defaults)
         require(positive_int(self.retry_after_s), f"retry_after_s={self.retry_after_s!r} must be an integer >= 1")

@@ -61,9 +61,13 @@ class Prepared:
 
 
 class Preparer:
-    """Checks requests against the served model: its name, the target's vocabulary and context."""
+    """Checks requests against the served model: its name, the target's vocabulary and context, and
+    the sampling options against what the drafter can serve exactly (``check_sampling``: e.g. a
+    drafter of another vocabulary in string mode serves greedy requests only)."""
 
-    def __init__(self, config: ServeConfig, codec: Codec, vocab_size: int, max_context: int | None) -> None:
+    def __init__(self, config: ServeConfig, codec: Codec, vocab_size: int, max_context: int | None,
+                 check_sampling: Callable[[SamplingParams], None] | None = None) -> None:
+        self.check_sampling = check_sampling
         self.config = config
         self.codec = codec
         self.vocab_size = vocab_size
@@ -151,10 +155,13 @@ class Preparer:
         top_k = c.top_k if req.top_k is None else max(0, req.top_k)
         seed = req.seed if req.seed is not None else (c.seed if c.seed is not None else secrets.randbits(63))
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 temperature=c.temperature if req.temperature is None else float(req.temperature),
                 top_k=top_k, top_p=c.top_p if req.top_p is None else float(req.top_p), seed=seed,
             )
+            if self.check_sampling is not None:
+                self.check_sampling(params)
+            return params
         except ConfigError as exc:
             raise APIError(422, str(exc), code="invalid_value") from exc
 

@@ -249,7 +249,8 @@ def test_hf_gets_its_defaults_and_the_pair_is_checked(fakes, tmp_path):
     assert FakeHF.loads == [(str(tmp_path / "c"), {"dtype": "bf16", "device": "cpu", "role": None, "progress": False,
                                                   "threads": None, "trust_remote_code": False})]
     with pytest.raises(VocabularyMismatchError, match="vocab_size=7 .* vocab_size=8"):
-        load_pair(gguf(tmp_path / "t.gguf"), gguf(tmp_path / "odd.gguf"), backend="llama.cpp", progress=False)
+        load_pair(gguf(tmp_path / "t.gguf"), gguf(tmp_path / "odd.gguf"), backend="llama.cpp", progress=False,
+                  vocab_mode="shared")
 
 
 def test_options_of_one_backend_are_refused_on_the_other(fakes, tmp_path):

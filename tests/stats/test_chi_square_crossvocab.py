@@ -1,0 +1,235 @@
+"""Sampling with a drafter of another vocabulary (token-level intersection, TLI) keeps the target's law.
+
+Two small vocabularies that overlap in part: the target's tokens spell {a, b, ab, c}, the drafter's
+{b, a, ba, c, d} (other ids; "ab" is the target's own, "ba" and "d" the drafter's own). The drafter's
+logits reach the engines through a real :class:`~dsi.models.crossvocab.CrossVocabularySession`
+(the drafter's law restricted to the shared tokens, -inf elsewhere).
+
+(a) Exactly, in float64: the law of the token the decision functions emit at one position (the
+draft drawn by :func:`dsi.sampling.draft_from_logits` from that row, then :func:`dsi.sampling.decide`)
+is enumerated over the uniforms (the counter-based RNG is patched, as in tests/unit/test_sampling.py)
+and equals the target's processed law p, for several p (also with mass on tokens outside the
+intersection), temperatures, top-k and top-p.
+
+(b) Seeded chi-square (as tests/stats/test_chi_square.py): N generations with seeds 0..N-1 of SI and
+DSI (k = 2 and "auto", 1-3 servers) against the target's exact 3-token law, alpha = 1e-4.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy.stats import chisquare
+
+import dsi.sampling as sampling
+from dsi.engine.api import build_decoder, make_request
+from dsi.models import CallableLM
+from dsi.models.base import forward_rows
+from dsi.models.crossvocab import CrossVocabularyDrafter
+from dsi.sampling import Purpose, SamplingParams, decide, draft_from_logits, process_logits, residual
+from tests.conftest import exact_sequence_law, interval_law, random_lm
+from tests.tiny_vocab import PiecesTokenizer
+
+ALPHA = 1e-4
+N_SAMPLES = 2000
+LENGTH = 3
+T_TEXTS = ["a", "b", "ab", "c"]  # target ids 0..3
+D_TEXTS = ["b", "a", "ba", "c", "d"]  # drafter ids 0..4
+SHARED = [0, 1, 3]  # target ids of the intersection (a, b, c); "ab" (2) is the target's alone
+
+
+def wrapped_drafter(drafter: CallableLM, mode: str = "intersection", d_texts=D_TEXTS) -> CrossVocabularyDrafter:
+    """The drafter as the engines get it from ``build_decoder`` (through its tokenizers)."""
+    from dsi.models.crossvocab import bridge_drafter
+
+    target = CallableLM(lambda ctx: np.zeros(len(T_TEXTS)), len(T_TEXTS))
+    out = bridge_drafter(target, drafter, mode, target_tokenizer=PiecesTokenizer(T_TEXTS),
+                         drafter_tokenizer=PiecesTokenizer(d_texts))
+    assert isinstance(out, CrossVocabularyDrafter)
+    return out
+
+
+# ---- (a) the exact law of one decided position ---------------------------------------------------------
+
+
+def emitted_law(p: np.ndarray, drafter_row: np.ndarray, params: SamplingParams, monkeypatch) -> np.ndarray:
+    """Exact law of the committed token at one position: the draft drawn from ``drafter_row`` (the
+    wrapped drafter's logits in the target's ids) by draft_from_logits, then decide(p, draft, q).
+
+    Every uniform the real functions draw (DRAFT, ACCEPT, RESIDUAL) is enumerated over the
+    intervals on which they are constant, by patching the counter-based RNG."""
+    current: dict = {}
+    monkeypatch.setattr(sampling, "uniform", lambda seed, position, purpose: current[purpose])
+    q = process_logits(drafter_row, params)
+
+    def draw(u):
+        current[Purpose.DRAFT] = u
+        token, q_seen = draft_from_logits(drafter_row, params, 0)
+        np.testing.assert_array_equal(q_seen, q)
+        return token
+
+    law = np.zeros_like(p)
+    for x, mass_x in interval_law(draw, np.cumsum(q)).items():
+        assert q[x] > 0 and x in SHARED  # drafts are shared tokens only
+        ratio = min(1.0, p[x] / q[x])
+        for lo, hi in ((0.0, ratio), (ratio, 1.0)):
+            if hi <= lo:
+                continue
+            current[Purpose.ACCEPT] = (lo + hi) / 2
+
+            def decided(u, x=x):
+                current[Purpose.RESIDUAL] = u
+                return decide(p, int(x), q, params, 0).token
+
+            for token, mass in interval_law(decided, np.cumsum(residual(p, q))).items():
+                law[token] += mass_x * (hi - lo) * mass
+    return law
+
+
+PARAMS = [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.5),
+    SamplingParams(temperature=2.0),
+    SamplingParams(temperature=1.0, top_k=2),
+    SamplingParams(temperature=0.8, top_p=0.7),
+    SamplingParams(temperature=1.3, top_k=3, top_p=0.9),
+]
+TARGET_ROWS = {
+    "spread": np.log([0.3, 0.2, 0.4, 0.1]),
+    "mostly off the intersection": np.log([0.05, 0.05, 0.85, 0.05]),
+    "only off the intersection": np.array([-np.inf, -np.inf, 0.0, -np.inf]),
+    "no mass on a": np.array([-np.inf, 1.0, 0.5, -1.0]),
+    "random": np.random.default_rng(5).normal(size=4) * 2,
+}
+DRAFTER_ROWS = {
+    "spread": np.log([0.3, 0.3, 0.2, 0.1, 0.1]),  # b, a, ba, c, d
+    "mostly its own tokens": np.log([0.02, 0.03, 0.5, 0.05, 0.4]),
+    "sure of b": np.array([5.0, -2.0, 0.0, -3.0, 1.0]),
+    "random": np.random.default_rng(6).normal(size=5) * 2,
+}
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=repr)
+@pytest.mark.parametrize("target_case", list(TARGET_ROWS))
+@pytest.mark.parametrize("drafter_case", list(DRAFTER_ROWS))
+def test_one_position_emits_exactly_the_target_law(params, target_case, drafter_case, monkeypatch):
+    drafter_row = DRAFTER_ROWS[drafter_case]
+    wrapped = wrapped_drafter(CallableLM(lambda ctx: drafter_row, len(D_TEXTS)))
+    row = forward_rows(wrapped.new_session(), [0, 3, 2], 1)[-1]  # the session's row after "acab"  # [4]
+    assert row.shape == (4,) and np.isneginf(row[2])
+    np.testing.assert_array_equal(row[SHARED], drafter_row[[1, 0, 3]])  # a, b, c in the drafter's ids
+    p = process_logits(TARGET_ROWS[target_case], params)
+    law = emitted_law(p, row, params, monkeypatch)
+    np.testing.assert_allclose(law, p, rtol=0, atol=1e-12)
+
+
+def test_the_intersection_law_is_the_drafter_s_restricted_and_renormalized():
+    drafter_row = DRAFTER_ROWS["random"]
+    wrapped = wrapped_drafter(CallableLM(lambda ctx: drafter_row, len(D_TEXTS)))
+    row = forward_rows(wrapped.new_session(), [1], 1)[-1]
+    q = process_logits(row, SamplingParams(temperature=1.0))
+    law = np.exp(drafter_row - drafter_row.max())
+    shared = law[[1, 0, 3]] / law[[1, 0, 3]].sum()
+    np.testing.assert_allclose(q[SHARED], shared, rtol=1e-13)
+    assert q[2] == 0.0
+
+
+def test_greedy_decides_the_target_argmax_whatever_the_draft():
+    p = process_logits(TARGET_ROWS["mostly off the intersection"], SamplingParams())
+    for x in SHARED:
+        decision = decide(p, x, None, SamplingParams(), 0)
+        assert (decision.token, decision.accepted) == (2, False)
+
+
+# ---- (b) seeded chi-square of whole generations -----------------------------------------------------------
+
+
+def chi_square_p(counts, law) -> float:
+    """p-value of the counts against the law, cells expected below 5 pooled into one."""
+    expected = np.array(list(law.values())) * N_SAMPLES
+    small = expected < 5
+    observed = np.append(counts[~small], counts[small].sum())
+    expected = np.append(expected[~small], expected[small].sum())
+    if expected[-1] == 0:
+        observed, expected = observed[:-1], expected[:-1]
+    return chisquare(observed, expected).pvalue
+
+
+CASES = [  # method, lookahead, servers, vocab_mode, processing
+    ("si", 2, 1, "intersection", dict(temperature=1.0)),
+    ("si", 3, 1, "auto", dict(temperature=0.8, top_k=3, top_p=0.9)),
+    ("dsi", 2, 1, "auto", dict(temperature=1.0)),
+    ("dsi", 2, 3, "intersection", dict(temperature=0.8, top_k=3, top_p=0.9)),
+    ("dsi", "auto", 1, "intersection", dict(temperature=1.0)),
+    ("dsi", "auto", 2, "auto", dict(temperature=1.2, top_k=2)),
+]
+
+
+@pytest.mark.parametrize("method, lookahead, servers, mode, processing", CASES)
+def test_sampling_with_a_drafter_of_another_vocabulary_matches_the_target_law(
+        method, lookahead, servers, mode, processing, no_thread_leak):
+    target = random_lm(len(T_TEXTS), seed=21, sharpness=1.0)
+    drafter = random_lm(len(D_TEXTS), seed=99, sharpness=1.5)  # its own tokens take some of its mass
+    assert_target_law(target, drafter, D_TEXTS, (0, 3), method, lookahead, servers, mode, processing)
+
+
+@pytest.mark.parametrize("method, lookahead, servers", [("si", 2, 1), ("dsi", "auto", 2)])
+def test_the_law_holds_where_the_drafter_cannot_spell_the_text(method, lookahead, servers, no_thread_leak):
+    """A drafter without "c": once the target writes c, the drafter has nothing to propose
+    (DraftUnavailable) and the target's own tokens follow; the law is still the target's."""
+    target = random_lm(len(T_TEXTS), seed=22, sharpness=1.0)
+    drafter = random_lm(4, seed=98, sharpness=1.5)
+    assert_target_law(target, drafter, ["b", "a", "ba", "d"], (0, 1), method, lookahead, servers, "auto",
+                      dict(temperature=1.0), vocab_intersection=2)
+
+
+def assert_target_law(target, drafter, d_texts, prompt, method, lookahead, servers, mode, processing,
+                      vocab_intersection=3) -> None:
+    law = exact_sequence_law(target, prompt, LENGTH, SamplingParams(**processing, seed=0))
+    decoder = build_decoder(target=target, drafter=drafter, method=method, lookahead=lookahead,
+                            num_target_servers=servers, vocab_mode=mode, target_tokenizer=PiecesTokenizer(T_TEXTS),
+                            drafter_tokenizer=PiecesTokenizer(d_texts))
+    try:
+        counts, accepted, rejected = sample_counts_checked(decoder, prompt, processing, law, vocab_intersection)
+    finally:
+        decoder.close()
+    assert counts.sum() == N_SAMPLES
+    assert accepted > N_SAMPLES // 10 and rejected > N_SAMPLES // 10  # both branches, often
+    p_value = chi_square_p(counts, law)
+    expected = np.array(list(law.values())) * N_SAMPLES
+    assert p_value > ALPHA, f"p={p_value:.2e}: counts {counts} vs expected {np.round(expected, 1)}"
+
+
+def sample_counts_checked(decoder, prompt, processing, law, vocab_intersection):
+    index = {seq: i for i, seq in enumerate(law)}
+    counts = np.zeros(len(law))
+    accepted = rejected = 0
+    for seed in range(N_SAMPLES):
+        out = decoder.generate(make_request(prompt, LENGTH, SamplingParams(**processing, seed=seed), None,
+                                            len(T_TEXTS)))
+        counts[index[tuple(out.tokens)]] += 1
+        accepted += out.stats.accepted_tokens
+        rejected += out.stats.rejections
+        extra = out.stats.extra
+        assert (extra["vocab_mode"], extra["vocab_intersection"]) == ("intersection", vocab_intersection)
+    return counts, accepted, rejected
+
+
+def test_the_chi_square_check_detects_a_sampler_that_keeps_every_draft():
+    """Guard: the same check rejects "always accept" (the drafter's restricted law at every position)."""
+    target = random_lm(len(T_TEXTS), seed=21, sharpness=1.0)
+    drafter = random_lm(len(D_TEXTS), seed=99, sharpness=1.5)
+    params = SamplingParams(temperature=1.0, seed=0)
+    law = exact_sequence_law(target, (0, 3), LENGTH, params)
+    wrapped = wrapped_drafter(drafter)
+
+    class Restricted:  # the wrapped drafter's rows as a target-vocabulary model
+        def next_logits(self, context):
+            return forward_rows(wrapped.new_session(), context, 1)[-1]
+
+    biased = exact_sequence_law(Restricted(), (0, 3), LENGTH, params)
+    keys = list(law)
+    probs = np.array([biased.get(k, 0.0) for k in keys])
+    draws = np.random.default_rng(0).choice(len(keys), size=N_SAMPLES, p=probs / probs.sum())
+    counts = np.bincount(draws, minlength=len(keys)).astype(float)
+    assert chi_square_p(counts, law) < ALPHA
