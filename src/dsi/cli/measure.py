@@ -9,7 +9,9 @@
   The match flags are cut into runs of consecutive matches, split at each mismatch (the last run
   is kept when the generation ends on a match; no empty run is added after a final mismatch).
   With m the mean run length, acceptance a = 1 - 1/(1 + m). The plain per-token match rate is
-  reported too. The same passes give the target's and the drafter's TTFT/TPOT.
+  reported too. The same passes give the target's and the drafter's TTFT/TPOT. A drafter with
+  another tokenizer guesses as it drafts (``--vocab-mode``, :mod:`dsi.models.crossvocab`): through
+  its own greedy text re-tokenized for the target, so its "TPOT" is its cost per guessed target token.
 
 The measuring functions below work on any :class:`~dsi.models.base.LanguageModel` (no torch);
 only the command functions load models (:mod:`dsi.models.loading`; torch only for the hf backend).
@@ -31,8 +33,8 @@ import numpy as np
 
 from dsi.cli.backend import add_backend_args, choose, describe, hf_dtype
 from dsi.cli.output import dumps, format_table, print_json
-from dsi.errors import ConfigError
-from dsi.models.base import LanguageModel
+from dsi.errors import ConfigError, DraftUnavailable
+from dsi.models.base import LanguageModel, forward_rows
 
 PROMPT_SETS: dict[str, list[str]] = {
     "code": [
@@ -148,16 +150,31 @@ def drafter_predictions(
     (prefill, then one token per step) of the drafter.
     """
     session = drafter.new_session()
+    context = list(prompt)
     try:
         start = clock()
-        guesses = [int(np.argmax(session.extend(list(prompt))[-1]))]
+        guesses = [_guess(drafter, session, context)]
         ttft = clock() - start
         for token in target_tokens[:-1]:
-            guesses.append(int(np.argmax(session.extend([token])[-1])))
+            context.append(token)
+            guesses.append(_guess(drafter, session, context))
         total = clock() - start
     finally:
         session.close()
     return Timed(tuple(guesses), ttft, total)
+
+
+def _guess(drafter: LanguageModel, session: Any, context: list[int]) -> int:
+    """The drafter's greedy guess after ``context`` (its session holds all of it but the last token).
+    A drafter of another vocabulary guesses through its own text (string level, as it drafts greedy
+    requests); where it has nothing to propose, -1 (no draft: never a match)."""
+    if getattr(drafter, "drafts_through_text", False):
+        try:
+            return int(forward_rows(session, context, 1, greedy=True)[-1])
+        except DraftUnavailable:
+            return -1
+    added = context[len(session.tokens):]
+    return int(np.argmax(session.extend(added)[-1]))
 
 
 def run_lengths(matches: Sequence[bool]) -> list[int]:
@@ -298,7 +315,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          description="The target generates greedily; at each prefix the drafter predicts one "
                                      "token; a = 1 - 1/(1 + mean run length of consecutive matches).")
     acc.add_argument("--target", default="default-target", metavar="MODEL", help="target MODEL (default: embedded)")
-    acc.add_argument("--drafter", default="default-drafter", metavar="MODEL", help="drafter MODEL (default: embedded)")
+    acc.add_argument("--drafter", default="default-drafter", metavar="MODEL",
+                     help="drafter MODEL (default: embedded); it may have another tokenizer (--vocab-mode)")
+    acc.add_argument("--vocab-mode", choices=["auto", "shared", "string", "intersection"], default="auto",
+                     help="how a drafter of another vocabulary guesses: 'auto' (default) and 'string' through its "
+                          "own greedy text re-tokenized for the target, 'intersection' through the tokens both "
+                          "vocabularies share; 'shared' requires one vocabulary")
     common(acc, 64)
     acc.set_defaults(func=run_acceptance)
 
@@ -393,7 +415,10 @@ def run_acceptance(args: argparse.Namespace) -> int:
     _check_common(args)
     options, label = _load_options(args, [args.target, args.drafter])
     threads = _setup_threads(args.threads, options["backend"])
-    target, drafter = load_pair(args.target, args.drafter, **options)
+    from dsi.models.crossvocab import bridge_drafter
+
+    target, drafter = load_pair(args.target, args.drafter, vocab_mode=args.vocab_mode, **options)
+    drafter = bridge_drafter(target, drafter, args.vocab_mode)  # guesses in the target's ids
     prompts = _prompt_ids(target, args)
     measured = measure_acceptance(target, drafter, prompts, args.max_new_tokens, target.eos_token_ids)
     result = {

@@ -7,10 +7,12 @@ session on the same text, and propose target tokens in one of two ways:
 
 - **string** (SLEM, greedy decoding): the drafter continues the text greedily in its own tokens;
   the text it wrote beyond the target's context is tokenized by the target's tokenizer, and the
-  first of those target tokens is the proposal. The last target token of that text is never
-  proposed while the drafter may still write more (``"hel"`` may become ``"hello"`` once ``"lo"``
-  follows); the drafter writes on until a token is followed by another, or its text ends (its
-  EOS), which settles the last one too.
+  first of those target tokens is the proposal. A target token is proposed only once it is
+  settled: it ends before the last word of that text (:func:`~dsi.models.vocabulary.last_word_start`;
+  ``" th"`` tokenizes as ``" t"``, ``"h"`` but ``" the"`` as one token, so nothing in a word is
+  final until the next word begins; in a long word, once it ends :data:`LONG_WORD_BYTES` bytes
+  before the text does), or the drafter's text has ended (its EOS). The drafter writes on until
+  then (at most :data:`MAX_STEPS_PER_PROPOSAL` tokens).
 - **intersection** (TLI, sampling and greedy): the drafter's next-token logits restricted to the
   tokens whose pieces both vocabularies share (:class:`~dsi.models.vocabulary.Intersection`), in
   the target's ids, -inf elsewhere: after softmax, the drafter's law restricted to the
@@ -47,7 +49,7 @@ import numpy as np
 
 from dsi.errors import ConfigError, DraftUnavailable, VocabularyMismatchError
 from dsi.models.base import CancelFlag, LanguageModel, forward_rows
-from dsi.models.vocabulary import Intersection, Vocabulary, same_vocabulary
+from dsi.models.vocabulary import Intersection, Vocabulary, last_word_start, same_vocabulary
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,9 @@ _TRANSLATING = ("auto", "string", "intersection")
 # string mode: the most drafter tokens written for one proposal; a text that settles no target token
 # by then (bytes the target's tokenizer cannot start a token with) gives no draft at that position
 MAX_STEPS_PER_PROPOSAL = 16
+# ... and inside a long word (an identifier, a language without spaces), a target token that ends this
+# many bytes before the text does counts as settled too
+LONG_WORD_BYTES = 12
 
 
 def check_mode_sampling(vocab_mode: str, params: Any) -> None:
@@ -262,9 +267,9 @@ class CrossVocabularySession:
         while True:
             pending = bytes(self._d_text[len(text):])
             proposals = self._target_vocab.tokens_of_prefix(pending)
-            settled = proposals if self._ended else proposals[:-1]
-            if settled:
-                return settled[0]
+            final = max(last_word_start(pending), len(pending) - LONG_WORD_BYTES)
+            if proposals and (self._ended or len(self._target_vocab.piece(proposals[0])) <= final):
+                return proposals[0]  # settled: it ends before the word more text could still change
             if self._ended:
                 raise DraftUnavailable("the drafter's text has ended")
             if steps >= MAX_STEPS_PER_PROPOSAL:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -35,6 +36,31 @@ import numpy as np
 from dsi.errors import ConfigError
 
 logger = logging.getLogger(__name__)
+
+# GPT-2's pre-tokenizer pattern with the standard library's classes ([^\W\d_] = a letter): byte-level BPE
+# never merges across these pieces, so a token that ends before the last piece of a text is final
+_PRE_TOKENS = re.compile(r"""'(?:[sdmt]|ll|ve|re)| ?[^\W\d_]+| ?\d+| ?[^\s\w]+|\s+(?!\S)|\s+""")
+
+
+def last_word_start(data: bytes) -> int:
+    """Byte offset in ``data`` where its last pre-token (a word with its leading space, a number, a run
+    of punctuation or of spaces) starts: text appended to ``data`` may still change how the bytes
+    from there on are tokenized, but not the bytes before (for byte-level BPE tokenizers, which
+    split text this way before merging). Bytes that start no character at the very beginning (the
+    rest of a character cut before ``data``) count as finished."""
+    lead = 0
+    while lead < len(data) and 0x80 <= data[lead] < 0xC0:
+        lead += 1
+    try:
+        text = data[lead:].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        text = data[lead: lead + exc.start].decode("utf-8")
+    last = None
+    for last in _PRE_TOKENS.finditer(text):
+        pass
+    if last is None:
+        return lead
+    return lead + len(text[: last.start()].encode("utf-8"))
 
 
 @lru_cache(maxsize=1)
@@ -72,6 +98,7 @@ class Vocabulary:
                 by_piece.setdefault(piece, token)
         self.by_piece = by_piece
         self._longest_piece = max((len(p) for p in by_piece), default=0)
+        self._adds_space: bool | None = None  # whether encode_text puts a space before a text (found on use)
 
     def __len__(self) -> int:
         return len(self.pieces)
@@ -127,7 +154,7 @@ class Vocabulary:
             except UnicodeDecodeError as exc:
                 text, bad, rest = rest[: exc.start].decode("utf-8"), rest[exc.start: exc.end], rest[exc.end:]
             if text:
-                ids = self.encode_text(text)
+                ids = self._encode(text)
                 if self.spelling(ids) != text.encode("utf-8"):
                     ids = self._bytewise(text.encode("utf-8"))
                     if ids is None:
@@ -166,14 +193,34 @@ class Vocabulary:
                     out.append(token)
                     at += len(self.pieces[token] or b"")
                     continue
-            for token in self.encode_text(text):
+            ids, took = self._encode(text), 0
+            for token in ids:
                 piece = self.piece(token)
                 if not piece or data[at: at + len(piece)] != piece:
-                    return out
+                    break
                 out.append(token)
                 at += len(piece)
-            return out
+                took += 1
+            if took or not ids:
+                return out
+            # the tokenizer gives these bytes back otherwise (a prefix space it adds, a normalizer): the
+            # longest piece spelling them, then the tokenizer again on the rest
+            token = self._longest_piece_at(data, at)
+            if token is None:
+                return out
+            out.append(token)
+            at += len(self.pieces[token] or b"")
         return out
+
+    def _encode(self, text: str) -> list[int]:
+        """``encode_text``, undoing a space the tokenizer puts before every text (SentencePiece's dummy
+        prefix, ``add_prefix_space``): a text that starts with a space is encoded without it."""
+        if self._adds_space is None:
+            probe = self.encode_text("a")
+            self._adds_space = self.spelling(probe) == b" a"
+        if self._adds_space and text.startswith(" "):
+            return self.encode_text(text[1:])
+        return self.encode_text(text)
 
     def _longest_piece_at(self, data: bytes, start: int) -> int | None:
         for end in range(min(len(data), start + self._longest_piece), start, -1):

@@ -140,3 +140,36 @@ def test_serve_with_a_drafter_of_another_tokenizer(dirs, mode):
         if state is not None and method == "dsi":
             assert isinstance(state.drafter, CrossVocabularyDrafter)
     assert reference["dsi"] == reference["ar"]
+
+
+# ---- dsi measure acceptance ------------------------------------------------------------------------------
+
+
+def test_measured_acceptance_of_a_drafter_of_another_tokenizer_counts_its_text_guesses():
+    """An oracle drafter writing the target's own text in byte tokens matches the target almost
+    everywhere once bridged; compared token id against token id (unbridged) it would match nowhere."""
+    import dsi
+    from dsi.cli.measure import measure_acceptance
+    from dsi.models.crossvocab import bridge_drafter
+    from tests import tiny_vocab
+
+    text = "hello world the quick brown fox jumps over the wonder hello there"
+    target = tiny_vocab.script_lm("words", text)  # word tokens: ids unlike the byte tokenizer's
+    prompt = tiny_vocab.encode("words", "hello world")
+    out = dsi.generate(target=target, prompt=prompt, method="ar", max_new_tokens=40).tokens
+    written = tiny_vocab.vocabulary("words").spelling(prompt + out)
+    drafter = tiny_vocab.oracle_lm("bytes", [written])
+    eos = [tiny_vocab.tokenizer("words").eos_token_id]
+    measured = measure_acceptance(target, bridge_drafter(target, drafter, "auto"), [prompt], 16, eos)
+    assert measured["match_rate"] >= 0.9, measured
+    raw = measure_acceptance(target, drafter, [prompt], 16, eos)  # byte ids read as the target's ids
+    assert raw["match_rate"] < measured["match_rate"]
+
+
+def test_cli_measure_acceptance_with_a_drafter_of_another_tokenizer(dirs, capsys):
+    doc = run_json(capsys, ["measure", "acceptance", "--target", dirs[0], "--drafter", dirs[1], "--dtype", "fp32",
+                            "--num-prompts", "1", "--max-new-tokens", "8", "--json"])
+    assert 0.0 <= doc["match_rate"] <= 1.0 and doc["positions"] >= 1
+    code = main(["measure", "acceptance", "--target", dirs[0], "--drafter", dirs[1], "--dtype", "fp32",
+                 "--num-prompts", "1", "--max-new-tokens", "8", "--vocab-mode", "shared", "--json"])
+    assert code == 2 and "vocab_mode='shared' needs one vocabulary" in capsys.readouterr().err

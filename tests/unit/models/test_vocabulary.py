@@ -347,3 +347,38 @@ def test_the_wrapper_itself_takes_translating_modes_only():
     with pytest.raises(ConfigError, match="mode='shared'"):
         CrossVocabularyDrafter(lm(3), pieces_vocabulary([b"a"]), pieces_vocabulary([b"a"]), vocab_size=3,
                                mode="shared")
+
+
+# ---- where a text is final, and tokenizers that add a space -------------------------------------------
+
+
+@pytest.mark.parametrize("data, start", [
+    (b" th", 0),  # one unfinished word: nothing is final
+    (b" the quick", 4),  # " the" is final once " quick" began
+    (b"def f(x):", 7),  # punctuation runs are pieces of their own
+    (b"a\n    return", 5),  # GPT-2 keeps one space for the word: "\n   " then " return"
+    (b"x = 10", 3),
+    (b"\x99\x82abc de", 5),  # the rest of a cut character is final
+    ("日本語".encode(), 0),
+])
+def test_last_word_start(data, start):
+    from dsi.models.vocabulary import last_word_start
+
+    assert last_word_start(data) == start
+
+
+@pytest.mark.hf
+def test_a_tokenizer_that_adds_a_space_before_every_text_is_undone():
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer(add_prefix_space=True)
+    bpe.train_from_iterator(["the quick brown fox"] * 20, vocab_size=300, min_frequency=1, special_tokens=["<s>"])
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<s>")
+    vocab = Vocabulary.from_tokenizer(tok)
+    assert vocab.spelling(tok.encode("quick", add_special_tokens=False)) == b" quick"  # the added space
+    tokens = vocab.tokens_of_prefix(b" quick brown")
+    assert vocab.spelling(tokens) == b" quick brown" and len(tokens) == 2
+    for data in (b" quick brown", b"quick brown", b"the fox"):
+        assert vocab.spelling(vocab.spell(data)) == data
+    assert vocab.spelling(vocab.tokens_of_prefix(b"quick fox")) == b"quick fox"  # no space to start with
