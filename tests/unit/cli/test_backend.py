@@ -148,3 +148,15 @@ def test_an_unknown_backend_is_an_argparse_error(models, capsys):
         main(["generate", "--prompt", "x", "--backend", "vllm"])
     assert info.value.code == 2
     assert "invalid choice: 'vllm'" in capsys.readouterr().err
+
+
+def test_selftest_runs_gguf_models_on_hf_in_fp32_unless_told(models, capsys):
+    """Its exact checks need the same arithmetic in a 1-token and a k-token forward: hf fp32 by default."""
+    argv = ["selftest", "--target", models["t"], "--drafter", models["d"], "--max-new-tokens", "3", "--positions", "0",
+            "--json"]
+    doc = run(capsys, argv)
+    assert (doc["backend"], doc["dtype"]) == ("hf", "fp32")
+    assert [(b, kw["dtype"]) for b, _, kw in Fake.loads] == [("hf", "fp32"), ("hf", "fp32")]
+    Fake.loads.clear()
+    assert run(capsys, [*argv, "--backend", "llama.cpp"])["backend"] == "llama.cpp"
+    assert {b for b, _, _ in Fake.loads} == {"llama.cpp"}
