@@ -33,8 +33,8 @@ import numpy as np
 
 from dsi.cli.backend import add_backend_args, choose, describe, hf_dtype
 from dsi.cli.output import dumps, format_table, print_json
-from dsi.errors import ConfigError, DraftUnavailable
-from dsi.models.base import LanguageModel, forward_rows
+from dsi.errors import ConfigError
+from dsi.models.base import LanguageModel, greedy_guess
 
 PROMPT_SETS: dict[str, list[str]] = {
     "code": [
@@ -153,28 +153,15 @@ def drafter_predictions(
     context = list(prompt)
     try:
         start = clock()
-        guesses = [_guess(drafter, session, context)]
+        guesses = [greedy_guess(session, context)]
         ttft = clock() - start
         for token in target_tokens[:-1]:
             context.append(token)
-            guesses.append(_guess(drafter, session, context))
+            guesses.append(greedy_guess(session, context))
         total = clock() - start
     finally:
         session.close()
     return Timed(tuple(guesses), ttft, total)
-
-
-def _guess(drafter: LanguageModel, session: Any, context: list[int]) -> int:
-    """The drafter's greedy guess after ``context`` (its session holds all of it but the last token).
-    A drafter of another vocabulary guesses through its own text (string level, as it drafts greedy
-    requests); where it has nothing to propose, -1 (no draft: never a match)."""
-    if getattr(drafter, "drafts_through_text", False):
-        try:
-            return int(forward_rows(session, context, 1, greedy=True)[-1])
-        except DraftUnavailable:
-            return -1
-    added = context[len(session.tokens):]
-    return int(np.argmax(session.extend(added)[-1]))
 
 
 def run_lengths(matches: Sequence[bool]) -> list[int]:

@@ -32,7 +32,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from dsi.errors import ConfigError, ModelError
+from dsi.errors import ConfigError, DraftUnavailable, ModelError
 
 
 class CancelFlag(Protocol):
@@ -184,6 +184,16 @@ def forward_rows(
     if keep < len(session.tokens):
         session.truncate(keep)
     return extend_rows(session, context[keep:], cancel, num_rows, greedy)
+
+
+def greedy_guess(session: ModelSession, context: Sequence[int]) -> int:
+    """The greedy next token of ``session``'s model after ``context`` (:func:`forward_rows`, reusing
+    its cache), or -1 where the model has nothing to propose (:class:`~dsi.errors.DraftUnavailable`:
+    a drafter of another vocabulary): no draft there, so never one the target accepts."""
+    try:
+        return int(forward_rows(session, context, 1, greedy=True)[-1])
+    except DraftUnavailable:
+        return -1
 
 
 def check_logits(row: np.ndarray, vocab_size: int, what: str) -> np.ndarray:

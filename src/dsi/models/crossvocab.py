@@ -294,6 +294,17 @@ def _common_prefix(a: bytes | bytearray, b: bytes | bytearray) -> int:
     return int(differ[0]) if differ.size else n
 
 
+def shares_vocabulary(target: LanguageModel, drafter: LanguageModel, target_tokenizer: Any = None,
+                      drafter_tokenizer: Any = None) -> bool:
+    """Whether ``drafter``'s tokens are the target's: the same logit size and, when both tokenizers
+    are known (the arguments, else the models' ``tokenizer``), the same token -> id maps."""
+    tt = target_tokenizer if target_tokenizer is not None else getattr(target, "tokenizer", None)
+    dt = drafter_tokenizer if drafter_tokenizer is not None else getattr(drafter, "tokenizer", None)
+    if target.vocab_size != drafter.vocab_size:
+        return False
+    return tt is None or dt is None or same_vocabulary(tt, dt)
+
+
 def bridge_drafter(target: LanguageModel, drafter: LanguageModel, vocab_mode: str = "auto", *,
                    target_tokenizer: Any = None, drafter_tokenizer: Any = None) -> LanguageModel:
     """The drafter the engines should run: ``drafter`` itself when it shares the target's vocabulary
@@ -312,7 +323,7 @@ def bridge_drafter(target: LanguageModel, drafter: LanguageModel, vocab_mode: st
     tt = target_tokenizer if target_tokenizer is not None else getattr(target, "tokenizer", None)
     dt = drafter_tokenizer if drafter_tokenizer is not None else getattr(drafter, "tokenizer", None)
     tokenizers = tt is not None and dt is not None
-    shared = target.vocab_size == drafter.vocab_size and (not tokenizers or same_vocabulary(tt, dt))
+    shared = shares_vocabulary(target, drafter, tt, dt)
     if vocab_mode == "shared" or (vocab_mode == "auto" and shared):
         if not shared:
             why = (f"drafter vocab_size={drafter.vocab_size} differs from target vocab_size={target.vocab_size}"

@@ -167,7 +167,7 @@ def load_pair(
     With ``vocab_mode="shared"`` they must share one vocabulary (:func:`check_same_vocabulary`); any
     other mode lets a drafter of another vocabulary draft through text (:mod:`dsi.models.crossvocab`,
     bridged by :func:`dsi.build_decoder`), and only a drafter without a tokenizer is refused then."""
-    from dsi.models.crossvocab import VOCAB_MODES
+    from dsi.models.crossvocab import VOCAB_MODES, shares_vocabulary
 
     if vocab_mode not in VOCAB_MODES:
         raise ConfigError(f"vocab_mode={vocab_mode!r} must be one of {', '.join(VOCAB_MODES)}")
@@ -179,7 +179,7 @@ def load_pair(
                         role="drafter", **common)
     if vocab_mode == "shared":
         check_same_vocabulary(target, drafter)
-    elif not _one_vocabulary(target, drafter):
+    elif not shares_vocabulary(target, drafter):
         if target.tokenizer is None or drafter.tokenizer is None:
             raise VocabularyMismatchError(
                 f"{target.name} and {drafter.name} have different vocabularies ({target.vocab_size} vs "
@@ -187,14 +187,6 @@ def load_pair(
                 "no tokenizer to translate between them")
         logger.info("%s drafts for %s across vocabularies (vocab_mode=%s)", drafter.name, target.name, vocab_mode)
     return target, drafter
-
-
-def _one_vocabulary(target: Any, drafter: Any) -> bool:
-    try:
-        check_same_vocabulary(target, drafter)
-    except VocabularyMismatchError:
-        return False
-    return True
 
 
 def _choice(sources: list[ModelSource], backend: str, devices: list, dtype: str | None, trust_remote_code: bool,

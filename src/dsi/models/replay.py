@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from dsi.errors import ConfigError, ContextLengthError, DraftUnavailable
-from dsi.models.base import CancelFlag, LanguageModel, ModelSession, context_limit, extend_rows, forward_rows
+from dsi.errors import ConfigError, ContextLengthError
+from dsi.models.base import CancelFlag, LanguageModel, ModelSession, context_limit, extend_rows, greedy_guess
 
 RECORDING_VERSION = 1
 
@@ -62,13 +62,8 @@ def _drafter_guesses(drafter: LanguageModel, prompt: list[int], output: list[int
     session = drafter.new_session()
     try:
         if getattr(drafter, "drafts_through_text", False):  # a drafter of another vocabulary guesses
-            guesses = []  # through its own continuation of the text: one position at a time
-            for i in range(count):
-                try:
-                    guesses.append(int(forward_rows(session, prompt + output[:i], 1, greedy=True)[-1]))
-                except DraftUnavailable:  # nothing to propose there: no draft, never accepted
-                    guesses.append(-1)
-            return guesses
+            # through its own continuation of the text: one position at a time
+            return [greedy_guess(session, prompt + output[:i]) for i in range(count)]
         rows = session.extend(prompt + output[: count - 1])[len(prompt) - 1:]
     finally:
         session.close()
