@@ -7,7 +7,7 @@ and prose prompts, chat-formatted; greedy and T = 0.7 (seeded), same prompts and
 method. Every method runs in this one process, one after another; each time is the median over
 --repeats runs of a prompt, a row's total the sum over prompts of those medians. Every timed run
 starts cold, as transformers' ``generate`` does: a decoder of its own with no KV cache, so each run
-pays its prompt's prefill (``--keep-cache``: one decoder per configuration, as dsi.compare has it).
+pays its prompt's prefill (``--keep-cache``: one decoder per configuration, as dsi.evaluate.compare has it).
 
 Rows per temperature, in this order: non-SI, SI for each --si-k, (hf backend) transformers' universal
 assisted generation (UAG), DSI for each --dsi-k x --dsi-sp (target servers as threads of this process).
@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from real_pair import divergences, ideal_seconds, median_of, near_tie_margin, worker_latencies  # noqa: E402
 
-from dsi.compare import CODE_PROMPTS, MethodConfig, MethodRun, iter_compare, set_threads  # noqa: E402
+from dsi.evaluate.compare import CODE_PROMPTS, MethodConfig, MethodRun, iter_compare, set_threads  # noqa: E402
 from dsi.errors import DraftUnavailable  # noqa: E402
 from dsi.models.base import extend_rows  # noqa: E402
 from dsi.models.crossvocab import VOCAB_MODES, bridge_drafter  # noqa: E402

@@ -22,7 +22,7 @@ on a GPU, the device's utilisation during the timed runs (NVML, sampled every 50
 DSI placements: ``--dsi TRANSPORT:KS:SPS[:THREADS]`` (repeatable), e.g. ``--dsi processes:3,5,auto:1,2,4``
 runs k in {3, 5, event-driven} x SP in {1, 2, 4} with each target server in its own process
 (THREADS: torch threads per server process). Without --dsi, ``--dsi-k``/``--dsi-sp`` give thread
-placements. ``--auto`` adds method="auto"'s pick (dsi.autotune) and how close it is to the fastest.
+placements. ``--auto`` adds method="auto"'s pick (dsi.evaluate.autotune) and how close it is to the fastest.
 
 Replay, for machines that cannot load the pair (no registry access, e.g. a lent GPU box):
 ``--record FILE`` saves each prompt's non-SI output and the drafter's greedy guess at every
@@ -51,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-from dsi.compare import CODE_PROMPTS, NEAR_TIE_MARGIN, MethodConfig, first_divergence, iter_compare
+from dsi.evaluate.compare import CODE_PROMPTS, NEAR_TIE_MARGIN, MethodConfig, first_divergence, iter_compare
 from dsi.models.loading import load_pair
 from dsi.models.replay import (
     ReplayRecipe,
@@ -182,7 +182,7 @@ def near_tie_margin(backend: str, dtype: str | None) -> float:
 def divergences(target, prompts, references, outputs, tie: float) -> dict:
     """``{"divergence": [...], "near_tie": bool}`` for the prompts whose ``outputs`` depart from
     ``references`` (non-SI's greedy tokens): where each departs, the target's logit margin there
-    (dsi.compare.first_divergence), and whether every departure is within ``tie`` of a tie."""
+    (dsi.evaluate.compare.first_divergence), and whether every departure is within ``tie`` of a tie."""
     found = [{"prompt": i, **(first_divergence(target, prompts[i], ref, out) or {})}
              for i, (ref, out) in enumerate(zip(references, outputs, strict=True)) if list(out) != list(ref)]
     return {"divergence": found,
@@ -245,7 +245,7 @@ def main() -> int:
                    help="start no new configuration after S seconds (the rest is reported as skipped)")
     p.add_argument("--no-gpu-utilisation", action="store_true", help="do not sample the GPU's utilisation (NVML)")
     p.add_argument("--auto", action="store_true",
-                   help="also run method='auto' (dsi.autotune: measured here once, then cached) next to the fixed "
+                   help="also run method='auto' (dsi.evaluate.autotune: measured here once, then cached) next to the fixed "
                         "methods, and report how close its pick is to the fastest of them")
     p.add_argument("--retune", action="store_true", help="with --auto: measure the choice again")
     p.add_argument("--out")
@@ -309,7 +309,7 @@ def main() -> int:
 
     choice = None
     if args.auto:
-        from dsi.autotune import choose_method
+        from dsi.evaluate.autotune import choose_method
 
         dsi_servers = max((sp for _, _, sps, *_ in specs for sp in sps), default=1)
         first = next(c for c in configs if c.method == "dsi")  # auto places DSI as the first --dsi spec does

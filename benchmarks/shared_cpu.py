@@ -28,7 +28,7 @@ import os
 import statistics
 import sys
 
-from dsi.compare import CODE_PROMPTS, NEAR_TIE_MARGIN, first_divergence
+from dsi.evaluate.compare import CODE_PROMPTS, NEAR_TIE_MARGIN, first_divergence
 from dsi.engine.api import build_decoder, make_request
 from dsi.models.loading import load_pair
 from dsi.sampling import SamplingParams

@@ -12,7 +12,7 @@ Two measurements per transport:
    drafter 3 ms, acceptance 0.8, k = 4, SP = 4 by default), greedy, ``--tokens`` new tokens,
    median of ``--repeats`` runs on one decoder per transport (servers started once, not timed).
    The ideal is the event simulator's replay of the same accept pattern with no engine or
-   transport overhead (:func:`dsi.bench.ideal_dsi_seconds`).
+   transport overhead (:func:`dsi.evaluate.bench.ideal_dsi_seconds`).
 
     python benchmarks/transports.py                                  # all transports here
     python benchmarks/transports.py --transports processes ray --out transports.json
@@ -79,7 +79,7 @@ def round_trips(transport: str, options: dict, vocab: int, trips: int) -> dict:
 
 def dsi_vs_ideal(transport: str, options: dict, args: argparse.Namespace) -> dict:
     """DSI median wall time on ``transport`` and the engine-free ideal for the same accept pattern."""
-    from dsi.bench import Scenario, ideal_dsi_seconds
+    from dsi.evaluate.bench import Scenario, ideal_dsi_seconds
     from dsi.engine.api import build_decoder, make_request
     from dsi.models import synthetic_pair
     from dsi.models.replay import record_decisions
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
 
         ray.init(address=args.ray_address or "local", include_dashboard=False,
                  **({} if args.ray_address else {"num_cpus": os.cpu_count()}))
-    from dsi.bench import machine_info
+    from dsi.evaluate.bench import machine_info
 
     report = {"machine": machine_info(), "config": vars(args), "transports": {}}
     for variant in args.transports:

@@ -8,14 +8,8 @@ verifies overlapping draft windows in parallel. Public API::
     result.tokens, result.stats.acceptance_rate
 """
 
-from dsi.engine import (
-    GenerationAborted,
-    GenerationResult,
-    GenerationStats,
-    Request,
-    build_decoder,
-    generate,
-)
+from dsi.api import build_decoder, generate
+from dsi.engine import GenerationAborted, GenerationResult, GenerationStats, Request
 from dsi.errors import (
     ConfigError,
     ContextLengthError,

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("llama_cpp")
 
 import dsi  # noqa: E402
-from dsi.compare import CODE_PROMPTS, NEAR_TIE_MARGIN, first_divergence  # noqa: E402
+from dsi.evaluate.compare import CODE_PROMPTS, NEAR_TIE_MARGIN, first_divergence  # noqa: E402
 from dsi.models import embedded  # noqa: E402
 
 pytestmark = [

@@ -12,7 +12,8 @@ HEAVY = ("torch", "transformers", "ray", "fastapi", "uvicorn", "llama_cpp")
 
 @pytest.mark.parametrize(
     "module",
-    ["dsi", "dsi.engine", "dsi.sampling", "dsi.transport.threads", "dsi.models", "dsi.bench", "dsi.cli.main"],
+    ["dsi", "dsi.api", "dsi.engine", "dsi.sampling", "dsi.transport.threads", "dsi.models", "dsi.sim",
+     "dsi.evaluate.bench", "dsi.evaluate.autotune", "dsi.evaluate.compare", "dsi.cli.main"],
 )
 def test_core_modules_do_not_import_heavy_dependencies(module):
     code = (
@@ -37,45 +38,128 @@ def test_engine_sources_name_no_concrete_backend():
             assert name not in text, f"{path.name} mentions {name}"
 
 
-def _model_imports() -> dict[str, set[str]]:
-    """For each module of dsi.models, the dsi.models modules it imports anywhere (lazily too)."""
+# The layers, lowest first: a module may import its own unit and the units of lower layers only.
+# ("__init__" is the package root, ``import dsi``; "api" is the public entry that knows method="auto".)
+LAYERS = (
+    {"errors"},
+    {"sampling", "windows", "text"},
+    {"models"},
+    {"transport"},
+    {"engine", "sim"},
+    {"evaluate"},
+    {"api", "__init__"},
+    {"server"},
+    {"cli"},
+)
+
+
+def _package_imports() -> dict[str, set[str]]:
+    """For each module of the dsi package, the dsi modules it imports anywhere (lazily too).
+
+    ``from dsi.x import y`` names the module ``dsi.x.y`` when that is a module, else ``dsi.x``;
+    relative imports are resolved. (The implicit import of a parent package that Python makes
+    when it loads a submodule is not an edge: it never runs the submodule's importer again.)"""
     import ast
     from pathlib import Path
 
-    import dsi.models
+    import dsi
 
-    root = Path(dsi.models.__file__).parent
-    modules = {p.stem for p in root.glob("*.py") if p.stem != "__init__"}
+    root = Path(dsi.__file__).parent
+    paths = {}
+    for path in root.rglob("*.py"):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     graph: dict[str, set[str]] = {}
-    for name in modules:
+    for name, path in paths.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         found: set[str] = set()
-        for node in ast.walk(ast.parse((root / f"{name}.py").read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("dsi.models"):
-                sub = node.module.split(".")[2:3]
-                # `from dsi.models import embedded` names a module; `from dsi.models.x import y` the module x
-                found |= set(sub) if sub else {a.name for a in node.names if a.name in modules}
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join([*anchor, *([base] if base else [])])
+                if base == "dsi" or base.startswith("dsi."):
+                    found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in paths else base for a in node.names}
             elif isinstance(node, ast.Import):
-                found |= {a.name.split(".")[2] for a in node.names if a.name.startswith("dsi.models.")}
-        graph[name] = found - {name}
+                found |= {a.name for a in node.names if a.name == "dsi" or a.name.startswith("dsi.")}
+        graph[name] = {m for m in found if m in paths} - {name}
     return graph
 
 
-def test_model_modules_import_each_other_one_way():
-    """No circle (embedded -> loading -> hf -> loading was one): a depth-first search finds no back edge."""
-    graph = _model_imports()
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` (a depth-first search's first back edge), or None."""
     state: dict[str, int] = {}
 
-    def visit(node: str, path: list[str]) -> None:
+    def visit(node: str, path: list[str]) -> list[str] | None:
         state[node] = 1
         for nxt in sorted(graph.get(node, ())):
-            assert state.get(nxt) != 1, f"import cycle: {' -> '.join([*path, node, nxt])}"
-            if nxt not in state:
-                visit(nxt, [*path, node])
+            if state.get(nxt) == 1:  # on the stack: a back edge
+                stack = [*path, node]
+                return [*stack[stack.index(nxt):], nxt]
+            if nxt not in state and (found := visit(nxt, [*path, node])):
+                return found
         state[node] = 2
+        return None
 
     for module in sorted(graph):
-        if module not in state:
-            visit(module, [])
+        if module not in state and (found := visit(module, [])):
+            return found
+    return None
+
+
+def _unit(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def test_the_package_has_no_import_cycle():
+    """Any circle of imports anywhere in dsi (lazy imports inside functions count) fails here."""
+    cycle = _cycle(_package_imports())
+    assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+    assert _cycle({"x": {"y"}, "y": {"z"}, "z": {"y"}}) == ["y", "z", "y"]
+
+
+def test_every_import_goes_down_the_layers():
+    layer_of = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
+    graph = _package_imports()
+    units = {_unit(m) for m in graph}
+    assert units <= set(layer_of), f"units without a layer: {sorted(units - set(layer_of))}"
+    wrong = sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets
+                   if layer_of[_unit(t)] > layer_of[_unit(m)])
+    assert not wrong, "imports that go up the layers:\n" + "\n".join(wrong)
+    beside = sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets
+                    if {_unit(m), _unit(t)} == {"engine", "sim"})
+    assert not beside, f"the engine and the simulator stand beside each other: {beside}"
+
+
+def test_method_auto_is_known_only_above_the_engine():
+    """The engine builds concrete methods; the public entry (dsi.api) alone reaches the autotuner."""
+    graph = _package_imports()
+    importers = sorted(m for m, targets in graph.items() if "dsi.evaluate.autotune" in targets)
+    assert all(_unit(m) in {"api", "evaluate", "cli"} for m in importers), importers
+    assert "dsi.evaluate.autotune" in graph["dsi.api"]
+    for module, targets in graph.items():
+        if _unit(module) == "engine":
+            assert not {t for t in targets if _unit(t) in {"evaluate", "api", "__init__"}}, module
+
+
+def _model_imports() -> dict[str, set[str]]:
+    """For each module of dsi.models, the dsi.models modules it imports anywhere (lazily too)."""
+    graph = _package_imports()
+    return {m.split(".")[2]: {t.split(".")[2] for t in targets if t.startswith("dsi.models.")}
+            for m, targets in graph.items() if m.startswith("dsi.models.")}
+
+
+def test_model_modules_import_each_other_one_way():
+    """No circle (embedded -> loading -> hf -> loading was one)."""
+    cycle = _cycle(_model_imports())
+    assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
 
 
 def test_where_a_model_comes_from_does_not_depend_on_the_engine_that_runs_it():
@@ -101,3 +185,13 @@ def test_resolving_and_choosing_a_backend_loads_no_engine():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_the_engine_builder_refuses_auto_and_names_the_public_entry():
+    from dsi.engine.api import build_decoder
+    from dsi.errors import ConfigError
+    from dsi.models import synthetic_pair
+
+    target, drafter = synthetic_pair(0.9)
+    with pytest.raises(ConfigError, match=r"method='auto'.*dsi\.build_decoder"):
+        build_decoder(target=target, drafter=drafter, method="auto")

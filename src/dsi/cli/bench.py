@@ -1,4 +1,4 @@
-"""``dsi bench``: non-SI vs SI vs DSI on emulated-latency synthetic pairs (see dsi.bench)."""
+"""``dsi bench``: non-SI vs SI vs DSI on emulated-latency synthetic pairs (see dsi.evaluate.bench)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dsi.errors import ConfigError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from dsi.bench import POLICY_SCENARIOS, SCENARIOS
+    from dsi.evaluate.bench import POLICY_SCENARIOS, SCENARIOS
 
     p = subparsers.add_parser(
         "bench",
@@ -39,7 +39,7 @@ def _collect(args: argparse.Namespace, scenarios: dict, runner, runs_per_scenari
     Returns the report for the table, or None when it was printed as JSON."""
     from tqdm import tqdm
 
-    from dsi.bench import machine_info
+    from dsi.evaluate.bench import machine_info
     from dsi.cli.output import dumps, print_json
 
     names = args.scenario or list(scenarios)
@@ -62,7 +62,7 @@ def _collect(args: argparse.Namespace, scenarios: dict, runner, runs_per_scenari
 
 
 def run(args: argparse.Namespace) -> int:
-    from dsi.bench import SCENARIOS, run_scenario
+    from dsi.evaluate.bench import SCENARIOS, run_scenario
     from dsi.cli.output import format_table
 
     if args.tokens < 2:
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_windows(args: argparse.Namespace) -> int:
-    from dsi.bench import POLICY_SCENARIOS, run_window_policies
+    from dsi.evaluate.bench import POLICY_SCENARIOS, run_window_policies
     from dsi.cli.output import format_table
 
     report = _collect(args, POLICY_SCENARIOS, run_window_policies, runs_per_scenario=11, desc="bench --windows")

@@ -1,6 +1,6 @@
 """``dsi generate`` (one prompt, streamed) and ``dsi demo`` (non-SI vs SI vs DSI on the
 embedded pair): thin layers over :mod:`dsi.engine`, :mod:`dsi.models.loading` and
-:mod:`dsi.compare`. The model options (``--backend``, ``--dtype``, ``--device``, ``--threads``) are
+:mod:`dsi.evaluate.compare`. The model options (``--backend``, ``--dtype``, ``--device``, ``--threads``) are
 :mod:`dsi.cli.backend`'s."""
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def server_count(args: argparse.Namespace) -> int:
 
 
 def auto_options(args: argparse.Namespace, quiet: bool = False) -> dict:
-    """What ``--method auto`` passes to dsi.autotune: --retune, and progress lines on stderr."""
+    """What ``--method auto`` passes to dsi.evaluate.autotune: --retune, and progress lines on stderr."""
     say = (lambda message: None) if quiet else (lambda message: print(f"[auto] {message}", file=sys.stderr,
                                                                        flush=True))
     return {"refresh": bool(getattr(args, "retune", False)), "progress": say}
@@ -234,7 +234,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from dsi.cli.output import format_table, print_json
-    from dsi.compare import CODE_PROMPTS, NEAR_TIE_MARGIN, MethodConfig, compare, first_divergence, summarize
+    from dsi.evaluate.compare import CODE_PROMPTS, NEAR_TIE_MARGIN, MethodConfig, compare, first_divergence, summarize
 
     if not 1 <= args.prompts <= len(CODE_PROMPTS):
         raise ConfigError(f"--prompts={args.prompts} must be in [1, {len(CODE_PROMPTS)}]")
@@ -244,7 +244,7 @@ def run_demo(args: argparse.Namespace) -> int:
     target, drafter = _load(args, need_drafter=True)
     load_s = time.perf_counter() - start
     prompts = [target.encode(p) for p in CODE_PROMPTS[: args.prompts]]
-    from dsi.autotune import worker_threads
+    from dsi.evaluate.autotune import worker_threads
 
     whole = args.threads  # threads for single-worker methods (None: torch's default, all cores)
 
@@ -257,7 +257,7 @@ def run_demo(args: argparse.Namespace) -> int:
                 for sp in args.sp for k in (args.lookahead, "auto")]
     choice = None
     if not args.no_auto:  # measured with the same threads per worker as the comparison below
-        from dsi.autotune import choose_method
+        from dsi.evaluate.autotune import choose_method
 
         choice = choose_method(target, drafter, transport_options=dict(placement), max_servers=max(args.sp),
                                refresh=args.retune, progress=auto_options(args, quiet=args.json)["progress"])

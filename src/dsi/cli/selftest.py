@@ -1,4 +1,4 @@
-"""``dsi selftest``: check that DSI is lossless on your own target/drafter pair (:mod:`dsi.selftest`).
+"""``dsi selftest``: check that DSI is lossless on your own target/drafter pair (:mod:`dsi.evaluate.selftest`).
 
 Exit status 0 when every check passes, 1 when one fails, 2 on a usage error.
 """
@@ -58,7 +58,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_selftest_command(args: argparse.Namespace) -> int:
     from dsi.cli.output import format_table, print_json
-    from dsi.selftest import SelftestConfig, read_prompts, run_selftest
+    from dsi.evaluate.selftest import SelftestConfig, read_prompts, run_selftest
 
     config = SelftestConfig(
         lookahead=args.lookahead, num_target_servers=args.sp, transport=args.transport,

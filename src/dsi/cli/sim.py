@@ -391,6 +391,13 @@ def _parse_rows(text: str | None, count: int) -> list[int]:
     return rows
 
 
+def _engine_generate():
+    """The engine column's ``generate``: :func:`dsi.generate` (the simulator never imports the engine)."""
+    import dsi
+
+    return dsi.generate
+
+
 def cmd_table(args: argparse.Namespace) -> int:
     from dsi.sim.files import prepare_out_dir
     from dsi.sim.table import TABLE1, build_table, to_markdown, write_table
@@ -405,6 +412,7 @@ def cmd_table(args: argparse.Namespace) -> int:
         seed=args.seed,
         engine=not args.no_engine,
         engine_repeats=args.engine_repeats,
+        generate=None if args.no_engine else _engine_generate(),
         progress=lambda text: _info(args, text),
     )
     files = write_table(table, args.out, plot=not args.no_plot)

@@ -1,7 +1,10 @@
-"""The public entry points: :func:`generate` for one call, :func:`build_decoder` to keep workers.
+"""The engine's builder: :func:`build_decoder` for a concrete method (non-SI, SI or DSI), and
+:func:`make_request` for a request's arguments.
 
 Everything a caller passes is validated here, once, with errors that name the value and what
-is allowed; the engines below assume valid input.
+is allowed; the engines below assume valid input. ``method="auto"`` is not the engine's: it
+measures the engine's methods (:mod:`dsi.evaluate.autotune`) and is offered by the public entry
+:func:`dsi.build_decoder` / :func:`dsi.generate` (:mod:`dsi.api`), which builds its pick here.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from dsi.models.crossvocab import VOCAB_MODES, bridge_drafter
 from dsi.sampling import SamplingParams
 from dsi.transport import TRANSPORTS, make_pool
 
-METHODS = ("auto", "dsi", "si", "ar")  # "auto": the fastest of the others here (dsi.autotune)
+ENGINE_METHODS = ("dsi", "si", "ar")  # what the engine runs; dsi.api adds "auto" (the fastest of them here)
 
 
 class Decoder(Protocol):
@@ -43,7 +46,7 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_model(model: object, role: str) -> LanguageModel:
+def check_model(model: object, role: str) -> LanguageModel:
     if not (hasattr(model, "new_session") and hasattr(model, "vocab_size")):
         raise ConfigError(
             f"{role}={model!r} is not a language model (needs vocab_size and new_session(); "
@@ -67,6 +70,23 @@ def check_lookahead(method: str, lookahead: object, max_window: object = None) -
                                      f"(lookahead={lookahead!r} sends windows of exactly that many drafts)")
 
 
+def check_placement(num_target_servers: object, transport: object) -> None:
+    """Validate the number of target servers and the transport that runs them."""
+    require(
+        _is_int(num_target_servers) and num_target_servers >= 1,
+        f"num_target_servers={num_target_servers!r} must be an integer >= 1",
+    )
+    require(transport in TRANSPORTS, f"transport={transport!r} must be one of {', '.join(TRANSPORTS)}")
+
+
+def bridge(target: object, drafter: object, vocab_mode: str, target_tokenizer: object = None,
+           drafter_tokenizer: object = None) -> LanguageModel:
+    """The drafter as the engine sees it, over the target's ids (:mod:`dsi.models.crossvocab`)."""
+    require(vocab_mode in VOCAB_MODES, f"vocab_mode={vocab_mode!r} must be one of {', '.join(VOCAB_MODES)}")
+    return bridge_drafter(check_model(target, "target"), check_model(drafter, "drafter"), vocab_mode,
+                          target_tokenizer=target_tokenizer, drafter_tokenizer=drafter_tokenizer)
+
+
 def build_decoder(
     *,
     target: LanguageModel,
@@ -77,52 +97,23 @@ def build_decoder(
     transport: str = "threads",
     transport_options: dict | None = None,
     max_window: int | None = None,
-    auto_options: dict | None = None,
     vocab_mode: str = "auto",
     target_tokenizer: object = None,
     drafter_tokenizer: object = None,
 ) -> Decoder:
-    """A decoder that keeps its workers (threads, caches) across requests; ``close()`` it.
-
-    ``method="auto"`` measures non-SI, SI and DSI on this placement (once; the choice is cached)
-    and builds the fastest; ``num_target_servers`` is then the most DSI may use, and
-    ``auto_options`` go to :func:`dsi.autotune.choose_method` (``cache_dir``, ``refresh``,
-    ``tokens``, ``prompt``). The decoder's ``choice`` says what was picked and why.
-
-    ``lookahead``: drafts per verification window (k), or ``"auto"`` (DSI only): event-driven
-    windows, sent whenever a target server is idle, carrying every draft made since the previous
-    window (at most ``max_window``).
-
-    ``vocab_mode``: how a drafter's tokens relate to the target's (:mod:`dsi.models.crossvocab`).
-    ``"auto"``: the drafter's own tokens when both share one vocabulary, else a drafter of another
-    vocabulary drafts through text (string-level for greedy requests, the token intersection for
-    sampling); ``"shared"``: one vocabulary required; ``"string"`` / ``"intersection"``: that
-    translation. Translating needs both tokenizers: the models' ``tokenizer`` attributes, or
-    ``target_tokenizer`` / ``drafter_tokenizer``. Output stays exact in every mode."""
-    require(method in METHODS, f"method={method!r} must be one of {', '.join(METHODS)}")
+    """A decoder of ``method`` (``"dsi"``, ``"si"`` or ``"ar"``) that keeps its workers (threads,
+    caches) across requests; ``close()`` it. The arguments are those of :func:`dsi.build_decoder`,
+    which also offers ``method="auto"``."""
+    if method == "auto":
+        raise ConfigError("method='auto' is chosen above the engine (it measures the engine's methods): "
+                          "use dsi.build_decoder or dsi.generate")
+    require(method in ENGINE_METHODS, f"method={method!r} must be one of {', '.join(ENGINE_METHODS)}")
     require(vocab_mode in VOCAB_MODES, f"vocab_mode={vocab_mode!r} must be one of {', '.join(VOCAB_MODES)}")
     check_lookahead(method, lookahead, max_window)
     if drafter is not None and method != "ar":
-        drafter = bridge_drafter(_check_model(target, "target"), _check_model(drafter, "drafter"), vocab_mode,
-                                 target_tokenizer=target_tokenizer, drafter_tokenizer=drafter_tokenizer)
-    if method == "auto":
-        require(
-            _is_int(num_target_servers) and num_target_servers >= 1,
-            f"num_target_servers={num_target_servers!r} must be an integer >= 1",
-        )
-        require(transport in TRANSPORTS, f"transport={transport!r} must be one of {', '.join(TRANSPORTS)}")
-        from dsi.autotune import build_auto_decoder  # measures with this very API: imported on use
-
-        return build_auto_decoder(
-            target=_check_model(target, "target"), drafter=drafter, transport=transport,
-            transport_options=transport_options, num_target_servers=num_target_servers, tune_options=auto_options,
-        )
-    require(
-        _is_int(num_target_servers) and num_target_servers >= 1,
-        f"num_target_servers={num_target_servers!r} must be an integer >= 1",
-    )
-    require(transport in TRANSPORTS, f"transport={transport!r} must be one of {', '.join(TRANSPORTS)}")
-    target = _check_model(target, "target")
+        drafter = bridge(target, drafter, vocab_mode, target_tokenizer, drafter_tokenizer)
+    check_placement(num_target_servers, transport)
+    target = check_model(target, "target")
     if method == "ar":
         return AutoregressiveDecoder(target)
     if drafter is None:
@@ -182,53 +173,21 @@ def make_request(
     return Request(tuple(int(t) for t in tokens), max_new_tokens, sampling, frozenset(eos))
 
 
-def generate(
-    *,
-    target: LanguageModel,
-    drafter: LanguageModel | None = None,
+def run_once(
+    decoder: Decoder,
     prompt: Sequence[int],
-    method: str = "dsi",
     max_new_tokens: int,
-    lookahead: int | str = 5,
-    max_window: int | None = None,
-    num_target_servers: int = 2,
+    *,
+    vocab_size: int,
     sampling: SamplingParams | None = None,
-    transport: str = "threads",
-    transport_options: dict | None = None,
-    auto_options: dict | None = None,
     eos_token_id: int | Sequence[int] | None = None,
     on_tokens: TokenCallback | None = None,
     abort: threading.Event | None = None,
-    vocab_mode: str = "auto",
-    target_tokenizer: object = None,
-    drafter_tokenizer: object = None,
 ) -> GenerationResult:
-    """Generate up to ``max_new_tokens`` tokens after ``prompt`` with non-SI, SI or DSI.
-
-    Greedy output (``temperature=0``) is token for token the target's own greedy output;
-    sampled output has exactly the target's distribution, and for a fixed seed it is the same
-    for any number of target servers and any timing. ``on_tokens`` receives each committed
-    token as it is committed (streaming). ``lookahead="auto"`` gives DSI event-driven windows
-    (see :func:`build_decoder`, also for ``vocab_mode`` and a drafter with another tokenizer). Workers are started for this call and stopped before it returns;
-    use :func:`build_decoder` to keep them across calls.
-    """
-    sampling = SamplingParams() if sampling is None else sampling
-    decoder = build_decoder(
-        target=target,
-        drafter=drafter,
-        method=method,
-        lookahead=lookahead,
-        num_target_servers=num_target_servers,
-        transport=transport,
-        transport_options=transport_options,
-        max_window=max_window,
-        auto_options=auto_options,
-        vocab_mode=vocab_mode,
-        target_tokenizer=target_tokenizer,
-        drafter_tokenizer=drafter_tokenizer,
-    )
+    """Run one request on ``decoder``, then close it (whatever happens)."""
     try:
-        request = make_request(prompt, max_new_tokens, sampling, eos_token_id, target.vocab_size)
+        request = make_request(prompt, max_new_tokens, SamplingParams() if sampling is None else sampling,
+                               eos_token_id, vocab_size)
         return decoder.generate(request, on_tokens, abort)
     finally:
         decoder.close()

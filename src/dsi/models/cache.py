@@ -2,7 +2,7 @@
 
 The bottom of the model-loading modules: :mod:`dsi.models.embedded` (the embedded pair's GGUF
 files), :mod:`dsi.models.hf_checkpoint` (GGUF files converted for the Hugging Face backend) and
-:mod:`dsi.autotune` (cached method choices) keep their files under :func:`cache_dir`. A directory
+:mod:`dsi.evaluate.autotune` (cached method choices) keep their files under :func:`cache_dir`. A directory
 or file whose work finished carries a small JSON marker written last, so an interrupted build
 never looks finished. Imports nothing of dsi but the errors.
 """

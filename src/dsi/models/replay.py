@@ -227,7 +227,7 @@ class ReplayLM:
         return context_limit(self.model)
 
     @property
-    def threads(self) -> int | None:  # torch threads of an HF inner model (see dsi.compare)
+    def threads(self) -> int | None:  # torch threads of an HF inner model (see dsi.evaluate.compare)
         return getattr(self.model, "threads", None)
 
     @threads.setter

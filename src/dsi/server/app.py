@@ -35,7 +35,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dsi.engine.api import build_decoder
+from dsi.api import build_decoder
 from dsi.errors import ConfigError
 from dsi.models.base import LanguageModel
 from dsi.models.crossvocab import bridge_drafter

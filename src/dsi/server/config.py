@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsi.engine.api import METHODS, check_lookahead
+from dsi.api import METHODS
+from dsi.engine.api import check_lookahead
 from dsi.errors import ConfigError, require
 from dsi.models.crossvocab import VOCAB_MODES, check_mode_sampling
 from dsi.sampling import SamplingParams
@@ -46,7 +47,7 @@ class ServeConfig:
     lookahead: int | str = 5  # k, or "auto" (DSI's event-driven windows)
     max_window: int | None = None  # with lookahead="auto": the most drafts per window
     num_target_servers: int = 1  # with method="auto": the most DSI may use
-    auto_options: dict | None = None  # method="auto": options of dsi.autotune.choose_method
+    auto_options: dict | None = None  # method="auto": options of dsi.evaluate.autotune.choose_method
     transport: str = "threads"
     transport_options: dict | None = None
     max_concurrent: int = 1  # engine slots, each one decoder

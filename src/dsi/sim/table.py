@@ -17,7 +17,8 @@ Columns, per row of DSI.md section 6 (target/drafter TPOT in ms, acceptance rate
   ideal time.
 
 The engine column runs on the wall clock (sleep-based latencies; about 2-5 s per row and
-repeat); :func:`run_engine` takes any ``generate`` callable, so tests use a fake.
+repeat); :func:`run_engine` takes any ``generate`` callable (``dsi table`` passes
+:func:`dsi.generate`; tests use a fake), so this module never imports the engine.
 """
 
 from __future__ import annotations
@@ -249,15 +250,6 @@ def event_column(
 Generate = Callable[..., object]
 
 
-def default_generate() -> Generate | None:
-    """``dsi.generate`` if the engine is available, else None (imported only when asked)."""
-    try:
-        import dsi
-    except ImportError:  # pragma: no cover - the package itself
-        return None
-    return getattr(dsi, "generate", None)
-
-
 def run_engine(
     row: PaperRow,
     *,
@@ -265,7 +257,7 @@ def run_engine(
     dsi: Choice,
     tokens: int = TOKENS,
     repeats: int = 2,
-    generate: Generate | None = None,
+    generate: Generate,
     pair_factory: Callable[..., tuple[object, object]] | None = None,
 ) -> EngineColumn:
     """Run the engine ``repeats`` times per method at the given choices; replay each run's ideal.
@@ -274,10 +266,6 @@ def run_engine(
     (the new tokens) and ``stats.wall_time_s``. ``pair_factory(acceptance, seed=..., target_tpot=...,
     drafter_tpot=...)`` builds the models in seconds (default :func:`dsi.models.synthetic_pair`).
     """
-    if generate is None:
-        generate = default_generate()
-        if generate is None:
-            raise ConfigError("the engine (dsi.generate) is not available; use --no-engine")
     if pair_factory is None:
         from dsi.models import synthetic_pair as pair_factory
     from dsi.sampling import SamplingParams
@@ -330,9 +318,7 @@ def build_table(
         raise ConfigError(f"lookaheads={list(lookaheads)!r} must be integers >= 1")
     note = ""
     if engine and generate is None:
-        generate = default_generate()
-        if generate is None:
-            engine, note = False, "engine column skipped: dsi.generate is not available"
+        engine, note = False, "engine column skipped: no generate= was given (dsi table passes dsi.generate)"
     elif not engine:
         note = "engine column skipped (--no-engine)"
     out = []

@@ -14,7 +14,7 @@ import dsi.engine.dsi as dsi_engine  # noqa: E402
 import dsi.engine.si as si_engine  # noqa: E402
 from dsi.cli.main import main  # noqa: E402
 from dsi.sampling import Decision, Purpose, residual, sample_from, uniform  # noqa: E402
-from dsi.selftest import chi2_sf, chi_square, read_prompts  # noqa: E402
+from dsi.evaluate.selftest import chi2_sf, chi_square, read_prompts  # noqa: E402
 from tests.tiny_hf import make_model_dir  # noqa: E402
 
 pytestmark = pytest.mark.hf

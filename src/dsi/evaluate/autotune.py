@@ -64,7 +64,7 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        from dsi.compare import method_label
+        from dsi.evaluate.compare import method_label
 
         return method_label(self.method, self.lookahead, self.servers)
 
@@ -221,7 +221,7 @@ def choose_method(
 
 def _default_prompt(target) -> list[int]:
     if getattr(target, "tokenizer", None) is not None:
-        from dsi.compare import CODE_PROMPTS
+        from dsi.evaluate.compare import CODE_PROMPTS
 
         return list(target.encode(CODE_PROMPTS[0]))
     return [1, 2, 3, 4]

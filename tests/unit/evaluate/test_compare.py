@@ -1,4 +1,4 @@
-"""dsi.compare: running several methods on the same prompts, and where a method departs from non-SI."""
+"""dsi.evaluate.compare: running several methods on the same prompts, and where a method departs from non-SI."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from dsi.cli.generate import _identical_mark
-import dsi.compare as compare_module
-from dsi.compare import MethodConfig, compare, first_divergence
+import dsi.evaluate.compare as compare_module
+from dsi.evaluate.compare import MethodConfig, compare, first_divergence
 from dsi.models import CallableLM, synthetic_pair
 
 

@@ -1,4 +1,4 @@
-"""dsi bench: the engine on emulated-latency pairs, and the window-policy comparison (dsi.bench)."""
+"""dsi bench: the engine on emulated-latency pairs, and the window-policy comparison (dsi.evaluate.bench)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from dsi.bench import POLICY_SCENARIOS, SCENARIOS, Scenario, run_window_policies
+from dsi.evaluate.bench import POLICY_SCENARIOS, SCENARIOS, Scenario, run_window_policies
 from dsi.cli.main import main
 
 

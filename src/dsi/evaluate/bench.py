@@ -24,9 +24,14 @@ import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from dsi.engine.api import generate
+from dsi.engine.api import build_decoder, run_once
 from dsi.models.replay import record_decisions
 from dsi.models.synthetic import synthetic_pair
+
+
+def generate(*, target, prompt, max_new_tokens: int, **options):
+    """One request on a decoder built for it (the engine's builder: bench measures the engine)."""
+    return run_once(build_decoder(target=target, **options), prompt, max_new_tokens, vocab_size=target.vocab_size)
 
 
 @dataclass(frozen=True)

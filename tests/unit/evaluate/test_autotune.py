@@ -1,4 +1,4 @@
-"""method="auto" (dsi.autotune): measured where the workers run, predicted, checked, cached."""
+"""method="auto" (dsi.evaluate.autotune): measured where the workers run, predicted, checked, cached."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import threading
 import pytest
 
 import dsi
-import dsi.autotune as autotune
-from dsi.autotune import AutoChoice, choose_method
+import dsi.evaluate.autotune as autotune
+from dsi.evaluate.autotune import AutoChoice, choose_method
 from dsi.errors import ConfigError
 from dsi.models import synthetic_pair
 
@@ -148,7 +148,7 @@ def test_dsi_workers_share_the_cores_when_the_user_left_threads_unset(monkeypatc
     import os
     import types
 
-    from dsi.autotune import threads_set, worker_threads
+    from dsi.evaluate.autotune import threads_set, worker_threads
 
     class Model:
         def __init__(self, threads=None, device="cpu"):

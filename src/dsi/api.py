@@ -1,0 +1,116 @@
+"""The public entry points: :func:`generate` for one call, :func:`build_decoder` to keep workers.
+
+This is the one place that knows ``method="auto"``: it asks :mod:`dsi.evaluate.autotune` which of
+the engine's methods is fastest here (measured once, cached), then builds that decoder with the
+engine's own builder (:func:`dsi.engine.api.build_decoder`). Every other method goes straight to
+the engine's builder. So the layers stay one-way: ``dsi.api -> dsi.evaluate -> dsi.engine``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+from dsi.engine import api as engine
+from dsi.engine.api import Decoder
+from dsi.engine.request import TokenCallback
+from dsi.engine.result import GenerationResult
+from dsi.errors import require
+from dsi.models.base import LanguageModel
+from dsi.sampling import SamplingParams
+
+METHODS = ("auto", *engine.ENGINE_METHODS)  # "auto": the fastest of the engine's methods here
+
+
+def build_decoder(
+    *,
+    target: LanguageModel,
+    drafter: LanguageModel | None = None,
+    method: str = "dsi",
+    lookahead: int | str = 5,
+    num_target_servers: int = 2,
+    transport: str = "threads",
+    transport_options: dict | None = None,
+    max_window: int | None = None,
+    auto_options: dict | None = None,
+    vocab_mode: str = "auto",
+    target_tokenizer: object = None,
+    drafter_tokenizer: object = None,
+) -> Decoder:
+    """A decoder that keeps its workers (threads, caches) across requests; ``close()`` it.
+
+    ``method="auto"`` measures non-SI, SI and DSI on this placement (once; the choice is cached)
+    and builds the fastest; ``num_target_servers`` is then the most DSI may use, and
+    ``auto_options`` go to :func:`dsi.evaluate.autotune.choose_method` (``cache_dir``, ``refresh``,
+    ``tokens``, ``prompt``). The decoder's ``choice`` says what was picked and why; once chosen it
+    is exactly the decoder that method builds by hand.
+
+    ``lookahead``: drafts per verification window (k), or ``"auto"`` (DSI only): event-driven
+    windows, sent whenever a target server is idle, carrying every draft made since the previous
+    window (at most ``max_window``).
+
+    ``vocab_mode``: how a drafter's tokens relate to the target's (:mod:`dsi.models.crossvocab`).
+    ``"auto"``: the drafter's own tokens when both share one vocabulary, else a drafter of another
+    vocabulary drafts through text (string-level for greedy requests, the token intersection for
+    sampling); ``"shared"``: one vocabulary required; ``"string"`` / ``"intersection"``: that
+    translation. Translating needs both tokenizers: the models' ``tokenizer`` attributes, or
+    ``target_tokenizer`` / ``drafter_tokenizer``. Output stays exact in every mode."""
+    require(method in METHODS, f"method={method!r} must be one of {', '.join(METHODS)}")
+    if method != "auto":
+        return engine.build_decoder(
+            target=target, drafter=drafter, method=method, lookahead=lookahead,
+            num_target_servers=num_target_servers, transport=transport, transport_options=transport_options,
+            max_window=max_window, vocab_mode=vocab_mode, target_tokenizer=target_tokenizer,
+            drafter_tokenizer=drafter_tokenizer,
+        )
+    engine.check_lookahead(method, lookahead, max_window)
+    if drafter is not None:
+        drafter = engine.bridge(target, drafter, vocab_mode, target_tokenizer, drafter_tokenizer)
+    engine.check_placement(num_target_servers, transport)
+    from dsi.evaluate.autotune import build_auto_decoder  # measures with the engine: imported on use
+
+    return build_auto_decoder(
+        target=engine.check_model(target, "target"), drafter=drafter, transport=transport,
+        transport_options=transport_options, num_target_servers=num_target_servers, tune_options=auto_options,
+    )
+
+
+def generate(
+    *,
+    target: LanguageModel,
+    drafter: LanguageModel | None = None,
+    prompt: Sequence[int],
+    method: str = "dsi",
+    max_new_tokens: int,
+    lookahead: int | str = 5,
+    max_window: int | None = None,
+    num_target_servers: int = 2,
+    sampling: SamplingParams | None = None,
+    transport: str = "threads",
+    transport_options: dict | None = None,
+    auto_options: dict | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    on_tokens: TokenCallback | None = None,
+    abort: threading.Event | None = None,
+    vocab_mode: str = "auto",
+    target_tokenizer: object = None,
+    drafter_tokenizer: object = None,
+) -> GenerationResult:
+    """Generate up to ``max_new_tokens`` tokens after ``prompt`` with non-SI, SI, DSI or ``"auto"``.
+
+    Greedy output (``temperature=0``) is token for token the target's own greedy output;
+    sampled output has exactly the target's distribution, and for a fixed seed it is the same
+    for any number of target servers and any timing. ``on_tokens`` receives each committed
+    token as it is committed (streaming). ``lookahead="auto"`` gives DSI event-driven windows
+    (see :func:`build_decoder`, also for ``vocab_mode`` and a drafter with another tokenizer).
+    Workers are started for this call and stopped before it returns; use :func:`build_decoder`
+    to keep them across calls.
+    """
+    decoder = build_decoder(
+        target=target, drafter=drafter, method=method, lookahead=lookahead, num_target_servers=num_target_servers,
+        transport=transport, transport_options=transport_options, max_window=max_window,
+        auto_options=auto_options, vocab_mode=vocab_mode, target_tokenizer=target_tokenizer,
+        drafter_tokenizer=drafter_tokenizer,
+    )
+    return engine.run_once(decoder, prompt, max_new_tokens, vocab_size=target.vocab_size, sampling=sampling,
+                           eos_token_id=eos_token_id, on_tokens=on_tokens, abort=abort)
