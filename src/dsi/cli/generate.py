@@ -9,6 +9,7 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 from dsi.cli.advice import what_dsi_needs
 from dsi.cli.backend import add_backend_args, choose, describe, hf_dtype
@@ -137,10 +138,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_model_args(d)
     d.set_defaults(threads=None)
-    d.add_argument("--lookahead", "-k", type=int, default=5, help="lookahead of SI and DSI (default 5)")
+    d.add_argument("--full", action="store_true",
+                   help=f"the full comparison: {FULL_DEMO.prompts} prompts x {FULL_DEMO.tokens} new tokens, and DSI "
+                        "with a fixed lookahead next to its event-driven windows (default: the quick one, "
+                        f"{QUICK_DEMO.prompts} prompts x {QUICK_DEMO.tokens} tokens, DSI event-driven only)")
+    d.add_argument("--lookahead", "-k", type=int, default=None,
+                   help="lookahead of SI, and of a DSI row with fixed windows (shown with --full or when given; "
+                        "default 5)")
     d.add_argument("--sp", type=int, nargs="+", default=[1], help="DSI target-server counts to run (default 1)")
-    d.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt (default 64)")
-    d.add_argument("--prompts", type=int, default=3, help="how many built-in code prompts (default 3, max 4)")
+    d.add_argument("--max-new-tokens", type=int, default=None,
+                   help=f"new tokens per prompt (default {QUICK_DEMO.tokens}, {FULL_DEMO.tokens} with --full)")
+    d.add_argument("--prompts", type=int, default=None,
+                   help=f"how many built-in code prompts (default {QUICK_DEMO.prompts}, {FULL_DEMO.prompts} with "
+                        "--full; max 4)")
     d.add_argument("--repeats", type=int, default=1, help="runs per method and prompt; medians reported")
     d.add_argument("--target-devices", help="comma-separated devices of DSI's target servers, one per server in "
                                             "turn, e.g. cuda:1,cuda:2 (default: --device)")
@@ -149,6 +159,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     d.add_argument("--retune", action="store_true", help="measure the automatic choice again")
     d.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     d.set_defaults(func=run_demo)
+
+
+@dataclass(frozen=True)
+class DemoPlan:
+    """What ``dsi demo`` runs: how many built-in prompts, new tokens each, and DSI's fixed lookahead
+    (None: DSI runs with event-driven windows only)."""
+
+    prompts: int
+    tokens: int
+    dsi_lookahead: int | None = None
+
+
+QUICK_DEMO = DemoPlan(prompts=2, tokens=48)  # every method on the same prompts, outputs checked: about 40 s here
+FULL_DEMO = DemoPlan(prompts=3, tokens=64, dsi_lookahead=5)
+
+
+def demo_plan(args: argparse.Namespace) -> DemoPlan:
+    """The demo's plan from ``--full``, ``--prompts``, ``--max-new-tokens`` and ``--lookahead``: the quick
+    plan unless ``--full``; an explicit ``--lookahead`` adds DSI with that fixed k to the quick plan too."""
+    base = FULL_DEMO if args.full else QUICK_DEMO
+    k = args.lookahead if args.lookahead is not None else base.dsi_lookahead
+    return DemoPlan(prompts=args.prompts if args.prompts is not None else base.prompts,
+                    tokens=args.max_new_tokens if args.max_new_tokens is not None else base.tokens,
+                    dsi_lookahead=k)
 
 
 def _load(args: argparse.Namespace, need_drafter: bool, hf_default_dtype: str = "bf16"):
@@ -236,14 +270,16 @@ def run_demo(args: argparse.Namespace) -> int:
     from dsi.cli.output import format_table, print_json
     from dsi.evaluate.compare import CODE_PROMPTS, NEAR_TIE_MARGIN, MethodConfig, compare, first_divergence, summarize
 
-    if not 1 <= args.prompts <= len(CODE_PROMPTS):
-        raise ConfigError(f"--prompts={args.prompts} must be in [1, {len(CODE_PROMPTS)}]")
-    if args.lookahead < 1 or any(sp < 1 for sp in args.sp) or args.max_new_tokens < 1 or args.repeats < 1:
+    plan = demo_plan(args)
+    if not 1 <= plan.prompts <= len(CODE_PROMPTS):
+        raise ConfigError(f"--prompts={plan.prompts} must be in [1, {len(CODE_PROMPTS)}]")
+    if (plan.dsi_lookahead or 1) < 1 or any(sp < 1 for sp in args.sp) or plan.tokens < 1 or args.repeats < 1:
         raise ConfigError("--lookahead, --sp, --max-new-tokens and --repeats must be >= 1")
+    lookahead = plan.dsi_lookahead or FULL_DEMO.dsi_lookahead  # SI's k
     start = time.perf_counter()
     target, drafter = _load(args, need_drafter=True)
     load_s = time.perf_counter() - start
-    prompts = [target.encode(p) for p in CODE_PROMPTS[: args.prompts]]
+    prompts = [target.encode(p) for p in CODE_PROMPTS[: plan.prompts]]
     from dsi.evaluate.autotune import worker_threads
 
     whole = args.threads  # threads for single-worker methods (None: torch's default, all cores)
@@ -251,10 +287,11 @@ def run_demo(args: argparse.Namespace) -> int:
     def dsi_threads(sp: int) -> int:  # per DSI worker: --threads, else an equal share of the cores
         return args.threads or worker_threads(target, drafter, "dsi", sp, "threads") or 1
 
-    configs = [MethodConfig("ar", threads=whole), MethodConfig("si", args.lookahead, threads=whole)]
+    configs = [MethodConfig("ar", threads=whole), MethodConfig("si", lookahead, threads=whole)]
     placement = tuple(transport_options(args).items())
+    windows = [plan.dsi_lookahead, "auto"] if plan.dsi_lookahead is not None else ["auto"]
     configs += [MethodConfig("dsi", k, sp, threads=dsi_threads(sp), transport_options=placement)
-                for sp in args.sp for k in (args.lookahead, "auto")]
+                for sp in args.sp for k in windows]
     choice = None
     if not args.no_auto:  # measured with the same threads per worker as the comparison below
         from dsi.evaluate.autotune import choose_method
@@ -270,7 +307,7 @@ def run_demo(args: argparse.Namespace) -> int:
     bar = tqdm(total=len(configs) * len(prompts) * args.repeats, desc="demo", unit="run",
                file=sys.stderr, disable=args.json and not sys.stderr.isatty())
     try:
-        results = compare(target, drafter, prompts, configs, max_new_tokens=args.max_new_tokens,
+        results = compare(target, drafter, prompts, configs, max_new_tokens=plan.tokens,
                           repeats=args.repeats, eos_token_id=None, progress=bar.update)
     finally:
         bar.close()
@@ -296,7 +333,8 @@ def run_demo(args: argparse.Namespace) -> int:
         "target": args.target, "drafter": args.drafter, "backend": backend,
         "backend_reason": args.backend_choice.reason, "dtype": hf_dtype(args) if backend == "hf" else None,
         "device": args.device or "cpu",
-        "max_new_tokens": args.max_new_tokens, "lookahead": args.lookahead, "load_s": load_s,
+        "max_new_tokens": plan.tokens, "lookahead": lookahead, "load_s": load_s,
+        "plan": "full" if args.full else "quick", "prompts": plan.prompts,
         "rows": [{k: v for k, v in r.items() if k != "stats"} | {"stats": r["stats"]} for r in rows],
         "total_latency_s": totals, "all_identical": all_identical, "lossless": lossless,
         "near_tie_margin": tolerance,
@@ -321,7 +359,8 @@ def run_demo(args: argparse.Namespace) -> int:
         f"{m} {t:.2f} s ({base / t:.2f}x)" for m, t in totals.items()) + f"; outputs identical: {verdict}")
     why = f" (auto: {args.backend_choice.reason})" if args.backend == "auto" else ""
     print(f"models: {args.target} / {args.drafter}, {args.backend_label}{why}, greedy, "
-          f"{args.max_new_tokens} new tokens; loaded in {load_s:.1f} s")
+          f"{plan.prompts} prompts x {plan.tokens} new tokens; loaded in {load_s:.1f} s"
+          + ("" if args.full else "; --full also runs DSI with fixed windows, on 3 prompts x 64 tokens"))
     fastest = min(totals, key=totals.get)
     print(f"fastest here: {fastest} ({totals[fastest]:.2f} s, {base / totals[fastest]:.2f}x non-SI)" if base
           else f"fastest here: {fastest}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -112,7 +113,7 @@ def test_generate_missing_model_path(capsys, tmp_path):
 def test_demo_json_reports_identical_outputs(pair_dirs, capsys):
     target, drafter = pair_dirs
     code = main(["demo", "--target", target, "--drafter", drafter, "--dtype", "fp32", "--prompts", "2",
-                 "--max-new-tokens", "10", "--sp", "1", "2", "--json"])
+                 "--max-new-tokens", "10", "--sp", "1", "2", "--full", "--json"])
     doc = json.loads(capsys.readouterr().out)
     assert code == 0
     assert doc["all_identical"] is True
@@ -124,6 +125,33 @@ def test_demo_json_reports_identical_outputs(pair_dirs, capsys):
     assert doc["auto"]["num_target_servers"] <= 2 and doc["auto"]["reason"].startswith(picked)
     for row in doc["rows"]:
         assert row["identical"] and row["latency_s"] > 0 and row["new_tokens"] == 10
+
+
+def test_the_quick_demo_runs_every_method_on_the_same_prompts_with_event_driven_dsi(pair_dirs, capsys):
+    target, drafter = pair_dirs
+    code = main(["demo", "--target", target, "--drafter", drafter, "--dtype", "fp32", "--max-new-tokens", "6",
+                 "--no-auto", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0 and doc["plan"] == "quick" and doc["prompts"] == 2 and doc["all_identical"] is True
+    assert {r["method"] for r in doc["rows"]} == {"non-SI", "SI k=5", "DSI k=auto SP=1"}
+    assert sorted(r["prompt"] for r in doc["rows"]) == [0, 0, 0, 1, 1, 1]  # each method on each prompt
+
+
+def test_demo_plans():
+    from dsi.cli.generate import FULL_DEMO, QUICK_DEMO, DemoPlan, demo_plan
+
+    def plan(*flags):
+        parser = argparse.ArgumentParser()
+        sub = parser.add_subparsers()
+        from dsi.cli.generate import register
+
+        register(sub)
+        return demo_plan(parser.parse_args(["demo", *flags]))
+
+    assert plan() == QUICK_DEMO == DemoPlan(2, 48, None)
+    assert plan("--full") == FULL_DEMO == DemoPlan(3, 64, 5)
+    assert plan("-k", "3") == DemoPlan(2, 48, 3)  # a lookahead asked for adds DSI with that fixed k
+    assert plan("--full", "--prompts", "1", "--max-new-tokens", "8", "-k", "2") == DemoPlan(1, 8, 2)
 
 
 def test_generate_target_devices_and_transport_errors(pair_dirs, capsys):

