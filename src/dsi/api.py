@@ -75,6 +75,16 @@ def build_decoder(
     )
 
 
+def build_chosen_decoder(choice, *, target: LanguageModel, drafter: LanguageModel | None,
+                         transport: str = "threads", transport_options: dict | None = None) -> Decoder:
+    """The decoder of a choice ``method="auto"`` made before (a decoder's ``choice``), built without
+    measuring or reading the cache again; a non-SI choice needs no drafter (None)."""
+    from dsi.evaluate.autotune import decoder_for_choice
+
+    return decoder_for_choice(choice, target=target, drafter=drafter, transport=transport,
+                              transport_options=transport_options)
+
+
 def generate(
     *,
     target: LanguageModel,

@@ -220,6 +220,8 @@ def _prompt_ids(args: argparse.Namespace, target) -> list[int]:
 def run_generate(args: argparse.Namespace) -> int:
     import dsi
     from dsi.cli.output import print_json
+    from dsi.engine.api import run_once
+    from dsi.models.loading import release
     from dsi.text import IncrementalDetokenizer
 
     sampling = dsi.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
@@ -240,13 +242,16 @@ def run_generate(args: argparse.Namespace) -> int:
             sys.stdout.write(detok.push(tokens))
             sys.stdout.flush()
 
-    result = dsi.generate(
-        target=target, drafter=drafter, prompt=ids, method=args.method, max_new_tokens=args.max_new_tokens,
-        lookahead=args.lookahead, max_window=args.max_window, num_target_servers=server_count(args),
-        sampling=sampling, transport=args.transport, transport_options=transport_options(args),
-        auto_options=auto_options(args, quiet=args.json), eos_token_id=list(target.eos_token_ids) or None,
-        on_tokens=stream,
+    decoder = dsi.build_decoder(
+        target=target, drafter=drafter, method=args.method, lookahead=args.lookahead, max_window=args.max_window,
+        num_target_servers=server_count(args), transport=args.transport, transport_options=transport_options(args),
+        auto_options=auto_options(args, quiet=args.json),
     )
+    if decoder.method == "ar" and drafter is not None:  # auto picked non-SI: decode with nothing else loaded
+        release(drafter)
+        drafter = None
+    result = run_once(decoder, ids, args.max_new_tokens, vocab_size=target.vocab_size, sampling=sampling,
+                      eos_token_id=list(target.eos_token_ids) or None, on_tokens=stream)
     text = target.decode(result.tokens) if target.tokenizer is not None else None
     if args.json:
         print_json({

@@ -136,8 +136,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if not _is_loopback(args.host):
         log.warning("dsi serve: listening on %s, reachable from other machines%s", args.host,
                     "" if args.api_key else "; consider --api-key")
-    target, drafter = _load(args, need_drafter=args.method != "ar")
-    app = create_app(target, drafter, config)
+    app = create_app(*_load(args, need_drafter=args.method != "ar"), config, free_unused_drafter=True)
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host

@@ -398,14 +398,28 @@ class AutoDecoder:
 
 def build_auto_decoder(*, target, drafter, transport="threads", transport_options=None, num_target_servers=1,
                        tune_options: dict | None = None) -> AutoDecoder:
-    """Choose (or read the cached choice), then build that decoder."""
+    """Choose (or read the cached choice), then build that decoder (:func:`decoder_for_choice`)."""
     choice = choose_method(target, drafter, transport=transport, transport_options=transport_options,
                            max_servers=num_target_servers, **(tune_options or {}))
+    return decoder_for_choice(choice, target=target, drafter=drafter, transport=transport,
+                              transport_options=transport_options)
+
+
+def decoder_for_choice(choice: AutoChoice, *, target, drafter, transport="threads",
+                       transport_options=None) -> AutoDecoder:
+    """The decoder of ``choice``, built exactly as that method is built by hand (the engine's builder,
+    the choice's lookahead and servers), with the threads per worker it was measured with.
+
+    Nothing else is built or started beside it: a non-SI pick neither uses nor holds the drafter
+    (``drafter`` may then be None, and a caller that loaded one may free it:
+    :func:`dsi.models.loading.release`)."""
+    if choice.method != "ar" and drafter is None:
+        raise ConfigError(f"the choice {choice.label} needs a drafter")
     threads = worker_threads(target, drafter, choice.method, choice.num_target_servers, transport)
     if threads is not None:  # run as it was measured (the models keep this setting)
         for model in (target, drafter):
             model.threads = threads
-    inner = build_decoder(target=target, drafter=drafter, method=choice.method,
+    inner = build_decoder(target=target, drafter=drafter if choice.method != "ar" else None, method=choice.method,
                           lookahead=choice.lookahead if choice.method != "ar" else 5,
                           num_target_servers=choice.num_target_servers, transport=transport,
                           transport_options=transport_options if choice.method == "dsi" else None)

@@ -239,3 +239,15 @@ def check_same_vocabulary(target: Any, drafter: Any) -> None:
         raise VocabularyMismatchError(
             f"target and drafter tokenizers differ ({len(tv)} vs {len(dv)} tokens; e.g. {differing}): {hint}"
         )
+
+
+def release(model: Any) -> None:
+    """Free a loaded model's weights now where its backend can (llama.cpp frees them at once; a drafter
+    of another vocabulary releases the model it wraps); any other model is freed by the garbage
+    collector once nothing refers to it. The model must not be used afterwards."""
+    from dsi.models.crossvocab import CrossVocabularyDrafter
+    from dsi.models.llamacpp import LlamaCppModel  # no binding is loaded by this import
+
+    loaded = model.drafter if isinstance(model, CrossVocabularyDrafter) else model
+    if isinstance(loaded, LlamaCppModel):
+        loaded.close()

@@ -35,10 +35,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dsi.api import build_decoder
+from dsi.api import build_chosen_decoder, build_decoder
 from dsi.errors import ConfigError
 from dsi.models.base import LanguageModel
 from dsi.models.crossvocab import bridge_drafter
+from dsi.models.loading import release
 from dsi.server.codec import Codec, HFCodec
 from dsi.server.config import ServeConfig
 from dsi.server.jobs import Job, Outcome
@@ -84,13 +85,16 @@ def target_context(target: LanguageModel, codec: Codec) -> int | None:
 class ServerState:
     """Everything one app owns: slots, live jobs, metrics, the preparation threads."""
 
-    def __init__(self, target: LanguageModel, drafter: LanguageModel | None, config: ServeConfig, codec: Codec) -> None:
+    def __init__(self, target: LanguageModel, drafter: LanguageModel | None, config: ServeConfig, codec: Codec,
+                 free_unused_drafter: bool = False) -> None:
         if config.method != "ar" and drafter is None:
             raise ConfigError(f"method={config.method!r} needs a drafter model")
         self.target = target
         if drafter is not None and config.method != "ar":  # one translation shared by every slot's decoder
             drafter = bridge_drafter(target, drafter, config.vocab_mode)
         self.drafter = drafter
+        self.choice = None  # with method="auto": what it picked, once the first slot's decoder is built
+        self.free_unused_drafter = free_unused_drafter
         self.config = config
         self.codec = codec
         self.max_context = target_context(target, codec)
@@ -107,10 +111,21 @@ class ServerState:
 
     def _new_decoder(self) -> object:
         c = self.config
-        return build_decoder(
+        if self.choice is not None:  # method="auto" has chosen: every further slot (and rebuild) is its pick
+            return build_chosen_decoder(self.choice, target=self.target, drafter=self.drafter, transport=c.transport,
+                                        transport_options=c.transport_options)
+        decoder = build_decoder(
             target=self.target, drafter=self.drafter, method=c.method, lookahead=c.lookahead, max_window=c.max_window,
             num_target_servers=c.num_target_servers, auto_options=c.auto_options, transport=c.transport, transport_options=c.transport_options,
         )
+        self.choice = getattr(decoder, "choice", None)
+        if self.choice is not None:
+            log.info("method auto picked %s", self.choice.reason)
+            if self.choice.method == "ar":  # non-SI: no decoder uses the drafter, none holds it
+                if self.free_unused_drafter and self.drafter is not None:
+                    release(self.drafter)
+                self.drafter = None
+        return decoder
 
     def _build_slots(self) -> list[Slot]:
         slots: list[Slot] = []
@@ -265,13 +280,16 @@ def create_app(
     config: ServeConfig,
     *,
     codec: Codec | None = None,
+    free_unused_drafter: bool = False,
 ) -> FastAPI:
     """An app serving ``target`` (with ``drafter`` unless ``method='ar'``) as ``config.model_name``.
 
     ``codec`` (tokenise / detokenise / chat template / EOS / context) defaults to the target's
-    Hugging Face tokenizer (:class:`HFCodec`).
+    Hugging Face tokenizer (:class:`HFCodec`). With ``method="auto"`` every slot runs the method it
+    picked; when that is non-SI the app lets go of the drafter, and ``free_unused_drafter`` frees its
+    weights too (:func:`dsi.models.loading.release`: for a caller that hands the drafter over).
     """
-    state = ServerState(target, drafter, config, codec if codec is not None else HFCodec(target))
+    state = ServerState(target, drafter, config, codec if codec is not None else HFCodec(target), free_unused_drafter)
     metrics = state.metrics
 
     @asynccontextmanager

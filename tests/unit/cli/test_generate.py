@@ -198,3 +198,21 @@ def test_demo_places_dsi_servers_on_target_devices(pair_dirs, capsys):
     assert doc["note"] is None  # servers with devices of their own: no shared-CPU note
     assert main(["demo", "--target", target, "--drafter", drafter, "--target-devices", " , ", "--json"]) == 2
     assert "names no device" in capsys.readouterr().err
+
+
+def test_generate_with_auto_picking_non_si_frees_the_drafter_before_decoding(pair_dirs, capsys, monkeypatch):
+    import dsi.evaluate.autotune as autotune
+    import dsi.models.loading as loading
+
+    target, drafter = pair_dirs
+    choice = autotune.AutoChoice("ar", 1, 1, "non-SI by test", (), {}, 0.5, 32, "k", "now")
+    monkeypatch.setattr(autotune, "choose_method", lambda *a, **k: choice)
+    released = []
+    monkeypatch.setattr(loading, "release", lambda model: released.append(model.name))
+    base = ["generate", "--target", target, "--drafter", drafter, "--prompt", "def", "--max-new-tokens", "6",
+            "--dtype", "fp32", "--json"]
+    auto = run_json(capsys, base)
+    plain = run_json(capsys, base + ["--method", "ar"])
+    assert auto["token_ids"] == plain["token_ids"] and auto["stats"]["method"] == "ar"
+    assert auto["stats"]["auto"]["picked"] == "non-SI"
+    assert released == [drafter]  # the drafter went before decoding; --method ar never loaded it

@@ -176,3 +176,81 @@ def test_a_drafter_with_a_short_context_is_measured_not_refused(tmp_path, no_thr
     choice = choose_method(WithLatency(target, 0.002, 0.002), short, max_servers=1, cache_dir=tmp_path, tokens=32)
     assert {"non-SI", "SI k=4", "DSI auto SP=1"} <= set(choice.measured)
     assert choice.acceptance == pytest.approx((12 - 4 + 1) / 32)  # drafts only for positions 4..12
+
+
+# ---- once auto has chosen, it costs nothing -----------------------------------------------------------
+COUNTERS = ("new_tokens", "drafted_tokens", "accepted_tokens", "rejections", "bonus_tokens", "verify_tasks",
+            "target_forwards", "drafter_forwards", "num_target_servers", "lookahead", "method")
+
+
+def _choice(method, lookahead, servers):
+    return AutoChoice(method, lookahead, servers, f"{method} by test", (), {}, 0.8, 32, "test-key", "now")
+
+
+def _dsi_threads() -> list[str]:
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("dsi-") and t.is_alive())
+
+
+@pytest.mark.parametrize("method, lookahead, servers", [("ar", 1, 1), ("si", 3, 1), ("dsi", 2, 2),
+                                                        ("dsi", "auto", 2)])
+def test_the_decoder_auto_picked_is_the_one_built_by_hand(method, lookahead, servers, no_thread_leak):
+    """Same engine, configuration, workers (threads) and work (counters) as the method built by hand."""
+    from dsi.engine.api import build_decoder, make_request
+
+    target, drafter = synthetic_pair(0.7, seed=3)  # no latency: deterministic counters for ar and si
+    request = make_request([3, 1, 4], 24, dsi.SamplingParams(), None, target.vocab_size)
+    hand = build_decoder(target=target, drafter=drafter, method=method, lookahead=lookahead,
+                         num_target_servers=servers)
+    hand_threads = _dsi_threads()
+    hand_out = hand.generate(request)
+    hand.close()
+    auto = autotune.decoder_for_choice(_choice(method, lookahead, servers), target=target, drafter=drafter)
+    assert type(auto.inner) is type(hand) and auto.method == hand.method
+    assert {k: v for k, v in vars(auto.inner).items() if isinstance(v, int | str)} == \
+           {k: v for k, v in vars(hand).items() if isinstance(v, int | str)}
+    auto_threads = _dsi_threads()
+    auto_out = auto.generate(request)
+    auto.close()
+    assert auto_threads == hand_threads  # nothing else started beside it
+    assert auto_out.tokens == hand_out.tokens
+    got, want = auto_out.stats.to_dict(), hand_out.stats.to_dict()
+    deterministic = COUNTERS if method != "dsi" else ("new_tokens", "num_target_servers", "lookahead", "method")
+    assert {k: got[k] for k in deterministic} == {k: want[k] for k in deterministic}
+    assert got["auto"]["picked"] == auto.choice.label
+
+
+def test_a_non_si_pick_holds_no_drafter_and_needs_none():
+    import gc
+    import weakref
+
+    target, drafter = synthetic_pair(0.7, seed=1)
+    gone = weakref.ref(drafter)
+    auto = autotune.decoder_for_choice(_choice("ar", 1, 1), target=target, drafter=drafter)
+    del drafter
+    gc.collect()
+    assert gone() is None  # the auto decoder keeps nothing of the drafter alive
+    built = autotune.decoder_for_choice(_choice("ar", 1, 1), target=target, drafter=None)
+    assert auto.generate(dsi.engine.make_request([1, 2], 8, dsi.SamplingParams(), None, target.vocab_size)).tokens \
+        == built.generate(dsi.engine.make_request([1, 2], 8, dsi.SamplingParams(), None, target.vocab_size)).tokens
+    with pytest.raises(ConfigError, match="needs a drafter"):
+        autotune.decoder_for_choice(_choice("si", 3, 1), target=target, drafter=None)
+
+
+def test_a_cached_choice_builds_the_same_workers_as_the_method_by_hand(tmp_path, no_thread_leak):
+    """Through the public entry: after the first (measuring) build, a build reads the cache and starts
+    exactly the threads the picked method starts when built by hand."""
+    target, drafter = synthetic_pair(0.95, target_tpot=0.020, drafter_tpot=0.001)
+    first = dsi.build_decoder(target=target, drafter=drafter, method="auto", num_target_servers=2,
+                              auto_options={"cache_dir": tmp_path, "tokens": 16})
+    first.close()
+    choice = first.choice
+    assert _dsi_threads() == []
+    again = dsi.build_decoder(target=target, drafter=drafter, method="auto", num_target_servers=2,
+                              auto_options={"cache_dir": tmp_path, "tokens": 16})
+    assert again.choice.cached and again.choice.label == choice.label
+    auto_threads = _dsi_threads()
+    again.close()
+    hand = dsi.build_decoder(target=target, drafter=drafter, method=choice.method, lookahead=choice.lookahead,
+                             num_target_servers=choice.num_target_servers)
+    assert _dsi_threads() == auto_threads
+    hand.close()

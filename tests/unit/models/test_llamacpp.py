@@ -14,7 +14,7 @@ pytest.importorskip("llama_cpp")
 torch = pytest.importorskip("torch")
 
 import dsi  # noqa: E402
-from dsi.errors import ConfigError, ContextLengthError, TaskCancelled  # noqa: E402
+from dsi.errors import ConfigError, ContextLengthError, ModelError, TaskCancelled  # noqa: E402
 from dsi.models.base import forward_rows  # noqa: E402
 from dsi.models.llamacpp import LlamaCppModel  # noqa: E402
 from tests.tiny_gguf import write_tiny_gguf  # noqa: E402
@@ -249,3 +249,22 @@ def test_ray_actors_rebuild_the_gguf_model_and_stay_lossless(tiny, tiny_drafter,
                        num_target_servers=2, max_new_tokens=16, transport="ray",
                        transport_options={"num_cpus": 0})
     assert out.tokens == reference
+
+
+def test_release_frees_a_llama_cpp_model_and_the_one_a_cross_vocabulary_drafter_wraps(tmp_path):
+    from dsi.models.crossvocab import CrossVocabularyDrafter
+    from dsi.models.loading import release
+
+    path, _, _ = write_tiny_gguf(tmp_path / "m.gguf", seed=2, layers=1)
+    model = LlamaCppModel(path, threads=1)
+    model.new_session().close()
+    release(model)
+    with pytest.raises(ModelError, match="was closed"):
+        model.new_session()
+    wrapped = LlamaCppModel(path, threads=1)
+    bridge = CrossVocabularyDrafter.__new__(CrossVocabularyDrafter)  # only its wrapped model matters here
+    bridge.drafter = wrapped
+    release(bridge)
+    with pytest.raises(ModelError, match="was closed"):
+        wrapped.new_session()
+    release(object())  # any other model: left to the garbage collector, nothing raised

@@ -280,3 +280,45 @@ def test_api_key_is_required(server, headers):
 def test_unknown_route_is_an_openai_error(server):
     r = httpx.get(server[0] + "/v2/nothing", headers=AUTH)
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+def test_with_method_auto_every_slot_runs_the_pick_and_a_non_si_pick_lets_the_drafter_go(tiny_pair, monkeypatch):
+    """Once auto has chosen, slots (and rebuilt slots) are built as the pick, without measuring again; a
+    non-SI pick leaves no decoder holding the drafter, and a handed-over drafter is freed."""
+    import dsi.evaluate.autotune as autotune
+    import dsi.server.app as app_module
+    from dsi.engine.ar import AutoregressiveDecoder
+    from dsi.server import ServeConfig, create_app
+
+    target, drafter = tiny_pair
+    choice = autotune.AutoChoice("ar", 1, 1, "non-SI by test", (), {}, 0.5, 32, "k", "now")
+    chosen = []
+    monkeypatch.setattr(autotune, "choose_method", lambda *a, **k: chosen.append(1) or choice)
+    released = []
+    monkeypatch.setattr(app_module, "release", released.append)
+    config = ServeConfig(method="auto", max_concurrent=2, model_name="tiny")
+    app = create_app(target, drafter, config, free_unused_drafter=True)
+    with running_server(app) as running:
+        state = app.state.dsi
+        slots = state.scheduler.slots
+        assert [type(s.decoder.inner) for s in slots] == [AutoregressiveDecoder] * 2
+        assert chosen == [1] and state.choice is choice  # chosen once, for the first slot
+        assert state.drafter is None and released == [drafter]
+        slots[1].rebuild()  # a rebuilt slot is the pick too, with no drafter
+        assert type(slots[1].decoder.inner) is AutoregressiveDecoder and chosen == [1]
+        reply = httpx.post(f"{running.url}/v1/completions", json={"model": "tiny", "prompt": "ab", "max_tokens": 4})
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
+
+
+def test_a_server_not_given_the_drafter_keeps_it_alive_for_its_owner(tiny_pair, monkeypatch):
+    import dsi.evaluate.autotune as autotune
+    import dsi.server.app as app_module
+    from dsi.server import ServeConfig, create_app
+
+    target, drafter = tiny_pair
+    choice = autotune.AutoChoice("ar", 1, 1, "non-SI by test", (), {}, 0.5, 32, "k", "now")
+    monkeypatch.setattr(autotune, "choose_method", lambda *a, **k: choice)
+    monkeypatch.setattr(app_module, "release", lambda m: pytest.fail("freed a drafter it was not handed"))
+    app = create_app(target, drafter, ServeConfig(method="auto", model_name="tiny"))
+    with running_server(app):
+        assert app.state.dsi.drafter is None
