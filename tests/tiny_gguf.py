@@ -40,10 +40,29 @@ def tiny_llama(seed: int = 0, layers: int = 2, hidden: int = 32, max_positions: 
     return transformers.LlamaForCausalLM(config).eval(), tok
 
 
-def add_llama(writer, model) -> None:
-    """The hyperparameters and float32 tensors of the HF ``LlamaForCausalLM`` ``model`` under
-    llama.cpp's names, as its converter writes them (query and key permuted)."""
+QUANTS = ("Q8_0", "Q4_0")  # what ``quant=`` may ask for (rows of a multiple of 32; gguf has no Q4_K quantizer)
+
+
+def add_llama(writer, model, quant: str | None = None) -> None:
+    """The hyperparameters and tensors of the HF ``LlamaForCausalLM`` ``model`` under llama.cpp's
+    names, as its converter writes them (query and key permuted): float32, or with ``quant`` every
+    matrix (the embedding, projections and output layer) quantized to that type by the ``gguf``
+    package, the norms kept in float32, as llama.cpp's quantizer does."""
     import gguf
+
+    if quant is not None and quant not in QUANTS:
+        raise ValueError(f"quant={quant!r} must be one of {QUANTS}")
+    qtype = getattr(gguf.GGMLQuantizationType, quant) if quant else None
+
+    def add(name: str, array: np.ndarray) -> None:
+        if qtype is None or array.ndim != 2:
+            writer.add_tensor(name, array)
+            return
+        block = gguf.GGML_QUANT_SIZES[qtype][0]
+        if array.shape[1] % block:
+            raise ValueError(f"{name}: rows of {array.shape[1]} do not split into {quant} blocks of {block}")
+        writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(array, dtype=np.float32), qtype),
+                          raw_dtype=qtype)
 
     config = model.config
     heads, kv_heads, layers = config.num_attention_heads, config.num_key_value_heads, config.num_hidden_layers
@@ -56,22 +75,23 @@ def add_llama(writer, model) -> None:
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(float(getattr(config, "rope_theta", None) or config.rope_parameters["rope_theta"]))
     writer.add_rope_dimension_count(config.hidden_size // heads)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    file_type = {None: "ALL_F32", "Q8_0": "MOSTLY_Q8_0", "Q4_0": "MOSTLY_Q4_0"}[quant]
+    writer.add_file_type(getattr(gguf.LlamaFileType, file_type))
     weights = {name: t.detach().float().numpy() for name, t in model.state_dict().items()}
-    writer.add_tensor("token_embd.weight", weights["model.embed_tokens.weight"])
+    add("token_embd.weight", weights["model.embed_tokens.weight"])
     for i in range(layers):
         p = f"model.layers.{i}."
-        writer.add_tensor(f"blk.{i}.attn_norm.weight", weights[p + "input_layernorm.weight"])
-        writer.add_tensor(f"blk.{i}.attn_q.weight", _permute(weights[p + "self_attn.q_proj.weight"], heads))
-        writer.add_tensor(f"blk.{i}.attn_k.weight", _permute(weights[p + "self_attn.k_proj.weight"], kv_heads))
-        writer.add_tensor(f"blk.{i}.attn_v.weight", weights[p + "self_attn.v_proj.weight"])
-        writer.add_tensor(f"blk.{i}.attn_output.weight", weights[p + "self_attn.o_proj.weight"])
-        writer.add_tensor(f"blk.{i}.ffn_norm.weight", weights[p + "post_attention_layernorm.weight"])
-        writer.add_tensor(f"blk.{i}.ffn_gate.weight", weights[p + "mlp.gate_proj.weight"])
-        writer.add_tensor(f"blk.{i}.ffn_up.weight", weights[p + "mlp.up_proj.weight"])
-        writer.add_tensor(f"blk.{i}.ffn_down.weight", weights[p + "mlp.down_proj.weight"])
-    writer.add_tensor("output_norm.weight", weights["model.norm.weight"])
-    writer.add_tensor("output.weight", weights["lm_head.weight"])
+        add(f"blk.{i}.attn_norm.weight", weights[p + "input_layernorm.weight"])
+        add(f"blk.{i}.attn_q.weight", _permute(weights[p + "self_attn.q_proj.weight"], heads))
+        add(f"blk.{i}.attn_k.weight", _permute(weights[p + "self_attn.k_proj.weight"], kv_heads))
+        add(f"blk.{i}.attn_v.weight", weights[p + "self_attn.v_proj.weight"])
+        add(f"blk.{i}.attn_output.weight", weights[p + "self_attn.o_proj.weight"])
+        add(f"blk.{i}.ffn_norm.weight", weights[p + "post_attention_layernorm.weight"])
+        add(f"blk.{i}.ffn_gate.weight", weights[p + "mlp.gate_proj.weight"])
+        add(f"blk.{i}.ffn_up.weight", weights[p + "mlp.up_proj.weight"])
+        add(f"blk.{i}.ffn_down.weight", weights[p + "mlp.down_proj.weight"])
+    add("output_norm.weight", weights["model.norm.weight"])
+    add("output.weight", weights["lm_head.weight"])
 
 
 def finish(writer) -> None:
@@ -81,8 +101,10 @@ def finish(writer) -> None:
     writer.close()
 
 
-def write_tiny_gguf(path: Path, seed: int = 0, layers: int = 2, hidden: int = 32, max_positions: int = 256):
-    """Write the tiny Llama as ``path`` (a .gguf file); return ``(path, hf_model, tokenizer)``."""
+def write_tiny_gguf(path: Path, seed: int = 0, layers: int = 2, hidden: int = 32, max_positions: int = 256,
+                    quant: str | None = None):
+    """Write the tiny Llama as ``path`` (a .gguf file); return ``(path, hf_model, tokenizer)``.
+    ``quant``: quantize its matrices (:data:`QUANTS`)."""
     import gguf
 
     model, tok = tiny_llama(seed, layers, hidden, max_positions)
@@ -105,6 +127,6 @@ def write_tiny_gguf(path: Path, seed: int = 0, layers: int = 2, hidden: int = 32
     writer.add_pad_token_id(tok.pad_token_id)
     writer.add_add_bos_token(False)
     writer.add_chat_template(tok.chat_template)
-    add_llama(writer, model)
+    add_llama(writer, model, quant)
     finish(writer)
     return Path(path), model, tok

@@ -17,6 +17,7 @@ from dsi.engine.request import TokenCallback
 from dsi.engine.result import GenerationResult
 from dsi.errors import require
 from dsi.models.base import LanguageModel
+from dsi.models.determinism import set_deterministic
 from dsi.sampling import SamplingParams
 
 METHODS = ("auto", *engine.ENGINE_METHODS)  # "auto": the fastest of the engine's methods here
@@ -36,8 +37,14 @@ def build_decoder(
     vocab_mode: str = "auto",
     target_tokenizer: object = None,
     drafter_tokenizer: object = None,
+    deterministic: bool | None = None,
 ) -> Decoder:
     """A decoder that keeps its workers (threads, caches) across requests; ``close()`` it.
+
+    ``deterministic``: None keeps the models' own mode (llama.cpp: on, hf: off); True or False switches
+    both models (they keep the setting; :mod:`dsi.models.determinism`). In the mode every token is
+    computed in a forward of its own, so greedy SI and DSI equal non-SI bit for bit and a seed gives
+    the same tokens whatever ran before; a model that has no such mode is refused.
 
     ``method="auto"`` measures non-SI, SI and DSI on this placement (once; the choice is cached)
     and builds the fastest; ``num_target_servers`` is then the most DSI may use, and
@@ -56,6 +63,8 @@ def build_decoder(
     translation. Translating needs both tokenizers: the models' ``tokenizer`` attributes, or
     ``target_tokenizer`` / ``drafter_tokenizer``. Output stays exact in every mode."""
     require(method in METHODS, f"method={method!r} must be one of {', '.join(METHODS)}")
+    if deterministic is not None:
+        set_deterministic([target, drafter], deterministic)
     if method != "auto":
         return engine.build_decoder(
             target=target, drafter=drafter, method=method, lookahead=lookahead,
@@ -105,6 +114,7 @@ def generate(
     vocab_mode: str = "auto",
     target_tokenizer: object = None,
     drafter_tokenizer: object = None,
+    deterministic: bool | None = None,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt`` with non-SI, SI, DSI or ``"auto"``.
 
@@ -120,7 +130,7 @@ def generate(
         target=target, drafter=drafter, method=method, lookahead=lookahead, num_target_servers=num_target_servers,
         transport=transport, transport_options=transport_options, max_window=max_window,
         auto_options=auto_options, vocab_mode=vocab_mode, target_tokenizer=target_tokenizer,
-        drafter_tokenizer=drafter_tokenizer,
+        drafter_tokenizer=drafter_tokenizer, deterministic=deterministic,
     )
     return engine.run_once(decoder, prompt, max_new_tokens, vocab_size=target.vocab_size, sampling=sampling,
                            eos_token_id=eos_token_id, on_tokens=on_tokens, abort=abort)

@@ -49,9 +49,13 @@ def exact_law(model, prompt, params) -> dict:
     return law
 
 
-@pytest.mark.parametrize("method, lookahead, servers", [("si", 2, 1), ("dsi", 2, 2), ("dsi", "auto", 2)])
-def test_sampling_on_llama_cpp_matches_the_target_law(pair, method, lookahead, servers, no_thread_leak):
+@pytest.mark.parametrize("method, lookahead, servers, deterministic",
+                         [("si", 2, 1, False), ("dsi", 2, 2, False), ("dsi", "auto", 2, False), ("si", 2, 1, True),
+                          ("dsi", "auto", 2, True)])
+def test_sampling_on_llama_cpp_matches_the_target_law(pair, method, lookahead, servers, deterministic, no_thread_leak):
+    """Also in the deterministic mode (every token computed alone): the law is untouched."""
     target, drafter = pair
+    target.deterministic = drafter.deterministic = deterministic
     prompt = target.encode("def add(a, b):")
     law = exact_law(target, prompt, dsi.SamplingParams(**PROCESSING, seed=0))
     index = {seq: i for i, seq in enumerate(law)}
@@ -65,6 +69,7 @@ def test_sampling_on_llama_cpp_matches_the_target_law(pair, method, lookahead, s
             counts[index[tuple(decoder.generate(request).tokens)]] += 1
     finally:
         decoder.close()
+        target.deterministic = drafter.deterministic = False
     expected = np.array(list(law.values())) * N_SAMPLES
     _, p_value = chisquare(counts, expected)
     assert p_value > ALPHA, f"p={p_value:.2e}: counts {counts} vs expected {np.round(expected, 1)}"

@@ -26,6 +26,11 @@ def add_backend_args(g: argparse._ArgumentGroup | argparse.ArgumentParser, threa
     g.add_argument("--device", default=None,
                    help="device of the drafter and of the target: cpu (default), cuda or cuda:N (hf only; "
                         "asking for cuda makes --backend auto pick hf)")
+    g.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
+                   help="compute every token in a forward of its own, so that outputs depend on the tokens alone "
+                        "(greedy SI/DSI equal to non-SI bit for bit, a seed always gives the same text, for DSI "
+                        "too); default off: it cuts verification forwards into single tokens (costs measured in "
+                        "docs/results.md section 11; docs/architecture.md, 'Deterministic inference')")
     g.add_argument("--threads", type=int, default=None,
                    help=threads_help or "threads per worker (drafter and each target server): torch's intra-op "
                                         "threads (hf) or llama.cpp's threads per session; default: the backend's")

@@ -198,6 +198,7 @@ def _load(args: argparse.Namespace, need_drafter: bool, hf_default_dtype: str = 
     hf = choice.backend == "hf"
     options = {"backend": choice.backend, "dtype": hf_dtype(args, hf_default_dtype) if hf else None,
                "device": args.device if hf else None, "threads": args.threads,
+               "deterministic": getattr(args, "deterministic", None),
                "progress": not getattr(args, "json", False) or sys.stderr.isatty()}
     if need_drafter:
         from dsi.models.crossvocab import bridge_drafter
@@ -221,6 +222,7 @@ def run_generate(args: argparse.Namespace) -> int:
     import dsi
     from dsi.cli.output import print_json
     from dsi.engine.api import run_once
+    from dsi.models.determinism import is_deterministic
     from dsi.models.loading import release
     from dsi.text import IncrementalDetokenizer
 
@@ -256,7 +258,8 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.json:
         print_json({
             "token_ids": result.tokens, "text": text, "prompt_tokens": len(ids),
-            "finish_reason": result.finish_reason, "method": args.method, "stats": result.stats.to_dict(),
+            "finish_reason": result.finish_reason, "method": args.method,
+            "deterministic": is_deterministic(target), "stats": result.stats.to_dict(),
         })
         return 0
     if stream is not None:
@@ -274,6 +277,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
     from dsi.cli.output import format_table, print_json
     from dsi.evaluate.compare import CODE_PROMPTS, NEAR_TIE_MARGIN, MethodConfig, compare, first_divergence, summarize
+    from dsi.models.determinism import is_deterministic
 
     plan = demo_plan(args)
     if not 1 <= plan.prompts <= len(CODE_PROMPTS):
@@ -342,7 +346,7 @@ def run_demo(args: argparse.Namespace) -> int:
         "plan": "full" if args.full else "quick", "prompts": plan.prompts,
         "rows": [{k: v for k, v in r.items() if k != "stats"} | {"stats": r["stats"]} for r in rows],
         "total_latency_s": totals, "all_identical": all_identical, "lossless": lossless,
-        "near_tie_margin": tolerance,
+        "near_tie_margin": tolerance, "deterministic": is_deterministic(target),
         "note": note,
         "auto": choice.to_dict() if choice else None,
         "fastest": min(totals, key=totals.get) if totals else None,
@@ -379,8 +383,9 @@ def run_demo(args: argparse.Namespace) -> int:
     if not all_identical:
         print(f"≈: output departs from non-SI where the target's two best tokens are within {tolerance} logits "
               "of each other: a batched verification forward rounds differently from a one-token forward "
-              + ("(use --dtype fp32 for exact equality)." if backend == "hf" else
-                 "(quantized llama.cpp kernels take different paths for one and several tokens)."))
+              + ("(bf16 products round by blocking" if backend == "hf" else
+                 "(quantized llama.cpp kernels take different paths for one and several tokens")
+              + "); --deterministic computes every token alone, for equality bit for bit.")
     return 0 if lossless else 1
 
 

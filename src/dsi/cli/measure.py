@@ -355,7 +355,8 @@ def _load_options(args: argparse.Namespace, specs: list[str]) -> tuple[dict[str,
     choice = choose(args, specs)
     hf = choice.backend == "hf"
     options = {"backend": choice.backend, "dtype": hf_dtype(args) if hf else None,
-               "device": args.device if hf else None, "threads": args.threads}
+               "device": args.device if hf else None, "threads": args.threads,
+               "deterministic": getattr(args, "deterministic", None)}
     return options, describe(choice.backend, args)
 
 

@@ -13,6 +13,7 @@ from dsi.engine.request import Output, Request, TokenCallback
 from dsi.engine.result import GenerationResult
 from dsi.engine.stats import GenerationStats
 from dsi.models.base import LanguageModel, forward_rows
+from dsi.models.determinism import start_fresh_unless_deterministic
 from dsi.sampling import bonus, process_logits
 
 
@@ -22,6 +23,7 @@ class AutoregressiveDecoder:
     method = "ar"
 
     def __init__(self, target: LanguageModel) -> None:
+        self._model = target
         self._session = target.new_session()
 
     def generate(
@@ -29,6 +31,7 @@ class AutoregressiveDecoder:
     ) -> GenerationResult:
         stats = GenerationStats(method=self.method)
         out = Output(request, stats, on_tokens, abort)
+        start_fresh_unless_deterministic(self._session, self._model)  # the same request, the same tokens
         while not out.finished:
             out.check_abort()
             params = request.sampling

@@ -25,6 +25,7 @@ from dsi.engine.result import GenerationResult
 from dsi.engine.stats import GenerationStats
 from dsi.errors import ContextLengthError, DraftUnavailable
 from dsi.models.base import LanguageModel, counter_changes, extend_rows, forward_rows, session_counters
+from dsi.models.determinism import start_fresh_unless_deterministic
 from dsi.sampling import bonus, decide, decide_greedy, draft_from_logits, process_logits
 
 
@@ -35,6 +36,7 @@ class SpeculativeDecoder:
 
     def __init__(self, target: LanguageModel, drafter: LanguageModel, lookahead: int) -> None:
         self.lookahead = lookahead
+        self._target_model = target
         self._drafter_model = drafter
         self._target = target.new_session()
         self._drafter = drafter.new_session()
@@ -47,6 +49,8 @@ class SpeculativeDecoder:
         stats.extra.update(request_info(self._drafter_model, params))
         counters = session_counters(self._drafter)
         out = Output(request, stats, on_tokens, abort)
+        start_fresh_unless_deterministic(self._target, self._target_model)  # the same request, the same tokens
+        start_fresh_unless_deterministic(self._drafter, self._drafter_model)
         try:
             self._run(out, request, stats)
         finally:

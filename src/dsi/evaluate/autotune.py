@@ -121,7 +121,7 @@ class AutoChoice:
 def model_identity(model: object) -> str:
     """What distinguishes a model for the cache: its repr plus where and how it runs."""
     parts = [repr(model)]
-    for attr in ("source_dir", "source_path", "threads", "dtype", "device"):
+    for attr in ("source_dir", "source_path", "threads", "dtype", "device", "deterministic"):
         value = getattr(model, attr, None)
         if value is not None:
             parts.append(f"{attr}={value}")

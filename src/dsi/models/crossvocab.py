@@ -96,6 +96,11 @@ class CrossVocabularyDrafter:
     drafts_through_text = True  # its greedy guesses need its own sessions, one position at a time
 
     @property
+    def wrapped_model(self) -> object:
+        """The model whose forwards this one passes on (:func:`dsi.models.determinism.base_model`)."""
+        return self.drafter
+
+    @property
     def vocab_size(self) -> int:
         return self._vocab_size
 

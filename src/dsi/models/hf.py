@@ -40,6 +40,7 @@ from torch import nn
 
 from dsi.errors import ConfigError, ContextLengthError, ModelError, TaskCancelled
 from dsi.models.base import CancelFlag, encode_prompt
+from dsi.models.determinism import check_deterministic
 from dsi.models.hf_checkpoint import checkpoint_dir
 from dsi.models.sources import resolve_source
 
@@ -140,6 +141,7 @@ class HFModel:
         role: str | None = None,
         threads: int | None = None,
         source_dir: str | Path | None = None,
+        deterministic: bool | None = None,
     ) -> None:
         if not isinstance(model, nn.Module) or not hasattr(model, "config"):
             raise ConfigError(f"model={type(model).__name__} must be a transformers PreTrainedModel")
@@ -154,6 +156,7 @@ class HFModel:
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         self.role = role
         self.threads = threads
+        self.deterministic = deterministic
         self.source_dir = Path(source_dir) if source_dir is not None else None
         head = model.get_output_embeddings()
         self._vocab_size = int(getattr(head, "out_features", 0) or model.config.get_text_config().vocab_size)
@@ -295,6 +298,17 @@ class HFModel:
         return clone
 
     # -- tokenizer helpers ---------------------------------------------------------------------------
+
+    @property
+    def deterministic(self) -> bool:
+        """Whether each token is computed in a forward of its own, so that a row depends on the tokens
+        alone, bitwise (:mod:`dsi.models.determinism`); off by default here: a verification forward
+        over k + 1 tokens costs far less than k + 1 forwards with transformers."""
+        return self._deterministic
+
+    @deterministic.setter
+    def deterministic(self, value: bool | None) -> None:
+        self._deterministic = check_deterministic(value, False)  # sessions follow at their next forward
 
     @property
     def max_context(self) -> int | None:
@@ -455,7 +469,13 @@ class HFSession:
         with torch.inference_mode(), self._on_stream():
             ids = torch.tensor([new], dtype=torch.long, device=owner.device)  # [1, n]
             try:
-                out = owner._forward(ids, self._cache, cancel, num_rows, greedy)  # [num_rows(, V)]
+                if owner.deterministic:  # the canonical cut: one token a forward, rows only where read
+                    first = len(new) - num_rows
+                    rows = [owner._forward(ids[:, i: i + 1], self._cache, cancel, int(i >= first), greedy)
+                            for i in range(len(new))]
+                    out = torch.cat([r for r in rows if r is not None])  # [num_rows(, V)]
+                else:
+                    out = owner._forward(ids, self._cache, cancel, num_rows, greedy)  # [num_rows(, V)]
             except BaseException:
                 self._restore(before)
                 raise
@@ -493,7 +513,9 @@ class HFSession:
         self._cache = self._new_cache()
         with torch.inference_mode(), self._on_stream():
             ids = torch.tensor([self._tokens[:length]], dtype=torch.long, device=self._owner.device)
-            self._owner._forward(ids, self._cache, None, num_rows=0)
+            step = 1 if self._owner.deterministic else max(length, 1)  # as the tokens were computed
+            for i in range(0, length, step):
+                self._owner._forward(ids[:, i: i + step], self._cache, None, num_rows=0)
 
     def close(self) -> None:
         self._tokens = []

@@ -62,6 +62,11 @@ class WithLatency:
         self._lock = threading.Lock()
 
     @property
+    def wrapped_model(self) -> object:
+        """The model whose forwards this one passes on (:func:`dsi.models.determinism.base_model`)."""
+        return self.model
+
+    @property
     def vocab_size(self) -> int:
         return self.model.vocab_size
 

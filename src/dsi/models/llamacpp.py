@@ -15,7 +15,10 @@ What a session does with llama.cpp:
 - cancellation: llama.cpp's abort callback reads the running task's cancel flag between graph
   nodes, so a preempted forward stops mid-forward (``llama_decode`` returns 2); the session then
   removes what the aborted batch wrote and is exactly as before the call;
-- ``threads``: llama.cpp threads per session (``llama_set_n_threads``), settable at any time.
+- ``threads``: llama.cpp threads per session (``llama_set_n_threads``), settable at any time;
+- ``deterministic`` (settable at any time): every token is fed in a ``llama_decode`` of its own, so
+  a row's logits and every KV cell are a function of the tokens alone, bitwise, whatever batches the
+  caller asks for and whatever the session computed before (see :mod:`dsi.models.determinism`).
 
 Text: the vocabulary, special tokens and chat template come from the GGUF
 (:class:`GGUFTokenizer`, with the Hugging Face tokenizer methods the rest of dsi uses). The chat
@@ -37,11 +40,16 @@ import numpy as np
 
 from dsi.errors import ConfigError, ContextLengthError, ModelError, TaskCancelled
 from dsi.models.base import CancelFlag, encode_prompt
+from dsi.models.determinism import check_deterministic
 
 log = logging.getLogger(__name__)
 
 DEFAULT_N_CTX = 4096  # KV cells per session when the caller does not say (the GGUF's own may be 32k+)
 N_BATCH = 512  # tokens per llama_decode call
+# the deterministic mode (one token per llama_decode) is off unless asked for: it costs non-SI 4%, but
+# SI 38% and DSI 51% on the embedded pair here, whose verification forwards it cuts into single
+# tokens (docs/results.md section 11)
+DETERMINISTIC_DEFAULT = False
 _ABORTED = 2  # llama_decode's return code after the abort callback said stop
 
 _init_lock = threading.Lock()
@@ -89,7 +97,7 @@ class LlamaCppModel:
     """
 
     def __init__(self, gguf_path: str | os.PathLike[str], *, n_ctx: int | None = None, threads: int | None = None,
-                 name: str | None = None, role: str | None = None) -> None:
+                 name: str | None = None, role: str | None = None, deterministic: bool | None = None) -> None:
         path = Path(gguf_path).expanduser()
         if not path.is_file():
             raise ConfigError(f"gguf_path={str(path)!r} is not a file; the llama.cpp backend reads a .gguf file")
@@ -97,6 +105,7 @@ class LlamaCppModel:
             raise ConfigError(f"n_ctx={n_ctx!r} must be an integer >= 1 (or None for the model's, at most "
                               f"{DEFAULT_N_CTX})")
         _check_threads(threads)
+        self.deterministic = deterministic  # checked by the setter
         ll = binding()
         self._ll = ll
         params = ll.llama_model_default_params()
@@ -142,6 +151,16 @@ class LlamaCppModel:
     def threads(self, value: int | None) -> None:
         _check_threads(value)
         self._threads = value  # sessions pick it up at their next forward
+
+    @property
+    def deterministic(self) -> bool:
+        """Whether each token is computed in a forward of its own (a row then depends on the tokens
+        alone, bitwise); None at construction means the backend's default, :data:`DETERMINISTIC_DEFAULT`."""
+        return self._deterministic
+
+    @deterministic.setter
+    def deterministic(self, value: bool | None) -> None:
+        self._deterministic = check_deterministic(value, DETERMINISTIC_DEFAULT)  # picked up at the next forward
 
     def new_session(self) -> LlamaCppSession:
         with self._lock:
@@ -266,11 +285,12 @@ class LlamaCppSession:
         first_row = len(new) - num_rows
         out = np.empty(num_rows, np.int64) if greedy else np.empty((num_rows, vocab), np.float32)
         self._cancel = cancel
+        step = 1 if self._owner.deterministic else self._n_batch  # one token a forward: the canonical cut
         try:
-            for offset in range(0, len(new), self._n_batch):
+            for offset in range(0, len(new), step):
                 if cancel is not None and cancel.is_set():
                     raise TaskCancelled("forward cancelled")
-                chunk = new[offset: offset + self._n_batch]
+                chunk = new[offset: offset + step]
                 self._decode(chunk, start + offset, first_row - offset)
                 for i in range(max(0, first_row - offset), len(chunk)):
                     row = np.ctypeslib.as_array(self._ll.llama_get_logits_ith(self._ctx, i), shape=(vocab,))

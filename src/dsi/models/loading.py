@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsi.errors import ConfigError, ModelError, VocabularyMismatchError
+from dsi.models.determinism import check_deterministic
 from dsi.models.sources import ModelSource, gguf_file, resolve_source
 
 logger = logging.getLogger(__name__)
@@ -135,17 +136,20 @@ def load_model(
     threads: int | None = None,
     trust_remote_code: bool = False,
     n_ctx: int | None = None,
+    deterministic: bool | None = None,
 ) -> Any:
     """Load one MODEL with ``backend`` (see the module docstring).
 
     hf: ``dtype`` (default bf16), ``device`` (default cpu), ``trust_remote_code``. llama.cpp:
-    ``n_ctx`` (default: the backend's). Both: ``threads`` per worker, ``role``, ``progress``.
+    ``n_ctx`` (default: the backend's). Both: ``threads`` per worker, ``role``, ``progress``, and
+    ``deterministic`` (None: the backend's default; :mod:`dsi.models.determinism`).
     """
+    check_deterministic(deterministic, False)
     source = resolve_source(spec)
     devices = [device]
     choice = _choice([source], backend, devices, dtype, trust_remote_code, n_ctx)
     return _load_one(source, choice.backend, dtype=dtype, device=device, role=role, progress=progress,
-                     threads=threads, trust_remote_code=trust_remote_code, n_ctx=n_ctx)
+                     threads=threads, trust_remote_code=trust_remote_code, n_ctx=n_ctx, deterministic=deterministic)
 
 
 def load_pair(
@@ -161,6 +165,7 @@ def load_pair(
     threads: int | None = None,
     n_ctx: int | None = None,
     vocab_mode: str = "auto",
+    deterministic: bool | None = None,
 ) -> tuple[Any, Any]:
     """Load a target and a drafter with one backend.
 
@@ -171,9 +176,10 @@ def load_pair(
 
     if vocab_mode not in VOCAB_MODES:
         raise ConfigError(f"vocab_mode={vocab_mode!r} must be one of {', '.join(VOCAB_MODES)}")
+    check_deterministic(deterministic, False)
     sources = [resolve_source(target_spec), resolve_source(drafter_spec)]
     choice = _choice(sources, backend, [device, drafter_device], dtype or drafter_dtype, False, n_ctx)
-    common = {"progress": progress, "threads": threads, "n_ctx": n_ctx}
+    common = {"progress": progress, "threads": threads, "n_ctx": n_ctx, "deterministic": deterministic}
     target = _load_one(sources[0], choice.backend, dtype=dtype, device=device, role="target", **common)
     drafter = _load_one(sources[1], choice.backend, dtype=drafter_dtype or dtype, device=drafter_device or device,
                         role="drafter", **common)
@@ -206,18 +212,21 @@ def _choice(sources: list[ModelSource], backend: str, devices: list, dtype: str 
 
 
 def _load_one(source: ModelSource, backend: str, *, dtype: str | None, device: str | None, role: str | None,
-              progress: bool, threads: int | None, trust_remote_code: bool = False, n_ctx: int | None = None) -> Any:
+              progress: bool, threads: int | None, trust_remote_code: bool = False, n_ctx: int | None = None,
+              deterministic: bool | None = None) -> Any:
     if backend == "hf":
         from dsi.models.hf import HFModel
 
-        return HFModel.load(source.spec, dtype=dtype or "bf16", device=device or "cpu", role=role,
-                            progress=progress, threads=threads, trust_remote_code=trust_remote_code)
+        model = HFModel.load(source.spec, dtype=dtype or "bf16", device=device or "cpu", role=role,
+                             progress=progress, threads=threads, trust_remote_code=trust_remote_code)
+        model.deterministic = deterministic
+        return model
     try:
         from dsi.models.llamacpp import LlamaCppModel
     except ImportError as exc:  # the module imports its binding lazily; this is the module itself missing
         raise ModelError(f"the llama.cpp backend is not available in this installation ({exc})") from exc
     return LlamaCppModel.load(gguf_file(source, progress=progress), n_ctx=n_ctx, threads=threads,
-                              name=source.name, role=role)
+                              name=source.name, role=role, deterministic=deterministic)
 
 
 def check_same_vocabulary(target: Any, drafter: Any) -> None:

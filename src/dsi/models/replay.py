@@ -218,6 +218,11 @@ class ReplayLM:
         self._vocab_size = vocab
 
     @property
+    def wrapped_model(self) -> object:
+        """The model whose forwards this one passes on (:func:`dsi.models.determinism.base_model`)."""
+        return self.model
+
+    @property
     def vocab_size(self) -> int:
         return self._vocab_size
 

@@ -70,6 +70,7 @@ class HFRecipe:
     dtype: str = "fp32"
     device: str = "cpu"
     threads: int | None = None
+    deterministic: bool = False
 
     uses_device = True
 
@@ -79,8 +80,10 @@ class HFRecipe:
         from dsi.models.hf import HFModel
 
         hf_logging.disable_progress_bar()  # a server loads unattended; no bars in its log
-        return HFModel.load(self.source_dir, dtype=self.dtype, device=self.device, threads=self.threads,
-                            role="target", progress=False)
+        model = HFModel.load(self.source_dir, dtype=self.dtype, device=self.device, threads=self.threads,
+                             role="target", progress=False)
+        model.deterministic = self.deterministic
+        return model
 
     def placed(self, device: str | None, threads: int | None) -> HFRecipe:
         return replace(self, device=self.device if device is None else str(device),
@@ -95,6 +98,7 @@ class LlamaCppRecipe:
     n_ctx: int | None = None
     threads: int | None = None
     name: str | None = None
+    deterministic: bool | None = None  # None: the backend's default
 
     uses_device = False  # the llama.cpp wheels run on the CPU: Ray gives its servers no GPU
 
@@ -102,7 +106,7 @@ class LlamaCppRecipe:
         from dsi.models.llamacpp import LlamaCppModel
 
         return LlamaCppModel.load(self.gguf_path, n_ctx=self.n_ctx, threads=self.threads, name=self.name,
-                                  role="target")
+                                  role="target", deterministic=self.deterministic)
 
     def placed(self, device: str | None, threads: int | None) -> LlamaCppRecipe:
         if device is not None and str(device).strip().lower() != "cpu":
@@ -189,9 +193,9 @@ def model_recipe(model: object) -> ModelRecipe:
                 "model.model.save_pretrained(DIR) and load it with HFModel.load(DIR), or pass "
                 "transport_options={'recipe': ...}"
             )
-        return HFRecipe(str(model.source_dir), model.dtype, str(model.device), model.threads)
+        return HFRecipe(str(model.source_dir), model.dtype, str(model.device), model.threads, model.deterministic)
     if _is_llamacpp_model(model):
-        return LlamaCppRecipe(str(model.source_path), model.n_ctx, model.threads, model.name)
+        return LlamaCppRecipe(str(model.source_path), model.n_ctx, model.threads, model.name, model.deterministic)
     if isinstance(model, WithLatency):
         inner = model_recipe(model.model)
         if not isinstance(inner, PickledModel):

@@ -81,9 +81,10 @@ def test_generate_on_gguf_files_picks_llamacpp_and_passes_threads(models, capsys
     doc = run(capsys, ["generate", "--target", models["t"], "--drafter", models["d"], "--prompt-ids", "3",
                        "--method", "si", "--max-new-tokens", "4", "--threads", "1", "--json"])
     assert doc["token_ids"] == [4, 5, 6, 7]
-    assert Fake.loads == [("llama.cpp", "t.gguf", {"n_ctx": None, "threads": 1, "name": models["t"], "role": "target"}),
+    assert Fake.loads == [("llama.cpp", "t.gguf", {"n_ctx": None, "threads": 1, "name": models["t"], "role": "target",
+                                                   "deterministic": None}),
                           ("llama.cpp", "d.gguf", {"n_ctx": None, "threads": 1, "name": models["d"],
-                                                   "role": "drafter"})]
+                                                   "role": "drafter", "deterministic": None})]
 
 
 @pytest.mark.parametrize("extra, dtype, device", [

@@ -216,3 +216,16 @@ def test_generate_with_auto_picking_non_si_frees_the_drafter_before_decoding(pai
     assert auto["token_ids"] == plain["token_ids"] and auto["stats"]["method"] == "ar"
     assert auto["stats"]["auto"]["picked"] == "non-SI"
     assert released == [drafter]  # the drafter went before decoding; --method ar never loaded it
+
+
+def test_generate_deterministic_makes_every_method_equal_non_si_in_bf16(pair_dirs, capsys):
+    target, drafter = pair_dirs
+    base = ["generate", "--target", target, "--drafter", drafter, "--prompt", "def fibonacci(n):",
+            "--max-new-tokens", "12", "--dtype", "bf16", "--json"]
+    default = run_json(capsys, base + ["--method", "ar"])
+    assert default["deterministic"] is False
+    runs = [run_json(capsys, base + ["--deterministic", *flags]) for flags in
+            (["--method", "ar"], ["--method", "si", "-k", "3"], ["--method", "dsi", "-k", "auto", "--sp", "2"])]
+    assert all(r["deterministic"] is True for r in runs)
+    assert runs[1]["token_ids"] == runs[0]["token_ids"] == runs[2]["token_ids"]
+    assert run_json(capsys, base + ["--no-deterministic", "--method", "ar"])["deterministic"] is False

@@ -196,9 +196,10 @@ class FakeLlama(CallableLM):
 
     loads: list = []
 
-    def __init__(self, gguf_path, *, n_ctx=None, threads=None, name=None, role=None, vocab=7):
+    def __init__(self, gguf_path, *, n_ctx=None, threads=None, name=None, role=None, vocab=7, deterministic=None):
         super().__init__(counting(vocab), vocab)
         self.source_path, self.n_ctx, self.threads, self.name, self.role = Path(gguf_path), n_ctx, threads, name, role
+        self.deterministic = bool(deterministic)
         self.tokenizer = None
 
     @classmethod
@@ -234,9 +235,9 @@ def test_auto_loads_the_embedded_pair_with_llamacpp_without_converting(fakes, mo
     assert (target.role, drafter.role) == ("target", "drafter")
     assert FakeLlama.loads == [
         (f"/cache/{embedded.TARGET.name}.gguf",
-         {"n_ctx": 256, "threads": 1, "name": "default-target", "role": "target"}),
+         {"n_ctx": 256, "threads": 1, "name": "default-target", "role": "target", "deterministic": None}),
         (f"/cache/{embedded.DRAFTER.name}.gguf",
-         {"n_ctx": 256, "threads": 1, "name": "default-drafter", "role": "drafter"}),
+         {"n_ctx": 256, "threads": 1, "name": "default-drafter", "role": "drafter", "deterministic": None}),
     ]
     assert FakeHF.loads == []
 

@@ -90,8 +90,9 @@ class StubLlama:
 
     loads: list = []
 
-    def __init__(self, gguf_path, n_ctx=64, threads=None, name=None, role=None):
+    def __init__(self, gguf_path, n_ctx=64, threads=None, name=None, role=None, deterministic=None):
         self.source_path, self.n_ctx, self.threads, self.name, self.role = gguf_path, n_ctx, threads, name, role
+        self.deterministic = False if deterministic is None else deterministic
         self.vocab_size = 8
 
     @classmethod
@@ -117,15 +118,15 @@ def stub_llamacpp(monkeypatch):
 
 
 def test_llamacpp_models_are_reloaded_from_their_gguf(stub_llamacpp):
-    model = StubLlama("/models/t.gguf", n_ctx=128, threads=2, name="default-target")
+    model = StubLlama("/models/t.gguf", n_ctx=128, threads=2, name="default-target", deterministic=False)
     recipe = model_recipe(model)
-    assert recipe == LlamaCppRecipe("/models/t.gguf", 128, 2, "default-target") and not recipe.uses_device
+    assert recipe == LlamaCppRecipe("/models/t.gguf", 128, 2, "default-target", False) and not recipe.uses_device
     wrapped = model_recipe(WithLatency(model, 0.05, 0.01))
     assert isinstance(wrapped, LatencyRecipe) and wrapped.inner == recipe and not wrapped.uses_device
     rebuilt = pickle.loads(pickle.dumps(wrapped)).build()
     assert isinstance(rebuilt, WithLatency) and rebuilt.tpot == 0.01
     assert StubLlama.loads == [("/models/t.gguf", {"n_ctx": 128, "threads": 2, "name": "default-target",
-                                                   "role": "target"})]
+                                                   "role": "target", "deterministic": False})]
 
 
 def test_a_llamacpp_server_runs_on_the_cpu_with_its_own_threads():
@@ -151,17 +152,17 @@ def test_a_real_llamacpp_model_is_rebuilt_from_its_recipe(tmp_path):
 
     path, _, _ = write_tiny_gguf(tmp_path / "tiny.gguf", seed=0)
     try:
-        model = llamacpp.LlamaCppModel(path, n_ctx=64, threads=1, name="tiny")
+        model = llamacpp.LlamaCppModel(path, n_ctx=64, threads=1, name="tiny", deterministic=True)
     except ModelError as exc:
         if "pip install" in str(exc):
             pytest.skip(f"the llama.cpp binding is not installed: {exc}")
         raise
     try:
         recipe = model_recipe(model)
-        assert recipe == LlamaCppRecipe(str(path), 64, 1, "tiny")
+        assert recipe == LlamaCppRecipe(str(path), 64, 1, "tiny", True)  # the deterministic mode travels
         rebuilt = pickle.loads(pickle.dumps(recipe.placed("cpu", 2))).build()
         try:
-            assert (rebuilt.n_ctx, rebuilt.threads, rebuilt.source_path) == (64, 2, path)
+            assert (rebuilt.n_ctx, rebuilt.threads, rebuilt.source_path, rebuilt.deterministic) == (64, 2, path, True)
             ids = [3, 5, 7, 11]
             np.testing.assert_array_equal(rebuilt.new_session().extend(ids), model.new_session().extend(ids))
         finally:

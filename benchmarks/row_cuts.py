@@ -1,0 +1,202 @@
+"""Where a backend's logits depend on how the forward was cut (docs/results.md section 11).
+
+For one model, the largest logit difference of the same position computed:
+
+- inside batches of 1..16 tokens (after the same prefix);
+- after a prefill of the prompt at once, in two chunks, and one token at a time;
+- after a cache hit (a longer sequence truncated back) against a fresh session;
+- one token at a time after other sequences against one token at a time in a fresh session (the
+  deterministic mode's canonical cut).
+
+llama.cpp (raw ``llama.h`` calls, so runtime settings can be varied): each combination of weight
+repacking (``use_extra_bufts``), flash attention (auto/off/on) and threads (2/1), and the forward
+times by batch size with repacking on and off. hf: a random Llama built here (``--hidden``), bf16 and
+fp32, through dsi's own sessions.
+
+    python benchmarks/row_cuts.py llama.cpp ~/.cache/dsi/gguf/qwen2.5-coder-1.5b-instruct.gguf --out docs/data/row_cuts-llama-2026-12-01.json
+    python benchmarks/row_cuts.py hf --hidden 256 --out docs/data/row_cuts-hf-2026-12-01.json
+
+Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+P = 24  # the probed position follows a 24-token prefix
+
+
+def cuts(feed, trunc, fresh, toks) -> dict[str, float]:
+    """``feed(tokens) -> rows`` / ``trunc(n)`` on one session, ``fresh()`` a new (feed, trunc, close)."""
+    out = {}
+    feed(toks[:P])
+    ref, worst = None, 0.0
+    for n in range(1, 17):
+        trunc(P)
+        row = np.asarray(feed(toks[P:P + n])[0], np.float64)
+        ref = row if ref is None else ref
+        worst = max(worst, float(np.abs(row - ref).max()))
+    out["batch 1..16"] = worst
+    trunc(0)
+    whole = np.asarray(feed(toks[:P])[-1], np.float64)
+    trunc(0)
+    feed(toks[:10])
+    two = np.asarray(feed(toks[10:P])[-1], np.float64)
+    trunc(0)
+    for t in toks[:P]:
+        serial = np.asarray(feed([t])[-1], np.float64)
+    out["prefill at once vs 2 chunks"] = float(np.abs(whole - two).max())
+    out["prefill at once vs token by token"] = float(np.abs(whole - serial).max())
+    trunc(0)
+    feed(toks[:32])
+    trunc(P - 1)
+    hit = np.asarray(feed([toks[P - 1]])[-1], np.float64)
+    f_feed, _, f_close = fresh()
+    f_feed(toks[:P - 1])
+    new = np.asarray(f_feed([toks[P - 1]])[-1], np.float64)
+    f_close()
+    out["cache hit vs fresh session"] = float(np.abs(hit - new).max())
+    trunc(0)
+    for t in toks[:30]:
+        feed([t])
+    trunc(5)
+    for t in toks[5:P]:
+        after = np.asarray(feed([t])[-1], np.float64)
+    f_feed, _, f_close = fresh()
+    for t in toks[:P]:
+        canon = np.asarray(f_feed([t])[-1], np.float64)
+    f_close()
+    out["token by token: after history vs fresh"] = float(np.abs(after - canon).max())
+    return out
+
+
+def llama(path: str) -> dict:
+    from llama_cpp import llama_cpp as ll
+
+    ll.llama_backend_init()
+    quiet = ll.llama_log_callback(lambda *a: None)
+    ll.llama_log_set(quiet, ctypes.c_void_p())
+
+    def load(repack: bool):
+        p = ll.llama_model_default_params()
+        p.n_gpu_layers, p.use_extra_bufts = 0, repack
+        return ll.llama_model_load_from_file(path.encode(), p)
+
+    def session(model, fa: int, threads: int):
+        cp = ll.llama_context_default_params()
+        cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = 512, 512, 512, 1
+        cp.n_threads = cp.n_threads_batch = threads
+        cp.flash_attn_type, cp.no_perf = fa, True
+        ctx = ll.llama_init_from_model(model, cp)
+        vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(model))
+        batch = ll.llama_batch_init(512, 0, 1)
+        state = {"n": 0}
+
+        def feed(toks):
+            batch.n_tokens = len(toks)
+            for i, t in enumerate(toks):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = t, state["n"] + i, 1
+                batch.seq_id[i][0], batch.logits[i] = 0, True
+            assert ll.llama_decode(ctx, batch) == 0
+            state["n"] += len(toks)
+            return [np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, i), shape=(vocab,)).copy()
+                    for i in range(len(toks))]
+
+        def trunc(n):
+            ll.llama_memory_seq_rm(ll.llama_get_memory(ctx), 0, n, -1)
+            state["n"] = n
+
+        def close():
+            ll.llama_batch_free(batch)
+            ll.llama_free(ctx)
+
+        return feed, trunc, close, vocab
+
+    rows, speed = {}, {}
+    for repack in (True, False):
+        model = load(repack)
+        for fa, threads in itertools.product((-1, 0, 1), (2, 1)):
+            feed, trunc, close, vocab = session(model, fa, threads)
+            toks = [int(t) for t in np.random.default_rng(0).integers(min(100, vocab // 4), min(vocab, 20000), 40)]
+            rows[f"repack={repack} flash_attn={fa} threads={threads}"] = cuts(
+                feed, trunc, lambda m=model, f=fa, t=threads: session(m, f, t)[:3], toks)
+            close()
+        feed, trunc, close, vocab = session(model, -1, 2)
+        toks = [int(t) for t in np.random.default_rng(1).integers(min(100, vocab // 4), min(vocab, 20000), 200)]
+        feed(toks[:40])
+        times = {}
+        for n in (1, 2, 6, 9):
+            runs = []
+            for _ in range(5):
+                trunc(40)
+                began = time.perf_counter()
+                feed(toks[40:40 + n])
+                runs.append(time.perf_counter() - began)
+            times[n] = 1000 * sorted(runs)[2]
+        speed[f"repack={repack}"] = times
+        close()
+        ll.llama_model_free(model)
+    return {"model": path, "rows": rows, "forward_ms_by_tokens": speed}
+
+
+def hf(hidden: int) -> dict:
+    import tempfile
+
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from dsi.models.hf import HFModel
+    from tests.tiny_hf import make_model_dir
+
+    torch.set_num_threads(2)
+    folder = make_model_dir(Path(tempfile.mkdtemp()) / "m", seed=0, layers=4, hidden=hidden)
+    rows = {}
+    for dtype in ("bf16", "fp32"):
+        model = HFModel.load(str(folder), dtype=dtype, progress=False)
+        toks = [int(t) for t in np.random.default_rng(0).integers(5, model.vocab_size, 40)]
+
+        def open_session(m=model):
+            s = m.new_session()
+            return (lambda t: s.extend(t)), s.truncate, s.close
+
+        feed, trunc, close = open_session()
+        rows[f"{dtype}"] = cuts(feed, trunc, open_session, toks)
+        close()
+    return {"model": f"random Llama, 4 layers, hidden {hidden}", "rows": rows}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("backend", choices=["llama.cpp", "hf"])
+    parser.add_argument("gguf", nargs="?", help="llama.cpp: the GGUF file")
+    parser.add_argument("--hidden", type=int, default=256, help="hf: hidden size of the random model")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    if args.backend == "llama.cpp" and not args.gguf:
+        parser.error("llama.cpp needs the GGUF file")
+    doc = llama(args.gguf) if args.backend == "llama.cpp" else hf(args.hidden)
+    names = list(next(iter(doc["rows"].values())))
+    print("| setting | " + " | ".join(names) + " |")
+    print("|---" * (len(names) + 1) + "|")
+    for setting, values in doc["rows"].items():
+        print(f"| {setting} | " + " | ".join(f"{values[n]:.3g}" for n in names) + " |")
+    for setting, times in doc.get("forward_ms_by_tokens", {}).items():
+        print(f"{setting}: forward ms by new tokens " + ", ".join(f"{n}: {t:.1f}" for n, t in times.items()))
+    doc["date"] = time.strftime("%Y-%m-%d")
+    if args.out is not None:
+        args.out.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    print(json.dumps(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,215 @@
+"""The deterministic mode (dsi.models.determinism): every token computed in a forward of its own, so a
+row is a function of the tokens alone, bitwise, on the llama.cpp and hf backends.
+
+What is proved here, on tiny models built in the test (a quantized GGUF for llama.cpp, a random Llama
+in bf16 and fp32 for hf):
+
+- a row's logits are the same bits however the forward was cut (one token or a batch, a prompt
+  prefilled at once or in chunks, after a cache hit, after other sequences in the same session);
+- repeated seeded requests on one decoder, with other requests in between, give the same tokens;
+- greedy SI and DSI (fixed k and event-driven, 1-3 servers, jittered latencies) equal non-SI token for
+  token, with no near-tie exception, and seeded sampling gives the same tokens for any SP.
+
+Without the mode, hf bf16 rows depend on the cut (about 5e-3 here); the tiny quantized GGUFs do not
+show llama.cpp's departures (too few quantization blocks per row for a different accumulation order to
+change a sum; gguf-py cannot write the Q4_K weights whose repacked kernels do): the embedded pair
+shows them (tests/integration/test_llamacpp_real.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import dsi  # noqa: E402
+from dsi.engine.api import build_decoder, make_request  # noqa: E402
+from dsi.errors import ConfigError  # noqa: E402
+from dsi.models import CallableLM, WithLatency  # noqa: E402
+from dsi.models.determinism import is_deterministic, set_deterministic  # noqa: E402
+from tests.tiny_hf import make_model_dir  # noqa: E402
+
+PROMPTS = [[5, 17, 3, 9], [40, 2, 2, 7, 11, 30, 8], [100, 3], [12, 60, 61, 62, 63, 1, 5, 9, 14]]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("det") / "target", seed=0, layers=2, hidden=64)
+
+
+@pytest.fixture(scope="module")
+def hf_drafter_dir(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("det") / "drafter", seed=1, layers=1, hidden=64)
+
+
+def _hf(path, dtype, deterministic):
+    from dsi.models.hf import HFModel
+
+    model = HFModel.load(str(path), dtype=dtype, progress=False, threads=1)
+    model.deterministic = deterministic
+    return model
+
+
+@pytest.fixture(scope="module")
+def gguf_path(tmp_path_factory):
+    pytest.importorskip("llama_cpp")
+    from tests.tiny_gguf import write_tiny_gguf
+
+    path, _, _ = write_tiny_gguf(tmp_path_factory.mktemp("det") / "q8.gguf", seed=0, layers=2, hidden=64,
+                                 quant="Q8_0")
+    return path
+
+
+def _cuts(model, tokens: list[int]) -> list[np.ndarray]:
+    """The row of position ``len(tokens) - 1`` computed in many ways (float64 copies)."""
+    rows = []
+    p = len(tokens) - 1
+    s = model.new_session()
+    for n in (1, 2, 5):  # the position inside batches of several sizes, after a prefix prefilled at once
+        s.truncate(0)
+        s.extend(tokens[:p])
+        rows.append(np.asarray(s.extend(tokens[p:] + tokens[:n - 1])[0], np.float64))
+    s.truncate(0)
+    rows.append(np.asarray(s.extend(tokens)[-1], np.float64))  # the whole prompt at once
+    s.truncate(0)
+    s.extend(tokens[:3])
+    rows.append(np.asarray(s.extend(tokens[3:])[-1], np.float64))  # in two chunks
+    s.truncate(0)
+    for t in tokens:
+        row = s.extend([t])[-1]
+    rows.append(np.asarray(row, np.float64))  # one by one
+    s.truncate(0)
+    s.extend([*tokens, 7, 8, 9])  # a longer sequence before, then a cache hit
+    s.truncate(p)
+    rows.append(np.asarray(s.extend(tokens[p:])[-1], np.float64))
+    s.close()
+    return rows
+
+
+def _spread(rows: list[np.ndarray]) -> float:
+    return max(float(np.abs(r - rows[0]).max()) for r in rows)
+
+
+TOKENS = [5, 17, 3, 9, 40, 2, 2, 7, 11, 30, 8, 100, 3, 12]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_hf_rows_are_the_same_bits_however_the_forward_is_cut(hf_dir, dtype):
+    model = _hf(hf_dir, dtype, deterministic=True)
+    assert _spread(_cuts(model, TOKENS)) == 0.0
+
+
+def test_hf_bf16_rows_depend_on_the_cut_without_the_mode(hf_dir):
+    """The departure the mode removes: batched bf16 products round by blocking."""
+    model = _hf(hf_dir, "bf16", deterministic=False)
+    assert _spread(_cuts(model, TOKENS)) > 0.0
+
+
+def test_llama_cpp_rows_are_the_same_bits_however_the_forward_is_cut(gguf_path):
+    from dsi.models.llamacpp import LlamaCppModel
+
+    model = LlamaCppModel(gguf_path, threads=2, deterministic=True)
+    one_thread = LlamaCppModel(gguf_path, threads=1, deterministic=True)
+    try:
+        rows = _cuts(model, TOKENS) + _cuts(one_thread, TOKENS)
+        assert _spread(rows) == 0.0
+    finally:
+        model.close()
+        one_thread.close()
+
+
+def test_the_mode_is_off_by_default_and_switchable_on_both_backends(gguf_path, hf_dir):
+    from dsi.models.llamacpp import LlamaCppModel
+
+    model = LlamaCppModel(gguf_path, threads=1)
+    try:
+        assert model.deterministic is False and not is_deterministic(model)
+        model.deterministic = True
+        assert is_deterministic(model)
+    finally:
+        model.close()
+    assert _hf(hf_dir, "fp32", None).deterministic is False
+    with pytest.raises(ConfigError, match=r"deterministic='yes' must be True, False or None"):
+        _hf(hf_dir, "fp32", "yes")
+
+
+def _pair(backend, hf_dir, hf_drafter_dir, gguf_path, dtype="bf16"):
+    if backend == "hf":
+        return _hf(hf_dir, dtype, True), _hf(hf_drafter_dir, dtype, True)
+    from dsi.models.llamacpp import LlamaCppModel
+
+    target = LlamaCppModel(gguf_path, threads=1, deterministic=True)
+    vocab = target.vocab_size
+    return target, CallableLM(lambda ctx: np.cos(np.arange(vocab) * (1 + len(ctx) % 5)), vocab)
+
+
+@pytest.mark.parametrize("backend", ["hf", "llama.cpp"])
+@pytest.mark.parametrize("method, lookahead", [("ar", 1), ("si", 3), ("dsi", 2), ("dsi", "auto")])
+def test_repeated_seeded_requests_give_the_same_tokens_whatever_ran_between(backend, method, lookahead, hf_dir,
+                                                                             hf_drafter_dir, request, no_thread_leak):
+    gguf = request.getfixturevalue("gguf_path") if backend == "llama.cpp" else None
+    target, drafter = _pair(backend, hf_dir, hf_drafter_dir, gguf)
+    decoder = build_decoder(target=target, drafter=drafter, method=method, lookahead=lookahead,
+                            num_target_servers=2)
+    vocab = target.vocab_size
+    try:
+        for seed in range(4):
+            sampling = dsi.SamplingParams(temperature=1.0, seed=seed)
+            decoder.generate(make_request(PROMPTS[seed % 3], 3, dsi.SamplingParams(), None, vocab))  # in between
+            first = decoder.generate(make_request(PROMPTS[3], 10, sampling, None, vocab)).tokens
+            decoder.generate(make_request(PROMPTS[(seed + 1) % 3], 5, sampling, None, vocab))  # in between
+            again = decoder.generate(make_request(PROMPTS[3], 10, sampling, None, vocab)).tokens
+            assert first == again, seed
+    finally:
+        decoder.close()
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("lookahead, servers", [(1, 1), (3, 2), ("auto", 1), ("auto", 3)])
+def test_greedy_si_and_dsi_equal_non_si_bit_for_bit_in_the_mode(hf_dir, hf_drafter_dir, dtype, lookahead, servers,
+                                                               no_thread_leak):
+    target, drafter = _hf(hf_dir, dtype, True), _hf(hf_drafter_dir, dtype, True)
+    jittered = WithLatency(target, 0.002, 0.002, cv=0.8, seed=3)  # window cuts and cache hits vary with timing
+    for prompt in PROMPTS:
+        reference = dsi.generate(target=target, prompt=prompt, method="ar", max_new_tokens=16).tokens
+        if lookahead != "auto":
+            si = dsi.generate(target=target, drafter=drafter, prompt=prompt, method="si", lookahead=lookahead,
+                              max_new_tokens=16).tokens
+            assert si == reference
+        out = dsi.generate(target=jittered, drafter=drafter, prompt=prompt, method="dsi", lookahead=lookahead,
+                           num_target_servers=servers, max_new_tokens=16).tokens
+        assert out == reference, (prompt, lookahead, servers)
+
+
+def test_seeded_dsi_sampling_is_the_same_for_any_number_of_servers_in_the_mode(hf_dir, hf_drafter_dir,
+                                                                             no_thread_leak):
+    target, drafter = _hf(hf_dir, "bf16", True), _hf(hf_drafter_dir, "bf16", True)
+    jittered = WithLatency(target, 0.002, 0.002, cv=0.8, seed=5)
+    sampling = dsi.SamplingParams(temperature=0.9, top_p=0.95, seed=11)
+    outs = {(sp, k): dsi.generate(target=jittered, drafter=drafter, prompt=PROMPTS[1], method="dsi", lookahead=k,
+                                  num_target_servers=sp, max_new_tokens=16, sampling=sampling).tokens
+            for sp in (1, 2, 3) for k in (2, "auto")}
+    assert len(set(map(tuple, outs.values()))) == 1, outs
+
+
+def test_set_deterministic_switches_the_backends_and_refuses_a_model_without_a_mode(hf_dir):
+    model = _hf(hf_dir, "fp32", False)
+    wrapped = WithLatency(model, 0.0, 0.0)
+    set_deterministic([wrapped], True)
+    assert model.deterministic is True and is_deterministic(wrapped)
+    pure = CallableLM(lambda ctx: np.zeros(4), 4)
+    set_deterministic([pure], True)  # a function of its context: nothing to switch
+    assert is_deterministic(pure)
+
+    class Opaque:
+        name = "opaque"
+        vocab_size = 4
+
+        def new_session(self):
+            raise AssertionError
+
+    with pytest.raises(ConfigError, match="'opaque' has no deterministic mode"):
+        set_deterministic([Opaque()], True)
+    set_deterministic([Opaque()], False)  # asking for nothing is fine
