@@ -114,6 +114,26 @@ def test_hf_llama_same_tokens_as_threads(transport, servers, lookahead, llama_pa
     assert got["sampling"].stats.rejections > 0 and got["greedy"].stats.accepted_tokens > 0
 
 
+@pytest.mark.hf
+@pytest.mark.slow  # every server process / actor imports torch and loads the model
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_in_the_deterministic_mode_bf16_dsi_on_other_processes_equals_non_si(transport, tmp_path):
+    """The mode travels with the recipe: bf16 servers in processes / Ray actors compute every token alone,
+    so greedy DSI equals in-process non-SI bit for bit and seeded sampling equals the thread transport's."""
+    use(transport)
+    from dsi.models.hf import HFModel
+
+    target_dir, drafter_dir = save_tiny_llama_pair(tmp_path)
+    target = HFModel.load(target_dir, dtype="bf16", device="cpu", threads=1, progress=False)
+    drafter = HFModel.load(drafter_dir, dtype="bf16", device="cpu", threads=1, progress=False)
+    target.deterministic = drafter.deterministic = True
+    greedy_ar = dsi.generate(target=target, prompt=PROMPT, method="ar", max_new_tokens=24).tokens
+    threads = outputs(target, drafter, "threads", 2, 24, "auto")
+    got = outputs(target, drafter, transport, 2, 24, "auto")
+    assert got["greedy"].tokens == threads["greedy"].tokens == greedy_ar
+    assert got["sampling"].tokens == threads["sampling"].tokens
+
+
 # ---- worker failures ---------------------------------------------------------------------------------------
 def kill_server(pool, server: int) -> None:
     if hasattr(pool, "server_pids"):
