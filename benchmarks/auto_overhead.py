@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from dsi.evaluate.bench import machine_info
 
 PROMPT = "def fibonacci(n):"
 
@@ -117,7 +117,7 @@ def main() -> int:
               f"{r['auto_over_hand']:.3f} | {fa * 1e3:.1f} / {fh * 1e3:.1f} | {r['identical']} |")
     doc = {"pick": inproc["pick"], "tokens": args.tokens, "repeats": args.repeats, "backend": args.backend,
            "rows": rows, "runs": {"in one process": inproc, "dsi generate": cli}, "date": time.strftime("%Y-%m-%d"),
-           "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}}
+           "machine": machine_info()}
     if args.out is not None:
         args.out.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
     print(json.dumps(doc))

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -24,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import dsi  # noqa: E402
 from dsi.engine.api import build_decoder, make_request  # noqa: E402
+from dsi.evaluate.bench import machine_info  # noqa: E402
 from dsi.evaluate.compare import CODE_PROMPTS  # noqa: E402
 from dsi.models.loading import load_pair  # noqa: E402
 
@@ -83,7 +82,7 @@ def main() -> int:
     doc = {"target": args.target, "drafter": args.drafter, "backend": args.backend, "dtype": args.dtype,
            "prompts": len(prompts), "tokens": args.tokens, "repeats": args.repeats, "rows": rows,
            "seconds": {f"{k[0]} deterministic={k[1]}": v for k, v in seconds.items()},
-           "date": time.strftime("%Y-%m-%d"), "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}}
+           "date": time.strftime("%Y-%m-%d"), "machine": machine_info()}
     if args.out is not None:
         args.out.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
     print(json.dumps(doc))
