@@ -9,7 +9,8 @@ For one model, the largest logit difference of the same position computed:
   deterministic mode's canonical cut).
 
 llama.cpp (raw ``llama.h`` calls, so runtime settings can be varied): each combination of weight
-repacking (``use_extra_bufts``), flash attention (auto/off/on) and threads (2/1), and the forward
+repacking (``use_extra_bufts``), flash attention (auto/off/on) and threads (2/1), micro-batches of one
+token (``n_ubatch=1``), and the forward
 times by batch size with repacking on and off. hf: a random Llama built here (``--hidden``), bf16 and
 fp32, through dsi's own sessions.
 
@@ -91,9 +92,9 @@ def llama(path: str) -> dict:
         p.n_gpu_layers, p.use_extra_bufts = 0, repack
         return ll.llama_model_load_from_file(path.encode(), p)
 
-    def session(model, fa: int, threads: int):
+    def session(model, fa: int, threads: int, ubatch: int = 512):
         cp = ll.llama_context_default_params()
-        cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = 512, 512, 512, 1
+        cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = 512, 512, ubatch, 1
         cp.n_threads = cp.n_threads_batch = threads
         cp.flash_attn_type, cp.no_perf = fa, True
         ctx = ll.llama_init_from_model(model, cp)
@@ -129,6 +130,20 @@ def llama(path: str) -> dict:
             toks = [int(t) for t in np.random.default_rng(0).integers(min(100, vocab // 4), min(vocab, 20000), 40)]
             rows[f"repack={repack} flash_attn={fa} threads={threads}"] = cuts(
                 feed, trunc, lambda m=model, f=fa, t=threads: session(m, f, t)[:3], toks)
+            close()
+        if repack:  # micro-batches of one token: does llama.cpp then compute a batch as one-token forwards?
+            feed, trunc, close, vocab = session(model, -1, 2, ubatch=1)
+            toks = [int(t) for t in np.random.default_rng(0).integers(min(100, vocab // 4), min(vocab, 20000), 40)]
+            rows["repack=True flash_attn=-1 threads=2 n_ubatch=1"] = cuts(
+                feed, trunc, lambda m=model: session(m, -1, 2, ubatch=1)[:3], toks)
+            feed(toks[:24])
+            runs = []
+            for _ in range(5):
+                trunc(24)
+                began = time.perf_counter()
+                feed(toks[24:30])
+                runs.append(time.perf_counter() - began)
+            speed["repack=True n_ubatch=1"] = {6: 1000 * sorted(runs)[2]}
             close()
         feed, trunc, close, vocab = session(model, -1, 2)
         toks = [int(t) for t in np.random.default_rng(1).integers(min(100, vocab // 4), min(vocab, 20000), 200)]
