@@ -33,8 +33,10 @@ def make_tokenizer(vocab_size: int = 320):
     return tok
 
 
-def make_model_dir(path: Path, arch: str = "llama", seed: int = 0, layers: int = 2, hidden: int = 32) -> Path:
-    """Save a random ``arch`` model with the test tokenizer to ``path``; return ``path``."""
+def make_model_dir(path: Path, arch: str = "llama", seed: int = 0, layers: int = 2, hidden: int = 32,
+                   positions: int = 256) -> Path:
+    """Save a random ``arch`` model with the test tokenizer to ``path`` (``positions``: its longest
+    context); return ``path``."""
     import torch
     import transformers
 
@@ -45,13 +47,13 @@ def make_model_dir(path: Path, arch: str = "llama", seed: int = 0, layers: int =
     if arch == "llama":
         config = transformers.LlamaConfig(
             vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions,
             eos_token_id=eos, bos_token_id=0, pad_token_id=0,
         )
         model = transformers.LlamaForCausalLM(config)
     elif arch == "gpt2":
         config = transformers.GPT2Config(
-            vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=4, n_positions=256,
+            vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=4, n_positions=positions,
             bos_token_id=0, eos_token_id=eos,
         )
         model = transformers.GPT2LMHeadModel(config)

@@ -15,7 +15,7 @@ from dsi.engine import api as engine
 from dsi.engine.api import Decoder
 from dsi.engine.request import TokenCallback
 from dsi.engine.result import GenerationResult
-from dsi.errors import require
+from dsi.errors import ConfigError, require
 from dsi.models.base import LanguageModel
 from dsi.models.determinism import set_deterministic
 from dsi.sampling import SamplingParams
@@ -29,7 +29,7 @@ def build_decoder(
     drafter: LanguageModel | None = None,
     method: str = "dsi",
     lookahead: int | str = 5,
-    num_target_servers: int = 2,
+    num_target_servers: int | None = None,
     transport: str = "threads",
     transport_options: dict | None = None,
     max_window: int | None = None,
@@ -38,6 +38,7 @@ def build_decoder(
     target_tokenizer: object = None,
     drafter_tokenizer: object = None,
     deterministic: bool | None = None,
+    target_servers: object = None,
 ) -> Decoder:
     """A decoder that keeps its workers (threads, caches) across requests; ``close()`` it.
 
@@ -56,6 +57,12 @@ def build_decoder(
     windows, sent whenever a target server is idle, carrying every draft made since the previous
     window (at most ``max_window``).
 
+    ``target_servers``: a list of engine URLs (``http://host:port/v1``: vLLM OpenAI servers or ``dsi
+    serve`` instances serving the target) to verify on instead of servers of this process; ``target``
+    is then the local copy they are checked against (vocabulary and a canary forward) and whose
+    tokenizer stays local (:mod:`dsi.models.engines`, docs/engines.md). ``num_target_servers``
+    defaults to 2, or one per URL.
+
     ``vocab_mode``: how a drafter's tokens relate to the target's (:mod:`dsi.models.crossvocab`).
     ``"auto"``: the drafter's own tokens when both share one vocabulary, else a drafter of another
     vocabulary drafts through text (string-level for greedy requests, the token intersection for
@@ -63,8 +70,13 @@ def build_decoder(
     translation. Translating needs both tokenizers: the models' ``tokenizer`` attributes, or
     ``target_tokenizer`` / ``drafter_tokenizer``. Output stays exact in every mode."""
     require(method in METHODS, f"method={method!r} must be one of {', '.join(METHODS)}")
+    if deterministic and target_servers is not None:
+        raise ConfigError("deterministic=True cannot hold with target_servers: an engine's rows depend on its own "
+                          "batching, which dsi does not control; drop deterministic or the target servers")
     if deterministic is not None:
         set_deterministic([target, drafter], deterministic)
+    target, num_target_servers, transport, transport_options = engine.engine_placement(
+        target, target_servers, num_target_servers, transport, transport_options)
     if method != "auto":
         return engine.build_decoder(
             target=target, drafter=drafter, method=method, lookahead=lookahead,
@@ -103,7 +115,7 @@ def generate(
     max_new_tokens: int,
     lookahead: int | str = 5,
     max_window: int | None = None,
-    num_target_servers: int = 2,
+    num_target_servers: int | None = None,
     sampling: SamplingParams | None = None,
     transport: str = "threads",
     transport_options: dict | None = None,
@@ -115,6 +127,7 @@ def generate(
     target_tokenizer: object = None,
     drafter_tokenizer: object = None,
     deterministic: bool | None = None,
+    target_servers: object = None,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt`` with non-SI, SI, DSI or ``"auto"``.
 
@@ -130,7 +143,7 @@ def generate(
         target=target, drafter=drafter, method=method, lookahead=lookahead, num_target_servers=num_target_servers,
         transport=transport, transport_options=transport_options, max_window=max_window,
         auto_options=auto_options, vocab_mode=vocab_mode, target_tokenizer=target_tokenizer,
-        drafter_tokenizer=drafter_tokenizer, deterministic=deterministic,
+        drafter_tokenizer=drafter_tokenizer, deterministic=deterministic, target_servers=target_servers,
     )
     return engine.run_once(decoder, prompt, max_new_tokens, vocab_size=target.vocab_size, sampling=sampling,
                            eos_token_id=eos_token_id, on_tokens=on_tokens, abort=abort)

@@ -44,6 +44,12 @@ class WorkerError(DSIError, RuntimeError):
     """A target server or the drafter failed while serving a request."""
 
 
+class ServerLost(WorkerError):
+    """A target server is gone or cannot be trusted: an engine that refused the connection, timed out,
+    answered 5xx or answered garbage. Raised by a session; the pool treats the server as dead (its
+    task re-queued on the others, the server restarted within its budget), never as a wrong answer."""
+
+
 class TaskCancelled(DSIError):
     """Raised inside a model forward that noticed its cancel flag; never escapes the engine."""
 

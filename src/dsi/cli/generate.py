@@ -71,14 +71,43 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                                          "(default: start a local cluster)")
     g.add_argument("--target-devices", help="comma-separated devices of the target servers, one per server "
                                             "in turn, e.g. cuda:1,cuda:2")
+    g.add_argument("--target-servers", metavar="URL[,URL...]",
+                   help="verify on inference engines serving the target over HTTP instead (vLLM OpenAI servers or "
+                        "'dsi serve --method ar', e.g. http://10.0.0.2:8000/v1,http://10.0.0.3:8000/v1); --target "
+                        "is then the local copy they are checked against and whose tokenizer stays here; --sp "
+                        "defaults to one server per URL (docs/engines.md)")
+
+
+def target_servers(args: argparse.Namespace) -> list[str] | None:
+    """``--target-servers`` as a list of URLs (checked when the decoder connects), or None."""
+    value = getattr(args, "target_servers", None)
+    if value is None:
+        return None
+    urls = [u.strip() for u in value.split(",") if u.strip()]
+    if not urls:
+        raise ConfigError(f"--target-servers={value!r} names no URL")
+    if getattr(args, "transport", "threads") != "threads":
+        raise ConfigError(f"--target-servers with --transport {args.transport}: the engines are the target servers; "
+                          "drop --transport")
+    if getattr(args, "target_devices", None):
+        raise ConfigError("--target-servers with --target-devices: the engines place the target themselves; "
+                          "drop --target-devices")
+    if getattr(args, "deterministic", None):
+        raise ConfigError("--target-servers with --deterministic: an engine's rows depend on its own batching, "
+                          "which dsi does not control; drop one of them")
+    return urls
 
 
 def server_count(args: argparse.Namespace) -> int:
-    """``--sp``, or its default: for ``--method auto`` one server per ``--target-devices`` entry."""
+    """``--sp``, or its default: one server per ``--target-servers`` URL; for ``--method auto`` one per
+    ``--target-devices`` entry; else 1."""
     if args.sp is not None:
         if args.sp < 1:
             raise ConfigError(f"--sp={args.sp} must be >= 1")
         return args.sp
+    urls = target_servers(args)
+    if urls:
+        return len(urls)
     if args.method == "auto" and getattr(args, "target_devices", None):
         return max(1, len([d for d in args.target_devices.split(",") if d.strip()]))
     return 1
@@ -233,6 +262,7 @@ def run_generate(args: argparse.Namespace) -> int:
         from dsi.models.crossvocab import check_mode_sampling
 
         check_mode_sampling(args.vocab_mode, sampling)  # before loading anything
+    urls = target_servers(args)
     target, drafter = _load(args, need_drafter=args.method != "ar")
     ids = _prompt_ids(args, target)
     target.check_length(len(ids), args.max_new_tokens)
@@ -247,7 +277,7 @@ def run_generate(args: argparse.Namespace) -> int:
     decoder = dsi.build_decoder(
         target=target, drafter=drafter, method=args.method, lookahead=args.lookahead, max_window=args.max_window,
         num_target_servers=server_count(args), transport=args.transport, transport_options=transport_options(args),
-        auto_options=auto_options(args, quiet=args.json),
+        auto_options=auto_options(args, quiet=args.json), target_servers=urls,
     )
     if decoder.method == "ar" and drafter is not None:  # auto picked non-SI: decode with nothing else loaded
         release(drafter)

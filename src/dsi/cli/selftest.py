@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from dsi.cli.backend import hf_dtype
-from dsi.cli.generate import _load, add_model_args
+from dsi.cli.generate import _load, add_model_args, target_servers
 from dsi.errors import ConfigError
 
 HF_DTYPE = "fp32"  # the hf backend's default here: exact equality needs no bf16 near-ties
@@ -44,6 +44,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--lookahead", "-k", type=int, default=3, help="lookahead of SI and DSI (default 3)")
     p.add_argument("--sp", type=int, default=2, help="DSI target servers (default 2)")
     p.add_argument("--transport", default="threads", help="target-server transport (default threads)")
+    p.add_argument("--target-servers", metavar="URL[,URL...]",
+                   help="check SI and DSI verifying on these engines (vLLM or dsi serve) against the local "
+                        "non-SI and the local target's exact law (docs/engines.md)")
     p.add_argument("--max-new-tokens", type=int, default=24, help="greedy tokens per prompt (default 24)")
     p.add_argument("--positions", type=int, default=2, help="prefixes of the chi-square test (default 2; 0: skip it)")
     p.add_argument("--samples", type=int, default=400,
@@ -64,6 +67,7 @@ def run_selftest_command(args: argparse.Namespace) -> int:
         lookahead=args.lookahead, num_target_servers=args.sp, transport=args.transport,
         max_new_tokens=args.max_new_tokens, positions=args.positions, samples=args.samples,
         temperature=args.temperature, top_k=args.top_k, alpha=args.alpha, seed=args.seed,
+        target_servers=tuple(urls) if (urls := target_servers(args)) else None,
     )
     texts = read_prompts(args.prompts) if args.prompts else list(DEFAULT_PROMPTS)
     if not texts:

@@ -25,6 +25,7 @@ from dsi.cli.generate import (
     add_sampling_args,
     auto_options,
     server_count,
+    target_servers,
     transport_options,
 )
 from dsi.errors import ConfigError
@@ -67,6 +68,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--served-model-name", default=None,
                    help="model id in the API, /health and responses (default: the --target name without its "
                         "directories, e.g. 'my-7b' for ./models/my-7b)")
+    g.add_argument("--max-logprobs", type=int, default=20,
+                   help="the most prompt_logprobs per position a request may ask (default 20, as vLLM; -1: the "
+                        "whole vocabulary, which another dsi needs to sample over this server without top_k)")
     g.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="on SIGINT/SIGTERM, seconds running requests may take before they are cancelled (default 10)")
     p.set_defaults(func=run_serve)
@@ -131,7 +135,8 @@ def run_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key, **limits,
         model_name=args.served_model_name or served_name(args.target), max_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-        shutdown_grace_s=args.shutdown_timeout, vocab_mode=args.vocab_mode,
+        shutdown_grace_s=args.shutdown_timeout, vocab_mode=args.vocab_mode, max_logprobs=args.max_logprobs,
+        target_servers=tuple(urls) if (urls := target_servers(args)) else None,
     )
     if not _is_loopback(args.host):
         log.warning("dsi serve: listening on %s, reachable from other machines%s", args.host,

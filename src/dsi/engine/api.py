@@ -79,6 +79,40 @@ def check_placement(num_target_servers: object, transport: object) -> None:
     require(transport in TRANSPORTS, f"transport={transport!r} must be one of {', '.join(TRANSPORTS)}")
 
 
+DEFAULT_TARGET_SERVERS = 2
+
+
+def engine_placement(target: object, target_servers: object, num_target_servers: object, transport: object,
+                     transport_options: dict | None) -> tuple[LanguageModel, int, str, dict]:
+    """Where the target servers run: ``(target, num_target_servers, transport, transport_options)``.
+
+    Without ``target_servers``: as given (``num_target_servers`` None means 2). With a list of engine
+    URLs (vLLM or ``dsi serve``, :mod:`dsi.models.engines`): the target becomes an
+    :class:`~dsi.models.engines.EngineTarget` over them (the local ``target`` is its reference: the
+    vocabulary, the tokenizer and a canary check), and the servers are threads of this process, server
+    i talking to URL ``i % len(urls)``; ``num_target_servers`` None means one per URL (more puts several
+    requests on an engine at once)."""
+    if target_servers is None:
+        return (target, DEFAULT_TARGET_SERVERS if num_target_servers is None else num_target_servers,  # type: ignore[return-value]
+                transport, dict(transport_options or {}))
+    from dsi.models.engines import EngineTarget  # network code: imported on use
+
+    require(transport == "threads", f"transport={transport!r}: with target_servers the engines are the target "
+                                    "servers (threads of this process talk to them); leave transport as 'threads'")
+    options = dict(transport_options or {})
+    require("devices" not in options, "transport_options['devices'] cannot be set with target_servers "
+                                      "(server i talks to target_servers[i % len(target_servers)])")
+    if isinstance(target, EngineTarget):
+        engines = target
+        require(target_servers in (True, list(engines.urls), tuple(engines.urls)),
+                f"target_servers={target_servers!r} differ from the EngineTarget's {list(engines.urls)}")
+    else:
+        require(target_servers is not True, "target_servers=True needs target= an EngineTarget")
+        engines = EngineTarget(target_servers, reference=check_model(target, "target"))  # type: ignore[arg-type]
+    options["devices"] = list(engines.urls)
+    return engines, len(engines.urls) if num_target_servers is None else num_target_servers, "threads", options  # type: ignore[return-value]
+
+
 def bridge(target: object, drafter: object, vocab_mode: str, target_tokenizer: object = None,
            drafter_tokenizer: object = None) -> LanguageModel:
     """The drafter as the engine sees it, over the target's ids (:mod:`dsi.models.crossvocab`)."""
@@ -93,13 +127,14 @@ def build_decoder(
     drafter: LanguageModel | None = None,
     method: str = "dsi",
     lookahead: int | str = 5,
-    num_target_servers: int = 2,
+    num_target_servers: int | None = None,
     transport: str = "threads",
     transport_options: dict | None = None,
     max_window: int | None = None,
     vocab_mode: str = "auto",
     target_tokenizer: object = None,
     drafter_tokenizer: object = None,
+    target_servers: object = None,
 ) -> Decoder:
     """A decoder of ``method`` (``"dsi"``, ``"si"`` or ``"ar"``) that keeps its workers (threads,
     caches) across requests; ``close()`` it. The arguments are those of :func:`dsi.build_decoder`,
@@ -112,6 +147,9 @@ def build_decoder(
     check_lookahead(method, lookahead, max_window)
     if drafter is not None and method != "ar":
         drafter = bridge(target, drafter, vocab_mode, target_tokenizer, drafter_tokenizer)
+    check_placement(DEFAULT_TARGET_SERVERS if num_target_servers is None else num_target_servers, transport)
+    target, num_target_servers, transport, transport_options = engine_placement(
+        target, target_servers, num_target_servers, transport, transport_options)
     check_placement(num_target_servers, transport)
     target = check_model(target, "target")
     if method == "ar":
@@ -124,7 +162,7 @@ def build_decoder(
     return DSIDecoder(
         drafter, lookahead,
         lambda on_event: make_pool(transport, target, num_target_servers, on_event, **options),
-        max_window=max_window,
+        max_window=max_window, target=target, liveness=options.get("liveness"),
     )
 
 

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
+
+import numpy as np
 
 from dsi.engine.request import Output, Request, TokenCallback
 from dsi.engine.result import GenerationResult
 from dsi.engine.stats import GenerationStats
-from dsi.models.base import LanguageModel, forward_rows
+from dsi.models.base import LanguageModel, check_sampling, forward_rows, top_hint
 from dsi.models.determinism import start_fresh_unless_deterministic
 from dsi.sampling import bonus, process_logits
 
@@ -29,6 +32,7 @@ class AutoregressiveDecoder:
     def generate(
         self, request: Request, on_tokens: TokenCallback | None = None, abort: threading.Event | None = None
     ) -> GenerationResult:
+        check_sampling(self._model, request.sampling)  # refuses what the target cannot serve exactly (engines)
         stats = GenerationStats(method=self.method)
         out = Output(request, stats, on_tokens, abort)
         start_fresh_unless_deterministic(self._session, self._model)  # the same request, the same tokens
@@ -36,7 +40,7 @@ class AutoregressiveDecoder:
             out.check_abort()
             params = request.sampling
             start = time.perf_counter()
-            row = forward_rows(self._session, out.tokens, 1, greedy=params.greedy)[-1]  # greedy: an id; else [V]
+            row = forward_rows(self._session, out.tokens, 1, greedy=params.greedy, top=top_hint(params))[-1]  # greedy: an id; else [V]
             elapsed = time.perf_counter() - start
             stats.target_busy_s += elapsed
             stats.completed_target_s += elapsed
@@ -45,6 +49,13 @@ class AutoregressiveDecoder:
             out.commit(int(row) if params.greedy else bonus(process_logits(row, params), params, len(out.tokens)))
             stats.bonus_tokens += 1
         return GenerationResult(out.finalize(), stats)
+
+    def score(self, tokens: Sequence[int], first: int, cancel: threading.Event | None = None) -> np.ndarray:
+        """The target's raw logits after ``tokens[:p]`` for p = ``first`` .. ``len(tokens)``
+        (``[len(tokens) - first + 1, V]``), on the decoder's target session: its cache from earlier
+        requests is reused, so only what differs from them is computed (``dsi serve``'s
+        ``prompt_logprobs``, what a dsi verifying on this server asks)."""
+        return forward_rows(self._session, tokens, len(tokens) - first + 1, cancel)
 
     def healthy(self) -> bool:
         """Always: its sessions re-align with each request's context, so a failed request leaves

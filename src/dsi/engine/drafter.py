@@ -20,14 +20,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from dsi.errors import ContextLengthError, DraftUnavailable, TaskCancelled
-from dsi.models.base import LanguageModel, context_limit, extend_rows, forward_rows, session_counters
+from dsi.models.base import LanguageModel, check_sampling, context_limit, extend_rows, forward_rows, session_counters
 from dsi.sampling import SamplingParams, draft_from_logits
+from dsi.transport.liveness import HISTORY, LivenessPolicy
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +38,7 @@ def request_info(model: LanguageModel, sampling: SamplingParams) -> dict:
     """Check that the drafter ``model`` can serve a request with ``sampling`` (raises
     :class:`~dsi.errors.ConfigError` if not) and return what it reports about it for the stats
     (a drafter of another vocabulary: its mode and the vocabulary intersection); ``{}`` for others."""
-    check = getattr(model, "check_sampling", None)
-    if check is not None:
-        check(sampling)
+    check_sampling(model, sampling)
     info = getattr(model, "request_info", None)
     return dict(info(sampling)) if info is not None else {}
 
@@ -89,11 +89,20 @@ class _Job:
 
 
 class DraftWorker:
-    """Drafts on its own thread with its own session of ``model``."""
+    """Drafts on its own thread with its own session of ``model``.
+
+    A forward that runs past its liveness deadline (:meth:`overdue`: the policy of
+    :mod:`dsi.transport.liveness`, from the slowest of the worker's recent forwards) marks a frozen
+    drafter; the orchestrator then :meth:`abandon` s it (a thread cannot be killed: whatever it sends
+    later carries an old epoch and is ignored) and its decoder starts a new worker.
+    """
 
     def __init__(self, model: LanguageModel, on_event: Callable[[object], None]) -> None:
         self._model = model
         self._on_event = on_event
+        self._forward_began: float | None = None  # when the running forward began (None: none running)
+        self._durations: deque[float] = deque(maxlen=HISTORY)  # the last forwards' seconds
+        self._abandoned = False
         self._cond = threading.Condition()
         self._job: _Job | None = None
         self._closed = False
@@ -135,9 +144,29 @@ class DraftWorker:
         return session_counters(self._session)
 
     def is_alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() and not self._abandoned
+
+    def overdue(self, policy: LivenessPolicy) -> tuple[float, float] | None:
+        """``(seconds running, deadline)`` of a forward past its deadline, or None."""
+        began = self._forward_began
+        if began is None or not policy.enabled:
+            return None
+        running = time.perf_counter() - began
+        deadline = (policy.floor_s + policy.factor * max(self._durations)) if self._durations else policy.unmeasured_s
+        return (running, deadline) if running > deadline else None
+
+    def abandon(self) -> None:
+        """Give up on a frozen worker: it is no longer alive to its decoder, and stops if it ever returns."""
+        self._abandoned = True
+        with self._cond:
+            self._closed = True
+            if self._job is not None:
+                self._job.cancel.set()
+            self._cond.notify()
 
     def close(self, timeout: float = 10.0) -> None:
+        if self._abandoned:  # frozen: nothing to wait for (it stops by itself if it ever returns)
+            return
         with self._cond:
             self._closed = True
             if self._job is not None:
@@ -197,8 +226,11 @@ class DraftWorker:
     def _forward(self, run):
         """Run one drafter forward, counting it and its time (also when it is cancelled)."""
         self.forwards += 1
-        start = time.perf_counter()
+        start = self._forward_began = time.perf_counter()
         try:
             return run()
         finally:
-            self.busy_s += time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            self.busy_s += elapsed
+            self._durations.append(elapsed)
+            self._forward_began = None

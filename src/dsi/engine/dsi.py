@@ -41,9 +41,10 @@ from dsi.engine.request import Output, Request, TokenCallback
 from dsi.engine.result import GenerationResult
 from dsi.engine.stats import GenerationStats
 from dsi.errors import WorkerError
-from dsi.models.base import LanguageModel, counter_changes
+from dsi.models.base import LanguageModel, check_sampling, counter_changes
 from dsi.sampling import bonus, decide, decide_greedy
 from dsi.transport.base import ServerDied, TargetPool, TaskAborted, TaskFailed, TaskResult, VerifyTask
+from dsi.transport.liveness import LivenessPolicy
 from dsi.windows import WindowPacer, window_end
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ class DSIDecoder:
     method = "dsi"
 
     def __init__(self, drafter: LanguageModel, lookahead: int | str, pool_factory, trace: bool = False,
-                 max_window: int | None = None) -> None:
+                 max_window: int | None = None, target: LanguageModel | None = None, liveness: object = None) -> None:
         self.lookahead = lookahead  # k, or "auto" for event-driven windows (read at each request)
         self.max_window = max_window  # event-driven: the most drafts one window carries (None: no cap)
         self.pacer = WindowPacer()  # event-driven: latency and acceptance estimates, kept across requests
@@ -82,6 +83,9 @@ class DSIDecoder:
         self._epochs = itertools.count(1)
         self.pool: TargetPool = pool_factory(self.events.put)
         self._drafter_model = drafter
+        self._target_model = target  # only to check requests against what it can serve (engines)
+        # the drafter's forwards get the deadline the target servers' tasks get (dsi.transport.liveness)
+        self.liveness = LivenessPolicy.from_option(liveness)
         try:
             self._drafter = DraftWorker(drafter, self.events.put)
         except BaseException:
@@ -91,6 +95,9 @@ class DSIDecoder:
     def generate(
         self, request: Request, on_tokens: TokenCallback | None = None, abort: threading.Event | None = None
     ) -> GenerationResult:
+        check_sampling(self._target_model, request.sampling)  # refuses what the target cannot serve exactly
+        if not self._drafter.is_alive():  # a drafter frozen (abandoned) or dead in an earlier request: a new one
+            self._drafter = DraftWorker(self._drafter_model, self.events.put)
         info = request_info(self._drafter_model, request.sampling)  # refuses what the drafter cannot serve
         run = _DSIRun(self, request, on_tokens, abort)
         run.stats.extra.update(info)
@@ -102,9 +109,9 @@ class DSIDecoder:
 
     def healthy(self) -> bool:
         """Whether this decoder can serve another request: a failed request (a model error, a lost
-        server that was replaced) leaves it usable; only a dead drafter thread or a pool with no
-        server left (all given up) calls for a new decoder."""
-        return self._drafter.is_alive() and self.pool.alive_servers() > 0
+        server that was replaced, a frozen or dead drafter, which the next request replaces) leaves it
+        usable; only a pool with no server left (all given up) calls for a new decoder."""
+        return self.pool.alive_servers() > 0
 
     def close(self) -> None:
         self._drafter.close()
@@ -193,6 +200,12 @@ class _DSIRun:
             raise WorkerError("no target server is alive")
         if not self.drafter.is_alive():
             raise WorkerError("the drafter thread died")
+        late = self.drafter.overdue(self.decoder.liveness)
+        if late is not None:
+            self.drafter.abandon()
+            raise WorkerError(f"the drafter is frozen: its forward has run {late[0]:.1f} s, past its liveness deadline "
+                              f"of {late[1]:.1f} s; this request ends, and the decoder's next request gets a new "
+                              "drafter")
 
     # ---- events ------------------------------------------------------------------------------
     def handle(self, event: object) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -24,7 +25,15 @@ from dsi.engine.request import Output, Request, TokenCallback
 from dsi.engine.result import GenerationResult
 from dsi.engine.stats import GenerationStats
 from dsi.errors import ContextLengthError, DraftUnavailable
-from dsi.models.base import LanguageModel, counter_changes, extend_rows, forward_rows, session_counters
+from dsi.models.base import (
+    LanguageModel,
+    check_sampling,
+    counter_changes,
+    extend_rows,
+    forward_rows,
+    session_counters,
+    top_hint,
+)
 from dsi.models.determinism import start_fresh_unless_deterministic
 from dsi.sampling import bonus, decide, decide_greedy, draft_from_logits, process_logits
 
@@ -45,6 +54,7 @@ class SpeculativeDecoder:
         self, request: Request, on_tokens: TokenCallback | None = None, abort: threading.Event | None = None
     ) -> GenerationResult:
         params = request.sampling
+        check_sampling(self._target_model, params)  # refuses what the target cannot serve exactly (engines)
         stats = GenerationStats(method=self.method, lookahead=self.lookahead)
         stats.extra.update(request_info(self._drafter_model, params))
         counters = session_counters(self._drafter)
@@ -69,7 +79,8 @@ class SpeculativeDecoder:
                 stats.extra["drafter_context_limited"] = stats.extra.get("drafter_context_limited", 0) + 1
             start = time.perf_counter()
             # greedy: the target's argmax ids [kk+1]; sampling: its logit rows [kk+1, V]
-            rows = forward_rows(self._target, base + tuple(drafts), len(drafts) + 1, greedy=params.greedy)
+            rows = forward_rows(self._target, base + tuple(drafts), len(drafts) + 1, greedy=params.greedy,
+                                top=top_hint(params))
             elapsed = time.perf_counter() - start
             stats.target_busy_s += elapsed
             stats.completed_target_s += elapsed
@@ -126,6 +137,13 @@ class SpeculativeDecoder:
         stats.drafter_busy_s += time.perf_counter() - start
         stats.drafted_tokens += len(drafts)
         return drafts, qs, limited
+
+    def score(self, tokens: Sequence[int], first: int, cancel: threading.Event | None = None) -> np.ndarray:
+        """The target's raw logits after ``tokens[:p]`` for p = ``first`` .. ``len(tokens)``
+        (``[len(tokens) - first + 1, V]``), on the decoder's target session: its cache from earlier
+        requests is reused, so only what differs from them is computed (``dsi serve``'s
+        ``prompt_logprobs``, what a dsi verifying on this server asks)."""
+        return forward_rows(self._target, tokens, len(tokens) - first + 1, cancel)
 
     def healthy(self) -> bool:
         """Always: its sessions re-align with each request's context, so a failed request leaves

@@ -208,3 +208,17 @@ def machine_info() -> dict:
         "cpus": os.cpu_count(),
         "platform": platform.platform(),
     }
+
+
+def emit_record(record: dict, out=None) -> str:
+    """A benchmark's record as one JSON line, with the date and :func:`machine_info`: printed, and
+    written to ``out`` (a path) when given. Returns the line."""
+    import json
+    import time
+    from pathlib import Path
+
+    line = json.dumps({**record, "date": time.strftime("%Y-%m-%d"), "machine": machine_info()})
+    print(line)
+    if out is not None:
+        Path(out).write_text(line + "\n")
+    return line

@@ -49,6 +49,7 @@ class SelftestConfig:
     top_k: int = 4
     alpha: float = 1e-4
     seed: int = 0  # the chi-square runs use seeds seed, seed + 1, ..., seed + samples - 1
+    target_servers: tuple[str, ...] | None = None  # SI and DSI verify on these engines; non-SI and the law stay local
 
     def __post_init__(self) -> None:
         for name in ("lookahead", "num_target_servers", "max_new_tokens", "samples"):
@@ -203,7 +204,9 @@ def run_selftest(
     greedy = SamplingParams()
     vocab = target.vocab_size
     decoders = {m: build_decoder(target=target, drafter=drafter, method=m, lookahead=config.lookahead,
-                                 num_target_servers=config.num_target_servers, transport=config.transport)
+                                 num_target_servers=config.num_target_servers, transport=config.transport,
+                                 target_servers=list(config.target_servers) if config.target_servers and m != "ar"
+                                 else None)
                 for m in ("ar", "si", "dsi")}
     try:
         outputs: dict[str, list[list[int]]] = {}

@@ -16,7 +16,9 @@ None for no limit; see :func:`context_limit`); a session asked to go beyond it r
 :class:`dsi.errors.ContextLengthError` before running anything.
 
 Callers usually need only a few rows of a forward (the last one when drafting, the k+1 rows a
-verification decides), and in greedy decoding only their argmax. :func:`extend_rows` asks for
+verification decides), in greedy decoding only their argmax, and with top-k sampling only each
+row's k largest logits (``top``: a session that declares ``takes_top = True`` may return the other
+logits as ``-inf``; the processed law is the same, see :mod:`dsi.models.engines`). :func:`extend_rows` asks for
 exactly that. A session may implement it itself (``extend_rows``, see
 :class:`RowSelectingSession`) to skip the output layer for other rows and to take the argmax where
 the logits are (on a GPU only the token ids then travel to the host); for any other session it is
@@ -141,18 +143,23 @@ def extend_rows(
     cancel: CancelFlag | None = None,
     num_rows: int | None = None,
     greedy: bool = False,
+    top: int | None = None,
 ) -> np.ndarray:
     """``session.extend(tokens, cancel)``, keeping only what the caller will read.
 
     Returns the last ``num_rows`` (default: all) logit rows ``[num_rows, vocab_size]``, or with
     ``greedy`` only their argmax token ids ``[num_rows]`` int64 (first index on ties, as
-    ``np.argmax``). Uses the session's own ``extend_rows`` when it has one.
+    ``np.argmax``). Uses the session's own ``extend_rows`` when it has one. ``top`` (None or k >= 1):
+    the caller reads only each row's ``top`` largest logits (a session with ``takes_top`` may leave
+    the others ``-inf``).
     """
     n = len(tokens) if num_rows is None else num_rows
     if not 1 <= n <= len(tokens):
         raise ConfigError(f"num_rows={n} must be in [1, len(tokens)={len(tokens)}]")
     own = getattr(session, "extend_rows", None)
     if own is not None:
+        if top is not None and getattr(session, "takes_top", False):
+            return own(tokens, cancel, n, greedy, top=top)
         return own(tokens, cancel, n, greedy)
     rows = session.extend(tokens, cancel)[-n:]  # [n, V]
     if not greedy:
@@ -169,6 +176,7 @@ def forward_rows(
     cancel: CancelFlag | None = None,
     *,
     greedy: bool = False,
+    top: int | None = None,
 ) -> np.ndarray:
     """Bring ``session`` to ``context`` reusing its cache; return the last ``num_rows`` logit rows.
 
@@ -177,13 +185,14 @@ def forward_rows(
     Row i of the result is the next-token distribution after
     ``context[: len(context) - num_rows + i + 1]``.  # [num_rows, vocab_size]
     With ``greedy``, only the argmax token id of each of those rows.  # [num_rows] int64
+    ``top``: as in :func:`extend_rows`.
     """
     if not 1 <= num_rows <= len(context):
         raise ConfigError(f"{num_rows=} must be in [1, len(context)={len(context)}]")
     keep = min(common_prefix_length(session.tokens, context), len(context) - num_rows)
     if keep < len(session.tokens):
         session.truncate(keep)
-    return extend_rows(session, context[keep:], cancel, num_rows, greedy)
+    return extend_rows(session, context[keep:], cancel, num_rows, greedy, top)
 
 
 def greedy_guess(session: ModelSession, context: Sequence[int]) -> int:
@@ -194,6 +203,21 @@ def greedy_guess(session: ModelSession, context: Sequence[int]) -> int:
         return int(forward_rows(session, context, 1, greedy=True)[-1])
     except DraftUnavailable:
         return -1
+
+
+def top_hint(sampling: Any) -> int | None:
+    """The ``top`` a caller sampling with ``sampling`` reads of each row: its top_k, or None (all)."""
+    top_k = getattr(sampling, "top_k", 0)
+    return top_k if isinstance(top_k, int) and top_k >= 1 else None
+
+
+def check_sampling(model: object, sampling: Any) -> None:
+    """Raise :class:`~dsi.errors.ConfigError` if ``model`` cannot serve ``sampling`` exactly (its own
+    ``check_sampling``: a drafter of another vocabulary in string mode, engines that return only the
+    top of each row); no check for other models."""
+    check = getattr(model, "check_sampling", None)
+    if check is not None:
+        check(sampling)
 
 
 def check_logits(row: np.ndarray, vocab_size: int, what: str) -> np.ndarray:

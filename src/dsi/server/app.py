@@ -89,7 +89,12 @@ class ServerState:
                  free_unused_drafter: bool = False) -> None:
         if config.method != "ar" and drafter is None:
             raise ConfigError(f"method={config.method!r} needs a drafter model")
-        self.target = target
+        self.target = target  # the local model: tokenizer, context, and what the engines are checked against
+        self.verifier = target  # what the decoders verify with: the target, or the engines serving it
+        if config.target_servers:
+            from dsi.models.engines import EngineTarget
+
+            self.verifier = EngineTarget(config.target_servers, reference=target)
         if drafter is not None and config.method != "ar":  # one translation shared by every slot's decoder
             drafter = bridge_drafter(target, drafter, config.vocab_mode)
         self.drafter = drafter
@@ -97,7 +102,7 @@ class ServerState:
         self.free_unused_drafter = free_unused_drafter
         self.config = config
         self.codec = codec
-        self.max_context = target_context(target, codec)
+        self.max_context = target_context(self.verifier, codec)
         drafter_check = getattr(drafter, "check_sampling", None) if config.method != "ar" else None
         self.preparer = Preparer(config, codec, target.vocab_size, self.max_context, drafter_check)
         self.metrics = ServerMetrics()
@@ -112,11 +117,12 @@ class ServerState:
     def _new_decoder(self) -> object:
         c = self.config
         if self.choice is not None:  # method="auto" has chosen: every further slot (and rebuild) is its pick
-            return build_chosen_decoder(self.choice, target=self.target, drafter=self.drafter, transport=c.transport,
-                                        transport_options=c.transport_options)
+            return build_chosen_decoder(self.choice, target=self.verifier, drafter=self.drafter,
+                                        transport=c.transport, transport_options=self._transport_options())
         decoder = build_decoder(
-            target=self.target, drafter=self.drafter, method=c.method, lookahead=c.lookahead, max_window=c.max_window,
-            num_target_servers=c.num_target_servers, auto_options=c.auto_options, transport=c.transport, transport_options=c.transport_options,
+            target=self.verifier, drafter=self.drafter, method=c.method, lookahead=c.lookahead, max_window=c.max_window,
+            num_target_servers=c.num_target_servers, auto_options=c.auto_options, transport=c.transport,
+            transport_options=c.transport_options, target_servers=True if c.target_servers else None,
         )
         self.choice = getattr(decoder, "choice", None)
         if self.choice is not None:
@@ -126,6 +132,12 @@ class ServerState:
                     release(self.drafter)
                 self.drafter = None
         return decoder
+
+    def _transport_options(self) -> dict | None:
+        """The options a chosen decoder is built with: over engines, server i talks to URL i % len."""
+        if not self.config.target_servers:
+            return self.config.transport_options
+        return {**(self.config.transport_options or {}), "devices": list(self.verifier.urls)}
 
     def _build_slots(self) -> list[Slot]:
         slots: list[Slot] = []
@@ -206,7 +218,16 @@ class ServerState:
     def submit(self, prepared: Prepared) -> Job:
         """Queue a prepared request (429 if the queue is full) and start it."""
         self._check_open()
-        job = Job(prepared.request, self.codec, self.metrics, stop=prepared.stop, stream=prepared.stream)
+        scoring = None
+        if prepared.prompt_logprobs is not None:
+            method = self.choice.method if self.choice is not None else self.config.method
+            if method not in ("ar", "si"):
+                raise APIError(400, f"prompt_logprobs need a target session of a slot: serve with --method ar or si "
+                                    f"(this server runs {method})", param="prompt_logprobs",
+                               code="unsupported_parameter")
+            scoring = (prepared.prompt_logprobs, prepared.prompt_logprobs_from)
+        job = Job(prepared.request, self.codec, self.metrics, stop=prepared.stop, stream=prepared.stream,
+                  prompt_logprobs=scoring)
         try:
             job.start(self.scheduler)
         except QueueFull as exc:
@@ -427,6 +448,7 @@ def create_app(
         card = ModelCard(id=config.model_name, created=state.created, max_model_len=state.max_context, dsi={
             "method": config.method, "lookahead": config.lookahead, "num_target_servers": config.num_target_servers,
             "transport": config.transport, "max_concurrent": config.max_concurrent,
+            **({"target_servers": list(config.target_servers)} if config.target_servers else {}),
         })
         count(request, 200)
         return JSONResponse(dump(ModelList(data=[card])))
@@ -455,7 +477,10 @@ def create_app(
             return stream(request, job, [response(echo, None)] if echo else [], lambda t: response(t, None), closing)
         outcome = await finish_plain(request, job)
         count(request, 200)
-        return JSONResponse(response(echo + outcome.text, outcome.finish_reason, outcome, usage=True))
+        answer = response(echo + outcome.text, outcome.finish_reason, outcome, usage=True)
+        if outcome.prompt_logprobs is not None:
+            answer["choices"][0]["prompt_logprobs"] = outcome.prompt_logprobs
+        return JSONResponse(answer)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

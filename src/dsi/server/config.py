@@ -63,6 +63,8 @@ class ServeConfig:
     retry_after_s: int = 1
     shutdown_grace_s: float = 5.0  # at shutdown, how long running requests may take to stop
     vocab_mode: str = "auto"  # how the drafter's tokens reach the target (dsi.models.crossvocab)
+    target_servers: tuple[str, ...] | None = None  # engines (URLs) that verify instead of local servers
+    max_logprobs: int = 20  # the most prompt_logprobs per position a request may ask (-1: the whole vocabulary)
 
     def __post_init__(self) -> None:
         def positive_int(v: object) -> bool:
@@ -84,4 +86,7 @@ class ServeConfig:
         require(self.vocab_mode in VOCAB_MODES, f"vocab_mode={self.vocab_mode!r} must be one of {', '.join(VOCAB_MODES)}")
         if self.method != "ar":  # string-level drafting serves greedy requests only: the default must be one
             check_mode_sampling(self.vocab_mode, defaults)
+        require(isinstance(self.max_logprobs, int) and not isinstance(self.max_logprobs, bool)
+                and self.max_logprobs >= -1,
+                f"max_logprobs={self.max_logprobs!r} must be an integer >= 0, or -1 (the whole vocabulary)")
         require(positive_int(self.retry_after_s), f"retry_after_s={self.retry_after_s!r} must be an integer >= 1")

@@ -19,9 +19,14 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from dsi.engine.request import GenerationAborted, Request
 from dsi.engine.stats import GenerationStats
+from dsi.errors import TaskCancelled
+from dsi.sampling import bonus, process_logits
 from dsi.server.codec import Codec
+from dsi.server.logprobs import prompt_logprobs
 from dsi.server.metrics import ServerMetrics
 from dsi.server.scheduler import RequestCancelled, Scheduler, Slot
 from dsi.text import IncrementalDetokenizer
@@ -85,6 +90,7 @@ class Outcome:
     stats: GenerationStats | None = None
     error: BaseException | None = None
     queue_time_s: float = 0.0
+    prompt_logprobs: list | None = None  # vLLM's prompt_logprobs, when asked
 
     @property
     def completion_tokens(self) -> int:
@@ -102,6 +108,7 @@ class Job:
         *,
         stop: Sequence[str] = (),
         stream: bool = False,
+        prompt_logprobs: tuple[int, int] | None = None,
     ) -> None:
         self.id = uuid.uuid4().hex[:12]  # names the job in the server log and in 500 answers
         self.request = request
@@ -109,6 +116,7 @@ class Job:
         self.metrics = metrics
         self.stop = tuple(stop)
         self.stream = stream
+        self.prompt_logprobs = prompt_logprobs  # (top N, first position) of vLLM's prompt_logprobs, or None
         self.abort = threading.Event()
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancel_reason: str | None = None
@@ -233,12 +241,16 @@ class Job:
         if self.abort.is_set():  # cancelled between getting the slot and starting
             return Outcome("cancelled", [])
         slot.served += 1
+        scored = None
         try:
-            result = slot.decoder.generate(self.request, self._on_tokens, self.abort)
-            stats = result.stats
-            reason = stats.finish_reason
-        except GenerationAborted as exc:
-            stats = exc.stats
+            if self.prompt_logprobs is not None:
+                scored, stats, reason = self._score(slot)
+            if scored is None or reason is None:
+                result = slot.decoder.generate(self.request, self._on_tokens, self.abort)
+                stats = result.stats
+                reason = stats.finish_reason
+        except (GenerationAborted, TaskCancelled) as exc:
+            stats = getattr(exc, "stats", None)
             reason = "cancelled"
         except Exception as exc:  # noqa: BLE001 - a failed worker: answer 500; rebuild the decoder only if broken
             log.exception("job %s on slot %d: generation failed", self.id, slot.index)
@@ -257,4 +269,25 @@ class Job:
         text, stop = cut_at_stop(self.codec.decode(tokens), self.stop)
         if stop is not None:
             reason = "stop"
-        return Outcome(reason, list(tokens), text=text, tail=tail, stats=stats)
+        return Outcome(reason, list(tokens), text=text, tail=tail, stats=stats, prompt_logprobs=scored)
+
+    def _score(self, slot: Slot) -> tuple[list, GenerationStats | None, str | None]:
+        """vLLM's ``prompt_logprobs`` from one forward on the slot's target session (its cache reused).
+
+        With ``max_tokens=1`` that forward's last row also gives the completion token, drawn as non-SI
+        draws its first token (so nothing more runs); the reason is then "length" or "stop" (EOS).
+        Otherwise the reason is None and the request goes on to generate as usual."""
+        n, first = self.prompt_logprobs
+        prompt = self.request.prompt
+        rows = slot.decoder.score(prompt, first, self.abort)  # [len(prompt) - first + 1, V]
+        decode = None if n == -1 else (lambda t: self.codec.decode([t]))
+        scored = prompt_logprobs(rows, prompt, first, n, decode)
+        if self.request.max_new_tokens != 1:
+            return scored, None, None
+        params = self.request.sampling
+        last = rows[-1]
+        token = int(np.argmax(last)) if params.greedy else bonus(process_logits(last, params), params, len(prompt))
+        stats = GenerationStats(method=slot.decoder.method)
+        stats.target_forwards = stats.completed_target_forwards = stats.bonus_tokens = 1
+        self._on_tokens([token])
+        return scored, stats, "stop" if token in self.request.eos_token_ids else "length"

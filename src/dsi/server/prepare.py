@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from dsi.engine.api import make_request
@@ -54,6 +54,8 @@ class Prepared:
     stream: bool
     include_usage: bool
     echo: str = ""  # the prompt text to echo (completions with echo=true)
+    prompt_logprobs: int | None = None  # top N per prompt position (-1: every token); None: not asked
+    prompt_logprobs_from: int = 1  # the first position whose prompt logprobs are computed
 
     @property
     def prompt_tokens(self) -> int:
@@ -89,7 +91,28 @@ class Preparer:
         else:
             ids = self._check_ids(prompt, room, max_tokens, param)
             echo = self.codec.decode(ids) if req.echo else ""  # only valid ids reach the decoder
-        return self._prepared(req, ids, max_tokens, param, "prompt", echo)
+        prepared = self._prepared(req, ids, max_tokens, param, "prompt", echo)
+        if req.prompt_logprobs is None:
+            if req.prompt_logprobs_from is not None:
+                raise APIError(400, "prompt_logprobs_from needs prompt_logprobs", param="prompt_logprobs_from")
+            return prepared
+        return replace(prepared, prompt_logprobs=self._check_prompt_logprobs(req, len(ids)),
+                       prompt_logprobs_from=req.prompt_logprobs_from or 1)
+
+    def _check_prompt_logprobs(self, req: CompletionRequest, length: int) -> int:
+        n, cap = req.prompt_logprobs, self.config.max_logprobs
+        if cap != -1 and (n == -1 or n > cap):
+            asked = "the whole vocabulary (-1)" if n == -1 else str(n)
+            raise APIError(400, f"prompt_logprobs={n}: asked for {asked} per position, more than this server allows "
+                                f"({cap}; start it with --max-logprobs -1 to allow the whole vocabulary)",
+                           param="prompt_logprobs", code="invalid_value")
+        if req.stream:
+            raise APIError(400, "prompt_logprobs with stream=true is not supported", param="stream",
+                           code="unsupported_parameter")
+        if req.prompt_logprobs_from is not None and req.prompt_logprobs_from > length:
+            raise APIError(400, f"prompt_logprobs_from={req.prompt_logprobs_from} is beyond the prompt of {length} "
+                                f"tokens (allowed: 1..{length})", param="prompt_logprobs_from", code="invalid_value")
+        return n
 
     def chat(self, body: list[bytearray]) -> Prepared:
         """Like :meth:`completion`, for a chat completion."""

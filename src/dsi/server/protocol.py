@@ -109,6 +109,12 @@ class CompletionRequest(_GenerationRequest):
     best_of: int | None = None
     logprobs: int | None = None
     suffix: str | None = None
+    # vLLM's extension: the top N log-probabilities at every prompt position (-1: the whole vocabulary)
+    prompt_logprobs: int | None = Field(default=None, ge=-1)
+    # dsi's extension: the first position whose prompt logprobs are wanted (earlier ones are null);
+    # a dsi client verifying on this server asks only for its window's rows, and the slot's cache
+    # holds the rest
+    prompt_logprobs_from: int | None = Field(default=None, ge=1)
 
     @field_validator("prompt")
     @classmethod
@@ -343,6 +349,10 @@ class DSIInfo(BaseModel):
 
 
 class CompletionChoice(BaseModel):
+    """A completion; with ``prompt_logprobs`` asked, the app adds vLLM's ``prompt_logprobs`` list to it
+    (one entry per prompt position: null, or token id -> ``{logprob, rank, decoded_token}``), built
+    as plain JSON because a whole-vocabulary row has one entry per token."""
+
     index: int = 0
     text: str
     logprobs: None = None

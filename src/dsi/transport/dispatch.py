@@ -7,9 +7,11 @@ leave the queue at once. :class:`Dispatcher` is not thread-safe by itself: the p
 lock around calls. :class:`DispatchingPool` is that locked use, shared by the thread pool and
 the remote (process, Ray) pools, with the failure policy they share:
 
-- a dead server's task goes first in line again, unless it was running on
-  :data:`MAX_TASK_DEATHS` servers that died: such a *poison* task fails (a ``TaskFailed``) instead
-  of killing every server in turn;
+- a dead server's task goes first in line again, to another server than those it died on while
+  any other is in service (so a replaced server that breaks on every task, like an engine answering
+  garbage, never gets that task back), unless it was running on :data:`MAX_TASK_DEATHS` servers
+  that died (or, in a pool of fewer servers, died that often on all of them): such a *poison* task
+  fails (a ``TaskFailed``) instead of killing every server in turn;
 - a dead server is replaced. A death while running a task is charged to the task (above); any
   other (the server could not start, or died idle) counts against the server: at most
   :data:`MAX_RESTARTS` of those within :data:`RESTART_WINDOW_S` (systemd's default start limit),
@@ -44,13 +46,21 @@ class Dispatcher:
         self.started: dict[int, float] = {i: 0.0 for i in range(num_servers)}  # monotonic start of the running task
         self.new_tokens: dict[int, int] = {i: 0 for i in range(num_servers)}  # tokens it processes beyond the cache
         self.deaths: dict[int, int] = {}  # task id -> servers that died running it
+        self.died_on: dict[int, set[int]] = {}  # task id -> the servers it died on (it avoids them)
 
     def idle_servers(self) -> list[int]:
         return [s for s, task in self.running.items() if task is None and s not in self.dead]
 
+    def may_take(self, server: int, task: VerifyTask) -> bool:
+        """Whether ``server`` may run ``task``: not one it died on, unless every server in service is."""
+        avoid = self.died_on.get(task.task_id)
+        if not avoid or server not in avoid:
+            return True
+        return all(s in avoid for s in self.running if s not in self.dead)
+
     def place(self, task: VerifyTask) -> int | None:
         """Assign ``task`` to the best idle server and return its id, or queue it (None)."""
-        idle = self.idle_servers()
+        idle = [s for s in self.idle_servers() if self.may_take(s, task)]
         if not idle:
             self.queue.append(task)
             return None
@@ -63,7 +73,10 @@ class Dispatcher:
         self.running[server] = None
         if server in self.dead or not self.queue:
             return None
-        task = self.queue.popleft()
+        task = next((t for t in self.queue if self.may_take(server, t)), None)
+        if task is None:
+            return None
+        self.queue.remove(task)
         self._start(server, task)
         return task
 
@@ -126,19 +139,32 @@ class DispatchingPool:
 
     def _requeue(self, task: VerifyTask, server: int, error: str) -> TaskFailed | None:
         """A dead server's task: first in line again, or failed if it is poison (lock held)."""
-        deaths = self._dispatch.deaths[task.task_id] = self._dispatch.deaths.get(task.task_id, 0) + 1
-        if len(self._dispatch.deaths) > 4096:  # ids of long-finished tasks
-            self._dispatch.deaths = {task.task_id: deaths}
-        if deaths >= MAX_TASK_DEATHS:
+        d = self._dispatch
+        deaths = d.deaths[task.task_id] = d.deaths.get(task.task_id, 0) + 1
+        died_on = d.died_on.setdefault(task.task_id, set())
+        died_on.add(server)
+        if len(d.deaths) > 4096:  # ids of long-finished tasks
+            d.deaths, d.died_on = {task.task_id: deaths}, {task.task_id: died_on}
+        if deaths >= MAX_TASK_DEATHS and len(died_on) >= min(MAX_TASK_DEATHS, self.num_servers):
             return TaskFailed(task.task_id, server, f"task {task.task_id} was running on {deaths} target servers "
                                                     f"that died; not retried (last: {error})")
-        if self._dispatch.idle_servers():
-            placed = self._dispatch.place(task)
-            if placed is not None:
-                self._hand_over(placed, task)
-        else:
-            self._dispatch.queue.appendleft(task)
+        placed = d.place(task) if d.idle_servers() else None  # (queued by place when no server may take it)
+        if placed is not None:
+            self._hand_over(placed, task)
+        elif task not in d.queue:
+            d.queue.appendleft(task)
+        else:  # place() queued it last: a re-run goes first in line
+            d.queue.remove(task)
+            d.queue.appendleft(task)
         return None
+
+    def _drain_waiting(self) -> None:
+        """After a death: hand queued tasks to idle servers that may take them now (a task that
+        avoided a server may take it once no other is in service) (lock held)."""
+        for server in self._dispatch.idle_servers():
+            task = self._dispatch.finish(server)
+            if task is not None:
+                self._hand_over(server, task)
 
     def _may_restart(self, server: int, charged_to_task: bool) -> bool:
         """Whether to replace ``server``, counting the death against it unless ``charged_to_task``

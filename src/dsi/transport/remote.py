@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection
 from typing import Protocol
 
-from dsi.errors import ConfigError, WorkerError
+from dsi.errors import ConfigError, ServerLost, WorkerError
 from dsi.transport.base import EventSink, ServerDied, TaskAborted, TaskFailed, VerifyTask
 from dsi.transport.dispatch import MAX_RESTARTS, Dispatcher, DispatchingPool
 from dsi.transport.liveness import ForwardRates, LivenessPolicy, Watchdog
@@ -41,11 +41,6 @@ from dsi.transport.wire import MalformedFrame, UndecodableMessage, recv_message,
 log = logging.getLogger(__name__)
 
 __all__ = ["MAX_RESTARTS", "BadAnswer", "RemotePool", "ServerHandle", "ServerLost", "STOPPED", "read_answer"]
-
-
-class ServerLost(Exception):
-    """The server behind a handle is gone, or its connection is unusable (raised by ``send`` /
-    ``receive``)."""
 
 
 class BadAnswer(Exception):
@@ -319,6 +314,7 @@ class RemotePool(DispatchingPool):
                                           name=f"dsi-{self._name}-restart-{server}", daemon=True)
                 self._threads.append(thread)
                 thread.start()
+            self._drain_waiting()
         log.warning("%s target server %d died (%s)%s; %d left", self._name, server, error,
                     ", restarting it" if restart else "", self.alive_servers())
         for event in [ServerDied(server, error, restart), *events]:

@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from dsi.models.base import CancelFlag, ModelSession, forward_rows
+from dsi.models.base import CancelFlag, ModelSession, forward_rows, top_hint
 from dsi.sampling import process_logits
 from dsi.transport.base import TaskResult, VerifyTask
 
@@ -25,7 +25,7 @@ def run_verify_task(
         tokens = forward_rows(session, task.context, task.num_rows, cancel, greedy=True)  # [num_rows]
         probs = None
     else:
-        logits = forward_rows(session, task.context, task.num_rows, cancel)  # [num_rows, V]
+        logits = forward_rows(session, task.context, task.num_rows, cancel, top=top_hint(task.sampling))  # [num_rows, V]
         probs = np.stack([process_logits(row, task.sampling) for row in logits])  # [num_rows, V]
         tokens = np.argmax(probs, axis=-1).astype(np.int64)
     return TaskResult(task.task_id, server_id, tokens, probs, time.perf_counter() - start)

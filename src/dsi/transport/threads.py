@@ -7,7 +7,9 @@ forward notices. ``close`` stops and joins every thread.
 
 Failures, on the same footing as the process and Ray transports (:mod:`dsi.transport.dispatch`):
 
-- an ``Exception`` in a task is a ``TaskFailed`` (the thread serves on);
+- an ``Exception`` in a task is a ``TaskFailed`` (the thread serves on), except a
+  :class:`~dsi.errors.ServerLost` (the engine behind a session is gone or answers garbage), which
+  kills the server as below;
 - a thread that cannot make its session, or that anything else ends (a ``BaseException`` from model
   code such as ``SystemExit``, a library's own), is dead: its task is re-queued (or failed, if it
   is poison), a ``ServerDied`` reported, and with ``restart_dead`` (the default) a new thread with a
@@ -25,7 +27,7 @@ import threading
 import time
 from collections.abc import Iterable
 
-from dsi.errors import ConfigError, TaskCancelled
+from dsi.errors import ConfigError, ServerLost, TaskCancelled
 from dsi.models.base import LanguageModel
 from dsi.transport.base import EventSink, ServerDied, TaskAborted, TaskFailed, VerifyTask
 from dsi.transport.dispatch import Dispatcher, DispatchingPool
@@ -162,6 +164,8 @@ class ThreadTargetPool(DispatchingPool):
                     event = run_verify_task(session, task, server, flag)
                 except TaskCancelled:
                     event = TaskAborted(task.task_id, server, time.perf_counter() - start)
+                except ServerLost:  # the server behind this thread (an engine) is gone: a dead server
+                    raise
                 except Exception as exc:  # reported to the orchestrator, which raises it
                     log.exception("target server %d failed on task %d", server, task.task_id)
                     event = TaskFailed(task.task_id, server, f"{type(exc).__name__}: {exc}", exc)
@@ -174,7 +178,7 @@ class ThreadTargetPool(DispatchingPool):
                         self._hand_over(server, next_task)
                 self._on_event(event)
         except BaseException as exc:  # noqa: BLE001 - not a model error (those are TaskFailed): the thread broke
-            log.error("target server thread %d died", server, exc_info=True)
+            log.error("target server thread %d died", server, exc_info=not isinstance(exc, ServerLost))
             self._died(server, generation, f"{type(exc).__name__}: {exc}", charged_to_task=True)
         finally:
             session.close()
@@ -216,6 +220,7 @@ class ThreadTargetPool(DispatchingPool):
                 self._start_thread(server)
             else:
                 self._generation[server] += 1  # whatever the old thread does next is not reported
+            self._drain_waiting()
             left = self._alive()
         log.error("target server thread %d died (%s)%s; %d left", server, error,
                   ", restarting it" if restart else "", left)

@@ -39,7 +39,9 @@ class Running:
     def __init__(self, app, graceful_s: float = 2.0) -> None:
         from dsi.server.runner import make_server
 
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP named: asyncio then sets TCP_NODELAY on accepted connections (as on dsi serve's own
+        # socket); without it each answer on a kept-alive connection waits 40 ms for a delayed ACK
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from dsi.errors import ConfigError, WorkerError
+from dsi.errors import ConfigError
 from dsi.models import CallableLM
 from dsi.sampling import SamplingParams
 from dsi.transport.base import ServerDied, TaskFailed, TaskResult, VerifyTask
@@ -292,3 +292,31 @@ def test_deaths_on_tasks_are_charged_to_the_tasks_not_to_the_server():
             failed = [e for e in (events.get(timeout=5) for _ in range(3)) if isinstance(e, TaskFailed)]
             assert failed and failed[0].task_id == task_id  # each task failed as poison after 2 deaths
         assert pool.alive_servers() == 1  # still replaced every time
+
+
+
+def test_a_server_that_breaks_on_every_task_never_gets_a_rerun_back_while_another_serves():
+    """An engine that answers garbage dies on each task and is replaced at once; the task it took
+    waits for the healthy server (busy when the task comes back) instead of going to the replacement,
+    which would break again and make the task poison."""
+    def launch(server):
+        def script(task):
+            if server == 0:
+                time.sleep(0.05)
+                raise ServerLost("garbage")
+            time.sleep(0.3)  # still busy when server 0 dies, and while it is replaced
+            return result(task, 1)
+        return FakeServer(script)
+
+    events = queue.SimpleQueue()
+    with RemotePool(launch, 2, events.put, liveness=False) as pool:
+        pool.submit(VerifyTask(0, (1,), 1, GREEDY))  # server 0 (the lowest idle id)
+        pool.submit(VerifyTask(1, (2,), 1, GREEDY))  # server 1
+        answers = []
+        deadline = time.monotonic() + 10
+        while len(answers) < 2 and time.monotonic() < deadline:
+            event = events.get(timeout=5)
+            if isinstance(event, TaskResult | TaskFailed):
+                answers.append(event)
+    assert sorted((type(a).__name__, a.task_id) for a in answers) == [("TaskResult", 0), ("TaskResult", 1)], answers
+    assert all(a.server_id == 1 for a in answers)

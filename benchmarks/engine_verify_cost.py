@@ -1,0 +1,101 @@
+"""What one verification costs on an engine, against the length of the context it verifies.
+
+The same random fp32 Llama (``--hidden``, ``--layers``; head size 32 or more, as vLLM's CPU
+attention needs) served by vLLM and by ``dsi serve --method ar``, one at a time, each on one CPU
+thread. For each context length L, a dsi session (:class:`dsi.models.engines.EngineSession`, what a
+target server of DSI runs) verifies ``--windows`` successive windows of k drafts after the same L
+tokens, as DSI does while a request goes on: median seconds per verification, and its ratio to a
+one-token request on the same engine.
+
+vLLM reads no prefix cache for a request with prompt logprobs, so each verification recomputes its
+whole context; ``dsi serve`` keeps its slot's cache, so a window costs its own tokens plus one.
+
+    python benchmarks/engine_verify_cost.py --out docs/data/engine_verify_cost-2026-12-01.json
+
+Needs the vLLM venv (``bash packaging/vllm-venv.sh``). Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from dsi.evaluate.bench import emit_record  # noqa: E402
+from tests.engine_servers import start_dsi_serve, start_vllm, vllm_python  # noqa: E402
+from tests.tiny_hf import make_model_dir  # noqa: E402
+
+
+def measure(url: str, vocab: int, lengths: list[int], k: int, windows: int) -> dict:
+    import numpy as np
+
+    from dsi.models.engines import EngineTarget
+
+    engines = EngineTarget([url], vocab_size=vocab)
+    rng = np.random.default_rng(0)
+    out = {}
+    for length in lengths:
+        context = [int(t) for t in rng.integers(3, vocab, length)]
+        session = engines.new_session()
+        try:
+            session.extend_rows(context, None, 1, True)  # the request's first verification: the prefill
+            times = []
+            for _ in range(windows):
+                drafts = [int(t) for t in rng.integers(3, vocab, k)]
+                session.truncate(length)
+                began = time.perf_counter()
+                session.extend_rows(drafts, None, k + 1, True)
+                times.append(time.perf_counter() - began)
+        finally:
+            session.close()
+        out[length] = statistics.median(times)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[64, 512, 2048])
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("-k", type=int, default=4, help="drafts per window (default 4)")
+    parser.add_argument("--windows", type=int, default=7, help="verifications per length (default 7)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    if vllm_python() is None:
+        print("no vLLM venv: bash packaging/vllm-venv.sh", file=sys.stderr)
+        return 2
+    positions = max(args.lengths) + args.k + 16
+    model = make_model_dir(Path(tempfile.mkdtemp()) / "model", seed=0, layers=args.layers, hidden=args.hidden,
+                           positions=positions)
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(model).vocab_size
+    results = {}
+    for name, start in (("vllm", lambda: start_vllm(str(model), max_model_len=positions)),
+                        ("dsi serve", lambda: start_dsi_serve(str(model)))):
+        server = start()
+        try:
+            measure(server.url, vocab, args.lengths[:1], args.k, 2)  # warm-up
+            results[name] = measure(server.url, vocab, args.lengths, args.k, args.windows)
+        finally:
+            server.stop()
+    print(f"random Llama, hidden {args.hidden}, {args.layers} layers, fp32, 1 thread each; windows of k={args.k}; "
+          f"median of {args.windows}")
+    print("| context | vLLM (s) | dsi serve (s) | vLLM / dsi serve |")
+    print("|---|---|---|---|")
+    for length in args.lengths:
+        v, d = results["vllm"][length], results["dsi serve"][length]
+        print(f"| {length} | {v:.4f} | {d:.4f} | {v / d:.2f} |")
+    emit_record({"model": {"hidden": args.hidden, "layers": args.layers, "dtype": "fp32"}, "k": args.k,
+                 "windows": args.windows, "seconds_per_verification": results}, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,197 @@
+"""DSI with its target servers as HTTP engines, on emulated latencies: what HTTP costs the engine.
+
+Each target server is a ``dsi serve --method ar`` process serving a synthetic target whose forwards
+take the scenario's latency (``WithLatency``, the memory-bound regime of ``dsi bench``); the drafter
+runs here. For each scenario of ``dsi bench``, the same pair runs, alternating, with the target
+servers as threads of this process and as HTTP engines:
+
+- DSI wall time against the ideal (``dsi.evaluate.bench.ideal_dsi_seconds``: no engine overhead);
+- DSI/SI on each placement (SI verifying on the first engine);
+- the overhead of one verification over HTTP: the round trip of a 6-token verification on an engine
+  whose forwards take no time, next to what docs/transports.md measured for threads, processes and Ray.
+
+    python benchmarks/engines_http.py --out docs/data/engines_http-2026-12-01.json
+
+Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+DEFAULT_SCENARIOS = ["default", "half-accept", "all-accept", "never-accept", "vicuna13b-cnndm", "starcoder15b-humaneval"]
+VOCAB = 64
+PROMPT = [1, 2, 3, 4]
+
+
+class IdsCodec:
+    """What ``dsi serve`` needs of a tokenizer, for a model that has none: ids in, ids out."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size, self.eos_token_ids, self.max_context = vocab_size, (), None
+
+    def encode(self, text, limit=None):
+        return [int(t) for t in text.split(",")]
+
+    def encode_chat(self, messages, limit=None):
+        return self.encode(messages[-1]["content"], limit)
+
+    def decode(self, ids):
+        return ",".join(str(int(t)) for t in ids)
+
+
+def pair(scenario, seed: int = 0):
+    from dsi.models.synthetic import synthetic_pair
+
+    return synthetic_pair(scenario.acceptance, vocab_size=VOCAB, seed=seed, target_tpot=scenario.target_ms / 1000,
+                          drafter_tpot=scenario.drafter_ms / 1000)
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Child mode: one target server of a scenario (or of a zero-latency target) on ``--port``."""
+    import socket
+
+    from dsi.evaluate.bench import SCENARIOS, Scenario
+    from dsi.server import ServeConfig, create_app
+    from dsi.server.runner import make_server
+
+    scenario = SCENARIOS[args.scenario] if args.scenario != "zero" else Scenario("zero", 0.0, 0.0, 1.0, 1, 1)
+    target, _ = pair(scenario)
+    app = create_app(target, None, ServeConfig(method="ar", model_name="synthetic", max_logprobs=-1),
+                     codec=IdsCodec(VOCAB))
+    # IPPROTO_TCP named explicitly: asyncio sets TCP_NODELAY only on sockets that say so, and without
+    # it every answer on a kept-alive connection waits 40 ms for the client's delayed ACK (Nagle)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", args.port))
+    make_server(app, graceful_s=1.0).run(sockets=[sock])
+    return 0
+
+
+class Engine:
+    def __init__(self, scenario: str) -> None:
+        from dsi.models.engines import wait_until_serving
+        from tests.engine_servers import free_port
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        self.proc = subprocess.Popen([sys.executable, __file__, "serve", scenario, "--port", str(self.port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        wait_until_serving(self.url, 60, self.proc)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(20)
+
+
+def round_trip_ms(url: str, target, calls: int) -> float:
+    """Median ms of a 6-token verification on an engine whose forwards take no time."""
+    from dsi.models.engines import EngineTarget
+
+    engines = EngineTarget([url], reference=target)
+    session = engines.new_session()
+    context = list(range(1, 41))
+    session.extend_rows(context, None, 1, True)
+    times = []
+    for i in range(calls):
+        session.truncate(34)
+        began = time.perf_counter()
+        session.extend_rows([(i + j) % VOCAB for j in range(6)], None, 6, True)
+        times.append(time.perf_counter() - began)
+    session.close()
+    return 1000 * statistics.median(times)
+
+
+def run(scenario_name: str, tokens: int, repeats: int) -> dict:
+    import dsi
+    from dsi.evaluate.bench import SCENARIOS, ideal_dsi_seconds
+    from dsi.models.replay import record_decisions
+
+    scenario = SCENARIOS[scenario_name]
+    target, drafter = pair(scenario)
+    engines = [Engine(scenario_name) for _ in range(scenario.servers)]
+    urls = [e.url for e in engines]
+    try:
+        walls: dict[str, list[float]] = {k: [] for k in ("ar", "si threads", "dsi threads", "si http", "dsi http")}
+        outputs = {}
+        tasks = {}
+        for _ in range(repeats):
+            for label in walls:
+                method, _, placement = label.partition(" ")
+                kwargs = dict(target=target, drafter=drafter, prompt=PROMPT, method=method, max_new_tokens=tokens,
+                              lookahead=scenario.lookahead, num_target_servers=scenario.servers)
+                if placement == "http":
+                    kwargs.update(target_servers=urls if method == "dsi" else urls[:1], num_target_servers=None)
+                out = dsi.generate(**kwargs)
+                walls[label].append(out.stats.wall_time_s)
+                outputs[label] = out.tokens
+                tasks[label] = out.stats.verify_tasks
+    finally:
+        for e in engines:
+            e.stop()
+    med = {k: statistics.median(v) for k, v in walls.items()}
+    pattern = record_decisions(drafter, PROMPT, outputs["ar"]).accept_pattern
+    ideal = ideal_dsi_seconds(scenario, tokens, med["ar"], pattern)
+    return {
+        "scenario": scenario_name, "servers": scenario.servers, "tokens": tokens, "repeats": repeats,
+        "median_wall_s": med, "ideal_dsi_s": ideal,
+        "dsi_over_ideal_threads": med["dsi threads"] / ideal if ideal else None,
+        "dsi_over_ideal_http": med["dsi http"] / ideal if ideal else None,
+        "dsi_over_si_threads": med["dsi threads"] / med["si threads"],
+        "dsi_over_si_http": med["dsi http"] / med["si http"],
+        "verify_tasks": tasks,
+        "identical_outputs": len({tuple(v) for v in outputs.values()}) == 1,
+    }
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "serve":
+        parser = argparse.ArgumentParser()
+        parser.add_argument("mode")
+        parser.add_argument("scenario")
+        parser.add_argument("--port", type=int, required=True)
+        return serve(parser.parse_args())
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scenarios", nargs="+", default=DEFAULT_SCENARIOS)
+    parser.add_argument("--tokens", type=int, default=50)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--calls", type=int, default=100, help="round trips for the per-task overhead (default 100)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    from dsi.evaluate.bench import SCENARIOS, Scenario, emit_record
+
+    unknown = [s for s in args.scenarios if s not in SCENARIOS]
+    if unknown:
+        print(f"unknown scenarios {unknown}; known: {sorted(SCENARIOS)}", file=sys.stderr)
+        return 2
+    zero_target, _ = pair(Scenario("zero", 0.0, 0.0, 1.0, 1, 1))
+    zero = Engine("zero")
+    try:
+        overhead = round_trip_ms(zero.url, zero_target, args.calls)
+    finally:
+        zero.stop()
+    rows = [run(s, args.tokens, args.repeats) for s in args.scenarios]
+    print(f"HTTP verification round trip (6 tokens, a target that takes no time): {overhead:.2f} ms (median of "
+          f"{args.calls})")
+    print(f"{args.tokens} tokens, median of {args.repeats}; DSI over ideal and DSI/SI wall time, threads vs HTTP engines")
+    print("| scenario | SP | DSI/ideal threads | DSI/ideal HTTP | DSI/SI threads | DSI/SI HTTP | same tokens |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        def f(x):
+            return "-" if x is None else f"{x:.3f}"
+        print(f"| {r['scenario']} | {r['servers']} | {f(r['dsi_over_ideal_threads'])} | {f(r['dsi_over_ideal_http'])} | "
+              f"{f(r['dsi_over_si_threads'])} | {f(r['dsi_over_si_http'])} | {r['identical_outputs']} |")
+    emit_record({"round_trip_ms": overhead, "rows": rows}, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,528 @@
+"""A target served by inference engines over HTTP: vLLM's OpenAI server, or another ``dsi serve``.
+
+:class:`EngineTarget` is a :class:`~dsi.models.base.LanguageModel` whose sessions compute their rows
+on a remote engine, so every transport, decoder and window policy runs on it unchanged: a thread
+transport over it with one server per URL is a target pool whose servers are the engines
+(:func:`dsi.engine.api.build_decoder` with ``target_servers``).
+
+How a row is computed. Prompts travel as token ids (the tokenizer stays local). A session keeps its
+tokens here; a forward posts the whole context, plus one placeholder token, to ``/v1/completions``
+with ``max_tokens: 1``, ``temperature: 0`` and ``prompt_logprobs: N`` (vLLM's extension; ``dsi
+serve`` implements it). Position p of ``prompt_logprobs`` is the engine's log-softmax of the
+next-token logits after the first p tokens; the placeholder makes the last real position one of
+them. These are raw log-probabilities (an engine applies no temperature, top-k or top-p to prompt
+logprobs), which equal the logits up to a constant per row: every processing dsi applies
+(temperature, top-k, top-p) gives the same distribution from either.
+
+What a response determines, and so what stays exact:
+
+- greedy: the argmax of each row (N = 1);
+- sampling with ``1 <= top_k <= N``: the top-k logits of each row, and so the whole processed law.
+  Sessions are told the ``top`` a caller reads (:func:`dsi.models.base.extend_rows`) and ask the
+  engine for exactly that many; the other logits of a row are ``-inf``;
+- any other sampling needs the whole vocabulary (N = -1, which vLLM allows with
+  ``--max-logprobs -1``). Where the engine does not allow it, :meth:`EngineTarget.check_sampling`
+  refuses the request before it starts, naming what would make it exact. Nothing is approximated.
+
+``dsi serve`` also takes ``prompt_logprobs_from`` (the first position whose logprobs are wanted): it
+then computes only the rows asked for, on a slot whose KV cache is reused across requests. vLLM reads
+no prefix cache for a request with prompt logprobs, so every verification there recomputes its
+whole context (docs/engines.md).
+
+Checks at start (:meth:`EngineTarget.__init__`): each URL answers ``GET /v1/models``; a canary
+forward gives the engine's vocabulary size (the number of entries of a full row) and, with a local
+``reference`` model, its rows are compared with the local model's; a mismatch is refused.
+
+Faults. A connection refused or reset, a timeout, a 5xx, a malformed or inconsistent answer (wrong
+row count, another model) raises :class:`~dsi.errors.ServerLost`: the pool treats the server as
+dead (its task re-queued, the server restarted within its budget). A 4xx is this request's fault:
+a :class:`~dsi.errors.ModelError`, so the task fails. Cancellation closes the connection, which
+vLLM and ``dsi serve`` take as the client gone and abort the request.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from dsi.errors import ConfigError, ContextLengthError, ModelError, ServerLost, TaskCancelled
+from dsi.models.base import CancelFlag, LanguageModel
+
+log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 10.0
+READ_TIMEOUT_S = 600.0  # a single forward; a frozen engine is caught sooner by the pool's liveness deadline
+PROBE_TIMEOUT_S = 10.0  # a new session first asks the engine for its models, within this
+CANCEL_POLL_S = 0.01  # how often a waiting forward looks at its cancel flag (its answer wakes it at once)
+PLACEHOLDER = 0  # the token appended after the context so that its last position gets prompt logprobs
+TEXT_ATTRIBUTES = ("encode", "decode", "eos_token_ids")  # what an EngineTarget takes from its local reference
+CANARY_LENGTH = 8
+CANARY_TOLERANCE = 0.25  # nats: the most a canary logprob may differ from the local model's
+
+
+def check_url(url: object) -> str:
+    """``url`` as OpenAI clients take it (``http://host:port/v1``), normalised without a trailing slash."""
+    if not isinstance(url, str) or not url.strip():
+        raise ConfigError(f"target server URL {url!r} must be a non-empty string like http://127.0.0.1:8000/v1")
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"target server URL {url!r} must start with http:// or https:// and name a host "
+                          "(like http://127.0.0.1:8000/v1)")
+    try:
+        parts.port
+    except ValueError:
+        raise ConfigError(f"target server URL {url!r} has an invalid port") from None
+    path = parts.path.rstrip("/")
+    if not path.endswith("/v1"):
+        raise ConfigError(f"target server URL {url!r} must end in /v1, as OpenAI clients take it "
+                          f"(e.g. {parts.scheme}://{parts.netloc}{path}/v1)")
+    return f"{parts.scheme}://{parts.netloc}{path}"
+
+
+class Connection:
+    """One keep-alive HTTP connection to an engine, whose requests can be abandoned mid-flight.
+
+    The request runs on a thread of the connection's own, while the caller waits on it and on its
+    cancel flag; cancelling shuts the socket down (the engine sees the client gone) and raises
+    :class:`TaskCancelled`. Not for concurrent use: one session, one connection.
+    """
+
+    def __init__(self, url: str, connect_timeout: float = CONNECT_TIMEOUT_S, read_timeout: float = READ_TIMEOUT_S):
+        self.url = url
+        parts = urlsplit(url)
+        self._host, self._port, self._https = parts.hostname, parts.port, parts.scheme == "https"
+        self._base = parts.path
+        self._connect_timeout = connect_timeout
+        self._read_timeout = read_timeout
+        self._conn: http.client.HTTPConnection | None = None
+        self._io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dsi-engine-io")
+        self.requests = 0  # requests sent (tests and telemetry)
+        self._cancelling = False  # a cancel is shutting the socket: never retry then
+
+    def _connect(self) -> http.client.HTTPConnection:
+        if self._conn is None:
+            cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+            conn = cls(self._host, self._port, timeout=self._connect_timeout)
+            conn.connect()
+            conn.sock.settimeout(self._read_timeout)
+            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._conn = conn
+        return self._conn
+
+    def _send(self, method: str, path: str, body: bytes | None) -> tuple[int, bytes]:
+        reused = self._conn is not None
+        conn = self._connect()
+        headers = {"Content-Type": "application/json"} if body is not None else {}
+        try:
+            conn.request(method, self._base + path, body=body, headers=headers)
+            response = conn.getresponse()
+            data = response.read()
+        except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+            self._drop()
+            if not reused or self._cancelling:
+                raise
+            # a kept-alive connection the engine closed while idle (uvicorn does after 5 s): once more,
+            # on a new one; scoring a prompt changes nothing on the engine, so it is safe to repeat
+            return self._send(method, path, body)
+        except BaseException:
+            self._drop()
+            raise
+        if response.getheader("connection", "").lower() == "close":
+            self._drop()
+        return response.status, data
+
+    def _drop(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                if conn.sock is not None:
+                    conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            conn.close()
+
+    def request(self, method: str, path: str, payload: dict | None = None, cancel: CancelFlag | None = None) -> Any:
+        """The parsed JSON answer of ``method path``; see the module doc for what each fault raises."""
+        body = None if payload is None else json.dumps(payload).encode()
+        self.requests += 1
+        self._cancelling = False
+        future = self._io.submit(self._send, method, path, body)
+        while True:
+            try:
+                status, data = future.result(timeout=CANCEL_POLL_S if cancel is not None else None)
+                break
+            except concurrent.futures.TimeoutError:
+                if cancel is not None and cancel.is_set():
+                    self._cancelling = True
+                    conn = self._conn
+                    if conn is not None and conn.sock is not None:
+                        try:  # wake the blocked read; the I/O thread then drops the connection
+                            conn.sock.shutdown(socket.SHUT_RDWR)
+                        except OSError:
+                            pass
+                    concurrent.futures.wait([future], timeout=5.0)
+                    raise TaskCancelled() from None
+            except (OSError, http.client.HTTPException) as exc:
+                raise ServerLost(f"target server {self.url}: {type(exc).__name__}: {exc}") from exc
+        try:
+            answer = json.loads(data)
+        except ValueError:
+            raise ServerLost(f"target server {self.url} answered {status} with a body that is not JSON: "
+                             f"{data[:120]!r}") from None
+        if status >= 500:
+            raise ServerLost(f"target server {self.url} answered {status}: {_message(answer)}")
+        if status >= 400:
+            raise EngineRefused(status, f"target server {self.url} answered {status}: {_message(answer)}")
+        return answer
+
+    def close(self) -> None:
+        self._drop()
+        self._io.shutdown(wait=False)
+
+
+class EngineRefused(ModelError):
+    """An engine answered 4xx: this request's fault (too long, a limit of the engine), not the server's."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _message(answer: Any) -> str:
+    if isinstance(answer, dict):
+        error = answer.get("error", answer)
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])[:300]
+        if "detail" in answer:
+            return str(answer["detail"])[:300]
+    return json.dumps(answer)[:300]
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What one engine said about itself at start."""
+
+    url: str
+    model: str  # the served model name (sent with every request)
+    kind: str  # "dsi" (a dsi serve: takes prompt_logprobs_from) or "openai" (vLLM and others)
+    max_model_len: int | None
+    vocab_size: int | None  # entries of a full row; None where the engine allows no full row
+    full_rows: bool  # prompt_logprobs=-1 (the whole vocabulary) allowed
+    # top entries per row known to be allowed: None (the whole vocabulary), else 1 (the canary's); an
+    # engine's own lower limit shows when a request exceeds it (a 4xx: that request fails)
+    max_logprobs: int | None
+    canary_difference: float | None  # largest |logprob difference| against the local reference
+
+
+def parse_rows(answer: Any, url: str, model: str, context_length: int, first: int, count: int, vocab_size: int,
+               ) -> list[dict[int, float]]:
+    """Rows ``first .. first + count - 1`` of an answer's ``prompt_logprobs``: token id -> logprob.
+
+    Position p holds the distribution after the first p tokens of a prompt of ``context_length``
+    tokens. Anything inconsistent (another model, the wrong length, ids outside the vocabulary, a
+    value that is not a log-probability) is a :class:`ServerLost`."""
+    def lost(what: str) -> ServerLost:
+        return ServerLost(f"target server {url} answered inconsistently: {what}")
+
+    if not isinstance(answer, dict):
+        raise lost("the answer is not a JSON object")
+    if answer.get("model") not in (None, model):
+        raise lost(f"it served model {answer.get('model')!r}, not {model!r}")
+    choices = answer.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise lost("no choices")
+    rows = answer.get("prompt_logprobs", choices[0].get("prompt_logprobs"))
+    if rows is None:
+        rows = choices[0].get("prompt_logprobs")
+    if not isinstance(rows, list) or len(rows) != context_length:
+        got = len(rows) if isinstance(rows, list) else type(rows).__name__
+        raise lost(f"prompt_logprobs has {got} positions for a prompt of {context_length} tokens")
+    out = []
+    for p in range(first, first + count):
+        entry = rows[p]
+        if not isinstance(entry, dict) or not entry:
+            raise lost(f"prompt_logprobs[{p}] is {type(entry).__name__}, not a non-empty object")
+        row: dict[int, float] = {}
+        for key, value in entry.items():
+            try:
+                token = int(str(key).removeprefix("token_id:"))
+                logprob = float(value["logprob"] if isinstance(value, dict) else value)
+            except (TypeError, ValueError, KeyError):
+                raise lost(f"prompt_logprobs[{p}] holds {key!r}: {value!r}") from None
+            if not 0 <= token < vocab_size:
+                raise lost(f"prompt_logprobs[{p}] names token {token}, outside the vocabulary [0, {vocab_size})")
+            if np.isnan(logprob) or logprob > 1e-4:
+                raise lost(f"prompt_logprobs[{p}][{token}] = {logprob} is not a log-probability")
+            row[token] = logprob
+        out.append(row)
+    return out
+
+
+class EngineTarget:
+    """The target model as served by the engines at ``urls`` (see the module doc).
+
+    ``reference``: the local copy of the target (or None): its ``vocab_size`` is the vocabulary
+    the engines must serve and its rows are compared with a canary forward on each engine;
+    ``vocab_size`` is needed without one. ``model``: the served name to request (default: the first
+    one each engine lists).
+    """
+
+    deterministic = False  # an engine's rows depend on its own batching: nothing here can promise bits
+
+    def __init__(self, urls: Sequence[str], reference: LanguageModel | None = None, *, vocab_size: int | None = None,
+                 model: str | None = None, canary_tolerance: float = CANARY_TOLERANCE,
+                 connect_timeout: float = CONNECT_TIMEOUT_S, read_timeout: float = READ_TIMEOUT_S) -> None:
+        if isinstance(urls, str) or not urls:
+            raise ConfigError(f"target_servers={urls!r} must be a non-empty list of URLs like http://127.0.0.1:8000/v1")
+        self.urls = tuple(check_url(u) for u in urls)
+        if len(set(self.urls)) != len(self.urls):
+            raise ConfigError(f"target_servers={list(urls)!r} names one URL twice")
+        if reference is None and vocab_size is None:
+            raise ConfigError("EngineTarget needs the local target (reference=) or its vocab_size=")
+        self.reference = reference
+        self.vocab_size = int(reference.vocab_size if reference is not None else vocab_size)
+        self.tokenizer = getattr(reference, "tokenizer", None)
+        self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
+        self.canary_tolerance = canary_tolerance
+        self._model_name = model
+        self._next = 0
+        self._lock = threading.Lock()
+        self.engines = {url: self._describe(url) for url in self.urls}
+        lens = [e.max_model_len for e in self.engines.values() if e.max_model_len]
+        local = getattr(reference, "max_context", None)
+        # the placeholder and the one token each request generates take two positions of the engine's context
+        limits = [n - 2 for n in lens] + ([local] if isinstance(local, int) else [])
+        self.max_context = min(limits) if limits else None
+
+    def __getattr__(self, name: str) -> Any:
+        """The local reference's text side (``encode``, ``decode``, ``eos_token_ids``): the tokenizer stays local."""
+        if name in TEXT_ATTRIBUTES and self.__dict__.get("reference") is not None:
+            return getattr(self.__dict__["reference"], name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __repr__(self) -> str:  # also what method="auto" caches its choice under
+        served = ", ".join(f"{e.url} ({e.model})" for e in self.engines.values()) if hasattr(self, "engines") else ""
+        return f"EngineTarget({served or ', '.join(self.urls)}; reference {self.reference!r})"
+
+    # ---- start-up checks ---------------------------------------------------------------------
+    def _describe(self, url: str) -> EngineInfo:
+        conn = Connection(url, self.connect_timeout, self.read_timeout)
+        try:
+            try:
+                listing = conn.request("GET", "/models")
+            except (ServerLost, EngineRefused) as exc:
+                raise ConfigError(f"target server {url} cannot be used: {exc}") from None
+            cards = listing.get("data") if isinstance(listing, dict) else None
+            if not isinstance(cards, list) or not cards or not isinstance(cards[0], dict) or "id" not in cards[0]:
+                raise ConfigError(f"target server {url} lists no model at {url}/models (is it an OpenAI server?)")
+            names = [str(c.get("id")) for c in cards if isinstance(c, dict)]
+            name = self._model_name or names[0]
+            if name not in names:
+                raise ConfigError(f"target server {url} serves {names}, not {name!r}")
+            card = cards[names.index(name)]
+            kind = "dsi" if isinstance(card.get("dsi"), dict) else "openai"
+            max_len = card.get("max_model_len")
+            max_len = max_len if isinstance(max_len, int) and max_len > 2 else None
+            return self._canary(conn, url, name, kind, max_len)
+        finally:
+            conn.close()
+
+    def _canary(self, conn: Connection, url: str, name: str, kind: str, max_len: int | None) -> EngineInfo:
+        prompt = [int(t) for t in np.random.default_rng(0).integers(1, self.vocab_size, CANARY_LENGTH)]
+        full = True
+        try:
+            answer = conn.request("POST", "/completions", self._payload(name, prompt, -1, 1, kind))
+        except EngineRefused as exc:
+            full = False
+            log.info("target server %s gives no whole-vocabulary rows (%s); sampling then needs top_k", url, exc)
+            try:
+                answer = conn.request("POST", "/completions", self._payload(name, prompt, 1, 1, kind))
+            except (ServerLost, EngineRefused) as exc2:
+                raise ConfigError(f"target server {url} cannot score a prompt: {exc2}") from None
+        except ServerLost as exc:
+            raise ConfigError(f"target server {url} cannot be used: {exc}") from None
+        context = len(prompt) + 1
+        try:
+            rows = parse_rows(answer, url, name, context, 1, len(prompt), 1 << 62)
+        except ServerLost as exc:
+            raise ConfigError(f"target server {url} is not an engine dsi can verify with: {exc}") from None
+        vocab = len(rows[0]) if full else None
+        if full and any(len(r) != vocab for r in rows):
+            raise ConfigError(f"target server {url} gave rows of {sorted({len(r) for r in rows})} entries")
+        if vocab is not None and vocab != self.vocab_size:
+            raise ConfigError(f"target server {url} serves {name!r} with a vocabulary of {vocab} tokens; the local "
+                              f"target has {self.vocab_size}: it is another model")
+        seen = max(max(r) for r in rows)
+        if seen >= self.vocab_size:
+            raise ConfigError(f"target server {url} names token {seen}, outside the local target's vocabulary "
+                              f"of {self.vocab_size}: it is another model")
+        difference = None
+        if self.reference is not None:
+            session = self.reference.new_session()
+            try:
+                local = np.asarray(session.extend(prompt), np.float64)  # [len, V]
+            finally:
+                session.close()
+            local = local - np.logaddexp.reduce(local, axis=-1, keepdims=True)
+            difference = 0.0
+            for i, row in enumerate(rows):
+                ids = np.fromiter(row, np.int64)
+                values = np.fromiter(row.values(), np.float64)
+                difference = max(difference, float(np.abs(local[i, ids] - values).max()))
+                theirs, ours = int(ids[np.argmax(values)]), int(np.argmax(local[i]))
+                if theirs != ours and local[i, ours] - local[i, theirs] > self.canary_tolerance:  # not a near-tie
+                    raise ConfigError(f"target server {url}: {name!r} does not compute the local target's "
+                                      f"rows (canary position {i}: argmax {theirs}, the local target's {ours})")
+            if difference > self.canary_tolerance:
+                raise ConfigError(f"target server {url}: {name!r} does not compute the local target's rows (canary "
+                                  f"logprobs differ by up to {difference:.3g} nats, more than {self.canary_tolerance})")
+        return EngineInfo(url, name, kind, max_len, vocab, full, None if full else 1, difference)
+
+    @staticmethod
+    def _payload(name: str, context: Sequence[int], n: int, first: int, kind: str) -> dict:
+        payload = {"model": name, "prompt": [*context, PLACEHOLDER], "max_tokens": 1, "temperature": 0.0,
+                   "prompt_logprobs": n}
+        if kind == "dsi":
+            payload["prompt_logprobs_from"] = first
+        return payload
+
+    # ---- what the engines can serve exactly -----------------------------------------------------
+    def check_sampling(self, params: Any) -> None:
+        """Refuse a request whose processed law the engines' answers would not determine."""
+        if params.greedy:
+            return
+        partial = [e.url for e in self.engines.values() if not e.full_rows]
+        if partial and params.top_k == 0:
+            raise ConfigError(
+                f"sampling with top_k=0 over target server(s) {', '.join(partial)} is not exact: they return only "
+                "the top log-probabilities of a row. Set top_k (it then asks for exactly top_k of them), or start "
+                "them with --max-logprobs -1 (the whole vocabulary)")
+
+    # ---- sessions ------------------------------------------------------------------------------
+    def new_session(self, device: str | None = None) -> EngineSession:
+        """A session on the engine at ``device`` (a URL of :attr:`urls`), or on the next one in turn."""
+        if device is None:
+            with self._lock:
+                device, self._next = self.urls[self._next % len(self.urls)], self._next + 1
+        url = check_url(device)
+        if url not in self.engines:
+            raise ConfigError(f"{url} is not one of this target's servers ({', '.join(self.urls)})")
+        return EngineSession(self, self.engines[url])
+
+
+class EngineSession:
+    """One token sequence whose forwards run on one engine (the cache, if any, is the engine's)."""
+
+    takes_top = True  # extend_rows(top=k) asks the engine for each row's k largest logits only
+
+    def __init__(self, target: EngineTarget, engine: EngineInfo) -> None:
+        self._target = target
+        self.engine = engine
+        self._tokens: tuple[int, ...] = ()
+        probe = Connection(engine.url, target.connect_timeout, min(target.read_timeout, PROBE_TIMEOUT_S))
+        try:  # a server restarted by its pool must answer before it takes tasks (a dead one then stays down)
+            probe.request("GET", "/models")
+        except EngineRefused as exc:
+            raise ServerLost(str(exc)) from None
+        finally:
+            probe.close()
+        self._conn = Connection(engine.url, target.connect_timeout, target.read_timeout)
+        self.counters = {"engine_requests": 0}
+
+    def __repr__(self) -> str:
+        return f"EngineSession({self.engine.url}, {len(self._tokens)} tokens)"
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return self._tokens
+
+    def extend(self, tokens: Sequence[int], cancel: CancelFlag | None = None) -> np.ndarray:
+        return self.extend_rows(tokens, cancel, len(tokens), False)
+
+    def extend_rows(self, tokens: Sequence[int], cancel: CancelFlag | None, num_rows: int, greedy: bool,
+                    top: int | None = None) -> np.ndarray:
+        """The last ``num_rows`` rows of a forward of ``tokens`` (see :func:`dsi.models.base.extend_rows`):
+        argmax ids with ``greedy``; else logit rows holding the ``top`` largest logits (all with None)."""
+        context = self._tokens + tuple(int(t) for t in tokens)
+        limit = self._target.max_context
+        if limit is not None and len(context) > limit:
+            raise ContextLengthError(f"{len(context)} tokens exceed the context of {limit} tokens that target "
+                                     f"server {self.engine.url} leaves (its max_model_len minus 2)")
+        vocab = self._target.vocab_size
+        if greedy:
+            n = 1
+        elif top is not None and 1 <= top < vocab:
+            n = top  # an engine whose limit is lower refuses it (a 4xx: the task fails, naming the limit)
+        else:
+            if not self.engine.full_rows:
+                raise ModelError(f"target server {self.engine.url} gives no whole-vocabulary rows; this request "
+                                 "needs them (set top_k, or start it with --max-logprobs -1)")
+            n = -1
+        first = len(context) - num_rows + 1  # position p: the distribution after the first p tokens
+        payload = EngineTarget._payload(self.engine.model, context, n, first, self.engine.kind)
+        if cancel is not None and cancel.is_set():
+            raise TaskCancelled()
+        self.counters["engine_requests"] += 1
+        answer = self._conn.request("POST", "/completions", payload, cancel)
+        rows = parse_rows(answer, self.engine.url, self.engine.model, len(context) + 1, first, num_rows, vocab)
+        self._tokens = context
+        if greedy:
+            return np.array([_argmax(row) for row in rows], dtype=np.int64)
+        out = np.full((num_rows, vocab), -np.inf)
+        for i, row in enumerate(rows):
+            ids = np.fromiter(row, np.int64, len(row))
+            out[i, ids] = np.fromiter(row.values(), np.float64, len(row))
+            if n == -1 and len(row) != vocab:
+                raise ServerLost(f"target server {self.engine.url} answered inconsistently: a whole-vocabulary "
+                                 f"row of {len(row)} entries, not {vocab}")
+        return out
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= len(self._tokens):
+            raise ConfigError(f"truncate({length}) outside [0, {len(self._tokens)}]")
+        self._tokens = self._tokens[:length]
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+def _argmax(row: dict[int, float]) -> int:
+    """The most likely token of a row (the smallest id among equals, as ``np.argmax``)."""
+    best = max(row.values())
+    return min(t for t, v in row.items() if v == best)
+
+
+def wait_until_serving(url: str, timeout: float = 120.0, process: Any = None) -> None:
+    """Poll ``url``/models until the engine answers (for starting servers in scripts and tests);
+    ``process`` (a ``subprocess.Popen``): fail early if it exits."""
+    url = check_url(url)
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise ModelError(f"the server for {url} exited with {process.returncode} before serving")
+        conn = Connection(url, 2.0, 5.0)
+        try:
+            conn.request("GET", "/models")
+            return
+        except (ServerLost, ModelError) as exc:
+            last = str(exc)
+        finally:
+            conn.close()
+        time.sleep(0.25)
+    raise ModelError(f"{url} did not serve within {timeout:.0f} s ({last})")
+
+
+__all__ = ["EngineTarget", "EngineSession", "EngineInfo", "Connection", "check_url", "parse_rows",
+           "wait_until_serving"]

@@ -1,0 +1,102 @@
+"""Real inference engines on 127.0.0.1 for tests: ``dsi serve`` processes and vLLM servers.
+
+Each server runs in a process group of its own and is stopped by signalling the group, so nothing it
+started outlives the test. vLLM runs from the venv that ``packaging/vllm-venv.sh`` builds
+(``DSI_VLLM_VENV``, default ``.venv-vllm`` at the repository root); :func:`vllm_python` is None
+without it, and the vLLM tests skip with that reason.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EngineProcess:
+    """One server process; ``url`` is its OpenAI base URL (``http://127.0.0.1:PORT/v1``)."""
+
+    def __init__(self, argv: list[str], port: int, env: dict | None = None, timeout: float = 120.0) -> None:
+        from dsi.models.engines import wait_until_serving
+
+        self.url = f"http://127.0.0.1:{port}/v1"
+        self.port = port
+        self.log = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                                     start_new_session=True)
+        try:
+            wait_until_serving(self.url, timeout, self.proc)
+        except BaseException:
+            output = self.output()
+            self.stop()
+            raise AssertionError(f"{argv[:6]}... did not serve:\n{output[-4000:]}") from None
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.signal(signal.SIGCONT)
+            self.signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.signal(signal.SIGKILL)
+                self.proc.wait(10)
+        self.signal(signal.SIGKILL)  # anything the server left in its group
+        self.log.close()
+
+
+def start_dsi_serve(model_dir: str, *extra: str, name: str = "tiny") -> EngineProcess:
+    """``dsi serve --method ar`` on a tiny hf model (fp32, one thread), as a target server."""
+    port = free_port()
+    argv = [sys.executable, "-m", "dsi.cli.main", "serve", "--target", model_dir, "--method", "ar",
+            "--dtype", "fp32", "--threads", "1", "--port", str(port), "--served-model-name", name,
+            "--max-logprobs", "-1", *extra]
+    return EngineProcess(argv, port)
+
+
+def vllm_python() -> str | None:
+    venv = Path(os.environ.get("DSI_VLLM_VENV", ROOT / ".venv-vllm"))
+    python = venv / "bin" / "python"
+    return str(python) if python.exists() else None
+
+
+_cpu_lock = threading.Lock()
+_next_cpu = [0]
+
+
+def start_vllm(model_dir: str, name: str = "tiny", max_model_len: int = 256) -> EngineProcess:
+    """vLLM's OpenAI server on a tiny fp32 model, as the engines issue measured it on this machine."""
+    python = vllm_python()
+    assert python is not None, "no vllm venv (bash packaging/vllm-venv.sh)"
+    with _cpu_lock:
+        cpu = _next_cpu[0] % (os.cpu_count() or 1)
+        _next_cpu[0] += 1
+    port = free_port()
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name", name,
+            "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--max-logprobs", "-1",
+            "--enforce-eager", "--dtype", "float32", "--max-model-len", str(max_model_len)]
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(cpu), "VLLM_LOGGING_LEVEL": "WARNING"}
+    return EngineProcess(argv, port, env, timeout=300.0)

@@ -1,0 +1,433 @@
+"""Target servers that are inference engines over HTTP (:mod:`dsi.models.engines`): real ``dsi serve
+--method ar`` processes and real vLLM servers on 127.0.0.1, serving a tiny random fp32 Llama (head
+size 32, which vLLM's CPU attention supports).
+
+- greedy SI and DSI over the engines equal the local non-SI token for token (fixed k, event-driven
+  windows, SP 1-3, more servers than engines), and vLLM's own greedy output;
+- seeded sampling over the engines gives the tokens the same method gives locally (whole-vocabulary
+  rows, and top-k rows with only k entries), and the law rebuilt from a response is the local one;
+- a request the engines' answers would not determine is refused before it starts;
+- faults on real engines: one killed or stopped mid-request (the request completes, correct, on the
+  other), one that starts answering garbage, an unreachable URL, another model, every engine gone;
+  closing the decoder leaves no connection open.
+
+The vLLM tests need the venv of ``packaging/vllm-venv.sh`` (CI builds it) and are slow (a vLLM
+server takes about 40 s to start here); they skip with the reason when it is missing.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import signal
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("fastapi")
+
+import dsi  # noqa: E402
+from dsi.errors import ConfigError, WorkerError  # noqa: E402
+from dsi.models.engines import EngineTarget  # noqa: E402
+from dsi.sampling import SamplingParams, process_logits  # noqa: E402
+from tests.engine_servers import start_dsi_serve, start_vllm, vllm_python  # noqa: E402
+from tests.tiny_hf import make_model_dir  # noqa: E402
+
+pytestmark = pytest.mark.hf
+
+PROMPTS = ["def add(a, b):", "for i in range(10):\n", "The quick brown fox"]
+TOKENS = 24
+FAST_LIVENESS = {"floor_s": 2.0, "factor": 5.0, "unmeasured_s": 10.0}
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engines")
+    return {
+        "target": str(make_model_dir(root / "target", seed=0, layers=2, hidden=128)),
+        "drafter": str(make_model_dir(root / "drafter", seed=1, layers=1, hidden=64)),
+        "other": str(make_model_dir(root / "other", seed=7, layers=2, hidden=128)),  # same vocabulary, other weights
+    }
+
+
+@pytest.fixture(scope="module")
+def local(dirs):
+    from dsi.models.loading import load_model, load_pair
+
+    target, drafter = load_pair(dirs["target"], dirs["drafter"], dtype="fp32", progress=False, threads=1)
+    same = load_model(dirs["target"], role="drafter", dtype="fp32", progress=False, threads=1)  # accepts everything
+    return target, drafter, same
+
+
+@pytest.fixture(scope="module")
+def prompts(local):
+    return [local[0].encode(p) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def reference(local, prompts):
+    """The local non-SI greedy output of each prompt."""
+    target = local[0]
+    return [dsi.generate(target=target, prompt=p, method="ar", max_new_tokens=TOKENS).tokens for p in prompts]
+
+
+def start_all(starters):
+    """Start servers at once (each start mostly waits); return them in order."""
+    out, errors = [None] * len(starters), []
+
+    def run(i, start):
+        try:
+            out[i] = start()
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i, s)) for i, s in enumerate(starters)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        for server in out:
+            if server is not None:
+                server.stop()
+        raise errors[0]
+    return out
+
+
+@pytest.fixture(scope="module")
+def dsi_engines(dirs):
+    servers = start_all([lambda: start_dsi_serve(dirs["target"]) for _ in range(2)])
+    yield servers
+    for s in servers:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def vllm_engines(dirs):
+    if vllm_python() is None:
+        pytest.skip("no vLLM venv: bash packaging/vllm-venv.sh builds it (CI does)")
+    servers = start_all([lambda: start_vllm(dirs["target"]) for _ in range(2)])
+    yield servers
+    for s in servers:
+        s.stop()
+
+
+@pytest.fixture(scope="module", params=["dsi-serve", pytest.param("vllm", marks=pytest.mark.slow)])
+def engines(request):
+    return request.getfixturevalue("dsi_engines" if request.param == "dsi-serve" else "vllm_engines")
+
+
+CONFIGS = [
+    ("si", 3, None), ("dsi", 3, None), ("dsi", 3, 1), ("dsi", 2, 3), ("dsi", "auto", None), ("dsi", "auto", 3),
+]
+
+
+@pytest.mark.parametrize("method, k, sp", CONFIGS, ids=[f"{m}-k{k}-sp{sp}" for m, k, sp in CONFIGS])
+def test_greedy_over_engines_equals_local_non_si(engines, local, prompts, reference, method, k, sp):
+    target, drafter, same = local
+    urls = [e.url for e in engines]
+    for i, prompt in enumerate(prompts):
+        for draft in (drafter, same):  # rejections and preemptions; then every draft accepted
+            r = dsi.generate(target=target, drafter=draft, prompt=prompt, method=method, lookahead=k,
+                             num_target_servers=sp, max_new_tokens=TOKENS, target_servers=urls)
+            assert r.tokens == reference[i], (i, draft)
+    assert r.stats.accepted_tokens > 0
+
+
+@pytest.mark.slow
+def test_vllms_own_greedy_output_is_the_local_non_si(vllm_engines, prompts, reference):
+    for prompt, expected in zip(prompts, reference, strict=True):
+        body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": TOKENS, "temperature": 0,
+                           "return_token_ids": True, "ignore_eos": True}).encode()
+        request = urllib.request.Request(vllm_engines[0].url + "/completions", body,
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            answer = json.load(response)
+        assert answer["choices"][0]["token_ids"] == expected
+
+
+@pytest.mark.parametrize("top_k", [0, 5])
+@pytest.mark.parametrize("method, k", [("si", 3), ("dsi", "auto")])
+def test_seeded_sampling_over_engines_gives_the_local_tokens(engines, local, prompts, method, k, top_k):
+    target, drafter, _ = local
+    urls = [e.url for e in engines]
+    for seed in range(3):
+        params = SamplingParams(temperature=1.0, top_k=top_k, seed=seed)
+        kwargs = dict(target=target, drafter=drafter, prompt=prompts[seed], method=method, lookahead=k,
+                      max_new_tokens=TOKENS, sampling=params)
+        here = dsi.generate(num_target_servers=2, **kwargs)
+        there = dsi.generate(target_servers=urls, **kwargs)
+        assert there.tokens == here.tokens, seed
+
+
+def test_the_law_rebuilt_from_an_engines_rows_is_the_local_law(dsi_engines, local, prompts):
+    target = local[0]
+    engines = EngineTarget([dsi_engines[0].url], reference=target)
+    context = prompts[0] + prompts[1]
+    session = engines.new_session()
+    mine = target.new_session()
+    try:
+        local_rows = np.asarray(mine.extend(context), np.float64)[-4:]
+        for top, params in [(None, SamplingParams(temperature=0.7, top_p=0.9, seed=0)),
+                            (5, SamplingParams(temperature=1.3, top_k=5, seed=0))]:
+            session.truncate(0)
+            rows = session.extend_rows(context, None, 4, False, top=top)
+            if top is not None:
+                assert (np.isfinite(rows).sum(axis=1) <= top + 1).all()  # only what was asked travelled
+            for row, want in zip(rows, local_rows, strict=True):
+                np.testing.assert_allclose(process_logits(row, params), process_logits(want, params), atol=1e-6)
+    finally:
+        session.close()
+        mine.close()
+
+
+def test_sampling_an_engine_cannot_determine_is_refused_before_it_starts(dirs, local, prompts):
+    from dsi.server import ServeConfig, create_app
+    from tests.unit.server.conftest import running_server
+
+    target, drafter, _ = local
+    app = create_app(target, None, ServeConfig(method="ar", model_name="tiny"))  # vLLM's default: 20 logprobs
+    with running_server(app) as capped:
+        urls = [capped.url + "/v1"]
+        with pytest.raises(ConfigError, match=r"top_k=0 .* not exact.* top_k.*--max-logprobs -1"):
+            dsi.generate(target=target, drafter=drafter, prompt=prompts[0], method="dsi", max_new_tokens=4,
+                         sampling=SamplingParams(temperature=1.0, seed=0), target_servers=urls)
+        params = SamplingParams(temperature=1.0, top_k=4, seed=1)  # within its limit: exact
+        there = dsi.generate(target=target, drafter=drafter, prompt=prompts[0], method="dsi", max_new_tokens=12,
+                             sampling=params, target_servers=urls)
+        here = dsi.generate(target=target, drafter=drafter, prompt=prompts[0], method="dsi", max_new_tokens=12,
+                            sampling=params, num_target_servers=1)
+        assert there.tokens == here.tokens
+        # top_k over the engine's own limit: its 400 fails the request (a 4xx is the request's fault,
+        # not the server's), naming the engine and its answer
+        with pytest.raises(WorkerError, match=r"answered 400: prompt_logprobs=25: .* more than this server allows"):
+            dsi.generate(target=target, drafter=drafter, prompt=prompts[0], method="dsi", max_new_tokens=4,
+                         sampling=SamplingParams(temperature=1.0, top_k=25, seed=0), target_servers=urls)
+
+
+def test_an_unreachable_url_is_refused_at_start(local, dsi_engines):
+    from tests.engine_servers import free_port
+
+    target, drafter, _ = local
+    nobody = f"http://127.0.0.1:{free_port()}/v1"
+    with pytest.raises(ConfigError, match=f"target server {nobody} cannot be used"):
+        dsi.build_decoder(target=target, drafter=drafter, target_servers=[dsi_engines[0].url, nobody])
+    with pytest.raises(ConfigError, match="must end in /v1"):
+        dsi.build_decoder(target=target, drafter=drafter, target_servers=["http://127.0.0.1:8000"])
+
+
+@pytest.mark.slow
+def test_an_engine_serving_another_model_is_refused_at_start(dirs, local):
+    target, drafter, _ = local
+    other = start_dsi_serve(dirs["other"])
+    try:
+        with pytest.raises(ConfigError, match=f"target server {other.url}: 'tiny' does not compute the local"):
+            dsi.build_decoder(target=target, drafter=drafter, target_servers=[other.url])
+    finally:
+        other.stop()
+
+
+def connections_to(ports) -> list:
+    import psutil
+
+    return [c for c in psutil.Process().net_connections("tcp")
+            if c.raddr and c.raddr.port in ports and c.status == "ESTABLISHED"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_an_engine_lost_mid_request_leaves_the_request_correct_on_the_other(dirs, local, prompts, reference, fault):
+    target, drafter, _ = local
+    engines = start_all([lambda: start_dsi_serve(dirs["target"]) for _ in range(2)])
+    victim = engines[1]
+    done = threading.Event()
+
+    def strike(tokens):
+        if not done.is_set():
+            done.set()
+            victim.signal(signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+
+    try:
+        decoder = dsi.build_decoder(target=target, drafter=drafter, method="dsi", lookahead=2,
+                                    target_servers=[e.url for e in engines],
+                                    transport_options={"liveness": FAST_LIVENESS})
+        try:
+            start = time.monotonic()
+            result = decoder.generate(dsi.engine.api.make_request(prompts[0], TOKENS, SamplingParams(), None,
+                                                                  target.vocab_size), strike)
+            assert result.tokens == reference[0]
+            assert time.monotonic() - start < 60
+            assert done.is_set()
+            again = decoder.generate(dsi.engine.api.make_request(prompts[1], TOKENS, SamplingParams(), None,
+                                                                 target.vocab_size))
+            assert again.tokens == reference[1]  # the decoder serves on with the engine left
+        finally:
+            decoder.close()
+        assert connections_to({e.port for e in engines}) == []  # closing left no connection open
+    finally:
+        for e in engines:
+            e.stop()
+
+
+class GarbageAfter:
+    """A real engine behind a proxy that, after ``good`` completions, answers rows of the wrong length."""
+
+    def __init__(self, upstream: str, good: int) -> None:
+        self.upstream, self.good, self.answered = upstream, good, 0
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def _relay(self, method, body=None):
+                request = urllib.request.Request(proxy.upstream + self.path.removeprefix("/v1"), body,
+                                                 {"Content-Type": "application/json"}, method=method)
+                with urllib.request.urlopen(request, timeout=60) as response:
+                    return json.load(response)
+
+            def _send(self, answer):
+                data = json.dumps(answer).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._send(self._relay("GET"))
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                answer = self._relay("POST", body)
+                proxy.answered += 1
+                if proxy.answered > proxy.good:
+                    answer["choices"][0]["prompt_logprobs"] = answer["choices"][0]["prompt_logprobs"][:-1]
+                self._send(answer)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.slow
+def test_an_engine_that_starts_answering_garbage_is_dropped_and_the_output_stays_exact(
+        dsi_engines, local, prompts, reference):
+    target, _, same = local
+    liar = GarbageAfter(dsi_engines[1].url, good=1)  # only the canary is honest
+    try:  # the liar is server 0, which takes the first window (idle servers tie: the lowest id)
+        r = dsi.generate(target=target, drafter=same, prompt=prompts[2], method="dsi", lookahead=2,
+                         max_new_tokens=TOKENS, target_servers=[liar.url, dsi_engines[0].url])
+        assert r.tokens == reference[2]
+        assert liar.answered > liar.good  # it did lie, and was not believed
+    finally:
+        liar.close()
+
+
+@pytest.mark.slow
+def test_every_engine_gone_is_a_worker_error_naming_the_url(dirs, local, prompts):
+    target, drafter, _ = local
+    [engine] = start_all([lambda: start_dsi_serve(dirs["target"])])
+    try:
+        decoder = dsi.build_decoder(target=target, drafter=drafter, method="dsi", lookahead=2,
+                                    target_servers=[engine.url])
+        engine.stop()
+        try:
+            with pytest.raises(WorkerError, match=engine.url.replace(".", r"\.")):
+                decoder.generate(dsi.engine.api.make_request(prompts[0], 8, SamplingParams(), None,
+                                                             target.vocab_size))
+        finally:
+            decoder.close()
+    finally:
+        engine.stop()
+
+
+def test_dsi_serve_over_engines_serves_the_local_non_si_text(dsi_engines, local, prompts, reference):
+    import httpx
+
+    from dsi.server import ServeConfig, create_app
+    from tests.unit.server.conftest import running_server
+
+    target, drafter, _ = local
+    config = ServeConfig(method="dsi", lookahead=3, num_target_servers=2, model_name="front",
+                         target_servers=tuple(e.url for e in dsi_engines), temperature=0.0)
+    app = create_app(target, drafter, config)
+    with running_server(app) as front:
+        card = httpx.get(front.url + "/v1/models", timeout=10).json()["data"][0]
+        assert card["dsi"]["target_servers"] == [e.url for e in dsi_engines]
+        r = httpx.post(front.url + "/v1/completions", timeout=60,
+                       json={"model": "front", "prompt": prompts[0], "max_tokens": TOKENS, "temperature": 0})
+    assert r.status_code == 200, r.text
+    eos = set(target.eos_token_ids)
+    cut = next((i for i, t in enumerate(reference[0]) if t in eos), None)  # the server stops at EOS
+    expected = reference[0] if cut is None else reference[0][:cut]
+    assert r.json()["choices"][0]["text"] == target.decode(expected)
+    assert r.json()["choices"][0]["finish_reason"] == ("length" if cut is None else "stop")
+    assert r.json()["dsi"]["num_target_servers"] == 2
+
+
+def test_generate_cli_over_engines(dsi_engines, dirs, local, prompts, reference, capsys):
+    from dsi.cli.main import main
+
+    urls = ",".join(e.url for e in dsi_engines)
+    argv = ["generate", "--target", dirs["target"], "--drafter", dirs["drafter"], "--dtype", "fp32", "--threads", "1",
+            "--prompt", PROMPTS[1], "--max-new-tokens", str(TOKENS), "--method", "dsi", "-k", "3", "--json",
+            "--target-servers", urls]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["token_ids"] == reference[1] and out["stats"]["num_target_servers"] == 2
+    assert main([*argv, "--transport", "processes"]) == 2
+    assert "--target-servers with --transport processes" in capsys.readouterr().err
+    assert main([*argv, "--deterministic"]) == 2
+    assert "--target-servers with --deterministic" in capsys.readouterr().err
+
+
+def test_the_engine_process_log_is_clean(dsi_engines):
+    """No traceback in the engines' logs from anything above (a cancelled request is not an error)."""
+    for engine in dsi_engines:
+        assert "Traceback" not in engine.output()
+
+
+
+@pytest.mark.slow
+def test_selftest_over_engines_passes_against_the_local_law(dsi_engines, dirs, capsys):
+    """``dsi selftest --target-servers``: SI and DSI on the engines, greedy against the local non-SI and
+    sampling (chi-square) against the local target's exact two-token law."""
+    from dsi.cli.main import main
+
+    code = main(["selftest", "--target", dirs["target"], "--drafter", dirs["drafter"], "--dtype", "fp32",
+                 "--threads", "1", "--target-servers", ",".join(e.url for e in dsi_engines), "--positions", "1",
+                 "--samples", "150", "--max-new-tokens", "8", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0, report
+    names = [c["name"] for c in report["checks"]]
+    assert "greedy DSI == non-SI" in names and any("chi-square" in n for n in names)
+    assert all(c["passed"] for c in report["checks"])
+
+
+@pytest.mark.slow
+def test_a_connection_the_engine_closed_while_idle_is_reopened_not_taken_for_a_lost_server(dsi_engines, local):
+    """uvicorn closes a kept-alive connection after 5 idle seconds; the next verification must go out
+    on a new connection instead of killing the server (and charging its task a death)."""
+    target = local[0]
+    engines = EngineTarget([dsi_engines[0].url], reference=target)
+    session = engines.new_session()
+    try:
+        first = session.extend_rows([5, 6, 7, 8], None, 2, True)
+        time.sleep(6.0)
+        session.truncate(0)
+        again = session.extend_rows([5, 6, 7, 8], None, 2, True)
+        assert list(again) == list(first)
+    finally:
+        session.close()
