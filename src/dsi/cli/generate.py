@@ -104,6 +104,9 @@ def server_count(args: argparse.Namespace) -> int:
     if args.sp is not None:
         if args.sp < 1:
             raise ConfigError(f"--sp={args.sp} must be >= 1")
+        if args.sp > 1 and args.method in ("si", "ar"):
+            raise ConfigError(f"--sp={args.sp} sets DSI's target servers; --method {args.method} verifies on one "
+                              "target: drop --sp, or use --method dsi or auto")
         return args.sp
     urls = target_servers(args)
     if urls:
@@ -238,13 +241,28 @@ def _load(args: argparse.Namespace, need_drafter: bool, hf_default_dtype: str = 
     return load_model(args.target, role="target", **options), None
 
 
+def check_prompt_flags(args: argparse.Namespace) -> list[int] | None:
+    """``--prompt-ids`` as a list (None without it), refusing what would be silently ignored or
+    misread: ``--chat`` with ids (a template applies to text), an empty entry (``1,,2``)."""
+    if args.prompt_ids is None:
+        return None
+    if args.chat:
+        raise ConfigError("--chat applies a chat template to --prompt text; with --prompt-ids the ids are used "
+                          "as given: drop one of them")
+    parts = [t.strip() for t in args.prompt_ids.split(",")]
+    if parts and parts[-1] == "":
+        parts = parts[:-1]  # a trailing comma
+    if not parts or any(p == "" for p in parts):
+        raise ConfigError(f"--prompt-ids={args.prompt_ids!r} must be comma-separated integers, with none empty")
+    try:
+        return [int(t) for t in parts]
+    except ValueError:
+        raise ConfigError(f"--prompt-ids={args.prompt_ids!r} must be comma-separated integers") from None
+
+
 def _prompt_ids(args: argparse.Namespace, target) -> list[int]:
-    if args.prompt_ids is not None:
-        try:
-            return [int(t) for t in args.prompt_ids.split(",") if t.strip()]
-        except ValueError:
-            raise ConfigError(f"--prompt-ids={args.prompt_ids!r} must be comma-separated integers") from None
-    return target.encode(args.prompt, chat=args.chat)
+    ids = check_prompt_flags(args)
+    return ids if ids is not None else target.encode(args.prompt, chat=args.chat)
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -263,6 +281,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
         check_mode_sampling(args.vocab_mode, sampling)  # before loading anything
     urls = target_servers(args)
+    servers = server_count(args)
+    check_prompt_flags(args)
     target, drafter = _load(args, need_drafter=args.method != "ar")
     ids = _prompt_ids(args, target)
     target.check_length(len(ids), args.max_new_tokens)
@@ -276,7 +296,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
     decoder = dsi.build_decoder(
         target=target, drafter=drafter, method=args.method, lookahead=args.lookahead, max_window=args.max_window,
-        num_target_servers=server_count(args), transport=args.transport, transport_options=transport_options(args),
+        num_target_servers=servers, transport=args.transport, transport_options=transport_options(args),
         auto_options=auto_options(args, quiet=args.json), target_servers=urls,
     )
     if decoder.method == "ar" and drafter is not None:  # auto picked non-SI: decode with nothing else loaded
@@ -297,8 +317,12 @@ def run_generate(args: argparse.Namespace) -> int:
     else:
         print(",".join(map(str, result.tokens)))
     s = result.stats
-    print(f"[{s.method}] {s.new_tokens} tokens in {s.wall_time_s:.2f} s ({s.tokens_per_second:.1f} tok/s), "
-          f"acceptance {s.acceptance_rate:.2f}, preempted tasks {s.preempted_tasks}", file=sys.stderr)
+    summary = f"[{s.method}] {s.new_tokens} tokens in {s.wall_time_s:.2f} s ({s.tokens_per_second:.1f} tok/s)"
+    if s.method != "ar":  # non-SI drafts nothing: no acceptance to report
+        summary += f", acceptance {s.acceptance_rate:.2f}"
+    if s.method == "dsi":  # only DSI preempts
+        summary += f", preempted tasks {s.preempted_tasks}"
+    print(summary, file=sys.stderr)
     return 0
 
 
@@ -312,8 +336,10 @@ def run_demo(args: argparse.Namespace) -> int:
     plan = demo_plan(args)
     if not 1 <= plan.prompts <= len(CODE_PROMPTS):
         raise ConfigError(f"--prompts={plan.prompts} must be in [1, {len(CODE_PROMPTS)}]")
-    if (plan.dsi_lookahead or 1) < 1 or any(sp < 1 for sp in args.sp) or plan.tokens < 1 or args.repeats < 1:
-        raise ConfigError("--lookahead, --sp, --max-new-tokens and --repeats must be >= 1")
+    for flag, value in (("--lookahead", plan.dsi_lookahead or 1), *(("--sp", sp) for sp in args.sp),
+                        ("--max-new-tokens", plan.tokens), ("--repeats", args.repeats)):
+        if value < 1:
+            raise ConfigError(f"{flag}={value} must be >= 1")
     lookahead = plan.dsi_lookahead or FULL_DEMO.dsi_lookahead  # SI's k
     start = time.perf_counter()
     target, drafter = _load(args, need_drafter=True)

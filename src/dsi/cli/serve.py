@@ -121,12 +121,16 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"dsi serve needs the server extra: pip install 'dsi[server]' ({exc})") from exc
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port={args.port} must be in [0, 65535]")
-    if args.max_concurrent < 1 or args.max_queue < 0:
-        raise ConfigError(f"--max-concurrent={args.max_concurrent} must be >= 1 and --max-queue={args.max_queue} >= 0")
+    if args.max_concurrent < 1:
+        raise ConfigError(f"--max-concurrent={args.max_concurrent} must be >= 1")
+    if args.max_queue < 0:
+        raise ConfigError(f"--max-queue={args.max_queue} must be >= 0")
     if args.shutdown_timeout < 0:
         raise ConfigError(f"--shutdown-timeout={args.shutdown_timeout} must be >= 0")
     if args.max_body_bytes is not None and args.max_body_bytes < 1:
         raise ConfigError(f"--max-body-bytes={args.max_body_bytes} must be >= 1")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise ConfigError(f"--served-model-name={args.served_model_name!r} must name the model (clients send it)")
     limits = {} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}
     config = ServeConfig(
         method=args.method, lookahead=args.lookahead, max_window=args.max_window, num_target_servers=server_count(args),

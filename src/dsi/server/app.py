@@ -266,6 +266,8 @@ ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
 
 
 def _endpoint(path: str) -> str:
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{model}"  # one label for every id: a client cannot grow the metric's label set
     return path if path in ENDPOINTS else "other"
 
 
@@ -442,16 +444,29 @@ def create_app(
         count(request, 200)
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> JSONResponse:
-        authorize(request)
-        card = ModelCard(id=config.model_name, created=state.created, max_model_len=state.max_context, dsi={
+    def model_card() -> ModelCard:
+        return ModelCard(id=config.model_name, created=state.created, max_model_len=state.max_context, dsi={
             "method": config.method, "lookahead": config.lookahead, "num_target_servers": config.num_target_servers,
             "transport": config.transport, "max_concurrent": config.max_concurrent,
             **({"target_servers": list(config.target_servers)} if config.target_servers else {}),
         })
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        authorize(request)
+        card = model_card()
         count(request, 200)
         return JSONResponse(dump(ModelList(data=[card])))
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> JSONResponse:
+        """One model card, as OpenAI's ``GET /v1/models/{model}`` (the openai client's ``models.retrieve``)."""
+        authorize(request)
+        if model_id != config.model_name:
+            raise APIError(404, f"the model {model_id!r} does not exist; this server serves {config.model_name!r}",
+                           param="model", code="model_not_found")
+        count(request, 200)
+        return JSONResponse(dump(model_card()))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

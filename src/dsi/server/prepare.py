@@ -150,6 +150,10 @@ class Preparer:
         if max_tokens is None:
             return APIError(400, f"the prompt of {has} fills the model's context of {ctx} tokens",
                             param=prompt_param, code="context_length_exceeded")
+        if count >= ctx:  # the prompt alone leaves no room: it is what to change, whatever max_tokens is
+            return APIError(400, f"the prompt of {has} alone fills the model's context of {ctx} tokens "
+                                 f"({param}={max_tokens} asked for more); shorten the prompt",
+                            param=prompt_param, code="context_length_exceeded")
         return APIError(400, f"the prompt of {has} + {param}={max_tokens} exceeds the model's context of "
                              f"{ctx} tokens; shorten the prompt or lower {param}",
                         param=param, code="context_length_exceeded")

@@ -35,8 +35,8 @@ def test_generate_json_matches_transformers_greedy(pair_dirs, capsys, method, lo
 
     target, drafter = pair_dirs
     doc = run_json(capsys, ["generate", "--target", target, "--drafter", drafter, "--prompt", "def add(a, b):",
-                            "--method", method, "--max-new-tokens", "12", "--dtype", "fp32", "--sp", "2",
-                            "--lookahead", lookahead, "--json"])
+                            "--method", method, "--max-new-tokens", "12", "--dtype", "fp32",
+                            *(["--sp", "2"] if method == "dsi" else []), "--lookahead", lookahead, "--json"])
     model = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     tok = transformers.AutoTokenizer.from_pretrained(target)
     ids = tok("def add(a, b):", return_tensors="pt").input_ids
@@ -62,13 +62,15 @@ def test_generate_streams_text_and_accepts_prompt_ids(pair_dirs, capsys):
     captured = capsys.readouterr()
     assert code == 0
     assert captured.out.rstrip("\n") == doc["text"]  # streamed text equals the final decode
-    assert "acceptance" in captured.err
+    assert f"[{doc['stats']['method']}] 8 tokens in" in captured.err
 
 
 def test_generate_sampling_is_seeded(pair_dirs, capsys):
     target, drafter = pair_dirs
+    # DSI named: a seed gives the same tokens for any SP within one method (auto could pick another
+    # method for another SP, and methods draw their uniforms differently, by design)
     argv = ["generate", "--target", target, "--drafter", drafter, "--prompt", "hello", "--max-new-tokens", "10",
-            "--dtype", "fp32", "--temperature", "1.0", "--json"]
+            "--dtype", "fp32", "--temperature", "1.0", "--method", "dsi", "--json"]
     a = run_json(capsys, argv + ["--seed", "1"])
     b = run_json(capsys, argv + ["--seed", "1", "--sp", "3"])
     c = run_json(capsys, argv + ["--seed", "2"])
@@ -229,3 +231,54 @@ def test_generate_deterministic_makes_every_method_equal_non_si_in_bf16(pair_dir
     assert all(r["deterministic"] is True for r in runs)
     assert runs[1]["token_ids"] == runs[0]["token_ids"] == runs[2]["token_ids"]
     assert run_json(capsys, base + ["--no-deterministic", "--method", "ar"])["deterministic"] is False
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["demo", "--sp", "1", "0"], "--sp=0 must be >= 1"),
+    (["demo", "--repeats", "0"], "--repeats=0 must be >= 1"),
+    (["serve", "--max-queue", "-1"], "--max-queue=-1 must be >= 0"),
+    (["serve", "--max-concurrent", "0"], "--max-concurrent=0 must be >= 1"),
+])
+def test_a_bad_number_is_named_alone_before_anything_loads(capsys, argv, message):
+    code = main([*argv, "--target", "/nonexistent/never-loaded", "--drafter", "/nonexistent/never-loaded"])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err, err
+    assert "never-loaded" not in err  # refused before any model was looked at
+    if "--max-queue" in argv:
+        assert "--max-concurrent" not in err  # a valid value is not blamed
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--prompt-ids", "1,2", "--chat"], "--chat applies a chat template to --prompt text"),
+    (["generate", "--prompt-ids", "1,,2"], "--prompt-ids='1,,2' must be comma-separated integers, with none empty"),
+    (["generate", "--prompt-ids", ","], "with none empty"),
+    (["generate", "--prompt", "x", "--method", "si", "--sp", "4"], "--sp=4 sets DSI's target servers; --method si"),
+    (["serve", "--method", "ar", "--sp", "2"], "--sp=2 sets DSI's target servers; --method ar"),
+    (["serve", "--served-model-name", " "], "--served-model-name=' ' must name the model"),
+])
+def test_flags_that_would_be_ignored_or_misread_are_refused(capsys, argv, message):
+    code = main([*argv, "--target", "/nonexistent/never-loaded", "--drafter", "/nonexistent/never-loaded"])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err, err
+
+
+def test_prompt_ids_with_a_trailing_comma_are_read(pair_dirs, capsys):
+    target, drafter = pair_dirs
+    code = main(["generate", "--target", target, "--drafter", drafter, "--dtype", "fp32", "--method", "ar",
+                 "--prompt-ids", "5,6,7,", "--max-new-tokens", "2", "--json"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    import json
+
+    assert json.loads(out.out)["prompt_tokens"] == 3
+
+
+def test_the_summary_line_reports_only_what_the_method_has(pair_dirs, capsys):
+    target, drafter = pair_dirs
+    for method, has_acceptance, has_preemption in (("ar", False, False), ("si", True, False), ("dsi", True, True)):
+        code = main(["generate", "--target", target, "--drafter", drafter, "--dtype", "fp32", "--method", method,
+                     "--prompt", "def add(a, b):", "--max-new-tokens", "3"])
+        err = capsys.readouterr().err
+        assert code == 0
+        line = next(x for x in err.splitlines() if x.startswith(f"[{method}]"))
+        assert ("acceptance" in line) == has_acceptance and ("preempted" in line) == has_preemption, line

@@ -415,3 +415,17 @@ def test_an_unexpected_error_is_a_500_without_its_message(tiny_tokenizer, caplog
         assert "/home/alice" not in r.text and "Traceback" not in r.text
         assert any("/home/alice" in (rec.exc_text or "") for rec in caplog.records)  # logged, not answered
         assert httpx.get(running.url + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("path, prompt_param", [("/v1/completions", "prompt"), (CHAT, "messages")])
+def test_a_prompt_too_long_by_itself_names_the_prompt_and_one_that_only_needs_fewer_tokens_names_max_tokens(
+        server, tiny_tokenizer, path, prompt_param):
+    def body(text, max_tokens):
+        key = {"prompt": text} if path != CHAT else {"messages": [{"role": "user", "content": text}]}
+        return {**key, "max_tokens": max_tokens}
+
+    alone = assert_openai_error(post(server.url, path, json=body("x " * 400, 4)), 400)  # > 256 by itself
+    assert alone["param"] == prompt_param and "alone fills the model's context of 256" in alone["message"]
+    ids = len(tiny_tokenizer.encode("word " * 40))
+    together = assert_openai_error(post(server.url, path, json=body("word " * 40, 256 - ids + 8)), 400)
+    assert together["param"] == "max_tokens" and "lower max_tokens" in together["message"]

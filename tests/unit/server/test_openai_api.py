@@ -322,3 +322,15 @@ def test_a_server_not_given_the_drafter_keeps_it_alive_for_its_owner(tiny_pair, 
     app = create_app(target, drafter, ServeConfig(method="auto", model_name="tiny"))
     with running_server(app):
         assert app.state.dsi.drafter is None
+
+
+def test_models_retrieve_answers_the_served_model_and_404_for_another(server, client):
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.max_model_len == 256 and card.dsi["method"] == "dsi"
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("gpt-4o")
+    assert info.value.body["code"] == "model_not_found" and "'gpt-4o' does not exist" in info.value.body["message"]
+    r = httpx.get(server[0] + "/v1/models/" + MODEL)  # behind the API key like the listing
+    assert r.status_code == 401
+    counted = metrics(server[0])
+    assert counted[("dsi_requests_total", (("endpoint", "/v1/models/{model}"), ("status", "200")))] >= 1
