@@ -24,7 +24,7 @@ def add_backend_args(g: argparse._ArgumentGroup | argparse.ArgumentParser, threa
                    help="weights dtype of the hf backend (default bf16); llama.cpp runs the GGUF's own weights, so "
                         "setting it makes --backend auto pick hf")
     g.add_argument("--device", default=None,
-                   help="device of the drafter and of the target: cpu (default), cuda or cuda:N (hf only; "
+                   help="device of the models the command loads: cpu (default), cuda or cuda:N (hf only; "
                         "asking for cuda makes --backend auto pick hf)")
     g.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
                    help="compute every token in a forward of its own, so that outputs depend on the tokens alone "

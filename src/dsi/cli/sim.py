@@ -488,8 +488,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     i, b = plan.inputs, plan.best
     print(
-        f"target {i.target_tpot_ms} ms/token (TTFT {i.target_ttft_ms} ms), drafter {i.drafter_tpot_ms} ms/token "
-        f"(TTFT {i.drafter_ttft_ms} ms), acceptance {i.acceptance}"
+        f"target {i.target_tpot_ms:.2f} ms/token (TTFT {i.target_ttft_ms:.2f} ms), drafter {i.drafter_tpot_ms:.2f} "
+        f"ms/token (TTFT {i.drafter_ttft_ms:.2f} ms), acceptance {i.acceptance:.3f}"
     )
     print(f"Equation 1 with {plan.max_servers} servers: lookahead >= {plan.min_lookahead_for_budget} avoids queueing")
     print(

@@ -127,3 +127,15 @@ def test_help(capsys, command):
         main([command, "--help"])
     assert info.value.code == 0
     assert "--json" in capsys.readouterr().out
+
+
+def test_plan_prints_measured_latencies_rounded(capsys, tmp_path):
+    t = tmp_path / "t.json"
+    d = tmp_path / "d.json"
+    t.write_text(json.dumps({"kind": "latency", "model": "big", "ttft_ms": 150.38420399969255,
+                             "tpot_ms": 53.49047520003296}))
+    d.write_text(json.dumps({"kind": "latency", "model": "small", "ttft_ms": 9.123456789, "tpot_ms": 5.987654321}))
+    assert main(["plan", "--from", str(t), "--from", str(d), "--acceptance", "0.8", "--max-servers", "2",
+                 "--max-lookahead", "3", "--tokens", "20", "--repeats", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "target 53.49 ms/token (TTFT 150.38 ms), drafter 5.99 ms/token (TTFT 9.12 ms)" in out, out
