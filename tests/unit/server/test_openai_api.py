@@ -80,7 +80,7 @@ def test_models_and_health(server, client):
 def test_completion_greedy_equals_dsi_generate(client, capsys, tiny_dirs, stream):
     prompt = "def fibonacci(n):"
     ref = generate_json(capsys, tiny_dirs, "--prompt", prompt, "--max-new-tokens", "12")
-    ar = generate_json(capsys, tiny_dirs, "--prompt", prompt, "--max-new-tokens", "12", "--method", "ar")
+    ar = generate_json(capsys, tiny_dirs, "--prompt", prompt, "--max-new-tokens", "12", "--method", "ar", "--sp", "1")
     assert ar["token_ids"] == ref["token_ids"]  # lossless: DSI is the target's own greedy output
     kwargs = dict(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
     if not stream:
