@@ -131,7 +131,8 @@ def percentile(values: list[float], q: float) -> float:
 
 def run_method(method: str, args: argparse.Namespace, target: str, drafter: str) -> dict:
     argv = ["--target", target, "--drafter", drafter, "--dtype", args.dtype, "--method", method,
-            "--lookahead", str(args.lookahead), "--sp", str(args.sp), "--max-concurrent", str(args.max_concurrent),
+            "--lookahead", str(args.lookahead), "--sp", str(args.sp if method == "dsi" else 1),
+            "--max-concurrent", str(args.max_concurrent),
             "--max-queue", str(args.clients * args.requests + 8), "--temperature", "0"]
     threads = args.ar_threads if method == "ar" and args.ar_threads is not None else args.threads
     if threads:
