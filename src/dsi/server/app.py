@@ -25,6 +25,7 @@ import contextlib
 import hmac
 import json
 import logging
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -160,6 +161,9 @@ class ServerState:
         self.scheduler = Scheduler(slots, self.config.max_queue, on_change)
         self._prepare_pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="dsi-serve-prepare")
         self.metrics.slots.set(len(slots))
+        if self.choice is not None:  # the banner said "auto": say what it picked, where the banner went
+            print(f"dsi serve: method auto picked {self.choice.label}: {self.choice.reason}", file=sys.stderr,
+                  flush=True)
         log.info("dsi serve: %d engine slot(s) ready (%s)", len(slots), self.config.method)
 
     def drain(self) -> None:
@@ -434,7 +438,8 @@ def create_app(
         status = 200 if ok else 503
         count(request, status)
         return JSONResponse({  # the served name only: never a local path (this endpoint is open)
-            "status": "ok" if ok else "unavailable", "model": config.model_name, "method": config.method,
+            "status": "ok" if ok else "unavailable", "model": config.model_name,
+            "method": running_method()["method"],
             "slots": len(sched.slots) if sched else 0, "running": sched.running if sched else 0,
             "queued": sched.queued if sched else 0, "preparing": state.preparing,
         }, status_code=status)
@@ -444,10 +449,19 @@ def create_app(
         count(request, 200)
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    def running_method() -> dict:
+        """What the slots run: the configured method, or once ``method="auto"`` has chosen, its pick."""
+        choice = state.choice
+        if choice is None:
+            return {"method": config.method, "lookahead": config.lookahead,
+                    "num_target_servers": config.num_target_servers}
+        return {"method": choice.method, "lookahead": None if choice.method == "ar" else choice.lookahead,
+                "num_target_servers": choice.num_target_servers if choice.method == "dsi" else 1,
+                "auto": {"picked": choice.label, "reason": choice.reason}}
+
     def model_card() -> ModelCard:
         return ModelCard(id=config.model_name, created=state.created, max_model_len=state.max_context, dsi={
-            "method": config.method, "lookahead": config.lookahead, "num_target_servers": config.num_target_servers,
-            "transport": config.transport, "max_concurrent": config.max_concurrent,
+            **running_method(), "transport": config.transport, "max_concurrent": config.max_concurrent,
             **({"target_servers": list(config.target_servers)} if config.target_servers else {}),
         })
 

@@ -58,6 +58,11 @@ def test_serve_process_binds_loopback_serves_and_exits_cleanly_on_sigterm(tiny_d
         picked = r.dsi["auto"]["picked"]
         assert r.dsi["method"] == {"non-SI": "ar", "SI": "si", "DSI": "dsi"}[picked.split()[0]]
         assert r.dsi["auto"]["reason"].startswith(picked)
+        # and so do /v1/models, /health and the start-up output: what runs, not "auto"
+        card = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["dsi"]
+        assert card["method"] == r.dsi["method"] and card["auto"]["picked"] == picked
+        assert httpx.get(url + "/health", timeout=10).json()["method"] == r.dsi["method"]
+        assert any(f"method auto picked {picked}" in line for line in lines), "".join(lines)
         stream = client.completions.create(model="tiny", prompt="x", max_tokens=200, temperature=0, stream=True)
         next(iter(stream))  # a request in flight at shutdown
         proc.send_signal(signal.SIGTERM)
