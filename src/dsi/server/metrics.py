@@ -58,6 +58,9 @@ class ServerMetrics:
         self.generated_tokens = Counter("dsi_generated_tokens", "Tokens generated (committed)", registry=r)
         self.drafted = Counter("dsi_drafted_tokens", "Draft tokens proposed by the drafter", registry=r)
         self.accepted = Counter("dsi_accepted_tokens", "Draft tokens accepted by the target", registry=r)
+        # drafts the target decided (accepted + rejected); drafts never decided (after a rejection, or when
+        # the request ended) are not in it. accepted / decided is the acceptance rate of every response
+        self.decided = Counter("dsi_decided_drafts", "Draft tokens the target accepted or rejected", registry=r)
         self.verify_tasks = Counter("dsi_verify_tasks", "Verification tasks sent to target servers", registry=r)
         self.preempted = Counter("dsi_preempted_tasks", "Verification tasks preempted by a rejection", registry=r)
         self.cancelled = Counter("dsi_cancelled_tasks", "Verification tasks cancelled when their generation ended",
@@ -79,6 +82,7 @@ class ServerMetrics:
         self.generated_tokens.inc(completion_tokens)
         self.drafted.inc(stats.drafted_tokens)
         self.accepted.inc(stats.accepted_tokens)
+        self.decided.inc(stats.accepted_tokens + stats.rejections)
         self.verify_tasks.inc(stats.verify_tasks)
         self.preempted.inc(stats.preempted_tasks)
         self.cancelled.inc(stats.cancelled_tasks)

@@ -334,3 +334,26 @@ def test_models_retrieve_answers_the_served_model_and_404_for_another(server, cl
     assert r.status_code == 401
     counted = metrics(server[0])
     assert counted[("dsi_requests_total", (("endpoint", "/v1/models/{model}"), ("status", "200")))] >= 1
+
+
+def test_the_documented_acceptance_rate_query_gives_the_responses_rate(server, client):
+    """docs/serving.md: rate(dsi_accepted_tokens_total) / rate(dsi_decided_drafts_total) is the acceptance
+    rate, the same figure as each response's acceptance_rate (accepted / (accepted + rejections)); the
+    ratio to drafted tokens is not (drafts made past a rejection are never decided)."""
+    url, _ = server
+    before = metrics(url)
+    infos = [client.completions.create(model=MODEL, prompt=p, max_tokens=14, temperature=0).dsi
+             for p in ("print(i)", "def add(a, b):", "The quick brown fox")]
+    after = metrics(url)
+
+    def delta(name):
+        return after.get((name, ()), 0.0) - before.get((name, ()), 0.0)
+
+    accepted = sum(i["accepted_tokens"] for i in infos)
+    decided = sum(i["accepted_tokens"] + i["rejections"] for i in infos)
+    assert delta("dsi_accepted_tokens_total") == accepted and delta("dsi_decided_drafts_total") == decided > 0
+    rates = [i["acceptance_rate"] for i in infos]
+    query = delta("dsi_accepted_tokens_total") / delta("dsi_decided_drafts_total")
+    weights = [i["accepted_tokens"] + i["rejections"] for i in infos]
+    assert query == pytest.approx(sum(r * w for r, w in zip(rates, weights, strict=True)) / sum(weights))
+    assert delta("dsi_drafted_tokens_total") >= decided  # the other ratio counts undecided drafts too
