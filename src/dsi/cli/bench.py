@@ -69,6 +69,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--tokens={args.tokens} must be >= 2")
     if args.repeats < 1:
         raise ConfigError(f"--repeats={args.repeats} must be >= 1")
+    from dsi.cli.output import check_output_file
+
+    check_output_file(args.out)  # before running, not after
     if args.windows:
         return run_windows(args)
     unknown = [n for n in args.scenario or [] if n not in SCENARIOS]

@@ -336,6 +336,10 @@ def _check_common(args: argparse.Namespace) -> None:
         raise ConfigError(f"--max-new-tokens={args.max_new_tokens} must be >= 2")
     if args.threads is not None and args.threads < 1:
         raise ConfigError(f"--threads={args.threads} must be >= 1")
+    from dsi.cli.output import check_output_file
+
+    check_output_file(args.out)  # before measuring, not after
+    load_prompts(args.prompts)  # a missing or unreadable prompt file too
 
 
 def _setup_threads(threads: int | None, backend: str) -> int | None:

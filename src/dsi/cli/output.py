@@ -3,11 +3,41 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
+
+from dsi.errors import ConfigError
+
+
+def check_output_file(path: str | None, flag: str = "--out") -> None:
+    """Refuse, before any work, an output file that could not be written: a directory, or a file in
+    a folder that does not exist or is not writable. None: no file asked for."""
+    if path is None:
+        return
+    target = Path(path).expanduser()
+    if target.is_dir():
+        raise ConfigError(f"{flag}={path!r} is a directory; give a file name")
+    folder = target.parent
+    if not folder.is_dir():
+        raise ConfigError(f"{flag}={path!r}: the folder {str(folder)!r} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise ConfigError(f"{flag}={path!r} is not writable")
+
+
+def check_input_file(path: str, flag: str) -> None:
+    """Refuse, before any work, an input file that cannot be read: missing, a directory, unreadable."""
+    source = Path(path).expanduser()
+    if not source.exists():
+        raise ConfigError(f"{flag}={path!r} does not exist")
+    if not source.is_file():
+        raise ConfigError(f"{flag}={path!r} is not a file")
+    if not os.access(source, os.R_OK):
+        raise ConfigError(f"{flag}={path!r} is not readable")
 
 
 def _default(obj: Any) -> Any:

@@ -60,7 +60,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_selftest_command(args: argparse.Namespace) -> int:
-    from dsi.cli.output import format_table, print_json
+    from dsi.cli.output import check_input_file, format_table, print_json
     from dsi.evaluate.selftest import SelftestConfig, read_prompts, run_selftest
 
     config = SelftestConfig(
@@ -69,6 +69,8 @@ def run_selftest_command(args: argparse.Namespace) -> int:
         temperature=args.temperature, top_k=args.top_k, alpha=args.alpha, seed=args.seed,
         target_servers=tuple(urls) if (urls := target_servers(args)) else None,
     )
+    if args.prompts:
+        check_input_file(args.prompts, "--prompts")
     texts = read_prompts(args.prompts) if args.prompts else list(DEFAULT_PROMPTS)
     if not texts:
         raise ConfigError(f"--prompts={args.prompts!r} holds no prompt")

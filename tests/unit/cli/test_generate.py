@@ -282,3 +282,26 @@ def test_the_summary_line_reports_only_what_the_method_has(pair_dirs, capsys):
         assert code == 0
         line = next(x for x in err.splitlines() if x.startswith(f"[{method}]"))
         assert ("acceptance" in line) == has_acceptance and ("preempted" in line) == has_preemption, line
+
+
+@pytest.mark.parametrize("make_argv, message", [
+    (lambda d: ["selftest", "--prompts", str(d / "missing.txt")], "--prompts='{d}/missing.txt' does not exist"),
+    (lambda d: ["selftest", "--prompts", str(d)], "--prompts='{d}' is not a file"),
+    (lambda d: ["measure", "latency", "--model", "/nonexistent/m", "--out", str(d / "no" / "x.json")],
+     "the folder '{d}/no' does not exist"),
+    (lambda d: ["measure", "acceptance", "--target", "/nonexistent/t", "--drafter", "/nonexistent/d",
+                "--out", str(d)], "--out='{d}' is a directory"),
+    (lambda d: ["measure", "latency", "--model", "/nonexistent/m", "--prompts", str(d / "p.txt")],
+     "neither a built-in set"),
+    (lambda d: ["bench", "--scenario", "default", "--tokens", "5", "--repeats", "1", "--out", str(d / "no" / "x.json")],
+     "the folder '{d}/no' does not exist"),
+])
+def test_bad_paths_exit_2_with_one_line_before_any_work(capsys, tmp_path, make_argv, message):
+    argv = make_argv(tmp_path)
+    if argv[0] == "selftest":
+        argv += ["--target", "/nonexistent/never-loaded", "--drafter", "/nonexistent/never-loaded"]
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert message.format(d=tmp_path) in err and "Traceback" not in err, err
+    assert "never-loaded" not in err and "/nonexistent/m" not in err  # before any model was looked at
