@@ -134,6 +134,22 @@ def transport_options(args: argparse.Namespace) -> dict:
         devices = [d.strip() for d in args.target_devices.split(",") if d.strip()]
         if not devices:
             raise ConfigError(f"--target-devices={args.target_devices!r} names no device")
+        method = getattr(args, "method", "dsi")
+        if method in ("si", "ar"):
+            raise ConfigError(f"--target-devices places DSI's target servers; --method {method} runs one target: "
+                              "use --device, or --method dsi or auto")
+        if getattr(args, "backend", "auto") == "llama.cpp":  # the backend check names that conflict itself
+            options["devices"] = devices
+            return options
+        try:
+            from dsi.models.hf import check_device
+        except ImportError as exc:
+            raise ConfigError(f"--target-devices needs the hf backend: pip install 'dsi[hf]' ({exc})") from None
+        for device in devices:  # before anything loads or starts: a wrong one fails here, once
+            try:
+                check_device(device)
+            except ConfigError as exc:
+                raise ConfigError(f"--target-devices={args.target_devices!r}: {exc}") from None
         options["devices"] = devices
     return options
 
@@ -282,6 +298,7 @@ def run_generate(args: argparse.Namespace) -> int:
         check_mode_sampling(args.vocab_mode, sampling)  # before loading anything
     urls = target_servers(args)
     servers = server_count(args)
+    placement = transport_options(args)
     check_prompt_flags(args)
     target, drafter = _load(args, need_drafter=args.method != "ar")
     ids = _prompt_ids(args, target)
@@ -296,7 +313,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
     decoder = dsi.build_decoder(
         target=target, drafter=drafter, method=args.method, lookahead=args.lookahead, max_window=args.max_window,
-        num_target_servers=servers, transport=args.transport, transport_options=transport_options(args),
+        num_target_servers=servers, transport=args.transport, transport_options=placement,
         auto_options=auto_options(args, quiet=args.json), target_servers=urls,
     )
     if decoder.method == "ar" and drafter is not None:  # auto picked non-SI: decode with nothing else loaded
@@ -341,6 +358,7 @@ def run_demo(args: argparse.Namespace) -> int:
         if value < 1:
             raise ConfigError(f"{flag}={value} must be >= 1")
     lookahead = plan.dsi_lookahead or FULL_DEMO.dsi_lookahead  # SI's k
+    transport_options(args)  # --target-devices checked before anything loads
     start = time.perf_counter()
     target, drafter = _load(args, need_drafter=True)
     load_s = time.perf_counter() - start

@@ -305,3 +305,18 @@ def test_bad_paths_exit_2_with_one_line_before_any_work(capsys, tmp_path, make_a
     assert code == 2, err
     assert message.format(d=tmp_path) in err and "Traceback" not in err, err
     assert "never-loaded" not in err and "/nonexistent/m" not in err  # before any model was looked at
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--prompt", "hi", "--method", "dsi", "--target-devices", "cuda:7"], "--target-devices='cuda:7': device"),
+    (["generate", "--prompt", "hi", "--method", "dsi", "--target-devices", "bogus"], "is not a valid device"),
+    (["generate", "--prompt", "hi", "--method", "si", "--target-devices", "bogus"],
+     "--target-devices places DSI's target servers; --method si runs one target"),
+    (["serve", "--method", "dsi", "--target-devices", "cuda:3"], "--target-devices='cuda:3'"),
+    (["demo", "--target-devices", "nope"], "is not a valid device"),
+])
+def test_target_devices_are_checked_once_before_anything_loads(capsys, argv, message):
+    code = main([*argv, "--target", "/nonexistent/never-loaded", "--drafter", "/nonexistent/never-loaded"])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err, err
+    assert len(err.strip().splitlines()) == 1 and "died" not in err  # one line, no server restarted in a loop
