@@ -233,6 +233,15 @@ def test_generate_deterministic_makes_every_method_equal_non_si_in_bf16(pair_dir
     assert run_json(capsys, base + ["--no-deterministic", "--method", "ar"])["deterministic"] is False
 
 
+def refusal(capsys, argv, message):
+    """``argv`` with models that do not exist: exit 2 naming ``message``, before any model was looked at."""
+    code = main([*argv, "--target", "/nonexistent/never-loaded", "--drafter", "/nonexistent/never-loaded"])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err, err
+    assert "never-loaded" not in err
+    return err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["demo", "--sp", "1", "0"], "--sp=0 must be >= 1"),
     (["demo", "--repeats", "0"], "--repeats=0 must be >= 1"),
@@ -240,10 +249,7 @@ def test_generate_deterministic_makes_every_method_equal_non_si_in_bf16(pair_dir
     (["serve", "--max-concurrent", "0"], "--max-concurrent=0 must be >= 1"),
 ])
 def test_a_bad_number_is_named_alone_before_anything_loads(capsys, argv, message):
-    code = main([*argv, "--target", "/nonexistent/never-loaded", "--drafter", "/nonexistent/never-loaded"])
-    err = capsys.readouterr().err
-    assert code == 2 and message in err, err
-    assert "never-loaded" not in err  # refused before any model was looked at
+    err = refusal(capsys, argv, message)
     if "--max-queue" in argv:
         assert "--max-concurrent" not in err  # a valid value is not blamed
 
@@ -257,9 +263,7 @@ def test_a_bad_number_is_named_alone_before_anything_loads(capsys, argv, message
     (["serve", "--served-model-name", " "], "--served-model-name=' ' must name the model"),
 ])
 def test_flags_that_would_be_ignored_or_misread_are_refused(capsys, argv, message):
-    code = main([*argv, "--target", "/nonexistent/never-loaded", "--drafter", "/nonexistent/never-loaded"])
-    err = capsys.readouterr().err
-    assert code == 2 and message in err, err
+    refusal(capsys, argv, message)
 
 
 def test_prompt_ids_with_a_trailing_comma_are_read(pair_dirs, capsys):
@@ -316,7 +320,5 @@ def test_bad_paths_exit_2_with_one_line_before_any_work(capsys, tmp_path, make_a
     (["demo", "--target-devices", "nope"], "is not a valid device"),
 ])
 def test_target_devices_are_checked_once_before_anything_loads(capsys, argv, message):
-    code = main([*argv, "--target", "/nonexistent/never-loaded", "--drafter", "/nonexistent/never-loaded"])
-    err = capsys.readouterr().err
-    assert code == 2 and message in err, err
+    err = refusal(capsys, argv, message)
     assert len(err.strip().splitlines()) == 1 and "died" not in err  # one line, no server restarted in a loop
