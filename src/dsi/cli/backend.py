@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
+from dsi.errors import ConfigError
 from dsi.models.loading import BACKEND_CHOICES, BackendChoice
 
 
@@ -31,6 +32,9 @@ def add_backend_args(g: argparse._ArgumentGroup | argparse.ArgumentParser, threa
                         "(greedy SI/DSI equal to non-SI bit for bit, a seed always gives the same text, for DSI "
                         "too); default off: it cuts verification forwards into single tokens (costs measured in "
                         "docs/results.md section 11; docs/architecture.md, 'Deterministic inference')")
+    g.add_argument("--max-model-len", "--n-ctx", dest="max_model_len", type=int, default=None, metavar="N",
+                   help="llama.cpp: the most tokens a session holds (its KV cells; default: the GGUF's training "
+                        "context, at most 4096); the hf backend uses the model's own context length")
     g.add_argument("--threads", type=int, default=None,
                    help=threads_help or "threads per worker (drafter and each target server): torch's intra-op "
                                         "threads (hf) or llama.cpp's threads per session; default: the backend's")
@@ -61,3 +65,15 @@ def describe(backend: str, args: argparse.Namespace, hf_default: str = "bf16") -
     if backend == "llama.cpp":
         return "llama.cpp (GGUF weights) on cpu"
     return f"hf {hf_dtype(args, hf_default)} on {args.device or 'cpu'}"
+
+
+def max_model_len(args: argparse.Namespace) -> int | None:
+    """``--max-model-len`` (llama.cpp's ``n_ctx``), checked: None, or an integer >= 2."""
+    value = getattr(args, "max_model_len", None)
+    if value is not None and value < 2:
+        raise ConfigError(f"--max-model-len={value} must be >= 2")
+    choice = getattr(args, "backend_choice", None)
+    if value is not None and choice is not None and choice.backend != "llama.cpp":
+        raise ConfigError(f"--max-model-len={value} applies to the llama.cpp backend; the {choice.backend} backend "
+                          f"was chosen ({choice.reason}) and uses the model's own context length")
+    return value

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 
 from dsi.cli.advice import what_dsi_needs
-from dsi.cli.backend import add_backend_args, choose, describe, hf_dtype
+from dsi.cli.backend import add_backend_args, choose, describe, hf_dtype, max_model_len
 from dsi.errors import ConfigError
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
@@ -246,6 +246,7 @@ def _load(args: argparse.Namespace, need_drafter: bool, hf_default_dtype: str = 
     hf = choice.backend == "hf"
     options = {"backend": choice.backend, "dtype": hf_dtype(args, hf_default_dtype) if hf else None,
                "device": args.device if hf else None, "threads": args.threads,
+               "n_ctx": max_model_len(args),
                "deterministic": getattr(args, "deterministic", None),
                "progress": not getattr(args, "json", False) or sys.stderr.isatty()}
     if need_drafter:

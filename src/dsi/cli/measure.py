@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from dsi.cli.backend import add_backend_args, choose, describe, hf_dtype
+from dsi.cli.backend import add_backend_args, choose, describe, hf_dtype, max_model_len
 from dsi.cli.output import dumps, format_table, print_json
 from dsi.errors import ConfigError
 from dsi.models.base import LanguageModel, greedy_guess
@@ -356,10 +356,11 @@ def _setup_threads(threads: int | None, backend: str) -> int | None:
 
 def _load_options(args: argparse.Namespace, specs: list[str]) -> tuple[dict[str, Any], str]:
     """``load_model`` / ``load_pair`` options for the backend chosen for ``specs``, and a label."""
-    choice = choose(args, specs)
+    choice = args.backend_choice = choose(args, specs)
     hf = choice.backend == "hf"
     options = {"backend": choice.backend, "dtype": hf_dtype(args) if hf else None,
                "device": args.device if hf else None, "threads": args.threads,
+               "n_ctx": max_model_len(args),
                "deterministic": getattr(args, "deterministic", None)}
     return options, describe(choice.backend, args)
 

@@ -193,7 +193,7 @@ class LlamaCppModel:
             raise ConfigError(
                 f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} exceeds the context of "
                 f"{self.name} (n_ctx={self.n_ctx} tokens); shorten the prompt, lower max_new_tokens, or "
-                f"load it with a larger n_ctx (trained: {self.context_trained})"
+                f"load it with a larger n_ctx (--max-model-len; trained: {self.context_trained})"
             )
 
     @property

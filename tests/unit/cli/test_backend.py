@@ -161,3 +161,15 @@ def test_selftest_runs_gguf_models_on_hf_in_fp32_unless_told(models, capsys):
     Fake.loads.clear()
     assert run(capsys, [*argv, "--backend", "llama.cpp"])["backend"] == "llama.cpp"
     assert {b for b, _, _ in Fake.loads} == {"llama.cpp"}
+
+
+def test_max_model_len_reaches_llamacpp_as_n_ctx_and_is_refused_for_hf(models, capsys):
+    run(capsys, ["generate", "--target", models["t"], "--drafter", models["d"], "--prompt-ids", "3",
+                 "--method", "si", "--max-new-tokens", "4", "--max-model-len", "32768", "--json"])
+    assert [kw["n_ctx"] for _, _, kw in Fake.loads] == [32768, 32768]
+    code = main(["generate", "--target", models["t"], "--drafter", models["d"], "--prompt-ids", "3", "--method", "ar",
+                 "--max-new-tokens", "2", "--backend", "hf", "--max-model-len", "8192"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--max-model-len=8192 applies to the llama.cpp backend; the hf backend" in err, err
+    assert main(["generate", "--target", models["t"], "--prompt-ids", "3", "--method", "ar", "--n-ctx", "1"]) == 2
+    assert "--max-model-len=1 must be >= 2" in capsys.readouterr().err
