@@ -158,23 +158,23 @@ class Connection:
         self.requests += 1
         self._cancelling = False
         future = self._io.submit(self._send, method, path, body)
-        while True:
-            try:
-                status, data = future.result(timeout=CANCEL_POLL_S if cancel is not None else None)
-                break
-            except concurrent.futures.TimeoutError:
-                if cancel is not None and cancel.is_set():
-                    self._cancelling = True
-                    conn = self._conn
-                    if conn is not None and conn.sock is not None:
-                        try:  # wake the blocked read; the I/O thread then drops the connection
-                            conn.sock.shutdown(socket.SHUT_RDWR)
-                        except OSError:
-                            pass
-                    concurrent.futures.wait([future], timeout=5.0)
-                    raise TaskCancelled() from None
-            except (OSError, http.client.HTTPException) as exc:
-                raise ServerLost(f"target server {self.url}: {type(exc).__name__}: {exc}") from exc
+        # wait() never raises: a socket timeout inside the request is a TimeoutError too, which must not
+        # be taken for this poll's own timeout (that would spin on the failed future forever)
+        while not concurrent.futures.wait([future], timeout=CANCEL_POLL_S if cancel is not None else None)[0]:
+            if cancel is not None and cancel.is_set():
+                self._cancelling = True
+                conn = self._conn
+                if conn is not None and conn.sock is not None:
+                    try:  # wake the blocked read; the I/O thread then drops the connection
+                        conn.sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+                concurrent.futures.wait([future], timeout=5.0)
+                raise TaskCancelled()
+        try:
+            status, data = future.result()
+        except (OSError, http.client.HTTPException) as exc:  # refused, reset, timed out (TimeoutError is an OSError)
+            raise ServerLost(f"target server {self.url}: {type(exc).__name__}: {exc}") from exc
         try:
             answer = json.loads(data)
         except ValueError:

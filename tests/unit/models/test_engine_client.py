@@ -93,3 +93,23 @@ def test_build_decoder_refuses_target_servers_with_another_transport_or_the_dete
     with pytest.raises(ConfigError, match="deterministic=True cannot hold with target_servers"):
         dsi.build_decoder(target=target, drafter=target, deterministic=True,
                           target_servers=["http://127.0.0.1:1/v1"])
+
+
+def test_an_engine_that_accepts_but_never_answers_times_out_as_a_lost_server():
+    """A socket timeout inside the request (a stopped engine) is a ServerLost within the read timeout,
+    not a poll that spins on the failed request (it did, growing memory, before)."""
+    import socket
+    import time
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)  # accepts (the kernel completes the handshake) and never answers
+        port = listener.getsockname()[1]
+        conn = Connection(f"http://127.0.0.1:{port}/v1", 2.0, 0.5)
+        try:
+            began = time.monotonic()
+            with pytest.raises(ServerLost, match="TimeoutError"):
+                conn.request("GET", "/models")
+            assert time.monotonic() - began < 5.0
+        finally:
+            conn.close()
