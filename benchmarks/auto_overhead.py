@@ -23,10 +23,9 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from dsi.evaluate.bench import machine_info
+from dsi.evaluate.bench import emit_record
 
 PROMPT = "def fibonacci(n):"
 
@@ -116,11 +115,8 @@ def main() -> int:
         print(f"| {name} | {r['median_wall_s']['auto']:.3f} | {r['median_wall_s']['hand']:.3f} | "
               f"{r['auto_over_hand']:.3f} | {fa * 1e3:.1f} / {fh * 1e3:.1f} | {r['identical']} |")
     doc = {"pick": inproc["pick"], "tokens": args.tokens, "repeats": args.repeats, "backend": args.backend,
-           "rows": rows, "runs": {"in one process": inproc, "dsi generate": cli}, "date": time.strftime("%Y-%m-%d"),
-           "machine": machine_info()}
-    if args.out is not None:
-        args.out.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-    print(json.dumps(doc))
+           "rows": rows, "runs": {"in one process": inproc, "dsi generate": cli}}
+    emit_record(doc, args.out, indent=2)
     return 0
 
 

@@ -12,17 +12,15 @@ Prints a table, then one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import dsi  # noqa: E402
 from dsi.engine.api import build_decoder, make_request  # noqa: E402
-from dsi.evaluate.bench import machine_info  # noqa: E402
+from dsi.evaluate.bench import emit_record  # noqa: E402
 from dsi.evaluate.compare import CODE_PROMPTS  # noqa: E402
 from dsi.models.loading import load_pair  # noqa: E402
 
@@ -81,11 +79,8 @@ def main() -> int:
               f"{r['equals_non_si_on']} | {r['equals_non_si_off']} |")
     doc = {"target": args.target, "drafter": args.drafter, "backend": args.backend, "dtype": args.dtype,
            "prompts": len(prompts), "tokens": args.tokens, "repeats": args.repeats, "rows": rows,
-           "seconds": {f"{k[0]} deterministic={k[1]}": v for k, v in seconds.items()},
-           "date": time.strftime("%Y-%m-%d"), "machine": machine_info()}
-    if args.out is not None:
-        args.out.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-    print(json.dumps(doc))
+           "seconds": {f"{k[0]} deterministic={k[1]}": v for k, v in seconds.items()}}
+    emit_record(doc, args.out, indent=2)
     return 0
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import itertools
-import json
 import sys
 import time
 from pathlib import Path
@@ -207,9 +206,9 @@ def main() -> int:
     for setting, times in doc.get("forward_ms_by_tokens", {}).items():
         print(f"{setting}: forward ms by new tokens " + ", ".join(f"{n}: {t:.1f}" for n, t in times.items()))
     doc["date"] = time.strftime("%Y-%m-%d")
-    if args.out is not None:
-        args.out.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-    print(json.dumps(doc))
+    from dsi.evaluate.bench import emit_record
+
+    emit_record(doc, args.out, indent=2, stamp=False)
     return 0
 
 
