@@ -242,7 +242,7 @@ def parse_rows(answer: Any, url: str, model: str, context_length: int, first: in
     choices = answer.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise lost("no choices")
-    rows = answer.get("prompt_logprobs", choices[0].get("prompt_logprobs"))
+    rows = answer.get("prompt_logprobs")  # at the top (some servers) or, as vLLM answers, in the choice
     if rows is None:
         rows = choices[0].get("prompt_logprobs")
     if not isinstance(rows, list) or len(rows) != context_length:

@@ -241,11 +241,11 @@ class Job:
         if self.abort.is_set():  # cancelled between getting the slot and starting
             return Outcome("cancelled", [])
         slot.served += 1
-        scored = None
+        scored, stats, reason = None, None, None
         try:
             if self.prompt_logprobs is not None:
                 scored, stats, reason = self._score(slot)
-            if scored is None or reason is None:
+            if reason is None:  # no prompt logprobs, or more than the one token their forward gives
                 result = slot.decoder.generate(self.request, self._on_tokens, self.abort)
                 stats = result.stats
                 reason = stats.finish_reason
