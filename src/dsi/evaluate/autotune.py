@@ -13,7 +13,9 @@ devices they do not. So the choice is made from measurements taken where the wor
    bandwidth, a GIL or a GPU shows up as slower forwards).
 2. **The accept pattern** of the pair on that prompt: the drafter's greedy guess at every prefix of
    non-SI's output (one drafter forward), i.e. exactly which drafts the target accepts (none past
-   the drafter's declared context: :func:`dsi.models.replay.accept_pattern`).
+   the drafter's declared context: :func:`dsi.models.replay.accept_pattern`). If it accepts
+   nothing, non-SI is the choice without further runs: speculation then waits a whole target
+   forward per token as non-SI does, and could only add work.
 3. **Prediction**: the event simulator (:mod:`dsi.sim.events`) replays that pattern for every
    candidate with the latencies of the calibration run of its own placement; a verification over
    n tokens costs the one-token forward plus n - 1 times a per-token slope measured from SI's
@@ -253,6 +255,16 @@ def _measure_and_choose(target, drafter, transport, options, max_servers, prompt
     reference = calibrate("non-SI", method="ar")
     pattern = accept_pattern(drafter, prompt, reference)  # False past the drafter's context
     acceptance = sum(pattern) / len(pattern)
+    non_si = measured["non-SI"]["wall_s"]
+    if not any(pattern):  # no draft accepted: SI and DSI wait a whole target forward per token too
+        return AutoChoice(
+            method="ar", lookahead=1, num_target_servers=1,
+            reason=(f"non-SI: {non_si:.3f} s for {tokens} tokens; the drafter's guess was never the target's "
+                    f"token on the calibration prompt (0 of {len(pattern)}), so SI and DSI could only add work"),
+            candidates=(Candidate("ar", None, 1, non_si, non_si),), measured=measured, acceptance=0.0,
+            tokens=tokens, key=key, created=time.strftime("%Y-%m-%dT%H:%M:%S"),
+            calibration_s=time.perf_counter() - began,
+        )
     calibrate(f"SI k={SI_CALIBRATION_K}", method="si", lookahead=SI_CALIBRATION_K)
     server_counts = _server_counts(max_servers)
     for sp in server_counts:
@@ -271,7 +283,6 @@ def _measure_and_choose(target, drafter, transport, options, max_servers, prompt
                           num_servers=servers, matches=pattern)
         return float(result.mean)
 
-    non_si = measured["non-SI"]["wall_s"]
     candidates: list[Candidate] = [Candidate("ar", None, 1, non_si, non_si)]
     # SI: each prediction scaled by the calibration run's measured / simulated time
     si_d = si["drafter_step_s"] or t1

@@ -71,6 +71,9 @@ def test_a_drafter_that_is_never_right_picks_non_si(tmp_path, no_thread_leak):
     choice = choose_method(target, drafter, max_servers=2, cache_dir=tmp_path)
     assert choice.method == "ar", choice.reason
     assert choice.acceptance == 0.0
+    # decided from the accept pattern, not from noisy timings: no speculative run was made
+    assert set(choice.measured) == {"non-SI"} and [c.label for c in choice.candidates] == ["non-SI"]
+    assert "never the target's token" in choice.reason
 
 
 def test_workers_sharing_one_core_make_dsi_lose_and_the_choice_sees_it(tmp_path, no_thread_leak):
