@@ -13,7 +13,7 @@ import pytest
 
 from dsi.models import CallableLM
 from dsi.models.synthetic import SyntheticTarget
-from dsi.sampling import SamplingParams, process_logits
+from dsi.sampling import Prefix, SamplingParams, process_logits
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -71,13 +71,19 @@ def random_lm(vocab_size: int, seed: int, sharpness: float = 1.0) -> CallableLM:
     return CallableLM(SyntheticTarget(vocab_size, seed, sharpness), vocab_size, name=f"random(seed={seed})")
 
 
-def exact_sequence_law(model: CallableLM, prompt, length: int, params: SamplingParams) -> dict:
-    """P(next ``length`` tokens = y) for every y, from the model's processed distributions."""
+def exact_sequence_law(model: CallableLM, prompt, length: int, params: SamplingParams,
+                       stops: frozenset[int] = frozenset()) -> dict:
+    """P(next ``length`` tokens = y) for every y, from the model's processed distributions (each
+    row processed with the tokens before it); a sequence ends early at a token of ``stops``."""
     law = {(): 1.0}
     for _ in range(length):
         nxt = {}
         for seq, prob in law.items():
-            p = process_logits(model.next_logits(tuple(prompt) + seq), params)
+            if seq and seq[-1] in stops:
+                nxt[seq] = prob
+                continue
+            context = tuple(prompt) + seq
+            p = process_logits(model.next_logits(context), params, Prefix(context, len(prompt), stops))
             for token in np.flatnonzero(p):
                 nxt[seq + (int(token),)] = prob * p[token]
         law = nxt

@@ -11,6 +11,12 @@ Glossary:
   ``argmax p``).
 - bonus token: drawn from ``p`` itself where no draft exists (greedy: ``argmax p``).
 
+Logit processing (:func:`process_logits`) is a function of a row and of the tokens before it
+(:class:`Prefix`): penalties, ``logit_bias`` and ``min_tokens`` see the committed tokens and the
+drafts before that row, so every verification row, drafter row and non-SI row gets the law it would
+get in plain decoding. The order follows vLLM's sampler (``vllm/v1/sample/sampler.py``): min_tokens,
+logit_bias, repetition / frequency / presence penalties, then temperature, min_p, top-k, top-p.
+
 Every uniform is a pure function of (seed, absolute token position, purpose), so a fixed seed
 gives the same tokens for any number of target servers, transport or arrival order. Nothing
 here knows about models, threads or engines.
@@ -19,7 +25,9 @@ here knows about models, threads or engines.
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -28,15 +36,47 @@ import numpy as np
 from dsi.errors import ConfigError, ModelError, require
 
 _MAX_SEED = 2**63 - 1
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
+MAX_PENALTY = 2.0  # OpenAI's bound on |presence_penalty| and |frequency_penalty|
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _bias_items(bias: object) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as sorted ``(token id, bias)`` pairs; accepts a mapping (JSON's string keys too)
+    or pairs. Raises :class:`ConfigError` naming a bad entry."""
+    if isinstance(bias, Mapping):
+        items: Iterable = bias.items()
+    elif isinstance(bias, list | tuple):
+        items = bias
+    else:
+        raise ConfigError(f"logit_bias={bias!r} must map token ids to biases, e.g. {{50256: -100}}")
+    out: dict[int, float] = {}
+    for item in items:
+        if not (isinstance(item, tuple | list) and len(item) == 2):
+            raise ConfigError(f"logit_bias entry {item!r} must be a (token id, bias) pair")
+        key, value = item
+        token = key
+        if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+            token = int(key)
+        if not (isinstance(token, int) and not isinstance(token, bool) and token >= 0):
+            raise ConfigError(f"logit_bias key {key!r} must be a token id (an integer >= 0)")
+        if not (_number(value) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
+            raise ConfigError(f"logit_bias[{token}]={value!r} must be a number in "
+                              f"[{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        out[token] = float(value)
+    return tuple(sorted(out.items()))
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How tokens are chosen. ``temperature == 0`` means greedy (argmax) decoding.
 
-    ``top_k == 0`` disables top-k; ``top_p == 1.0`` disables nucleus filtering. The same
-    processing is applied to target and drafter distributions, which keeps sampling lossless
-    with respect to the processed target distribution.
+    ``top_k == 0`` disables top-k; ``top_p == 1.0`` disables nucleus filtering; ``min_p == 0``
+    disables min-p. The same processing is applied to target and drafter distributions, which keeps
+    acceptance high; the output law is the processed *target* law whatever the drafter's processing.
 
     Every finite ``temperature > 0`` is sampling, however small: a temperature so small that
     ``logits / temperature`` overflows (e.g. 1e-320) gives the limit of the softmax as the
@@ -44,12 +84,33 @@ class SamplingParams:
     i.e. greedy decoding up to ties (see :func:`process_logits`). It is not rewritten to 0: target
     and drafter go through the same :func:`process_logits`, so either choice is lossless, and
     keeping it keeps the parameters the caller gave (and their uniform draw among exact ties).
+
+    Processors of the logits before temperature (OpenAI / vLLM semantics; greedy decoding takes the
+    argmax of the processed row):
+
+    - ``presence_penalty`` / ``frequency_penalty`` in [-2, 2]: subtract ``presence`` from the logit of
+      every token generated so far, and ``frequency`` times its count (the output only, not the prompt).
+    - ``repetition_penalty`` > 0 (1 disables it): a token seen in the prompt or the output has its
+      logit divided by it if positive, multiplied by it otherwise (vLLM, transformers).
+    - ``logit_bias``: ``{token id: bias}`` with biases in [-100, 100], added to the logits (target ids;
+      stored as sorted pairs).
+    - ``min_tokens``: EOS and ``stop_token_ids`` get probability 0 until that many tokens are generated.
+    - ``stop_token_ids`` end generation like EOS; ``ignore_eos`` makes EOS an ordinary token (the
+      request's stop set is built from them by :func:`dsi.engine.api.make_request`).
     """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         t, k, p, s = self.temperature, self.top_k, self.top_p, self.seed
@@ -69,10 +130,55 @@ class SamplingParams:
             isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= _MAX_SEED,
             f"seed={s!r} must be an integer in [0, 2**63 - 1]",
         )
+        require(_number(self.min_p) and 0.0 <= self.min_p <= 1.0,
+                f"min_p={self.min_p!r} must be in [0, 1] (0 disables min-p)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            require(_number(value) and -MAX_PENALTY <= value <= MAX_PENALTY,
+                    f"{name}={value!r} must be a number in [-2, 2] (0 disables it)")
+        rp = self.repetition_penalty
+        require(_number(rp) and rp > 0, f"repetition_penalty={rp!r} must be a number > 0 (1 disables it)")
+        m = self.min_tokens
+        require(isinstance(m, int) and not isinstance(m, bool) and m >= 0,
+                f"min_tokens={m!r} must be an integer >= 0")
+        require(isinstance(self.ignore_eos, bool), f"ignore_eos={self.ignore_eos!r} must be true or false")
+        object.__setattr__(self, "logit_bias", _bias_items(self.logit_bias))
+        stops = self.stop_token_ids
+        require(isinstance(stops, list | tuple | set | frozenset)
+                and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in stops),
+                f"stop_token_ids={stops!r} must be a list of token ids (integers >= 0)")
+        object.__setattr__(self, "stop_token_ids", tuple(sorted(set(stops))))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def uses_prefix(self) -> bool:
+        """Whether processing a row needs the tokens before it (penalties, ``min_tokens``)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0 or self.min_tokens > 0)
+
+    @property
+    def moves_argmax(self) -> bool:
+        """Whether processing can change a row's argmax (or its top-k): penalties, bias, ``min_tokens``."""
+        return self.uses_prefix or bool(self.logit_bias)
+
+    @property
+    def raw_argmax(self) -> bool:
+        """Greedy, and each token is the argmax of the raw row: a model may hand out argmax ids only."""
+        return self.greedy and not self.moves_argmax
+
+
+@dataclass(frozen=True)
+class Prefix:
+    """What the logit processors see before a row: every token before it (prompt and generated,
+    drafts included for a verification row), the prompt's length, and the ids that end generation
+    (``min_tokens`` holds them back)."""
+
+    tokens: Sequence[int]
+    prompt_len: int
+    stop_ids: frozenset[int] = frozenset()
 
 
 class Purpose(IntEnum):
@@ -110,12 +216,14 @@ def check_logit_row(row: np.ndarray, what: str = "model") -> None:
         raise ModelError(f"{what} returned -inf for all {row.size} logits: no token has positive probability")
 
 
-def process_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """Turn one logit row into the sampling distribution: temperature, then top-k, then top-p.
+def process_logits(logits: np.ndarray, params: SamplingParams, prefix: Prefix | None = None) -> np.ndarray:
+    """Turn one logit row into the sampling distribution: the processors before temperature
+    (min_tokens, logit_bias, penalties; :func:`shape_logits`), then temperature, min_p, top-k, top-p.
 
-    ``logits``: ``[vocab_size]``. Returns float64 probabilities ``[vocab_size]``: finite,
-    non-negative, summing to 1, with positive mass on the first argmax of ``logits``.
-    In greedy mode returns the one-hot distribution of ``argmax(logits)`` (first index on ties).
+    ``logits``: ``[vocab_size]``; ``prefix``: the tokens before the row, needed when
+    ``params.uses_prefix``. Returns float64 probabilities ``[vocab_size]``: finite, non-negative,
+    summing to 1, with positive mass on the first argmax of the processed logits. In greedy mode
+    returns the one-hot distribution of that argmax (first index on ties).
 
     Extreme values take their limits, never NaN: logits of +inf share all the mass equally (the
     softmax's limit as they grow); a temperature so small that ``logits / temperature``
@@ -126,6 +234,93 @@ def process_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """
     row = np.asarray(logits, dtype=np.float64)  # [V]
     check_logit_row(row)
+    if params.moves_argmax:
+        row = shape_logits(row, params, prefix)
+    return _distribution(row, params)
+
+
+def process_rows(logits: np.ndarray, params: SamplingParams, tokens: Sequence[int], prompt_len: int,
+                 stop_ids: frozenset[int] = frozenset()) -> np.ndarray:
+    """:func:`process_logits` of the last ``n`` rows of a forward over ``tokens`` (``logits``:
+    ``[n, V]``; row j follows ``tokens[: len(tokens) - n + 1 + j]``), counting the output once and
+    adding one token per row. Returns ``[n, V]`` float64 probabilities."""
+    rows = np.asarray(logits, dtype=np.float64)  # [n, V]
+    n = rows.shape[0]
+    if not params.uses_prefix:
+        return np.stack([process_logits(row, params) for row in rows])
+    first = len(tokens) - n + 1  # the prefix length of row 0
+    counts = _Counts(tokens[:first], prompt_len, rows.shape[1])
+    out = np.empty_like(rows)
+    for j in range(n):
+        if j:
+            counts.add(tokens[first + j - 1])
+        check_logit_row(rows[j])
+        out[j] = _distribution(_shape(rows[j], params, counts, stop_ids), params)
+    return out
+
+
+def shape_logits(logits: np.ndarray, params: SamplingParams, prefix: Prefix | None) -> np.ndarray:
+    """The processors before temperature, in vLLM's order: ``min_tokens`` (EOS and stop ids to -inf
+    while fewer tokens are generated), ``logit_bias`` (added), ``repetition_penalty`` (tokens of the
+    prompt or output: positive logits divided, others multiplied), then ``frequency_penalty`` x count
+    and ``presence_penalty`` subtracted for every token of the output. Returns a new float64 row."""
+    row = np.asarray(logits, dtype=np.float64)  # [V]
+    if params.uses_prefix:
+        if prefix is None:
+            raise ConfigError("penalties and min_tokens need the tokens before the row (a Prefix)")
+        return _shape(row, params, _Counts(prefix.tokens, prefix.prompt_len, row.size), prefix.stop_ids)
+    return _shape(row, params, None, frozenset())
+
+
+class _Counts:
+    """Occurrences of each token id in the output, and which ids the prompt or output holds (ids
+    outside the row's vocabulary, e.g. a drafter's smaller one, are not counted)."""
+
+    def __init__(self, tokens: Sequence[int], prompt_len: int, vocab: int) -> None:
+        cut = min(prompt_len, len(tokens))
+        self.vocab = vocab
+        self.generated = len(tokens) - cut
+        self.output = np.bincount(self._inside(tokens[cut:]), minlength=vocab).astype(np.float64)  # [V]
+        self.seen = self.output > 0  # [V] bool
+        self.seen[self._inside(tokens[:cut])] = True
+
+    def _inside(self, tokens: Sequence[int]) -> np.ndarray:
+        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        return ids[(ids >= 0) & (ids < self.vocab)]
+
+    def add(self, token: int) -> None:
+        self.generated += 1
+        if 0 <= token < self.vocab:
+            self.output[token] += 1.0
+            self.seen[token] = True
+
+
+def _shape(row: np.ndarray, params: SamplingParams, counts: _Counts | None, stop_ids: frozenset[int]) -> np.ndarray:
+    x = row.copy()  # [V] float64
+    vocab = x.size
+    if params.min_tokens and counts is not None and counts.generated < params.min_tokens:
+        held = [t for t in stop_ids if 0 <= t < vocab]
+        x[held] = -np.inf
+    for token, value in params.logit_bias:
+        if token < vocab:
+            x[token] += value
+    if counts is not None:
+        rp = params.repetition_penalty
+        if rp != 1.0:
+            x = np.where(counts.seen, np.where(x > 0, x / rp, x * rp), x)
+        if params.frequency_penalty:
+            x -= params.frequency_penalty * counts.output
+        if params.presence_penalty:
+            x -= params.presence_penalty * (counts.output > 0)
+    if not (x > -np.inf).any():
+        raise ConfigError(
+            f"no token is possible after logit processing (min_tokens={params.min_tokens} holds back the stop "
+            f"ids {sorted(stop_ids)[:5]}, logit_bias={dict(params.logit_bias)!r}): every logit is -inf")
+    return x
+
+
+def _distribution(row: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Temperature, min_p, top-k and top-p of a checked float64 row ``[V]`` (greedy: its one-hot argmax)."""
     if np.isposinf(row).any():  # the limit as those logits grow: they share the mass equally
         row = np.where(np.isposinf(row), 0.0, -np.inf)
     if params.greedy:
@@ -136,6 +331,8 @@ def process_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         scores = row / params.temperature  # [V]
         if not np.isfinite(scores.max()):  # overflow: shift first, the maximum becomes exactly 0
             scores = (row - row.max()) / params.temperature
+        if params.min_p > 0.0:  # relative to the most likely token: p < min_p * p_max
+            scores = np.where(scores - scores.max() < np.log(params.min_p), -np.inf, scores)
         if params.top_k and params.top_k < scores.size:
             kth = np.partition(scores, -params.top_k)[-params.top_k]
             scores = np.where(scores < kth, -np.inf, scores)  # ties with the k-th are kept
@@ -202,16 +399,20 @@ def draft_token(q: np.ndarray, params: SamplingParams, position: int) -> int:
     return sample_from(q, uniform(params.seed, position, Purpose.DRAFT))
 
 
-def draft_from_logits(logits: np.ndarray, params: SamplingParams, position: int) -> tuple[int, np.ndarray | None]:
+def draft_from_logits(logits: np.ndarray, params: SamplingParams, position: int,
+                      prefix: Prefix | None = None) -> tuple[int, np.ndarray | None]:
     """The drafter's token at ``position`` from its raw logits ``[V]``, and its processed ``q``.
 
-    Greedy: ``(argmax logits, None)`` (no distribution needed); sampling: a draw from ``q``.
+    Greedy: ``(argmax of the processed logits, None)`` (no distribution needed); sampling: a draw
+    from ``q``. ``prefix``: the drafter's tokens before the row (penalties, ``min_tokens``).
     """
     if params.greedy:
         row = np.asarray(logits)
         check_logit_row(row, "the drafter")
+        if params.moves_argmax:
+            row = shape_logits(row, params, prefix)
         return int(np.argmax(row)), None
-    q = process_logits(logits, params)  # [V]
+    q = process_logits(logits, params, prefix)  # [V]
     return draft_token(q, params, position), q
 
 

@@ -12,6 +12,8 @@ from tests.conftest import Jitter
 @pytest.mark.parametrize("params", [
     dsi.SamplingParams(temperature=1.0, seed=11),
     dsi.SamplingParams(temperature=0.7, top_k=8, top_p=0.9, seed=12345),
+    dsi.SamplingParams(temperature=0.9, seed=5, presence_penalty=0.6, frequency_penalty=0.2, repetition_penalty=1.2,
+                       logit_bias={3: 1.5}, min_p=0.02, min_tokens=10, stop_token_ids=[0]),
 ])
 def test_same_seed_same_tokens_for_any_sp_and_latency(params, no_thread_leak):
     """Also across window policies: fixed k and event-driven windows (which end where timing puts

@@ -165,6 +165,23 @@ def test_seeded_sampling_over_engines_gives_the_local_tokens(engines, local, pro
         assert there.tokens == here.tokens, seed
 
 
+@pytest.mark.parametrize("params", [
+    SamplingParams(presence_penalty=1.0, repetition_penalty=1.3, logit_bias={7: 3.0}),
+    SamplingParams(temperature=1.0, top_k=5, seed=4, frequency_penalty=0.8, min_p=0.05, min_tokens=4),
+], ids=["greedy", "sampling"])
+def test_processed_rows_over_engines_give_the_local_tokens(engines, local, prompts, params):
+    """Penalties, bias and min_tokens are applied here, to the whole rows the engines return."""
+    target, drafter, _ = local
+    urls = [e.url for e in engines]
+    kwargs = dict(target=target, drafter=drafter, prompt=prompts[1], method="dsi", lookahead=3,
+                  max_new_tokens=TOKENS, sampling=params)
+    here = dsi.generate(num_target_servers=2, **kwargs)
+    assert here.tokens != dsi.generate(**{**kwargs, "sampling": SamplingParams(temperature=params.temperature,
+                                                                                 top_k=params.top_k, seed=params.seed)},
+                                       num_target_servers=2).tokens
+    assert dsi.generate(target_servers=urls, **kwargs).tokens == here.tokens
+
+
 def test_the_law_rebuilt_from_an_engines_rows_is_the_local_law(dsi_engines, local, prompts):
     target = local[0]
     engines = EngineTarget([dsi_engines[0].url], reference=target)
@@ -197,6 +214,11 @@ def test_sampling_an_engine_cannot_determine_is_refused_before_it_starts(dirs, l
         with pytest.raises(ConfigError, match=r"top_k=0 .* not exact.* top_k.*--max-logprobs -1"):
             dsi.generate(target=target, drafter=drafter, prompt=prompts[0], method="dsi", max_new_tokens=4,
                          sampling=SamplingParams(temperature=1.0, seed=0), target_servers=urls)
+        for processed in (SamplingParams(presence_penalty=0.5), SamplingParams(temperature=1.0, top_k=4, logit_bias={1: 2})):
+            # a penalty or bias may lift a token from below the top the engine returns: whole rows only
+            with pytest.raises(ConfigError, match=r"penalties, logit_bias or min_tokens .* not exact.*--max-logprobs -1"):
+                dsi.generate(target=target, drafter=drafter, prompt=prompts[0], method="si", max_new_tokens=4,
+                             sampling=processed, target_servers=urls)
         params = SamplingParams(temperature=1.0, top_k=4, seed=1)  # within its limit: exact
         there = dsi.generate(target=target, drafter=drafter, prompt=prompts[0], method="dsi", max_new_tokens=12,
                              sampling=params, target_servers=urls)

@@ -15,7 +15,8 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = [pytest.mark.hf]
+# slow: the two dry runs take about 70 s of the default run's 15 minutes; CI's slow suite runs them
+pytestmark = [pytest.mark.hf, pytest.mark.slow]
 
 
 def test_gpu_check_dry_run_measures_every_part(tmp_path):

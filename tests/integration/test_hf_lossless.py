@@ -19,7 +19,7 @@ from scipy.stats import chisquare  # noqa: E402
 import dsi  # noqa: E402
 from dsi.engine.api import build_decoder, make_request  # noqa: E402
 from dsi.models.hf import HFModel  # noqa: E402
-from dsi.sampling import SamplingParams, process_logits  # noqa: E402
+from dsi.sampling import Prefix, SamplingParams, process_logits  # noqa: E402
 
 pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -68,8 +68,12 @@ def test_greedy_dsi_and_si_equal_transformers_generate(build, no_thread_leak):
     assert accepted > 0 and rejected > 0  # both branches were exercised
 
 
-@pytest.mark.parametrize("lookahead", [1, "auto"])
-def test_dsi_sampling_matches_the_exact_law_of_a_tiny_vocabulary_model(lookahead, no_thread_leak):
+@pytest.mark.parametrize("lookahead, processing", [
+    pytest.param(1, {}, marks=pytest.mark.slow),  # the plain law: also tests/stats (synthetic, GGUF) by default
+    ("auto", dict(presence_penalty=0.6, repetition_penalty=1.4, logit_bias={2: 0.8}, min_p=0.02)),
+], ids=["k1", "auto-processed"])
+def test_dsi_sampling_matches_the_exact_law_of_a_tiny_vocabulary_model(lookahead, processing, no_thread_leak):
+    """The second token's row counts the first as output (penalties); every row is biased."""
     vocab, length, samples = 5, 2, 2000
     target_model, drafter_model = llama(3, vocab=vocab), llama(4, vocab=vocab)
     with torch.no_grad():  # make the distributions far from uniform so that errors would show
@@ -77,12 +81,12 @@ def test_dsi_sampling_matches_the_exact_law_of_a_tiny_vocabulary_model(lookahead
         drafter_model.lm_head.weight.mul_(8.0)
     target, drafter = HFModel(target_model), HFModel(drafter_model)
     prompt = (1, 2, 3)
-    params = SamplingParams(temperature=1.0)
+    params = SamplingParams(temperature=1.0, **processing)
 
     def probs(context):
         with torch.no_grad():
             row = target_model(torch.tensor([list(context)])).logits[0, -1].double().numpy()
-        return process_logits(row, params)
+        return process_logits(row, params, Prefix(context, len(prompt)))
 
     law = {}
     for a, pa in enumerate(probs(prompt)):
@@ -93,7 +97,8 @@ def test_dsi_sampling_matches_the_exact_law_of_a_tiny_vocabulary_model(lookahead
     rejections = 0
     try:
         for seed in range(samples):
-            out = decoder.generate(make_request(prompt, length, SamplingParams(temperature=1.0, seed=seed), None, vocab))
+            out = decoder.generate(make_request(prompt, length, SamplingParams(temperature=1.0, seed=seed, **processing),
+                                                None, vocab))
             counts[tuple(out.tokens)] += 1
             rejections += out.stats.rejections
     finally:

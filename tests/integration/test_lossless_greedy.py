@@ -47,6 +47,31 @@ def test_greedy_dsi_and_si_equal_non_si(acceptance, lookahead, servers, no_threa
         assert stats.accepted_tokens == 0
 
 
+PENALISED = dsi.SamplingParams(presence_penalty=0.8, frequency_penalty=0.3, repetition_penalty=1.4,
+                               logit_bias={2: 1.5, 7: -3.0}, min_tokens=12, stop_token_ids=[5])
+
+
+@pytest.mark.parametrize("acceptance, lookahead, servers", [(0.3, 2, 1), (0.7, 3, 2), (0.95, 5, 4), (0.7, "auto", 3),
+                                                           (1.0, "auto", 7)])
+def test_greedy_with_penalties_bias_and_min_tokens_equals_non_si(acceptance, lookahead, servers, no_thread_leak):
+    """Greedy decoding of processed rows (each with its own prefix, drafts included): SI and DSI
+    commit exactly non-SI's tokens, stop id and min_tokens included."""
+    seed = 11 + servers
+    target, drafter = synthetic_pair(acceptance, vocab_size=24, seed=seed)
+    prompt = [3, 9, 3, 1]
+    run = dict(prompt=prompt, max_new_tokens=40, sampling=PENALISED)
+    reference = dsi.generate(target=target, method="ar", **run).tokens
+    plain = dsi.generate(target=target, method="ar", prompt=prompt, max_new_tokens=40).tokens
+    assert reference != plain  # the processing changes the output
+    assert 5 not in reference[:11]
+    jt, jd = Jitter(target, 0.0015, seed), Jitter(drafter, 0.0005, seed + 1)
+    si = dsi.generate(target=jt, drafter=jd, method="si", lookahead=3 if lookahead == "auto" else lookahead, **run)
+    out = dsi.generate(target=jt, drafter=jd, method="dsi", lookahead=lookahead, num_target_servers=servers, **run)
+    assert si.tokens == reference and out.tokens == reference
+    if acceptance >= 0.95:
+        assert out.stats.accepted_tokens > len(reference) // 2  # the drafter, processed alike, stays accepted
+
+
 @pytest.mark.parametrize("method", ["si", "dsi"])
 def test_eos_is_committed_only_by_the_target(method, no_thread_leak):
     """The drafter proposes EOS (token 0) everywhere; the target emits it only after 5 tokens."""

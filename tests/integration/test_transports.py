@@ -23,6 +23,10 @@ from tests.transport_support import dsi_children, ray_cluster, save_tiny_llama_p
 PARAMS = {
     "greedy": dsi.SamplingParams(),
     "sampling": dsi.SamplingParams(temperature=1.0, seed=7),
+    # rows processed with the tokens before them, on the server (verification) and the drafter
+    "greedy, processed": dsi.SamplingParams(presence_penalty=0.7, repetition_penalty=1.3, logit_bias={5: 2.0}),
+    "sampling, processed": dsi.SamplingParams(temperature=0.9, seed=7, frequency_penalty=0.5, logit_bias={2: 1.0},
+                                              min_p=0.05, min_tokens=8, stop_token_ids=[0]),
 }
 PROMPT = [3, 1, 4, 1, 5]
 TRANSPORTS = ["processes", pytest.param("ray", marks=pytest.mark.ray)]

@@ -23,11 +23,11 @@ VOCAB, LENGTH = 3, 3
 PROMPT = (1, 0)
 
 
-def sample_counts(decoder, params_for_seed, law):
+def sample_counts(decoder, params_for_seed, law, eos=None):
     index = {seq: i for i, seq in enumerate(law)}
     counts = np.zeros(len(law))
     for seed in range(N_SAMPLES):
-        request = make_request(PROMPT, LENGTH, params_for_seed(seed), None, VOCAB)
+        request = make_request(PROMPT, LENGTH, params_for_seed(seed), eos, VOCAB)
         counts[index[tuple(decoder.generate(request).tokens)]] += 1
     return counts
 
@@ -41,14 +41,27 @@ def test_sampling_matches_the_target_law(method, lookahead, servers, processing,
     assert_target_law(target, drafter, method, lookahead, servers, processing)
 
 
-def assert_target_law(target, drafter, method, lookahead, servers, processing) -> None:
+@pytest.mark.parametrize("method, lookahead, servers", [("dsi", 2, 1), ("dsi", "auto", 2), ("dsi", 2, 3), ("si", 2, 1)])
+def test_sampling_with_penalties_bias_min_p_and_min_tokens_matches_the_processed_target_law(
+        method, lookahead, servers, no_thread_leak):
+    """Every row (target and drafter, drafts included in its prefix) is processed with the tokens
+    before it; token 2 is EOS, held back for the first two tokens."""
+    target = random_lm(VOCAB, seed=21, sharpness=1.0)
+    drafter = random_lm(VOCAB, seed=99, sharpness=1.5)
+    processing = dict(temperature=0.9, presence_penalty=0.8, frequency_penalty=0.3, repetition_penalty=1.3,
+                      logit_bias={1: 0.6}, min_p=0.05, min_tokens=2)
+    assert_target_law(target, drafter, method, lookahead, servers, processing, eos=2)
+
+
+def assert_target_law(target, drafter, method, lookahead, servers, processing, eos=None) -> None:
     """Chi-square of N_SAMPLES seeded generations against the target's exact sequence law."""
-    law = exact_sequence_law(target, PROMPT, LENGTH, dsi.SamplingParams(**processing, seed=0))
+    stops = frozenset() if eos is None else frozenset({eos})
+    law = exact_sequence_law(target, PROMPT, LENGTH, dsi.SamplingParams(**processing, seed=0), stops)
     decoder = build_decoder(
         target=target, drafter=drafter, method=method, lookahead=lookahead, num_target_servers=servers
     )
     try:
-        counts = sample_counts(decoder, lambda s: dsi.SamplingParams(**processing, seed=s), law)
+        counts = sample_counts(decoder, lambda s: dsi.SamplingParams(**processing, seed=s), law, eos)
     finally:
         decoder.close()
     expected = np.array(list(law.values())) * N_SAMPLES

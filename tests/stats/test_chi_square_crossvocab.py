@@ -162,6 +162,11 @@ CASES = [  # method, lookahead, servers, vocab_mode, processing
     ("dsi", 2, 3, "intersection", dict(temperature=0.8, top_k=3, top_p=0.9)),
     ("dsi", "auto", 1, "intersection", dict(temperature=1.0)),
     ("dsi", "auto", 2, "auto", dict(temperature=1.2, top_k=2)),
+    # rows processed with their prefix; the bias is in target ids, so it reaches the drafter's row
+    # through the intersection (its shared tokens), and the target's own row everywhere
+    ("si", 2, 1, "intersection", dict(temperature=0.9, presence_penalty=0.7, repetition_penalty=1.3,
+                                      logit_bias={"2": 1.0, "1": -0.5}, min_p=0.05)),
+    ("dsi", 2, 2, "auto", dict(temperature=0.9, frequency_penalty=0.6, logit_bias={"0": 0.8}, min_p=0.05)),
 ]
 
 

@@ -13,13 +13,15 @@ pytest.importorskip("torch")
 import dsi  # noqa: E402
 from dsi.engine.api import build_decoder, make_request  # noqa: E402
 from dsi.models.llamacpp import LlamaCppModel  # noqa: E402
-from dsi.sampling import process_logits  # noqa: E402
+from dsi.sampling import Prefix, process_logits  # noqa: E402
 from tests.tiny_gguf import write_tiny_gguf  # noqa: E402
 
 ALPHA = 1e-4
 N_SAMPLES = 1500
 LENGTH = 3
 PROCESSING = dict(temperature=1.0, top_k=2)  # at most 2^3 continuations
+# with the rows' prefixes: penalties over the generated tokens, a bias, min_p
+PROCESSED = dict(PROCESSING, presence_penalty=0.7, repetition_penalty=1.3, logit_bias={5: 1.0}, min_p=0.05)
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +35,7 @@ def pair(tmp_path_factory):
 
 
 def exact_law(model, prompt, params) -> dict:
+    """The law of the next LENGTH tokens, each row processed with the tokens before it."""
     session = model.new_session()
     law = {(): 1.0}
     try:
@@ -40,7 +43,8 @@ def exact_law(model, prompt, params) -> dict:
             nxt = {}
             for seq, prob in law.items():
                 session.truncate(0)
-                p = process_logits(session.extend(list(prompt) + list(seq))[-1], params)
+                context = list(prompt) + list(seq)
+                p = process_logits(session.extend(context)[-1], params, Prefix(context, len(prompt)))
                 for token in np.flatnonzero(p):
                     nxt[seq + (int(token),)] = prob * p[token]
             law = nxt
@@ -49,22 +53,24 @@ def exact_law(model, prompt, params) -> dict:
     return law
 
 
-@pytest.mark.parametrize("method, lookahead, servers, deterministic",
-                         [("si", 2, 1, False), ("dsi", 2, 2, False), ("dsi", "auto", 2, False), ("si", 2, 1, True),
-                          ("dsi", "auto", 2, True)])
-def test_sampling_on_llama_cpp_matches_the_target_law(pair, method, lookahead, servers, deterministic, no_thread_leak):
+@pytest.mark.parametrize("method, lookahead, servers, deterministic, processing",
+                         [("si", 2, 1, False, PROCESSING), ("dsi", 2, 2, False, PROCESSED),
+                          ("dsi", "auto", 2, False, PROCESSING), ("si", 2, 1, True, PROCESSED),
+                          ("dsi", "auto", 2, True, PROCESSING)], ids=lambda v: "processed" if v is PROCESSED else None)
+def test_sampling_on_llama_cpp_matches_the_target_law(pair, method, lookahead, servers, deterministic, processing,
+                                                      no_thread_leak):
     """Also in the deterministic mode (every token computed alone): the law is untouched."""
     target, drafter = pair
     target.deterministic = drafter.deterministic = deterministic
     prompt = target.encode("def add(a, b):")
-    law = exact_law(target, prompt, dsi.SamplingParams(**PROCESSING, seed=0))
+    law = exact_law(target, prompt, dsi.SamplingParams(**processing, seed=0))
     index = {seq: i for i, seq in enumerate(law)}
     counts = np.zeros(len(law))
     decoder = build_decoder(target=target, drafter=drafter, method=method, lookahead=lookahead,
                             num_target_servers=servers)
     try:
         for seed in range(N_SAMPLES):
-            request = make_request(prompt, LENGTH, dsi.SamplingParams(**PROCESSING, seed=seed), None,
+            request = make_request(prompt, LENGTH, dsi.SamplingParams(**processing, seed=seed), None,
                                    target.vocab_size)
             counts[index[tuple(decoder.generate(request).tokens)]] += 1
     finally:

@@ -163,6 +163,74 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
 
 
+def add_processing_args(p: argparse.ArgumentParser, stopping: bool = True) -> None:
+    """The logit processors of :class:`dsi.SamplingParams` (OpenAI / vLLM request fields); with
+    ``stopping``, also those about where generation ends (min_tokens, stop ids, ignore_eos)."""
+    g = p.add_argument_group("logit processing (exact under speculation: see docs/serving.md)")
+    g.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtracted from the logit of every token already generated, in [-2, 2] (default 0)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="times a token's count in the output, subtracted from its logit, in [-2, 2] (default 0)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divides positive (multiplies negative) logits of tokens of the prompt or output (default 1: off)")
+    g.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS in [-100, 100] to token ID's logit; repeat it or separate pairs by commas")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens less likely than min_p x the most likely one, in [0, 1] (default 0: off)")
+    if not stopping:
+        return
+    g.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop token before this many tokens (default 0)")
+    g.add_argument("--stop-token-ids", metavar="IDS", help="comma-separated token ids that end generation like EOS")
+    g.add_argument("--ignore-eos", action="store_true", help="EOS is an ordinary token: generate max-new-tokens")
+
+
+def _id_list(flag: str, text: str | None) -> list[int]:
+    if text is None:
+        return []
+    parts = [t.strip() for t in text.split(",")]
+    if parts and parts[-1] == "":
+        parts = parts[:-1]
+    try:
+        if not parts or any(p == "" for p in parts):
+            raise ValueError
+        return [int(t) for t in parts]
+    except ValueError:
+        raise ConfigError(f"{flag}={text!r} must be comma-separated integer token ids, with none empty") from None
+
+
+def _logit_bias(values: list[str]) -> dict[int, float]:
+    bias: dict[int, float] = {}
+    for value in values:
+        for pair in filter(None, (v.strip() for v in value.split(","))):
+            token, sep, amount = pair.partition("=")
+            try:
+                if not sep:
+                    raise ValueError
+                bias[int(token)] = float(amount)
+            except ValueError:
+                raise ConfigError(f"--logit-bias={value!r} must be ID=BIAS pairs, e.g. 50256=-100") from None
+    return bias
+
+
+def sampling_from_args(args: argparse.Namespace):
+    """:class:`dsi.SamplingParams` from the sampling and processing flags (a ConfigError names the value)."""
+    from dsi.sampling import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                          **processing_from_args(args))
+
+
+def processing_from_args(args: argparse.Namespace) -> dict:
+    """The :class:`dsi.SamplingParams` fields of :func:`add_processing_args`' flags."""
+    processing = dict(presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                      repetition_penalty=args.repetition_penalty, logit_bias=_logit_bias(args.logit_bias),
+                      min_p=args.min_p)
+    if hasattr(args, "min_tokens"):
+        processing.update(min_tokens=args.min_tokens, ignore_eos=args.ignore_eos,
+                          stop_token_ids=_id_list("--stop-token-ids", args.stop_token_ids))
+    return processing
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "generate", help="generate text with DSI (or SI / non-SI), streaming it as it is committed",
@@ -176,6 +244,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_model_args(p)
     add_engine_args(p)
     add_sampling_args(p)
+    add_processing_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object (token_ids, text, stats) instead of text")
     p.set_defaults(func=run_generate)
 
@@ -290,7 +359,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from dsi.models.loading import release
     from dsi.text import IncrementalDetokenizer
 
-    sampling = dsi.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    sampling = sampling_from_args(args)
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
     if args.method != "ar":

@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from dsi.cli.backend import hf_dtype
-from dsi.cli.generate import _load, add_model_args, target_servers
+from dsi.cli.generate import _load, add_model_args, add_processing_args, processing_from_args, target_servers
 from dsi.errors import ConfigError
 
 HF_DTYPE = "fp32"  # the hf backend's default here: exact equality needs no bf16 near-ties
@@ -55,6 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=4, help="top-k of the chi-square test (default 4)")
     p.add_argument("--alpha", type=float, default=1e-4, help="significance level (default 1e-4)")
     p.add_argument("--seed", type=int, default=0, help="first seed of the chi-square runs (default 0)")
+    add_processing_args(p, stopping=False)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     p.set_defaults(func=run_selftest_command)
 
@@ -68,6 +69,7 @@ def run_selftest_command(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, positions=args.positions, samples=args.samples,
         temperature=args.temperature, top_k=args.top_k, alpha=args.alpha, seed=args.seed,
         target_servers=tuple(urls) if (urls := target_servers(args)) else None,
+        **processing_from_args(args),
     )
     if args.prompts:
         check_input_file(args.prompts, "--prompts")

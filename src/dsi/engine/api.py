@@ -208,7 +208,12 @@ def make_request(
             _is_int(token) and 0 <= token < vocab_size,
             f"eos_token_id={eos_token_id!r} must be None, a token id or a list of token ids in [0, {vocab_size})",
         )
-    return Request(tuple(int(t) for t in tokens), max_new_tokens, sampling, frozenset(eos))
+    for what, ids in (("logit_bias", [t for t, _ in sampling.logit_bias]), ("stop_token_ids", sampling.stop_token_ids)):
+        outside = [t for t in ids if t >= vocab_size]
+        require(not outside, f"{what} names token id(s) {outside[:5]} outside the vocabulary [0, {vocab_size})")
+    # what ends generation: EOS (unless ignore_eos makes it an ordinary token) and the stop ids
+    stops = (frozenset() if sampling.ignore_eos else frozenset(eos)) | frozenset(sampling.stop_token_ids)
+    return Request(tuple(int(t) for t in tokens), max_new_tokens, sampling, stops)
 
 
 def run_once(

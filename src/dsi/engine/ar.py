@@ -40,13 +40,15 @@ class AutoregressiveDecoder:
             out.check_abort()
             params = request.sampling
             start = time.perf_counter()
-            row = forward_rows(self._session, out.tokens, 1, greedy=params.greedy, top=top_hint(params))[-1]  # greedy: an id; else [V]
+            # an argmax id where greedy decoding reads the raw row; else the row [V]
+            row = forward_rows(self._session, out.tokens, 1, greedy=params.raw_argmax, top=top_hint(params))[-1]
             elapsed = time.perf_counter() - start
             stats.target_busy_s += elapsed
             stats.completed_target_s += elapsed
             stats.target_forwards += 1
             stats.completed_target_forwards += 1
-            out.commit(int(row) if params.greedy else bonus(process_logits(row, params), params, len(out.tokens)))
+            out.commit(int(row) if params.raw_argmax else
+                       bonus(process_logits(row, params, request.prefix(out.tokens)), params, len(out.tokens)))
             stats.bonus_tokens += 1
         return GenerationResult(out.finalize(), stats)
 

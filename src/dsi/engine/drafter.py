@@ -27,8 +27,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from dsi.errors import ContextLengthError, DraftUnavailable, TaskCancelled
-from dsi.models.base import LanguageModel, check_sampling, context_limit, extend_rows, forward_rows, session_counters
-from dsi.sampling import SamplingParams, draft_from_logits
+from dsi.models.base import (
+    LanguageModel,
+    check_sampling,
+    context_limit,
+    drafts_ids_only,
+    extend_rows,
+    forward_rows,
+    session_counters,
+)
+from dsi.sampling import Prefix, SamplingParams, draft_from_logits
 from dsi.transport.liveness import HISTORY, LivenessPolicy
 
 log = logging.getLogger(__name__)
@@ -86,6 +94,7 @@ class _Job:
     sampling: SamplingParams
     eos_token_ids: frozenset[int]
     cancel: threading.Event
+    prompt_len: int = 0  # how much of the context is the prompt (penalties, min_tokens)
 
 
 class DraftWorker:
@@ -119,13 +128,15 @@ class DraftWorker:
         limit: int,
         sampling: SamplingParams,
         eos_token_ids: frozenset[int],
+        prompt_len: int = 0,
     ) -> None:
         """Abandon the current drafts and start drafting ``limit`` tokens after ``context`` (the
-        caller has capped ``limit`` at the drafter's room: :meth:`capped`)."""
+        caller has capped ``limit`` at the drafter's room: :meth:`capped`); the first ``prompt_len``
+        tokens of ``context`` are the request's prompt."""
         with self._cond:
             if self._job is not None:
                 self._job.cancel.set()
-            self._job = _Job(epoch, context, limit, sampling, eos_token_ids, threading.Event())
+            self._job = _Job(epoch, context, limit, sampling, eos_token_ids, threading.Event(), prompt_len)
             self._cond.notify()
 
     def stop(self) -> None:
@@ -204,18 +215,25 @@ class DraftWorker:
         limited = False
         try:
             if limit > 0:
-                # greedy: the session returns the argmax id only (taken where the logits are)
-                out = self._forward(lambda: forward_rows(session, job.context, 1, cancel, greedy=params.greedy)[-1])
+                # argmax ids only (taken where the logits are) where greedy decoding reads raw rows
+                ids_only = drafts_ids_only(self._model, params)
+                out = self._forward(lambda: forward_rows(session, job.context, 1, cancel, greedy=ids_only)[-1])
+                drafted: list[int] = []
                 while True:
                     position = len(job.context) + count
-                    token, q = (int(out), None) if params.greedy else draft_from_logits(out, params, position)
+                    if ids_only:
+                        token, q = int(out), None
+                    else:
+                        prefix = Prefix((*job.context, *drafted), job.prompt_len, job.eos_token_ids)
+                        token, q = draft_from_logits(out, params, position, prefix)
+                    drafted.append(token)
                     if cancel.is_set():
                         raise TaskCancelled("drafts abandoned")
                     self._on_event(Draft(job.epoch, count, token, q))
                     count += 1
                     if count >= limit or token in job.eos_token_ids:
                         break
-                    out = self._forward(lambda: extend_rows(session, [token], cancel, 1, params.greedy)[-1])
+                    out = self._forward(lambda: extend_rows(session, [token], cancel, 1, ids_only)[-1])
         except ContextLengthError as exc:  # a declared limit reached: no more drafts, not a failure
             log.debug("drafter stopped after %d drafts at its context limit: %s", count, exc)
             limited = True

@@ -269,7 +269,8 @@ class _DSIRun:
         if drafts < self.limit:
             self._count_context_limited()
         if drafts > 0:
-            self.drafter.restart(self.epoch, self.base, drafts, self.request.sampling, self.request.eos_token_ids)
+            self.drafter.restart(self.epoch, self.base, drafts, self.request.sampling, self.request.eos_token_ids,
+                                 len(self.request.prompt))
         else:  # no room for even one draft: no prefill; every position is the target's own token
             self.drafter.stop()
             self.drafter_done = True
@@ -291,7 +292,8 @@ class _DSIRun:
         self.stats.verify_tasks += 1
         if self.decoder.trace is not None:
             self.decoder.trace.append(("submit", task_id, context))
-        self.pool.submit(VerifyTask(task_id, context, last - first + 1, self.request.sampling))
+        self.pool.submit(VerifyTask(task_id, context, last - first + 1, self.request.sampling,
+                                    len(self.request.prompt), self.request.eos_token_ids))
 
     def horizon(self) -> int:
         """The last relative position that may still need deciding in this epoch."""

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from dsi.engine.stats import GenerationStats
 from dsi.errors import DSIError
-from dsi.sampling import SamplingParams
+from dsi.sampling import Prefix, SamplingParams
 
 TokenCallback = Callable[[list[int]], None]
 
@@ -39,6 +39,10 @@ class Request:
     max_new_tokens: int
     sampling: SamplingParams = SamplingParams()
     eos_token_ids: frozenset[int] = frozenset()  # any of these, committed by the target, ends it
+
+    def prefix(self, tokens: Sequence[int]) -> Prefix:
+        """What the logit processors see before a row that follows ``tokens`` (prompt included)."""
+        return Prefix(tokens, len(self.prompt), self.eos_token_ids)
 
 
 class Output:

@@ -29,13 +29,14 @@ from dsi.models.base import (
     LanguageModel,
     check_sampling,
     counter_changes,
+    drafts_ids_only,
     extend_rows,
     forward_rows,
     session_counters,
     top_hint,
 )
 from dsi.models.determinism import start_fresh_unless_deterministic
-from dsi.sampling import bonus, decide, decide_greedy, draft_from_logits, process_logits
+from dsi.sampling import bonus, decide, decide_greedy, draft_from_logits, process_rows
 
 
 class SpeculativeDecoder:
@@ -78,9 +79,11 @@ class SpeculativeDecoder:
             if limited or count < wanted:
                 stats.extra["drafter_context_limited"] = stats.extra.get("drafter_context_limited", 0) + 1
             start = time.perf_counter()
-            # greedy: the target's argmax ids [kk+1]; sampling: its logit rows [kk+1, V]
-            rows = forward_rows(self._target, base + tuple(drafts), len(drafts) + 1, greedy=params.greedy,
-                                top=top_hint(params))
+            # greedy on raw rows: the target's argmax ids [kk+1]; otherwise its processed rows [kk+1, V]
+            context = base + tuple(drafts)
+            rows = forward_rows(self._target, context, len(drafts) + 1, greedy=params.raw_argmax, top=top_hint(params))
+            if not params.raw_argmax:
+                rows = process_rows(rows, params, context, len(request.prompt), request.eos_token_ids)
             elapsed = time.perf_counter() - start
             stats.target_busy_s += elapsed
             stats.completed_target_s += elapsed
@@ -88,10 +91,10 @@ class SpeculativeDecoder:
             stats.completed_target_forwards += 1
             stats.verify_tasks += 1
             for i, x in enumerate(drafts):
-                if params.greedy:
+                if params.raw_argmax:
                     decision = decide_greedy(rows[i], x)
                 else:
-                    decision = decide(process_logits(rows[i], params), x, qs[i], params, len(out.tokens))
+                    decision = decide(rows[i], x, qs[i], params, len(out.tokens))
                 out.commit(decision.token)
                 if decision.accepted:
                     stats.accepted_tokens += 1
@@ -101,7 +104,7 @@ class SpeculativeDecoder:
                     break
             else:  # every draft accepted: the extra row gives a bonus token
                 last = rows[len(drafts)]
-                out.commit(int(last) if params.greedy else bonus(process_logits(last, params), params, len(out.tokens)))
+                out.commit(int(last) if params.raw_argmax else bonus(last, params, len(out.tokens)))
                 stats.bonus_tokens += 1
 
     def _draft(
@@ -118,18 +121,20 @@ class SpeculativeDecoder:
         start = time.perf_counter()
         try:
             stats.drafter_forwards += 1
-            out = forward_rows(self._drafter, base, 1, greedy=params.greedy)[-1]  # greedy: an id; else [V]
+            ids_only = drafts_ids_only(self._drafter_model, params)
+            out = forward_rows(self._drafter, base, 1, greedy=ids_only)[-1]  # an id, or a row [V]
             while True:
-                if params.greedy:
+                if ids_only:
                     token, q = int(out), None
                 else:
-                    token, q = draft_from_logits(out, params, len(base) + len(drafts))
+                    context = base + tuple(drafts)
+                    token, q = draft_from_logits(out, params, len(context), request.prefix(context))
                 drafts.append(token)
                 qs.append(q)
                 if len(drafts) >= count or token in request.eos_token_ids:
                     break
                 stats.drafter_forwards += 1
-                out = extend_rows(self._drafter, [token], None, 1, params.greedy)[-1]
+                out = extend_rows(self._drafter, [token], None, 1, ids_only)[-1]
         except ContextLengthError:  # the drafter's declared limit: no more drafts this iteration
             limited = True
         except DraftUnavailable:  # nothing to propose here (a drafter of another vocabulary): no more drafts now

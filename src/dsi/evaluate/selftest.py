@@ -15,6 +15,10 @@ Two checks, on the user's own target and drafter (any :class:`~dsi.models.base.L
    the test is deterministic: a correct engine passes every time, a biased one fails every time.
    Two tokens exercise both the zero-draft window (first token) and a draft window (second).
 
+Both checks apply the config's logit processors (penalties, ``logit_bias``, ``min_p``) when set:
+greedy equality then holds for the processed argmax, and the law is the processed target law
+(the second token's row counts the first as output).
+
 It also reports acceptance rates and the measured wall-time speedups of SI and DSI over
 non-SI on the greedy prompts. Nothing here knows about torch or the CLI.
 """
@@ -32,7 +36,7 @@ import numpy as np
 from dsi.engine.api import build_decoder, make_request
 from dsi.errors import ConfigError, require
 from dsi.models.base import LanguageModel, forward_rows
-from dsi.sampling import SamplingParams, process_logits
+from dsi.sampling import Prefix, SamplingParams, process_logits
 
 METHOD_LABELS = {"ar": "non-SI", "si": "SI", "dsi": "DSI"}
 
@@ -50,6 +54,12 @@ class SelftestConfig:
     alpha: float = 1e-4
     seed: int = 0  # the chi-square runs use seeds seed, seed + 1, ..., seed + samples - 1
     target_servers: tuple[str, ...] | None = None  # SI and DSI verify on these engines; non-SI and the law stay local
+    # logit processors of every check (greedy and chi-square), as in dsi.SamplingParams
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("lookahead", "num_target_servers", "max_new_tokens", "samples"):
@@ -59,10 +69,20 @@ class SelftestConfig:
         require(self.temperature > 0, f"temperature={self.temperature!r} must be > 0 (the test samples)")
         require(isinstance(self.top_k, int) and self.top_k >= 1, f"top_k={self.top_k!r} must be >= 1")
         require(0 < self.alpha < 1, f"alpha={self.alpha!r} must be in (0, 1)")
+        object.__setattr__(self, "logit_bias", SamplingParams(logit_bias=self.logit_bias).logit_bias)  # validated
+        self.sampling  # noqa: B018 - validates the processors, naming a bad value
+
+    @property
+    def processing(self) -> dict:
+        return dict(presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                    repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias, min_p=self.min_p)
 
     @property
     def sampling(self) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_k=self.top_k, seed=self.seed)
+        return self.sampling_for(self.seed)
+
+    def sampling_for(self, seed: int) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, seed=seed, **self.processing)
 
 
 @dataclass
@@ -168,11 +188,12 @@ def _target_row(session, context: Sequence[int]) -> np.ndarray:
 def exact_two_token_law(target: LanguageModel, prefix: Sequence[int], params: SamplingParams) -> dict:
     """``{(t1, t2): P}`` of the target's next two tokens after ``prefix`` under ``params``."""
     session = target.new_session()
-    try:
-        p1 = process_logits(_target_row(session, prefix), params)  # [V]
+    try:  # the prefix is the prompt of the runs tested: penalties count the output after it
+        p1 = process_logits(_target_row(session, prefix), params, Prefix(prefix, len(prefix)))  # [V]
         law = {}
         for t1 in np.flatnonzero(p1):
-            p2 = process_logits(_target_row(session, [*prefix, int(t1)]), params)  # [V]
+            context = [*prefix, int(t1)]
+            p2 = process_logits(_target_row(session, context), params, Prefix(context, len(prefix)))  # [V]
             for t2 in np.flatnonzero(p2):
                 law[(int(t1), int(t2))] = float(p1[t1] * p2[t2])
         return law
@@ -201,7 +222,7 @@ def run_selftest(
     require(len(prompts) > 0, "selftest needs at least one prompt")
     report = SelftestReport(config)
     say = progress or (lambda _msg: None)
-    greedy = SamplingParams()
+    greedy = SamplingParams(**config.processing)
     vocab = target.vocab_size
     decoders = {m: build_decoder(target=target, drafter=drafter, method=m, lookahead=config.lookahead,
                                  num_target_servers=config.num_target_servers, transport=config.transport,
@@ -246,7 +267,7 @@ def run_selftest(
             law = exact_two_token_law(target, prefix, config.sampling)
             observed: Counter = Counter()
             for s in range(config.samples):
-                params = SamplingParams(temperature=config.temperature, top_k=config.top_k, seed=config.seed + s)
+                params = config.sampling_for(config.seed + s)
                 result = dsi.generate(make_request(prefix, 2, params, None, vocab))
                 observed[tuple(result.tokens)] += 1
                 accepted += result.stats.accepted_tokens

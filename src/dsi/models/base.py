@@ -206,9 +206,19 @@ def greedy_guess(session: ModelSession, context: Sequence[int]) -> int:
 
 
 def top_hint(sampling: Any) -> int | None:
-    """The ``top`` a caller sampling with ``sampling`` reads of each row: its top_k, or None (all)."""
+    """The ``top`` a caller sampling with ``sampling`` reads of each row: its top_k, or None (all;
+    also when penalties, bias or min_tokens may lift a token from outside the raw top_k)."""
     top_k = getattr(sampling, "top_k", 0)
+    if getattr(sampling, "moves_argmax", False):
+        return None
     return top_k if isinstance(top_k, int) and top_k >= 1 else None
+
+
+def drafts_ids_only(model: object, sampling: Any) -> bool:
+    """Whether the drafter ``model`` is asked for argmax ids (``greedy`` rows) rather than logit rows:
+    for greedy decoding on raw rows, and for any greedy request to a drafter that proposes ids only
+    (a drafter of another vocabulary in string mode; its raw proposals are verified like any draft)."""
+    return bool(sampling.raw_argmax or (sampling.greedy and getattr(model, "proposes_only_ids", False)))
 
 
 def check_sampling(model: object, sampling: Any) -> None:

@@ -127,9 +127,17 @@ class CrossVocabularyDrafter:
         """Refuse a request this drafter cannot serve exactly (string mode needs greedy decoding)."""
         check_mode_sampling(self.mode, params)
 
+    @property
+    def proposes_only_ids(self) -> bool:
+        """String mode proposes target ids, not rows: greedy requests draft its raw proposals
+        (:func:`dsi.models.base.drafts_ids_only`); ``auto`` gives rows when asked for them."""
+        return self.mode == "string"
+
     def request_info(self, params: Any) -> dict:
-        """What the stats of a request report about the translation."""
-        return {"vocab_mode": self.mode_for(params.greedy), "vocab_intersection": self.intersection.size}
+        """What the stats of a request report about the translation (``auto``: string mode where
+        greedy drafting reads argmax ids, intersection rows where the drafts are processed)."""
+        ids_only = params.raw_argmax or (params.greedy and self.proposes_only_ids)
+        return {"vocab_mode": self.mode_for(ids_only), "vocab_intersection": self.intersection.size}
 
     def __repr__(self) -> str:
         return (f"CrossVocabularyDrafter({self.drafter!r}, mode={self.mode!r}, "

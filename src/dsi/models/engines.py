@@ -400,10 +400,15 @@ class EngineTarget:
     # ---- what the engines can serve exactly -----------------------------------------------------
     def check_sampling(self, params: Any) -> None:
         """Refuse a request whose processed law the engines' answers would not determine."""
-        if params.greedy:
+        if params.raw_argmax:
             return
         partial = [e.url for e in self.engines.values() if not e.full_rows]
-        if partial and params.top_k == 0:
+        if partial and params.moves_argmax:
+            raise ConfigError(
+                f"penalties, logit_bias or min_tokens over target server(s) {', '.join(partial)} are not exact: they "
+                "return only the top log-probabilities of a row, and processing may lift a token from below them. "
+                "Start them with --max-logprobs -1 (the whole vocabulary)")
+        if partial and not params.greedy and params.top_k == 0:
             raise ConfigError(
                 f"sampling with top_k=0 over target server(s) {', '.join(partial)} is not exact: they return only "
                 "the top log-probabilities of a row. Set top_k (it then asks for exactly top_k of them), or start "

@@ -286,7 +286,8 @@ class Job:
             return scored, None, None
         params = self.request.sampling
         last = rows[-1]
-        token = int(np.argmax(last)) if params.greedy else bonus(process_logits(last, params), params, len(prompt))
+        token = (int(np.argmax(last)) if params.raw_argmax else
+                 bonus(process_logits(last, params, self.request.prefix(prompt)), params, len(prompt)))
         stats = GenerationStats(method=slot.decoder.method)
         stats.target_forwards = stats.completed_target_forwards = stats.bonus_tokens = 1
         self._on_tokens([token])

@@ -37,12 +37,18 @@ from dsi.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     load_json,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_STOP_TOKEN_IDS,
     unsupported_option,
     validate_request,
 )
 
 
-MAX_OPTION_NUMBERS = 64  # numbers a body may hold besides its token ids
+# numbers a body may hold besides its token ids: the options, a full logit_bias and stop_token_ids
+MAX_OPTION_NUMBERS = 64 + MAX_LOGIT_BIAS_ENTRIES + MAX_STOP_TOKEN_IDS
+# SamplingParams' logit processors a request may set (None: not sent)
+_PROCESSING = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "min_tokens",
+               "stop_token_ids", "ignore_eos")
 
 
 @dataclass(frozen=True)
@@ -182,15 +188,17 @@ class Preparer:
         top_k = c.top_k if req.top_k is None else max(0, req.top_k)
         seed = req.seed if req.seed is not None else (c.seed if c.seed is not None else secrets.randbits(63))
         try:
+            processing = {name: getattr(req, name) for name in _PROCESSING if getattr(req, name) is not None}
             params = SamplingParams(
                 temperature=c.temperature if req.temperature is None else float(req.temperature),
-                top_k=top_k, top_p=c.top_p if req.top_p is None else float(req.top_p), seed=seed,
+                top_k=top_k, top_p=c.top_p if req.top_p is None else float(req.top_p), seed=seed, **processing,
             )
             if self.check_sampling is not None:
                 self.check_sampling(params)
             return params
         except ConfigError as exc:
-            raise APIError(422, str(exc), code="invalid_value") from exc
+            param = next((name for name in _PROCESSING if str(exc).startswith(name)), None)
+            raise APIError(422, str(exc), param=param, code="invalid_value") from exc
 
     def _prepared(self, req: Any, ids: list[int], max_tokens: int | None, param: str, prompt_param: str,
                   echo: str) -> Prepared:
@@ -207,6 +215,9 @@ class Preparer:
         try:
             request = make_request(ids, max_tokens, sampling, self.codec.eos_token_ids or None, self.vocab_size)
         except ConfigError as exc:
+            option = next((name for name in ("logit_bias", "stop_token_ids") if str(exc).startswith(name)), None)
+            if option is not None:  # a token id outside the vocabulary
+                raise APIError(400, str(exc), param=option, code="invalid_value") from exc
             raise APIError(400, str(exc), param=prompt_param, code="invalid_prompt") from exc
         return Prepared(request, stop=req.stop_strings(), stream=req.stream, include_usage=req.include_usage(),
                         echo=echo)

@@ -4,7 +4,7 @@ Requests are parsed from the raw body with :func:`parse_request` (:func:`load_js
 :func:`validate_request` in strict mode: ``"3"`` is not an integer, ``true`` is not a number)
 and forbid unknown fields: an option we do not
 implement is a 400 naming it, never a silent ignore. Options of the OpenAI API that we support
-only at their default value (``n``, ``best_of``, ``logprobs``, penalties, ...) are declared and
+only at their default value (``n``, ``best_of``, ``logprobs``, ...) are declared and
 checked by :func:`unsupported_option`. Responses follow the OpenAI objects and add a ``dsi``
 object with the run's speculation statistics.
 
@@ -25,6 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 MAX_SEED = 2**63 - 1
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1000  # text that could begin a stop string is held back and searched at each token
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_STOP_TOKEN_IDS = 64
 
 
 class APIError(Exception):
@@ -76,11 +78,18 @@ class _GenerationRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user identifier; it does not change generation
+    # logit processing (dsi.sampling.SamplingParams: exact under speculation)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = None  # token id (as a string, JSON's keys) -> bias in [-100, 100]
+    # vLLM's extensions
+    repetition_penalty: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0, allow_inf_nan=False)
+    min_tokens: int | None = Field(default=None, ge=0)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
     # supported only at their default value (see unsupported_option)
     n: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -92,6 +101,22 @@ class _GenerationRequest(_Strict):
             raise ValueError("stop strings must not be empty")
         if any(len(s) > MAX_STOP_CHARS for s in stops):
             raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value is not None and len(value) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS_ENTRIES} logit_bias entries are allowed, got {len(value)}")
+        return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _check_stop_token_ids(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and len(value) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(value)}")
+        if value is not None and any(t < 0 for t in value):
+            raise ValueError("stop_token_ids must be token ids (integers >= 0)")
         return value
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -290,11 +315,6 @@ def unsupported_option(request: _GenerationRequest) -> APIError | None:
     """A 400 for an OpenAI option set to a value dsi serve does not implement, else None."""
     checks: list[tuple[str, bool, str]] = [
         ("n", request.n not in (None, 1), "n > 1 is not supported: one choice per request"),
-        ("presence_penalty", request.presence_penalty not in (None, 0.0),
-         "presence_penalty is not supported (it would change the target's distribution)"),
-        ("frequency_penalty", request.frequency_penalty not in (None, 0.0),
-         "frequency_penalty is not supported (it would change the target's distribution)"),
-        ("logit_bias", bool(request.logit_bias), "logit_bias is not supported"),
     ]
     if isinstance(request, CompletionRequest):
         checks += [

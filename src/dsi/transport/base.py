@@ -34,6 +34,8 @@ class VerifyTask:
     context: tuple[int, ...]
     num_rows: int
     sampling: SamplingParams
+    prompt_len: int = 0  # how much of ``context`` is the request's prompt (penalties, min_tokens)
+    stop_ids: frozenset[int] = frozenset()  # the ids that end the request (min_tokens holds them back)
 
 
 @dataclass(frozen=True)

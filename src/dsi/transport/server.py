@@ -2,7 +2,7 @@
 
 It brings the server's session to the task's context (reusing the longest common prefix of its
 KV cache), runs one forward over the rest, and turns the logit rows into what the orchestrator
-needs: argmax tokens always, processed probability rows only when sampling.
+needs: argmax tokens (of the processed rows) always, processed probability rows only when sampling.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 from dsi.models.base import CancelFlag, ModelSession, forward_rows, top_hint
-from dsi.sampling import process_logits
+from dsi.sampling import process_rows
 from dsi.transport.base import TaskResult, VerifyTask
 
 
@@ -21,11 +21,14 @@ def run_verify_task(
 ) -> TaskResult:
     """Compute ``task`` on ``session``; raises ``TaskCancelled`` if ``cancel`` fires."""
     start = time.perf_counter()
-    if task.sampling.greedy:  # only the argmax ids leave the model (on a GPU: only they cross to the host)
+    params = task.sampling
+    if params.raw_argmax:  # only the argmax ids leave the model (on a GPU: only they cross to the host)
         tokens = forward_rows(session, task.context, task.num_rows, cancel, greedy=True)  # [num_rows]
         probs = None
     else:
-        logits = forward_rows(session, task.context, task.num_rows, cancel, top=top_hint(task.sampling))  # [num_rows, V]
-        probs = np.stack([process_logits(row, task.sampling) for row in logits])  # [num_rows, V]
+        logits = forward_rows(session, task.context, task.num_rows, cancel, top=top_hint(params))  # [num_rows, V]
+        probs = process_rows(logits, params, task.context, task.prompt_len, task.stop_ids)  # [num_rows, V]
         tokens = np.argmax(probs, axis=-1).astype(np.int64)
+        if params.greedy:  # one-hot rows: their argmax ids say everything
+            probs = None
     return TaskResult(task.task_id, server_id, tokens, probs, time.perf_counter() - start)

@@ -120,3 +120,27 @@ def test_read_prompts(tmp_path):
     path = tmp_path / "prompts.txt"
     path.write_text('def f():\n\n"def g():\\n    return"\nplain "quoted" words\n', encoding="utf-8")
     assert read_prompts(str(path)) == ["def f():", "def g():\n    return", 'plain "quoted" words']
+
+
+PROCESSING = ["--presence-penalty", "1.5", "--repetition-penalty", "1.3", "--logit-bias", "5=0.05,9=-0.05"]
+
+
+def test_selftest_checks_the_processed_law_with_penalties_and_bias(capsys, pair):
+    code, doc = selftest(capsys, pair, *PROCESSING)
+    assert code == 0 and doc["passed"], doc["failures"]
+    assert doc["config"]["presence_penalty"] == 1.5 and doc["config"]["logit_bias"] == [[5, 0.05], [9, -0.05]]
+
+
+def test_selftest_fails_when_verification_rows_ignore_the_penalties(capsys, pair, monkeypatch):
+    import dsi.transport.server as server
+
+    real = server.process_rows
+
+    def without_the_output(logits, params, tokens, prompt_len, stop_ids=frozenset()):
+        return real(logits, params, tokens, len(tokens), stop_ids)  # as if nothing had been generated
+
+    monkeypatch.setattr(server, "process_rows", without_the_output)
+    code, doc = selftest(capsys, pair, "--presence-penalty", "1.5")  # the rows lose it (repetition would not)
+    assert code == 1
+    failed = [c["name"] for c in doc["checks"] if not c["passed"]]
+    assert any("chi-square" in name for name in failed) or "greedy DSI == non-SI" in failed

@@ -330,6 +330,21 @@ def test_auto_mode_samples_through_the_intersection_and_greedy_through_text(meth
     assert len(outputs) == 1, outputs
 
 
+@pytest.mark.parametrize("mode, drafted_as", [("auto", "intersection"), ("string", "string"),
+                                              ("intersection", "intersection")])
+@pytest.mark.parametrize("method, lookahead", [("si", 2), ("dsi", "auto")])
+def test_greedy_with_penalties_across_vocabularies_equals_non_si(mode, drafted_as, method, lookahead, no_thread_leak):
+    """Processed greedy rows: ``auto`` drafts from intersection rows processed alike (rows, not
+    argmax ids, are asked for), string mode from its raw proposals; both equal non-SI's tokens."""
+    target, wrapped = written_pair(mode)
+    params = SamplingParams(presence_penalty=1.0, repetition_penalty=1.5, logit_bias={2: 0.5})
+    ref = dsi.generate(target=target, prompt=[0, 3], method="ar", max_new_tokens=12, sampling=params).tokens
+    assert ref != dsi.generate(target=target, prompt=[0, 3], method="ar", max_new_tokens=12).tokens
+    out = dsi.generate(target=target, drafter=wrapped, prompt=[0, 3], method=method, lookahead=lookahead,
+                       max_new_tokens=12, sampling=params)
+    assert out.tokens == ref and out.stats.extra["vocab_mode"] == drafted_as
+
+
 # ---- cancellation ------------------------------------------------------------------------------------------
 
 

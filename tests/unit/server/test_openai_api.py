@@ -217,6 +217,50 @@ def test_metrics_series_track_one_request_exactly(server, client):
     assert after[("dsi_engine_slots", ())] == 4
 
 
+# each processor as the openai client sends it, and the dsi generate flags of the same request (after
+# the flags of the request without it)
+SEEDED = ["--temperature", "1", "--seed", "3"]
+PROCESSED = {
+    "presence_penalty": (dict(presence_penalty=1.5), [], ["--presence-penalty", "1.5"]),
+    "frequency_penalty": (dict(frequency_penalty=1.2), [], ["--frequency-penalty", "1.2"]),
+    "logit_bias": (dict(logit_bias={"17": 8.0, "42": 6.0}), [], ["--logit-bias", "17=8,42=6"]),
+    "repetition_penalty": (dict(extra_body={"repetition_penalty": 1.6}), [], ["--repetition-penalty", "1.6"]),
+    "min_p": (dict(temperature=1.0, seed=3, extra_body={"min_p": 0.9}), SEEDED, ["--min-p", "0.9"]),
+    # the bias makes the stop id likely at once: min_tokens holds it back for 3 tokens
+    "min_tokens and stop_token_ids": (dict(logit_bias={"17": 8.0}, extra_body={"min_tokens": 3, "stop_token_ids": [17]}),
+                                      ["--logit-bias", "17=8"], ["--min-tokens", "3", "--stop-token-ids", "17"]),
+    "ignore_eos": (dict(extra_body={"ignore_eos": True}), [], ["--ignore-eos"]),
+}
+
+
+@pytest.mark.parametrize("field", list(PROCESSED))
+@pytest.mark.parametrize("stream", [False, True])
+def test_each_logit_processor_through_the_openai_client_equals_dsi_generate(client, capsys, tiny_dirs, field, stream):
+    options, base, flags = PROCESSED[field]
+    prompt = "def fibonacci(n):"
+    ref = generate_json(capsys, tiny_dirs, "--prompt", prompt, "--max-new-tokens", "10", *base, *flags)
+    without = generate_json(capsys, tiny_dirs, "--prompt", prompt, "--max-new-tokens", "10", *base)
+    if field != "ignore_eos":  # the tiny model writes no EOS in 10 tokens: ignore_eos changes nothing here
+        assert ref["token_ids"] != without["token_ids"], "the processor changes the output"
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=10, **{"temperature": 0, **options})
+    if stream:
+        text, [finish], _ = streamed_text(client.completions.create(**kwargs, stream=True))
+    else:
+        r = client.completions.create(**kwargs)
+        text, finish = r.choices[0].text, r.choices[0].finish_reason
+    assert text == ref["text"] and finish == ref["finish_reason"]
+    if field == "min_tokens and stop_token_ids":
+        assert len(ref["token_ids"]) == 4 and ref["token_ids"][-1] == 17 and ref["finish_reason"] == "stop"
+
+
+def test_chat_takes_the_processors_too(client, capsys, tiny_dirs):
+    ref = generate_json(capsys, tiny_dirs, "--prompt", "hello", "--chat", "--max-new-tokens", "8",
+                        "--presence-penalty", "2", "--logit-bias", "42=5")
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=8,
+                                       temperature=0, presence_penalty=2, logit_bias={"42": 5})
+    assert r.choices[0].message.content == ref["text"]
+
+
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
@@ -242,6 +286,17 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
     ("/v1/chat/completions", {"messages": []}, 422, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 422, "messages.0.role"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, 422, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "frequency_penalty": -3}, 422, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, 422, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "x", "min_p": 1.5}, 422, "min_p"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": -1}, 422, "min_tokens"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 150}}, 422, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"five": 1}}, 422, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [99999]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [-1]}, 422, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "x", "ignore_eos": "yes"}, 422, "ignore_eos"),
 ])
 def test_bad_requests_get_openai_errors_naming_the_field(server, path, body, status, param):
     url, _ = server
