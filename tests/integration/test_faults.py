@@ -33,7 +33,9 @@ from tests.fault_models import FAULTS, VOCAB, fault_prompt, faulty_target
 from tests.transport_support import dsi_children, ray_cluster, wait_gone
 
 TRANSPORTS = ["threads", "processes", pytest.param("ray", marks=pytest.mark.ray)]
-LIVENESS = {"floor_s": 1.0, "factor": 5.0, "unmeasured_s": 5.0}
+# a short deadline, but not so short that a healthy Ray actor stalled by a loaded 2-core machine
+# (1.2 s once, in a full run) is taken for a frozen one
+LIVENESS = {"floor_s": 2.5, "factor": 5.0, "unmeasured_s": 5.0}
 BOUND_S = 30.0  # a request's answer (output or error) comes within this, or it hung
 NEW_TOKENS = 24
 GREEDY = SamplingParams()
@@ -168,7 +170,7 @@ def test_a_fault_gets_a_bounded_answer_and_the_decoder_serves_on(rig, fault, cap
     else:
         assert isinstance(error, WorkerError), f"{fault}: expected a WorkerError, got {error!r} / {result!r}"
         assert expected in str(error), f"{fault}: {error}"
-    # promptly: faults are seen at once; a frozen server at its liveness deadline (about 1 s here)
+    # promptly: faults are seen at once; a frozen server at its liveness deadline (about 2.5 s here)
     assert seconds < 15.0, f"{fault}: the answer took {seconds:.1f} s"
     rig.check_next_request()
 

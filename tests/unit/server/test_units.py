@@ -90,7 +90,6 @@ def test_chat_message_errors_name_the_nested_field():
     (b'{"prompt": "x", "best_of": 2}', "best_of"),
     (b'{"prompt": "x", "logprobs": 1}', "logprobs"),
     (b'{"prompt": "x", "suffix": "y"}', "suffix"),
-    (b'{"prompt": "x", "presence_penalty": 0.5}', "presence_penalty"),
     (b'{"prompt": ["a", "b"]}', "prompt"),
 ])
 def test_unsupported_options_are_400(body, param):
