@@ -128,6 +128,8 @@ def generate(
     drafter_tokenizer: object = None,
     deterministic: bool | None = None,
     target_servers: object = None,
+    logprobs: int | None = None,
+    logprobs_mode: str = "raw",
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt`` with non-SI, SI, DSI or ``"auto"``.
 
@@ -137,7 +139,10 @@ def generate(
     token as it is committed (streaming). ``lookahead="auto"`` gives DSI event-driven windows
     (see :func:`build_decoder`, also for ``vocab_mode`` and a drafter with another tokenizer).
     Workers are started for this call and stopped before it returns; use :func:`build_decoder`
-    to keep them across calls.
+    to keep them across calls. ``logprobs`` (N >= 0): the result's ``logprobs`` hold each new
+    token's log-probability and the N most likely tokens of the row that decided it, the numbers
+    non-SI reports (``logprobs_mode`` ``"raw"``, vLLM's default, or ``"processed"``: :mod:`dsi.logprobs`);
+    ``on_tokens`` then also gets them.
     """
     decoder = build_decoder(
         target=target, drafter=drafter, method=method, lookahead=lookahead, num_target_servers=num_target_servers,
@@ -146,4 +151,5 @@ def generate(
         drafter_tokenizer=drafter_tokenizer, deterministic=deterministic, target_servers=target_servers,
     )
     return engine.run_once(decoder, prompt, max_new_tokens, vocab_size=target.vocab_size, sampling=sampling,
-                           eos_token_id=eos_token_id, on_tokens=on_tokens, abort=abort)
+                           eos_token_id=eos_token_id, on_tokens=on_tokens, abort=abort, logprobs=logprobs,
+                           logprobs_mode=logprobs_mode)

@@ -245,17 +245,25 @@ def process_rows(logits: np.ndarray, params: SamplingParams, tokens: Sequence[in
     ``[n, V]``; row j follows ``tokens[: len(tokens) - n + 1 + j]``), counting the output once and
     adding one token per row. Returns ``[n, V]`` float64 probabilities."""
     rows = np.asarray(logits, dtype=np.float64)  # [n, V]
-    n = rows.shape[0]
     if not params.uses_prefix:
         return np.stack([process_logits(row, params) for row in rows])
+    return np.stack([_distribution(row, params) for row in shape_rows(rows, params, tokens, prompt_len, stop_ids)])
+
+
+def shape_rows(logits: np.ndarray, params: SamplingParams, tokens: Sequence[int], prompt_len: int,
+               stop_ids: frozenset[int] = frozenset()) -> np.ndarray:
+    """:func:`shape_logits` of the last ``n`` rows of a forward over ``tokens`` (as in
+    :func:`process_rows`): ``[n, V]`` float64 logits after the processors that precede temperature."""
+    rows = np.asarray(logits, dtype=np.float64)  # [n, V]
+    n = rows.shape[0]
     first = len(tokens) - n + 1  # the prefix length of row 0
-    counts = _Counts(tokens[:first], prompt_len, rows.shape[1])
+    counts = _Counts(tokens[:first], prompt_len, rows.shape[1]) if params.uses_prefix else None
     out = np.empty_like(rows)
     for j in range(n):
-        if j:
+        if j and counts is not None:
             counts.add(tokens[first + j - 1])
         check_logit_row(rows[j])
-        out[j] = _distribution(_shape(rows[j], params, counts, stop_ids), params)
+        out[j] = _shape(rows[j], params, counts, stop_ids)
     return out
 
 

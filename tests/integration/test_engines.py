@@ -180,6 +180,13 @@ def test_processed_rows_over_engines_give_the_local_tokens(engines, local, promp
                                                                                  top_k=params.top_k, seed=params.seed)},
                                        num_target_servers=2).tokens
     assert dsi.generate(target_servers=urls, **kwargs).tokens == here.tokens
+    # logprobs from the engines' whole rows: the local numbers (float32 rows over HTTP)
+    there = dsi.generate(target_servers=urls, logprobs=3, **kwargs)
+    local = dsi.generate(num_target_servers=2, logprobs=3, **kwargs)
+    assert there.tokens == local.tokens
+    for a, b in zip(there.logprobs, local.logprobs, strict=True):
+        assert a.token == b.token and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert [i for i, _ in a.top] == [i for i, _ in b.top]
 
 
 def test_the_law_rebuilt_from_an_engines_rows_is_the_local_law(dsi_engines, local, prompts):
@@ -214,6 +221,9 @@ def test_sampling_an_engine_cannot_determine_is_refused_before_it_starts(dirs, l
         with pytest.raises(ConfigError, match=r"top_k=0 .* not exact.* top_k.*--max-logprobs -1"):
             dsi.generate(target=target, drafter=drafter, prompt=prompts[0], method="dsi", max_new_tokens=4,
                          sampling=SamplingParams(temperature=1.0, seed=0), target_servers=urls)
+        with pytest.raises(ConfigError, match=r"logprobs over target server\(s\) .* need whole rows.*--max-logprobs -1"):
+            dsi.generate(target=target, drafter=drafter, prompt=prompts[0], method="dsi", max_new_tokens=4,
+                         logprobs=2, target_servers=urls)
         for processed in (SamplingParams(presence_penalty=0.5), SamplingParams(temperature=1.0, top_k=4, logit_bias={1: 2})):
             # a penalty or bias may lift a token from below the top the engine returns: whole rows only
             with pytest.raises(ConfigError, match=r"penalties, logit_bias or min_tokens .* not exact.*--max-logprobs -1"):

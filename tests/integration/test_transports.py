@@ -89,6 +89,24 @@ def test_synthetic_same_tokens_as_threads(transport, servers, lookahead, synthet
     assert not dsi_children()
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_logprobs_from_remote_servers_equal_those_of_threads(transport, no_thread_leak):
+    """The log-probability rows travel with the verification results: the same numbers as threads."""
+    use(transport)
+    target, drafter = synthetic()
+    runs = {}
+    for name in ("threads", transport):
+        decoder = dsi.build_decoder(target=target, drafter=drafter, lookahead=3, num_target_servers=2, transport=name)
+        try:
+            request = make_request(PROMPT, 24, PARAMS["sampling, processed"], None, target.vocab_size, logprobs=3,
+                                   logprobs_mode="processed")
+            runs[name] = decoder.generate(request)
+        finally:
+            decoder.close()
+    assert runs[transport].tokens == runs["threads"].tokens
+    assert runs[transport].logprobs == runs["threads"].logprobs and len(runs["threads"].logprobs) == 24
+
+
 # ---- a tiny random Llama pair, re-loaded from disk by every process / actor --------------------------------
 @pytest.fixture(scope="module")
 def llama_pair(tmp_path_factory):

@@ -12,7 +12,7 @@ HEAVY = ("torch", "transformers", "ray", "fastapi", "uvicorn", "llama_cpp")
 
 @pytest.mark.parametrize(
     "module",
-    ["dsi", "dsi.api", "dsi.engine", "dsi.sampling", "dsi.transport.threads", "dsi.models", "dsi.sim",
+    ["dsi", "dsi.api", "dsi.engine", "dsi.sampling", "dsi.logprobs", "dsi.transport.threads", "dsi.models", "dsi.sim",
      "dsi.evaluate.bench", "dsi.evaluate.autotune", "dsi.evaluate.compare", "dsi.cli.main"],
 )
 def test_core_modules_do_not_import_heavy_dependencies(module):
@@ -43,6 +43,7 @@ def test_engine_sources_name_no_concrete_backend():
 LAYERS = (
     {"errors"},
     {"sampling", "windows", "text"},
+    {"logprobs"},
     {"models"},
     {"transport"},
     {"engine", "sim"},

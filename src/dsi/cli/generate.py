@@ -184,6 +184,14 @@ def add_processing_args(p: argparse.ArgumentParser, stopping: bool = True) -> No
     g.add_argument("--ignore-eos", action="store_true", help="EOS is an ordinary token: generate max-new-tokens")
 
 
+def add_logprobs_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("log-probabilities")
+    g.add_argument("--logprobs", type=int, metavar="N",
+                   help="with --json: each new token's log-probability and the N most likely tokens of its row")
+    g.add_argument("--logprobs-mode", choices=("raw", "processed"), default="raw",
+                   help="raw: of the model's logits (vLLM's default); processed: of the law the token was drawn from")
+
+
 def _id_list(flag: str, text: str | None) -> list[int]:
     if text is None:
         return []
@@ -245,6 +253,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_engine_args(p)
     add_sampling_args(p)
     add_processing_args(p)
+    add_logprobs_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object (token_ids, text, stats) instead of text")
     p.set_defaults(func=run_generate)
 
@@ -360,6 +369,8 @@ def run_generate(args: argparse.Namespace) -> int:
     from dsi.text import IncrementalDetokenizer
 
     sampling = sampling_from_args(args)
+    if args.logprobs is not None and not args.json:
+        raise ConfigError("--logprobs reports the log-probabilities in the JSON output: add --json")
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
     if args.method != "ar":
@@ -377,7 +388,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if not args.json and target.tokenizer is not None:
         detok = IncrementalDetokenizer(target.decode, ids)
 
-        def stream(tokens: list[int]) -> None:
+        def stream(tokens: list[int], logprobs=None) -> None:
             sys.stdout.write(detok.push(tokens))
             sys.stdout.flush()
 
@@ -390,14 +401,19 @@ def run_generate(args: argparse.Namespace) -> int:
         release(drafter)
         drafter = None
     result = run_once(decoder, ids, args.max_new_tokens, vocab_size=target.vocab_size, sampling=sampling,
-                      eos_token_id=list(target.eos_token_ids) or None, on_tokens=stream)
+                      eos_token_id=list(target.eos_token_ids) or None, on_tokens=stream, logprobs=args.logprobs,
+                      logprobs_mode=args.logprobs_mode)
     text = target.decode(result.tokens) if target.tokenizer is not None else None
     if args.json:
-        print_json({
+        doc = {
             "token_ids": result.tokens, "text": text, "prompt_tokens": len(ids),
             "finish_reason": result.finish_reason, "method": args.method,
             "deterministic": is_deterministic(target), "stats": result.stats.to_dict(),
-        })
+        }
+        if result.logprobs is not None:
+            doc["logprobs_mode"] = args.logprobs_mode
+            doc["logprobs"] = [e.to_dict() for e in result.logprobs]
+        print_json(doc)
         return 0
     if stream is not None:
         sys.stdout.write(detok.flush() + "\n")

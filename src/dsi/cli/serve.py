@@ -68,8 +68,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--served-model-name", default=None,
                    help="model id in the API, /health and responses (default: the --target name without its "
                         "directories, e.g. 'my-7b' for ./models/my-7b)")
+    g.add_argument("--logprobs-mode", choices=("raw", "processed"), default="raw",
+                   help="generated tokens' logprobs: raw (the model's logits, vLLM's default) or processed "
+                        "(the law each token was drawn from)")
     g.add_argument("--max-logprobs", type=int, default=20,
-                   help="the most prompt_logprobs per position a request may ask (default 20, as vLLM; -1: the "
+                   help="the most logprobs / prompt_logprobs per token a request may ask (default 20, as vLLM; -1: the "
                         "whole vocabulary, which another dsi needs to sample over this server without top_k)")
     g.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="on SIGINT/SIGTERM, seconds running requests may take before they are cancelled (default 10)")
@@ -140,6 +143,7 @@ def run_serve(args: argparse.Namespace) -> int:
         model_name=args.served_model_name or served_name(args.target), max_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         shutdown_grace_s=args.shutdown_timeout, vocab_mode=args.vocab_mode, max_logprobs=args.max_logprobs,
+        logprobs_mode=args.logprobs_mode,
         target_servers=tuple(urls) if (urls := target_servers(args)) else None,
     )
     if not _is_loopback(args.host):

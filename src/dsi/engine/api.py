@@ -19,6 +19,7 @@ from dsi.engine.request import Request, TokenCallback
 from dsi.engine.result import GenerationResult
 from dsi.engine.si import SpeculativeDecoder
 from dsi.errors import ConfigError, require
+from dsi.logprobs import check_mode
 from dsi.models.base import LanguageModel
 from dsi.models.crossvocab import VOCAB_MODES, bridge_drafter
 from dsi.sampling import SamplingParams
@@ -172,8 +173,12 @@ def make_request(
     sampling: SamplingParams,
     eos_token_id: int | Sequence[int] | None,
     vocab_size: int,
+    logprobs: int | None = None,
+    logprobs_mode: str = "raw",
 ) -> Request:
-    """Validate the per-request arguments and bundle them."""
+    """Validate the per-request arguments and bundle them. ``logprobs``: report each new token's
+    log-probability and the ``logprobs`` most likely tokens of its row (None: no logprobs; 0: only
+    the token's), in ``logprobs_mode`` (``"raw"`` or ``"processed"``: :mod:`dsi.logprobs`)."""
     require(
         _is_int(max_new_tokens) and max_new_tokens >= 1,
         f"max_new_tokens={max_new_tokens!r} must be an integer >= 1",
@@ -213,7 +218,10 @@ def make_request(
         require(not outside, f"{what} names token id(s) {outside[:5]} outside the vocabulary [0, {vocab_size})")
     # what ends generation: EOS (unless ignore_eos makes it an ordinary token) and the stop ids
     stops = (frozenset() if sampling.ignore_eos else frozenset(eos)) | frozenset(sampling.stop_token_ids)
-    return Request(tuple(int(t) for t in tokens), max_new_tokens, sampling, stops)
+    require(logprobs is None or (_is_int(logprobs) and 0 <= logprobs <= vocab_size),
+            f"logprobs={logprobs!r} must be None or an integer in [0, {vocab_size}] (the top tokens reported per token)")
+    check_mode(logprobs_mode)
+    return Request(tuple(int(t) for t in tokens), max_new_tokens, sampling, stops, logprobs, logprobs_mode)
 
 
 def run_once(
@@ -226,11 +234,13 @@ def run_once(
     eos_token_id: int | Sequence[int] | None = None,
     on_tokens: TokenCallback | None = None,
     abort: threading.Event | None = None,
+    logprobs: int | None = None,
+    logprobs_mode: str = "raw",
 ) -> GenerationResult:
     """Run one request on ``decoder``, then close it (whatever happens)."""
     try:
         request = make_request(prompt, max_new_tokens, SamplingParams() if sampling is None else sampling,
-                               eos_token_id, vocab_size)
+                               eos_token_id, vocab_size, logprobs, logprobs_mode)
         return decoder.generate(request, on_tokens, abort)
     finally:
         decoder.close()

@@ -15,7 +15,8 @@ import numpy as np
 from dsi.engine.request import Output, Request, TokenCallback
 from dsi.engine.result import GenerationResult
 from dsi.engine.stats import GenerationStats
-from dsi.models.base import LanguageModel, check_sampling, forward_rows, top_hint
+from dsi.logprobs import logprob_row
+from dsi.models.base import LanguageModel, check_sampling, forward_rows
 from dsi.models.determinism import start_fresh_unless_deterministic
 from dsi.sampling import bonus, process_logits
 
@@ -32,7 +33,7 @@ class AutoregressiveDecoder:
     def generate(
         self, request: Request, on_tokens: TokenCallback | None = None, abort: threading.Event | None = None
     ) -> GenerationResult:
-        check_sampling(self._model, request.sampling)  # refuses what the target cannot serve exactly (engines)
+        check_sampling(self._model, request.sampling, request.logprobs is not None)  # refuses what the target cannot serve exactly (engines)
         stats = GenerationStats(method=self.method)
         out = Output(request, stats, on_tokens, abort)
         start_fresh_unless_deterministic(self._session, self._model)  # the same request, the same tokens
@@ -40,17 +41,23 @@ class AutoregressiveDecoder:
             out.check_abort()
             params = request.sampling
             start = time.perf_counter()
-            # an argmax id where greedy decoding reads the raw row; else the row [V]
-            row = forward_rows(self._session, out.tokens, 1, greedy=params.raw_argmax, top=top_hint(params))[-1]
+            # an argmax id where greedy decoding reads the raw row (and no logprobs); else the row [V]
+            row = forward_rows(self._session, out.tokens, 1, greedy=not request.wants_rows, top=request.row_top)[-1]
             elapsed = time.perf_counter() - start
             stats.target_busy_s += elapsed
             stats.completed_target_s += elapsed
             stats.target_forwards += 1
             stats.completed_target_forwards += 1
-            out.commit(int(row) if params.raw_argmax else
-                       bonus(process_logits(row, params, request.prefix(out.tokens)), params, len(out.tokens)))
+            if not request.wants_rows:
+                out.commit(int(row))
+            else:
+                prefix = request.prefix(out.tokens)
+                probs = process_logits(row, params, prefix)
+                logprobs = (None if request.logprobs is None else
+                            logprob_row(row, params, prefix, request.logprobs_mode, probs))
+                out.commit(bonus(probs, params, len(out.tokens)), logprobs)
             stats.bonus_tokens += 1
-        return GenerationResult(out.finalize(), stats)
+        return GenerationResult(out.finalize(), stats, out.logprobs)
 
     def score(self, tokens: Sequence[int], first: int, cancel: threading.Event | None = None) -> np.ndarray:
         """The target's raw logits after ``tokens[:p]`` for p = ``first`` .. ``len(tokens)``

@@ -95,7 +95,7 @@ class DSIDecoder:
     def generate(
         self, request: Request, on_tokens: TokenCallback | None = None, abort: threading.Event | None = None
     ) -> GenerationResult:
-        check_sampling(self._target_model, request.sampling)  # refuses what the target cannot serve exactly
+        check_sampling(self._target_model, request.sampling, request.logprobs is not None)  # refuses what the target cannot serve exactly
         if not self._drafter.is_alive():  # a drafter frozen (abandoned) or dead in an earlier request: a new one
             self._drafter = DraftWorker(self._drafter_model, self.events.put)
         info = request_info(self._drafter_model, request.sampling)  # refuses what the drafter cannot serve
@@ -105,7 +105,7 @@ class DSIDecoder:
             run.loop()
         finally:
             run.stop()
-        return GenerationResult(run.out.finalize(), run.stats)
+        return GenerationResult(run.out.finalize(), run.stats, run.out.logprobs)
 
     def healthy(self) -> bool:
         """Whether this decoder can serve another request: a failed request (a model error, a lost
@@ -293,7 +293,8 @@ class _DSIRun:
         if self.decoder.trace is not None:
             self.decoder.trace.append(("submit", task_id, context))
         self.pool.submit(VerifyTask(task_id, context, last - first + 1, self.request.sampling,
-                                    len(self.request.prompt), self.request.eos_token_ids))
+                                    len(self.request.prompt), self.request.eos_token_ids,
+                                    None if self.request.logprobs is None else self.request.logprobs_mode))
 
     def horizon(self) -> int:
         """The last relative position that may still need deciding in this epoch."""
@@ -328,10 +329,11 @@ class _DSIRun:
             self.submit_window(index, first, last)
 
     # ---- decisions ---------------------------------------------------------------------------
-    def commit(self, token: int, result: TaskResult) -> None:
+    def commit(self, token: int, result: TaskResult, row: int) -> None:
+        """Commit ``token``, decided by row ``row`` of ``result`` (whose log-probabilities it reports)."""
         if self.decoder.trace is not None:
             self.decoder.trace.append(("apply", result.task_id, len(self.out.tokens)))
-        self.out.commit(token)
+        self.out.commit(token, None if result.logprobs is None else result.logprobs[row])
 
     def apply(self) -> None:
         """Decide every position whose deciding result (and draft) is available, in order."""
@@ -351,7 +353,7 @@ class _DSIRun:
                 else:
                     decision = decide(result.probs[row], self.draft[r], self.qs[r], params, position)
                 token, accepted = decision.token, decision.accepted
-                self.commit(token, result)
+                self.commit(token, result, row)
                 self.decoder.pacer.add_decision(accepted)
                 if accepted:
                     self.stats.accepted_tokens += 1
@@ -360,7 +362,7 @@ class _DSIRun:
             elif self.drafter_done:
                 probs = result.probs[row] if result.probs is not None else None
                 token = int(result.tokens[row]) if probs is None else bonus(probs, params, position)
-                self.commit(token, result)
+                self.commit(token, result, row)
                 self.stats.bonus_tokens += 1
             else:
                 return  # the draft for this position is still being computed

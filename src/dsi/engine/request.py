@@ -14,9 +14,14 @@ from dataclasses import dataclass
 
 from dsi.engine.stats import GenerationStats
 from dsi.errors import DSIError
+import numpy as np
+
+from dsi.logprobs import TokenLogprob, entry
+from dsi.models.base import top_hint
 from dsi.sampling import Prefix, SamplingParams
 
-TokenCallback = Callable[[list[int]], None]
+# called with the tokens just committed; with a request that asks for logprobs, also with their entries
+TokenCallback = Callable[..., None]
 
 
 class GenerationAborted(DSIError):
@@ -39,6 +44,19 @@ class Request:
     max_new_tokens: int
     sampling: SamplingParams = SamplingParams()
     eos_token_ids: frozenset[int] = frozenset()  # any of these, committed by the target, ends it
+    logprobs: int | None = None  # report each new token's logprob and this many top ones (None: none)
+    logprobs_mode: str = "raw"  # their distribution: "raw" or "processed" (dsi.logprobs)
+
+    @property
+    def wants_rows(self) -> bool:
+        """Whether the target must return rows, not argmax ids: sampling, processing, or logprobs."""
+        return not self.sampling.raw_argmax or self.logprobs is not None
+
+    @property
+    def row_top(self) -> int | None:
+        """How many of each row's largest logits the target must return (None: all; logprobs need
+        the whole row's normaliser): :func:`dsi.models.base.top_hint`."""
+        return None if self.logprobs is not None else top_hint(self.sampling)
 
     def prefix(self, tokens: Sequence[int]) -> Prefix:
         """What the logit processors see before a row that follows ``tokens`` (prompt included)."""
@@ -58,6 +76,8 @@ class Output:
         self.request = request
         self.stats = stats
         self.tokens: list[int] = list(request.prompt)
+        # with request.logprobs: one entry per new token, from the row that decided it
+        self.logprobs: list[TokenLogprob] | None = [] if request.logprobs is not None else None
         self._on_tokens = on_tokens
         self._abort = abort
         self._start = time.perf_counter()
@@ -71,9 +91,17 @@ class Output:
     def remaining(self) -> int:
         return self.request.max_new_tokens - self.new_count
 
-    def commit(self, token: int) -> None:
+    def commit(self, token: int, logprob_row: np.ndarray | None = None) -> None:
+        """Append ``token``; ``logprob_row`` ([V] log-probabilities of the row that decided it) is
+        needed when the request asks for logprobs. The callback then gets ``(tokens, entries)``."""
         if self.finished:
             raise RuntimeError("commit after the output finished")
+        entries = None
+        if self.logprobs is not None:
+            if logprob_row is None:
+                raise RuntimeError("the request asks for logprobs but the engine gave no row")
+            entries = [entry(logprob_row, token, self.request.logprobs)]
+            self.logprobs.extend(entries)
         self.tokens.append(token)
         if self.new_count == 1:
             self.stats.time_to_first_token_s = time.perf_counter() - self._start
@@ -84,7 +112,10 @@ class Output:
             self.finished = True
             self.stats.finish_reason = "length"
         if self._on_tokens is not None:
-            self._on_tokens([token])
+            if entries is None:
+                self._on_tokens([token])
+            else:
+                self._on_tokens([token], entries)
 
     def check_abort(self) -> None:
         if self._abort is not None and self._abort.is_set():

@@ -33,8 +33,8 @@ from dsi.models.base import (
     extend_rows,
     forward_rows,
     session_counters,
-    top_hint,
 )
+from dsi.logprobs import logprob_rows
 from dsi.models.determinism import start_fresh_unless_deterministic
 from dsi.sampling import bonus, decide, decide_greedy, draft_from_logits, process_rows
 
@@ -55,7 +55,7 @@ class SpeculativeDecoder:
         self, request: Request, on_tokens: TokenCallback | None = None, abort: threading.Event | None = None
     ) -> GenerationResult:
         params = request.sampling
-        check_sampling(self._target_model, params)  # refuses what the target cannot serve exactly (engines)
+        check_sampling(self._target_model, params, request.logprobs is not None)  # refuses what the target cannot serve exactly (engines)
         stats = GenerationStats(method=self.method, lookahead=self.lookahead)
         stats.extra.update(request_info(self._drafter_model, params))
         counters = session_counters(self._drafter)
@@ -66,7 +66,7 @@ class SpeculativeDecoder:
             self._run(out, request, stats)
         finally:
             stats.extra.update(counter_changes(counters, session_counters(self._drafter)))
-        return GenerationResult(out.finalize(), stats)
+        return GenerationResult(out.finalize(), stats, out.logprobs)
 
     def _run(self, out: Output, request: Request, stats: GenerationStats) -> None:
         params = request.sampling
@@ -79,11 +79,17 @@ class SpeculativeDecoder:
             if limited or count < wanted:
                 stats.extra["drafter_context_limited"] = stats.extra.get("drafter_context_limited", 0) + 1
             start = time.perf_counter()
-            # greedy on raw rows: the target's argmax ids [kk+1]; otherwise its processed rows [kk+1, V]
+            # greedy on raw rows (no logprobs): the target's argmax ids [kk+1]; otherwise its processed rows [kk+1, V]
             context = base + tuple(drafts)
-            rows = forward_rows(self._target, context, len(drafts) + 1, greedy=params.raw_argmax, top=top_hint(params))
-            if not params.raw_argmax:
-                rows = process_rows(rows, params, context, len(request.prompt), request.eos_token_ids)
+            ids_only = not request.wants_rows
+            rows = forward_rows(self._target, context, len(drafts) + 1, greedy=ids_only, top=request.row_top)
+            logprobs = None
+            if not ids_only:
+                raw = rows
+                rows = process_rows(raw, params, context, len(request.prompt), request.eos_token_ids)
+                if request.logprobs is not None:
+                    logprobs = logprob_rows(raw, params, context, len(request.prompt), request.eos_token_ids,
+                                            request.logprobs_mode, rows)  # [kk+1, V]
             elapsed = time.perf_counter() - start
             stats.target_busy_s += elapsed
             stats.completed_target_s += elapsed
@@ -91,11 +97,11 @@ class SpeculativeDecoder:
             stats.completed_target_forwards += 1
             stats.verify_tasks += 1
             for i, x in enumerate(drafts):
-                if params.raw_argmax:
+                if ids_only:
                     decision = decide_greedy(rows[i], x)
                 else:
                     decision = decide(rows[i], x, qs[i], params, len(out.tokens))
-                out.commit(decision.token)
+                out.commit(decision.token, None if logprobs is None else logprobs[i])
                 if decision.accepted:
                     stats.accepted_tokens += 1
                 else:
@@ -104,7 +110,8 @@ class SpeculativeDecoder:
                     break
             else:  # every draft accepted: the extra row gives a bonus token
                 last = rows[len(drafts)]
-                out.commit(int(last) if params.raw_argmax else bonus(last, params, len(out.tokens)))
+                out.commit(int(last) if ids_only else bonus(last, params, len(out.tokens)),
+                           None if logprobs is None else logprobs[len(drafts)])
                 stats.bonus_tokens += 1
 
     def _draft(

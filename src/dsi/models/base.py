@@ -221,13 +221,17 @@ def drafts_ids_only(model: object, sampling: Any) -> bool:
     return bool(sampling.raw_argmax or (sampling.greedy and getattr(model, "proposes_only_ids", False)))
 
 
-def check_sampling(model: object, sampling: Any) -> None:
+def check_sampling(model: object, sampling: Any, whole_rows: bool = False) -> None:
     """Raise :class:`~dsi.errors.ConfigError` if ``model`` cannot serve ``sampling`` exactly (its own
     ``check_sampling``: a drafter of another vocabulary in string mode, engines that return only the
-    top of each row); no check for other models."""
+    top of each row; with ``whole_rows``, a target that cannot give whole rows for logprobs); no check
+    for other models."""
     check = getattr(model, "check_sampling", None)
     if check is not None:
-        check(sampling)
+        if whole_rows:
+            check(sampling, whole_rows=True)
+        else:
+            check(sampling)
 
 
 def check_logits(row: np.ndarray, vocab_size: int, what: str) -> np.ndarray:

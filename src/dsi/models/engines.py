@@ -398,11 +398,16 @@ class EngineTarget:
         return payload
 
     # ---- what the engines can serve exactly -----------------------------------------------------
-    def check_sampling(self, params: Any) -> None:
-        """Refuse a request whose processed law the engines' answers would not determine."""
+    def check_sampling(self, params: Any, whole_rows: bool = False) -> None:
+        """Refuse a request whose processed law (with ``whole_rows``: whose log-probabilities too)
+        the engines' answers would not determine."""
+        partial = [e.url for e in self.engines.values() if not e.full_rows]
+        if partial and whole_rows:
+            raise ConfigError(
+                f"logprobs over target server(s) {', '.join(partial)} need whole rows: they return only the top "
+                "log-probabilities of a row. Start them with --max-logprobs -1 (the whole vocabulary)")
         if params.raw_argmax:
             return
-        partial = [e.url for e in self.engines.values() if not e.full_rows]
         if partial and params.moves_argmax:
             raise ConfigError(
                 f"penalties, logit_bias or min_tokens over target server(s) {', '.join(partial)} are not exact: they "

@@ -45,6 +45,7 @@ from dsi.server.codec import Codec, HFCodec
 from dsi.server.config import ServeConfig
 from dsi.server.jobs import Job, Outcome
 from dsi.server.limits import BodyLimit, check_json_content_type, content_length, read_body
+from dsi.server.logprobs import chat_logprobs, completion_logprobs
 from dsi.server.metrics import CONTENT_TYPE, ServerMetrics
 from dsi.server.prepare import Prepared, Preparer
 from dsi.server.protocol import (
@@ -319,6 +320,10 @@ def create_app(
     state = ServerState(target, drafter, config, codec if codec is not None else HFCodec(target), free_unused_drafter)
     metrics = state.metrics
 
+    def decode_one(token: int) -> str:
+        """One token's text, as logprobs name it."""
+        return state.codec.decode([token])
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await state.start()
@@ -392,8 +397,10 @@ def create_app(
             raise error
         return outcome
 
-    def stream(request: Request, job: Job, opening: list[dict], delta: Callable[[str], dict],
+    def stream(request: Request, job: Job, opening: list[dict], delta: Callable[[str, list | None], dict],
                closing: Callable[[Outcome], list[dict]]) -> StreamingResponse:
+        """Server-sent events: ``opening``, a ``delta(text, logprob entries)`` chunk per piece of stable
+        text, then ``closing(outcome)`` (or the error) and ``[DONE]``."""
         watcher = asyncio.create_task(_watch_disconnect(request, job))
 
         async def events() -> AsyncIterator[str]:
@@ -403,12 +410,12 @@ def create_app(
                     yield _sse(chunk)
                 async for kind, payload in job.deltas():
                     if kind == "text":
-                        yield _sse(delta(payload))
+                        yield _sse(delta(*payload))
                         continue
                     outcome: Outcome = payload
                     finished = True
-                    if outcome.tail:
-                        yield _sse(delta(outcome.tail))
+                    if outcome.tail or outcome.tail_logprobs:
+                        yield _sse(delta(outcome.tail, outcome.tail_logprobs))
                     error = _failure(outcome, job)
                     if error is None:
                         for chunk in closing(outcome):
@@ -487,11 +494,18 @@ def create_app(
         prepared, job = await accept(request, state.preparer.completion)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         echo, n_prompt = prepared.echo, prepared.prompt_tokens
+        # where the next token's text_offset starts: the echoed prompt, then the tokens' own texts so far
+        streamed = [len(echo)]
 
-        def response(text: str, finish: str | None, outcome: Outcome | None = None, usage: bool = False) -> dict:
+        def response(text: str, finish: str | None, outcome: Outcome | None = None, usage: bool = False,
+                     entries: list | None = None) -> dict:
+            logprobs = None
+            if entries is not None:
+                logprobs = completion_logprobs(entries, decode_one, streamed[0])
+                streamed[0] += sum(len(piece) for piece in logprobs["tokens"])
             return dump(CompletionResponse(
                 id=rid, created=created, model=config.model_name,
-                choices=[CompletionChoice(text=text, finish_reason=finish)],
+                choices=[CompletionChoice(text=text, finish_reason=finish, logprobs=logprobs)],
                 usage=_usage(n_prompt, outcome) if usage else None, dsi=_dsi_info(outcome) if usage else None,
             ))
 
@@ -503,10 +517,11 @@ def create_app(
                 last["choices"] = []
                 return [response("", outcome.finish_reason), last]
 
-            return stream(request, job, [response(echo, None)] if echo else [], lambda t: response(t, None), closing)
+            return stream(request, job, [response(echo, None)] if echo else [],
+                          lambda t, entries: response(t, None, entries=entries), closing)
         outcome = await finish_plain(request, job)
         count(request, 200)
-        answer = response(echo + outcome.text, outcome.finish_reason, outcome, usage=True)
+        answer = response(echo + outcome.text, outcome.finish_reason, outcome, usage=True, entries=outcome.logprobs)
         if outcome.prompt_logprobs is not None:
             answer["choices"][0]["prompt_logprobs"] = outcome.prompt_logprobs
         return JSONResponse(answer)
@@ -517,8 +532,10 @@ def create_app(
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         n_prompt = prepared.prompt_tokens
 
-        def chunk(delta: ChatDelta | None, finish: str | None, outcome: Outcome | None = None) -> dict:
-            choices = [] if delta is None else [ChatChunkChoice(delta=delta, finish_reason=finish)]
+        def chunk(delta: ChatDelta | None, finish: str | None, outcome: Outcome | None = None,
+                  entries: list | None = None) -> dict:
+            logprobs = None if entries is None else chat_logprobs(entries, decode_one)
+            choices = [] if delta is None else [ChatChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs)]
             return dump(ChatCompletionChunk(
                 id=rid, created=created, model=config.model_name, choices=choices,
                 usage=_usage(n_prompt, outcome) if outcome else None, dsi=_dsi_info(outcome) if outcome else None,
@@ -531,12 +548,15 @@ def create_app(
                 return [chunk(ChatDelta(), outcome.finish_reason), chunk(None, None, outcome)]
 
             opening = [chunk(ChatDelta(role="assistant", content=""), None)]
-            return stream(request, job, opening, lambda t: chunk(ChatDelta(content=t), None), closing)
+            return stream(request, job, opening, lambda t, entries: chunk(ChatDelta(content=t), None, entries=entries),
+                          closing)
         outcome = await finish_plain(request, job)
         count(request, 200)
+        logprobs = None if outcome.logprobs is None else chat_logprobs(outcome.logprobs, decode_one)
         return JSONResponse(dump(ChatCompletionResponse(
             id=rid, created=created, model=config.model_name,
-            choices=[ChatChoice(message=AssistantMessage(content=outcome.text), finish_reason=outcome.finish_reason)],
+            choices=[ChatChoice(message=AssistantMessage(content=outcome.text), finish_reason=outcome.finish_reason,
+                                logprobs=logprobs)],
             usage=_usage(n_prompt, outcome), dsi=_dsi_info(outcome),
         )))
 

@@ -64,7 +64,8 @@ class ServeConfig:
     shutdown_grace_s: float = 5.0  # at shutdown, how long running requests may take to stop
     vocab_mode: str = "auto"  # how the drafter's tokens reach the target (dsi.models.crossvocab)
     target_servers: tuple[str, ...] | None = None  # engines (URLs) that verify instead of local servers
-    max_logprobs: int = 20  # the most prompt_logprobs per position a request may ask (-1: the whole vocabulary)
+    max_logprobs: int = 20  # the most (prompt_)logprobs per position a request may ask (-1: the whole vocabulary)
+    logprobs_mode: str = "raw"  # the distribution of generated tokens' logprobs: "raw" (vLLM's default) or "processed"
 
     def __post_init__(self) -> None:
         def positive_int(v: object) -> bool:
@@ -86,6 +87,8 @@ class ServeConfig:
         require(self.vocab_mode in VOCAB_MODES, f"vocab_mode={self.vocab_mode!r} must be one of {', '.join(VOCAB_MODES)}")
         if self.method != "ar":  # string-level drafting serves greedy requests only: the default must be one
             check_mode_sampling(self.vocab_mode, defaults)
+        require(self.logprobs_mode in ("raw", "processed"),
+                f"logprobs_mode={self.logprobs_mode!r} must be 'raw' or 'processed'")
         require(isinstance(self.max_logprobs, int) and not isinstance(self.max_logprobs, bool)
                 and self.max_logprobs >= -1,
                 f"max_logprobs={self.max_logprobs!r} must be an integer >= 0, or -1 (the whole vocabulary)")

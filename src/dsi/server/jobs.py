@@ -24,6 +24,7 @@ import numpy as np
 from dsi.engine.request import GenerationAborted, Request
 from dsi.engine.stats import GenerationStats
 from dsi.errors import TaskCancelled
+from dsi.logprobs import TokenLogprob, entry, logprob_row
 from dsi.sampling import bonus, process_logits
 from dsi.server.codec import Codec
 from dsi.server.logprobs import prompt_logprobs
@@ -91,6 +92,8 @@ class Outcome:
     error: BaseException | None = None
     queue_time_s: float = 0.0
     prompt_logprobs: list | None = None  # vLLM's prompt_logprobs, when asked
+    logprobs: list[TokenLogprob] | None = None  # one per token of ``tokens``, when the request asked
+    tail_logprobs: list[TokenLogprob] | None = None  # those of the tokens whose text is ``tail``
 
     @property
     def completion_tokens(self) -> int:
@@ -129,6 +132,8 @@ class Job:
         self._detok = IncrementalDetokenizer(codec.decode, request.prompt)
         self._stops = StopStrings(self.stop)
         self._tokens: list[int] = []
+        self._entries: list[TokenLogprob] = []  # their logprobs, when the request asks
+        self._streamed = 0  # entries already sent with streamed text
         self._stopped_at: int | None = None  # tokens committed when a stop string appeared
         self._last_token_at: float | None = None
 
@@ -174,7 +179,8 @@ class Job:
                 return payload
 
     async def deltas(self) -> AsyncIterator[tuple[str, object]]:
-        """``("text", str)`` items as text becomes stable, then one ``("done", Outcome)``."""
+        """``("text", (str, logprob entries or None))`` items as text becomes stable (the entries of
+        the tokens committed since the last item), then one ``("done", Outcome)``."""
         while True:
             kind, payload = await self.events.get()
             yield kind, payload
@@ -217,9 +223,11 @@ class Job:
     def _post(self, item: tuple[str, object]) -> None:
         self._loop.call_soon_threadsafe(self.events.put_nowait, item)
 
-    def _on_tokens(self, tokens: list[int]) -> None:
+    def _on_tokens(self, tokens: list[int], entries: list[TokenLogprob] | None = None) -> None:
         if self._stopped_at is not None:
             return  # committed in the same step as the stop string; not part of the answer
+        if entries is not None:
+            self._entries.extend(entries)
         now = time.perf_counter()
         if self._last_token_at is None:
             self.metrics.ttft.observe(now - self.arrived)
@@ -235,7 +243,14 @@ class Job:
             self._stopped_at = len(self._tokens)
             self.abort.set()
         if out and self.stream:
-            self._post(("text", out))
+            self._post(("text", (out, self._take_entries())))
+
+    def _take_entries(self) -> list[TokenLogprob] | None:
+        """The logprobs of the tokens committed since the last streamed text (None: not asked)."""
+        if self.request.logprobs is None:
+            return None
+        entries, self._streamed = self._entries[self._streamed:len(self._tokens)], len(self._tokens)
+        return entries
 
     def _generate(self, slot: Slot) -> Outcome:
         if self.abort.is_set():  # cancelled between getting the slot and starting
@@ -269,7 +284,12 @@ class Job:
         text, stop = cut_at_stop(self.codec.decode(tokens), self.stop)
         if stop is not None:
             reason = "stop"
-        return Outcome(reason, list(tokens), text=text, tail=tail, stats=stats, prompt_logprobs=scored)
+        logprobs = tail_logprobs = None
+        if self.request.logprobs is not None:
+            logprobs = self._entries[: len(tokens)]
+            tail_logprobs = logprobs[self._streamed:]
+        return Outcome(reason, list(tokens), text=text, tail=tail, stats=stats, prompt_logprobs=scored,
+                       logprobs=logprobs, tail_logprobs=tail_logprobs)
 
     def _score(self, slot: Slot) -> tuple[list, GenerationStats | None, str | None]:
         """vLLM's ``prompt_logprobs`` from one forward on the slot's target session (its cache reused).
@@ -286,9 +306,14 @@ class Job:
             return scored, None, None
         params = self.request.sampling
         last = rows[-1]
-        token = (int(np.argmax(last)) if params.raw_argmax else
-                 bonus(process_logits(last, params, self.request.prefix(prompt)), params, len(prompt)))
+        prefix = self.request.prefix(prompt)
+        probs = None if params.raw_argmax else process_logits(last, params, prefix)
+        token = int(np.argmax(last)) if probs is None else bonus(probs, params, len(prompt))
         stats = GenerationStats(method=slot.decoder.method)
         stats.target_forwards = stats.completed_target_forwards = stats.bonus_tokens = 1
-        self._on_tokens([token])
+        if self.request.logprobs is None:
+            self._on_tokens([token])
+        else:  # the same numbers as the decoder's own first row
+            row = logprob_row(last, params, prefix, self.request.logprobs_mode, probs)
+            self._on_tokens([token], [entry(row, token, self.request.logprobs)])
         return scored, stats, "stop" if token in self.request.eos_token_ids else "length"

@@ -1,4 +1,9 @@
-"""Log-probabilities in the shape vLLM's OpenAI server returns them, from a target's logit rows.
+"""Log-probabilities in the shapes the OpenAI / vLLM servers return them.
+
+- ``logprobs`` of generated tokens (from :class:`dsi.logprobs.TokenLogprob` entries):
+  :func:`completion_logprobs` (the legacy completions object: ``tokens``, ``token_logprobs``,
+  ``top_logprobs``, ``text_offset``) and :func:`chat_logprobs` (``content``: one object per token
+  with ``token``, ``logprob``, ``bytes``, ``top_logprobs``).
 
 ``prompt_logprobs`` (vLLM's extension of ``/v1/completions``): for every prompt position p >= 1, the
 target's log-softmax after the first p tokens, as a dict token id -> ``{logprob, rank,
@@ -14,14 +19,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from dsi.logprobs import TokenLogprob, log_softmax
+
 FLOOR = -9999.0  # what a log-probability of -inf is sent as
-
-
-def log_softmax(row: np.ndarray) -> np.ndarray:
-    """``log(softmax(row))`` in float64."""
-    row = np.asarray(row, np.float64)
-    top = row.max()
-    return row - (top + np.log(np.exp(row - top).sum()))
 
 
 def position_entry(logits: np.ndarray, actual: int | None, n: int,
@@ -56,3 +56,36 @@ def prompt_logprobs(rows: np.ndarray, prompt: Sequence[int], first: int, n: int,
     for p in range(first, len(prompt)):
         out[p] = position_entry(rows[p - first], int(prompt[p]), n, decode)
     return out
+
+
+def _logprob(value: float) -> float:
+    return max(value, FLOOR)
+
+
+def completion_logprobs(entries: Sequence[TokenLogprob], decode: Callable[[int], str], offset: int = 0) -> dict:
+    """The completions ``logprobs`` object of ``entries``; ``offset``: where the first token's text
+    starts (after an echoed prompt, or the tokens streamed before). Offsets add up each token's own
+    text, as vLLM's do: a token holding part of a UTF-8 character counts as its one U+FFFD."""
+    tokens, offsets = [], []
+    for e in entries:
+        offsets.append(offset)
+        piece = decode(e.token)
+        tokens.append(piece)
+        offset += len(piece)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [_logprob(e.logprob) for e in entries],
+        "top_logprobs": [{decode(i): _logprob(v) for i, v in e.top} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob], decode: Callable[[int], str]) -> dict:
+    """The chat ``logprobs`` object of ``entries`` (``bytes``: the UTF-8 of each token's text)."""
+
+    def item(token: int, value: float) -> dict:
+        piece = decode(token)
+        return {"token": piece, "logprob": _logprob(value), "bytes": list(piece.encode("utf-8"))}
+
+    return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(i, v) for i, v in e.top]}
+                        for e in entries]}

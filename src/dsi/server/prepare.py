@@ -200,6 +200,18 @@ class Preparer:
             param = next((name for name in _PROCESSING if str(exc).startswith(name)), None)
             raise APIError(422, str(exc), param=param, code="invalid_value") from exc
 
+    def _logprobs(self, req: Any) -> int | None:
+        """The top N of each generated token's logprobs (None: not asked), within ``--max-logprobs``."""
+        if isinstance(req, CompletionRequest):
+            n, param = req.logprobs, "logprobs"
+        else:
+            n, param = ((req.top_logprobs or 0) if req.logprobs else None), "top_logprobs"
+        cap = self.config.max_logprobs
+        if n is not None and cap != -1 and n > cap:
+            raise APIError(400, f"{param}={n} is more than this server allows ({cap}; see --max-logprobs)",
+                           param=param, code="invalid_value")
+        return n
+
     def _prepared(self, req: Any, ids: list[int], max_tokens: int | None, param: str, prompt_param: str,
                   echo: str) -> Prepared:
         if not ids:
@@ -212,8 +224,10 @@ class Preparer:
         elif ctx is not None and len(ids) + max_tokens > ctx:
             raise self._too_long(len(ids), True, max_tokens, param, prompt_param)
         sampling = self._sampling(req)
+        logprobs = self._logprobs(req)
         try:
-            request = make_request(ids, max_tokens, sampling, self.codec.eos_token_ids or None, self.vocab_size)
+            request = make_request(ids, max_tokens, sampling, self.codec.eos_token_ids or None, self.vocab_size,
+                                   logprobs, self.config.logprobs_mode)
         except ConfigError as exc:
             option = next((name for name in ("logit_bias", "stop_token_ids") if str(exc).startswith(name)), None)
             if option is not None:  # a token id outside the vocabulary

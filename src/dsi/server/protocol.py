@@ -132,7 +132,7 @@ class CompletionRequest(_GenerationRequest):
     prompt: str | list
     echo: bool = False
     best_of: int | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0)  # the top N per generated token (capped by --max-logprobs)
     suffix: str | None = None
     # vLLM's extension: the top N log-probabilities at every prompt position (-1: the whole vocabulary)
     prompt_logprobs: int | None = Field(default=None, ge=-1)
@@ -193,7 +193,7 @@ class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0)
     response_format: ResponseFormat | None = None
 
     def max_new_tokens(self) -> int | None:
@@ -319,14 +319,13 @@ def unsupported_option(request: _GenerationRequest) -> APIError | None:
     if isinstance(request, CompletionRequest):
         checks += [
             ("best_of", request.best_of not in (None, 1), "best_of > 1 is not supported"),
-            ("logprobs", request.logprobs is not None, "logprobs are not supported"),
             ("suffix", request.suffix is not None, "suffix (insertion) is not supported"),
             ("prompt", request.batch_size() > 1, "batched prompts are not supported: send one prompt per request"),
         ]
     if isinstance(request, ChatCompletionRequest):
         checks += [
-            ("logprobs", bool(request.logprobs), "logprobs are not supported"),
-            ("top_logprobs", request.top_logprobs is not None, "top_logprobs are not supported"),
+            ("top_logprobs", request.top_logprobs is not None and not request.logprobs,
+             "top_logprobs needs logprobs: true"),
             ("response_format", request.response_format is not None and request.response_format.type != "text",
              "only response_format {'type': 'text'} is supported"),
         ]
@@ -375,7 +374,7 @@ class CompletionChoice(BaseModel):
 
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: dict | None = None  # server/logprobs.completion_logprobs
     finish_reason: str | None
 
 
@@ -397,7 +396,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: dict | None = None  # server/logprobs.chat_logprobs
     finish_reason: str
 
 
@@ -419,7 +418,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: dict | None = None
     finish_reason: str | None = None
 
 

@@ -36,6 +36,7 @@ class VerifyTask:
     sampling: SamplingParams
     prompt_len: int = 0  # how much of ``context`` is the request's prompt (penalties, min_tokens)
     stop_ids: frozenset[int] = frozenset()  # the ids that end the request (min_tokens holds them back)
+    logprobs_mode: str | None = None  # also return log-probability rows in this mode (dsi.logprobs); None: no
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class TaskResult:
     tokens: np.ndarray  # [num_rows] int64, argmax of each processed row
     probs: np.ndarray | None  # [num_rows, V] float64 processed distributions; None when greedy
     compute_s: float  # server time spent on the task
+    logprobs: np.ndarray | None = None  # [num_rows, V] float32 log-probabilities, when the task asked
 
 
 @dataclass(frozen=True)

@@ -94,6 +94,11 @@ def test_generate_chat_template(pair_dirs, capsys):
     (["--prompt", "hi", "--lookahead", "soon"], "'soon' is neither an integer >= 1 nor 'auto'"),
     (["--prompt", "hi", "--lookahead", "3", "--max-window", "2"], "max_window=2 applies to lookahead='auto' only"),
     (["--prompt-ids", "1,99999"], "outside the vocabulary"),
+    (["--prompt", "hi", "--logprobs", "2"], "--logprobs reports the log-probabilities in the JSON output: add --json"),
+    (["--prompt", "hi", "--logit-bias", "5:1"], "--logit-bias='5:1' must be ID=BIAS pairs"),
+    (["--prompt", "hi", "--stop-token-ids", "1,,2"], "--stop-token-ids='1,,2' must be comma-separated"),
+    (["--prompt", "hi", "--presence-penalty", "3"], "presence_penalty=3.0 must be a number in [-2, 2]"),
+    (["--prompt", "hi", "--logit-bias", "99999=1"], "logit_bias names token id(s) [99999] outside the vocabulary"),
 ])
 def test_generate_errors(pair_dirs, capsys, argv, message):
     target, drafter = pair_dirs

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import math
 
 import pytest
 
@@ -253,6 +254,74 @@ def test_each_logit_processor_through_the_openai_client_equals_dsi_generate(clie
         assert len(ref["token_ids"]) == 4 and ref["token_ids"][-1] == 17 and ref["finish_reason"] == "stop"
 
 
+def _pieces(tiny_pair, entries):
+    """(text, logprob, [top texts]) of ``dsi generate --json``'s logprob entries."""
+    tokenizer = tiny_pair[0].tokenizer
+    text = lambda t: tokenizer.decode([t])  # noqa: E731
+    return [(text(e["token"]), e["logprob"], [text(i) for i, _ in e["top"]]) for e in entries]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_logprobs_are_the_rows_that_decided_each_token(client, capsys, tiny_dirs, tiny_pair, stream):
+    prompt = "def fibonacci(n):"
+    ref = generate_json(capsys, tiny_dirs, "--prompt", prompt, "--max-new-tokens", "10", "--logprobs", "3",
+                        "--temperature", "1", "--seed", "4")
+    ar = generate_json(capsys, tiny_dirs, "--prompt", prompt, "--max-new-tokens", "10", "--logprobs", "3",
+                       "--temperature", "1", "--seed", "4", "--method", "ar", "--sp", "1")
+    want = _pieces(tiny_pair, ref["logprobs"])
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=10, temperature=1.0, seed=4, logprobs=3)
+    if stream:
+        chunks = [c for c in client.completions.create(**kwargs, stream=True) if c.choices and c.choices[0].logprobs]
+        tokens = [t for c in chunks for t in c.choices[0].logprobs.tokens]
+        values = [v for c in chunks for v in c.choices[0].logprobs.token_logprobs]
+        tops = [list(d) for c in chunks for d in c.choices[0].logprobs.top_logprobs]
+        offsets = [o for c in chunks for o in c.choices[0].logprobs.text_offset]
+        text = "".join(c.choices[0].text for c in chunks)
+    else:
+        choice = client.completions.create(**kwargs).choices[0]
+        lp, text = choice.logprobs, choice.text
+        tokens, values, tops, offsets = lp.tokens, lp.token_logprobs, [list(d) for d in lp.top_logprobs], lp.text_offset
+    # each token's own text (a byte of a UTF-8 character alone is U+FFFD, as in vLLM and OpenAI)
+    assert tokens == [w[0] for w in want] and text == ref["text"]
+    assert values == pytest.approx([w[1] for w in want], abs=1e-5)
+    assert tops == [list(dict.fromkeys(w[2])) for w in want]  # keyed by text: tokens spelled alike share a key
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    # DSI's numbers are non-SI's at every token (sampled tokens differ between methods, not their rows)
+    for entry in ar["logprobs"]:
+        assert entry["top"][0][1] >= entry["logprob"] - 1e-6
+
+
+def test_chat_logprobs_with_top_logprobs(client, capsys, tiny_dirs, tiny_pair):
+    ref = generate_json(capsys, tiny_dirs, "--prompt", "hello", "--chat", "--max-new-tokens", "6", "--logprobs", "2")
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=6,
+                                       temperature=0, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    want = _pieces(tiny_pair, ref["logprobs"])
+    assert [c.token for c in content] == [w[0] for w in want]
+    assert [c.logprob for c in content] == pytest.approx([w[1] for w in want], abs=1e-5)
+    assert [[t.token for t in c.top_logprobs] for c in content] == [w[2] for w in want]
+    assert all(bytes(c.bytes).decode("utf-8") == c.token for c in content)
+    plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
+def test_the_server_reports_processed_logprobs_when_started_so(tiny_pair):
+    from dsi.server import ServeConfig, create_app
+
+    target, drafter = tiny_pair
+    config = ServeConfig(method="si", lookahead=3, model_name=MODEL, max_tokens=8, logprobs_mode="processed")
+    with running_server(create_app(target, drafter, config)) as running:
+        body = {"messages": [{"role": "user", "content": "abc"}], "max_tokens": 6, "temperature": 0.7, "top_k": 3,
+                "seed": 1, "logprobs": True, "top_logprobs": 5}
+        content = httpx.post(running.url + "/v1/chat/completions", json=body,
+                             timeout=60).json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 6
+    for item in content:  # the law drawn from: top_k=3 leaves 3 tokens, the others are impossible
+        values = [t["logprob"] for t in item["top_logprobs"]]
+        assert len(values) == 5 and sum(math.exp(v) for v in values[:3]) == pytest.approx(1.0, abs=1e-5)
+        assert values[3:] == [-9999.0, -9999.0] and item["logprob"] in values[:3]
+
+
 def test_chat_takes_the_processors_too(client, capsys, tiny_dirs):
     ref = generate_json(capsys, tiny_dirs, "--prompt", "hello", "--chat", "--max-new-tokens", "8",
                         "--presence-penalty", "2", "--logit-bias", "42=5")
@@ -269,7 +338,6 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
     ("/v1/completions", b'"a string"', 400, None),
     ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
     ("/v1/completions", {"prompt": "x", "best_of": 2}, 400, "best_of"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 3}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "x", "frobnicate": True}, 400, "frobnicate"),
     ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
     ("/v1/completions", {"prompt": [1, 99999]}, 400, "prompt"),
@@ -277,7 +345,11 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 999},
      400, "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": []}, 400, "tools"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+     400, "top_logprobs"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logprobs": -1}, 422, "logprobs"),
     ("/v1/completions", {"prompt": "x", "max_tokens": "ten"}, 422, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "temperature": -1}, 422, "temperature"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 422, "top_p"),

@@ -1,0 +1,96 @@
+"""Log-probabilities of generated tokens: which distribution they come from, and the top N of a row.
+
+A committed token's log-probability is read from the row that decided it (a verification row for
+an accepted draft or a correction, the target's own row for a bonus token), so it is the same
+number non-SI would report at that position, whatever the method, the window or the number of
+servers. Two distributions can be reported (vLLM's ``logprobs_mode``):
+
+- ``"raw"`` (vLLM's default, ``raw_logprobs``): ``log_softmax`` of the target's logits as the model
+  gave them, before any processing.
+- ``"processed"``: of the law the token was drawn from: for sampling the processed distribution
+  (penalties, bias, temperature, min_p, top-k, top-p: ``log p``, -inf where filtered out); for greedy
+  decoding ``log_softmax`` of the logits after the processors that precede temperature (penalties,
+  bias, min_tokens), whose argmax greedy decoding takes.
+
+Rows are ``float32`` log-probabilities ``[V]`` (what travels from a remote server); entries are
+plain Python numbers. Nothing here knows about models, threads or engines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from dsi.errors import ConfigError
+from dsi.sampling import Prefix, SamplingParams, process_rows, shape_rows
+
+LOGPROBS_MODES = ("raw", "processed")
+
+
+def check_mode(mode: str) -> str:
+    if mode not in LOGPROBS_MODES:
+        raise ConfigError(f"logprobs_mode={mode!r} must be one of {', '.join(map(repr, LOGPROBS_MODES))}")
+    return mode
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability and the ``top`` most likely tokens of its row
+    (``(id, logprob)``, most likely first; ties in id order)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+    def to_dict(self) -> dict:
+        return {"token": self.token, "logprob": self.logprob, "top": [list(pair) for pair in self.top]}
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """``log_softmax`` over the last axis in float64 (-inf stays -inf; +inf rows take their limit)."""
+    x = np.asarray(logits, dtype=np.float64)
+    if np.isposinf(x).any():
+        x = np.where(np.isposinf(x), 0.0, -np.inf)
+    top = x.max(axis=-1, keepdims=True)
+    with np.errstate(under="ignore", divide="ignore"):
+        return x - top - np.log(np.exp(x - top).sum(axis=-1, keepdims=True))
+
+
+def logprob_rows(logits: np.ndarray, params: SamplingParams, tokens: Sequence[int], prompt_len: int,
+                 stop_ids: frozenset[int], mode: str, probs: np.ndarray | None = None) -> np.ndarray:
+    """The log-probability rows ``[n, V]`` float32 of the last ``n`` rows of a forward over ``tokens``
+    (``logits`` ``[n, V]``, row j after ``tokens[: len(tokens) - n + 1 + j]``), in ``mode``.
+    ``probs``: the processed rows if the caller has them (sampling), to save processing them again."""
+    rows = np.asarray(logits, dtype=np.float64)
+    if mode == "raw":
+        out = log_softmax(rows)
+    elif not params.greedy:
+        law = probs if probs is not None else process_rows(rows, params, tokens, prompt_len, stop_ids)
+        with np.errstate(divide="ignore"):
+            out = np.log(law)
+    else:
+        out = log_softmax(shape_rows(rows, params, tokens, prompt_len, stop_ids) if params.moves_argmax else rows)
+    return out.astype(np.float32)
+
+
+def logprob_row(logits: np.ndarray, params: SamplingParams, prefix: Prefix, mode: str,
+                probs: np.ndarray | None = None) -> np.ndarray:
+    """:func:`logprob_rows` of one row ``[V]`` that follows ``prefix.tokens`` (``probs``: its processed law)."""
+    return logprob_rows(np.asarray(logits)[None], params, prefix.tokens, prefix.prompt_len, prefix.stop_ids, mode,
+                        None if probs is None else probs[None])[0]
+
+
+def entry(row: np.ndarray, token: int, top: int) -> TokenLogprob:
+    """The :class:`TokenLogprob` of ``token`` in the log-probability ``row`` ``[V]``, with its ``top``
+    most likely tokens (``top`` 0: none)."""
+    values = np.asarray(row)
+    best: tuple[tuple[int, float], ...] = ()
+    if top > 0:
+        n = min(top, values.size)
+        kth = -np.partition(-values, n - 1)[n - 1]  # the n-th largest value
+        candidates = np.flatnonzero(values >= kth)  # every token tied with it too, then ids break ties
+        order = sorted((int(i) for i in candidates), key=lambda i: (-float(values[i]), i))[:n]
+        best = tuple((i, float(values[i])) for i in order)
+    return TokenLogprob(int(token), float(values[token]), best)
