@@ -12,8 +12,9 @@ servers. Two distributions can be reported (vLLM's ``logprobs_mode``):
   decoding ``log_softmax`` of the logits after the processors that precede temperature (penalties,
   bias, min_tokens), whose argmax greedy decoding takes.
 
-Rows are ``float32`` log-probabilities ``[V]`` (what travels from a remote server); entries are
-plain Python numbers. Nothing here knows about models, threads or engines.
+Rows are kept as float32 values and a log-normaliser (:class:`LogprobRows`: what travels from a
+remote server, with no full-vocabulary subtraction); entries are plain Python numbers. Nothing here
+knows about models, threads or engines.
 """
 
 from __future__ import annotations
@@ -58,39 +59,68 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
         return x - top - np.log(np.exp(x - top).sum(axis=-1, keepdims=True))
 
 
+@dataclass(frozen=True)
+class LogprobRows:
+    """Log-probability rows ``values[j] - lse[j]`` (``[n, V]``), kept as float32 values and their
+    float64 log-normaliser: an entry reads a row at a few tokens only, so the subtraction (and, for
+    raw rows, any copy of the logits) is never made for the whole vocabulary. ``rows[j]`` is the
+    ``(values [V], lse)`` pair :func:`entry` takes."""
+
+    values: np.ndarray  # [n, V] float32
+    lse: np.ndarray  # [n] float64
+
+    def __len__(self) -> int:
+        return len(self.lse)
+
+    def __getitem__(self, j: int) -> tuple[np.ndarray, float]:
+        return self.values[j], float(self.lse[j])
+
+    def dense(self) -> np.ndarray:
+        """The log-probabilities themselves, ``[n, V]`` float64 (for tests and checks)."""
+        return self.values.astype(np.float64) - self.lse[:, None]
+
+
+def _normalised(values: np.ndarray) -> LogprobRows:
+    """Rows of logits ``[n, V]`` as :class:`LogprobRows` (log-softmax: lse = logsumexp)."""
+    x = np.asarray(values, dtype=np.float32)
+    if np.isposinf(x).any():  # the softmax's limit: the +inf logits share the mass
+        x = np.where(np.isposinf(x), np.float32(0.0), np.float32(-np.inf))
+    top = x.max(axis=-1)  # [n]
+    with np.errstate(under="ignore"):
+        total = np.exp(x - top[:, None]).sum(axis=-1, dtype=np.float64)  # [n], >= 1
+    return LogprobRows(x, top.astype(np.float64) + np.log(total))
+
+
 def logprob_rows(logits: np.ndarray, params: SamplingParams, tokens: Sequence[int], prompt_len: int,
-                 stop_ids: frozenset[int], mode: str, probs: np.ndarray | None = None) -> np.ndarray:
-    """The log-probability rows ``[n, V]`` float32 of the last ``n`` rows of a forward over ``tokens``
-    (``logits`` ``[n, V]``, row j after ``tokens[: len(tokens) - n + 1 + j]``), in ``mode``.
-    ``probs``: the processed rows if the caller has them (sampling), to save processing them again."""
-    rows = np.asarray(logits, dtype=np.float64)
+                 stop_ids: frozenset[int], mode: str, probs: np.ndarray | None = None) -> LogprobRows:
+    """The log-probability rows of the last ``n`` rows of a forward over ``tokens`` (``logits``
+    ``[n, V]``, row j after ``tokens[: len(tokens) - n + 1 + j]``), in ``mode``. ``probs``: the
+    processed rows if the caller has them (sampling), to save processing them again."""
     if mode == "raw":
-        out = log_softmax(rows)
-    elif not params.greedy:
-        law = probs if probs is not None else process_rows(rows, params, tokens, prompt_len, stop_ids)
+        return _normalised(logits)
+    if not params.greedy:
+        law = probs if probs is not None else process_rows(logits, params, tokens, prompt_len, stop_ids)
         with np.errstate(divide="ignore"):
-            out = np.log(law)
-    else:
-        out = log_softmax(shape_rows(rows, params, tokens, prompt_len, stop_ids) if params.moves_argmax else rows)
-    return out.astype(np.float32)
+            return LogprobRows(np.log(np.asarray(law, dtype=np.float32)), np.zeros(len(law)))
+    return _normalised(shape_rows(logits, params, tokens, prompt_len, stop_ids) if params.moves_argmax else logits)
 
 
 def logprob_row(logits: np.ndarray, params: SamplingParams, prefix: Prefix, mode: str,
-                probs: np.ndarray | None = None) -> np.ndarray:
+                probs: np.ndarray | None = None) -> tuple[np.ndarray, float]:
     """:func:`logprob_rows` of one row ``[V]`` that follows ``prefix.tokens`` (``probs``: its processed law)."""
     return logprob_rows(np.asarray(logits)[None], params, prefix.tokens, prefix.prompt_len, prefix.stop_ids, mode,
                         None if probs is None else probs[None])[0]
 
 
-def entry(row: np.ndarray, token: int, top: int) -> TokenLogprob:
-    """The :class:`TokenLogprob` of ``token`` in the log-probability ``row`` ``[V]``, with its ``top``
-    most likely tokens (``top`` 0: none)."""
-    values = np.asarray(row)
+def entry(row: tuple[np.ndarray, float], token: int, top: int) -> TokenLogprob:
+    """The :class:`TokenLogprob` of ``token`` in the log-probability row ``(values [V], lse)``, with its
+    ``top`` most likely tokens (``top`` 0: none)."""
+    values, lse = np.asarray(row[0]), row[1]
     best: tuple[tuple[int, float], ...] = ()
     if top > 0:
         n = min(top, values.size)
         kth = -np.partition(-values, n - 1)[n - 1]  # the n-th largest value
         candidates = np.flatnonzero(values >= kth)  # every token tied with it too, then ids break ties
         order = sorted((int(i) for i in candidates), key=lambda i: (-float(values[i]), i))[:n]
-        best = tuple((i, float(values[i])) for i in order)
-    return TokenLogprob(int(token), float(values[token]), best)
+        best = tuple((i, float(values[i]) - lse) for i in order)
+    return TokenLogprob(int(token), float(values[token]) - lse, best)

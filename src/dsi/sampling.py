@@ -198,6 +198,16 @@ def uniform(seed: int, position: int, purpose: Purpose) -> float:
     return (int.from_bytes(digest, "little") >> 11) * (1.0 / 9007199254740992.0)  # 53 bits
 
 
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice ``index`` of a request with ``seed`` (``n`` > 1): ``seed`` itself for choice
+    0 (so ``n = 1`` is unchanged), else a hash of both, in [0, 2**63 - 1]: the choices draw independent
+    uniforms, and one request's choices never share their seeds with another seed's choice 0."""
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(struct.pack("<QQ", seed, index), digest_size=8, person=b"dsi-choice").digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
 def check_logit_row(row: np.ndarray, what: str = "model") -> None:
     """Raise :class:`ModelError` unless ``row`` ([V]) can be turned into a distribution.
 
@@ -250,6 +260,19 @@ def process_rows(logits: np.ndarray, params: SamplingParams, tokens: Sequence[in
     return np.stack([_distribution(row, params) for row in shape_rows(rows, params, tokens, prompt_len, stop_ids)])
 
 
+def greedy_tokens(logits: np.ndarray, params: SamplingParams, tokens: Sequence[int], prompt_len: int,
+                  stop_ids: frozenset[int] = frozenset()) -> np.ndarray:
+    """Greedy decoding of the last ``n`` rows of a forward over ``tokens`` (as in :func:`process_rows`):
+    the first argmax of each processed row, ``[n]`` int64, without building the one-hot laws."""
+    if params.moves_argmax:
+        rows = shape_rows(logits, params, tokens, prompt_len, stop_ids)
+    else:
+        rows = np.asarray(logits)
+        for row in rows:
+            check_logit_row(row)
+    return np.argmax(rows, axis=-1).astype(np.int64)  # a +inf logit is the first argmax, as its limit says
+
+
 def shape_rows(logits: np.ndarray, params: SamplingParams, tokens: Sequence[int], prompt_len: int,
                stop_ids: frozenset[int] = frozenset()) -> np.ndarray:
     """:func:`shape_logits` of the last ``n`` rows of a forward over ``tokens`` (as in
@@ -282,45 +305,50 @@ def shape_logits(logits: np.ndarray, params: SamplingParams, prefix: Prefix | No
 
 class _Counts:
     """Occurrences of each token id in the output, and which ids the prompt or output holds (ids
-    outside the row's vocabulary, e.g. a drafter's smaller one, are not counted)."""
+    outside the row's vocabulary, e.g. a drafter's smaller one, are not counted). Sparse: a row's
+    penalties touch only these ids, so processing costs O(prefix) on top of one copy of the row."""
 
     def __init__(self, tokens: Sequence[int], prompt_len: int, vocab: int) -> None:
         cut = min(prompt_len, len(tokens))
         self.vocab = vocab
         self.generated = len(tokens) - cut
-        self.output = np.bincount(self._inside(tokens[cut:]), minlength=vocab).astype(np.float64)  # [V]
-        self.seen = self.output > 0  # [V] bool
-        self.seen[self._inside(tokens[:cut])] = True
-
-    def _inside(self, tokens: Sequence[int]) -> np.ndarray:
-        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        return ids[(ids >= 0) & (ids < self.vocab)]
+        self.output: dict[int, int] = {}
+        for t in tokens[cut:]:
+            if 0 <= t < vocab:
+                self.output[int(t)] = self.output.get(int(t), 0) + 1
+        self.seen: set[int] = {int(t) for t in tokens[:cut] if 0 <= t < vocab} | self.output.keys()
 
     def add(self, token: int) -> None:
         self.generated += 1
         if 0 <= token < self.vocab:
-            self.output[token] += 1.0
-            self.seen[token] = True
+            self.output[int(token)] = self.output.get(int(token), 0) + 1
+            self.seen.add(int(token))
 
 
 def _shape(row: np.ndarray, params: SamplingParams, counts: _Counts | None, stop_ids: frozenset[int]) -> np.ndarray:
     x = row.copy()  # [V] float64
     vocab = x.size
+    held = []
     if params.min_tokens and counts is not None and counts.generated < params.min_tokens:
         held = [t for t in stop_ids if 0 <= t < vocab]
         x[held] = -np.inf
-    for token, value in params.logit_bias:
-        if token < vocab:
-            x[token] += value
+    biased = [(t, b) for t, b in params.logit_bias if t < vocab]
+    if biased:
+        ids = np.fromiter((t for t, _ in biased), np.int64, len(biased))
+        x[ids] += np.fromiter((b for _, b in biased), np.float64, len(biased))
     if counts is not None:
         rp = params.repetition_penalty
-        if rp != 1.0:
-            x = np.where(counts.seen, np.where(x > 0, x / rp, x * rp), x)
-        if params.frequency_penalty:
-            x -= params.frequency_penalty * counts.output
-        if params.presence_penalty:
-            x -= params.presence_penalty * (counts.output > 0)
-    if not (x > -np.inf).any():
+        if rp != 1.0 and counts.seen:
+            ids = np.fromiter(counts.seen, np.int64, len(counts.seen))
+            v = x[ids]
+            x[ids] = np.where(v > 0, v / rp, v * rp)
+        if (params.frequency_penalty or params.presence_penalty) and counts.output:
+            ids = np.fromiter(counts.output.keys(), np.int64, len(counts.output))
+            if params.frequency_penalty:
+                x[ids] -= params.frequency_penalty * np.fromiter(counts.output.values(), np.float64, len(ids))
+            if params.presence_penalty:
+                x[ids] -= params.presence_penalty
+    if held and not (x > -np.inf).any():  # only min_tokens makes a logit -inf
         raise ConfigError(
             f"no token is possible after logit processing (min_tokens={params.min_tokens} holds back the stop "
             f"ids {sorted(stop_ids)[:5]}, logit_bias={dict(params.logit_bias)!r}): every logit is -inf")

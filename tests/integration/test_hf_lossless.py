@@ -40,15 +40,19 @@ def gpt2(seed, vocab=97, layers=2, positions=128):
     return transformers.GPT2LMHeadModel(config).eval()
 
 
-@pytest.mark.parametrize("build", [llama, gpt2], ids=["llama", "gpt2"])
-def test_greedy_dsi_and_si_equal_transformers_generate(build, no_thread_leak):
-    target_model = build(0)
-    # a drafter that is the target with noise added to its weights: it agrees often, not always
-    drafter_model = build(0)
+def noisy_pair(build):
+    """(target module, target, drafter): the drafter is the target with noise added to its weights, so
+    it agrees often, not always."""
+    target_model, drafter_model = build(0), build(0)
     with torch.no_grad():
         for p in drafter_model.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    target, drafter = HFModel(target_model), HFModel(drafter_model)
+    return target_model, HFModel(target_model), HFModel(drafter_model)
+
+
+@pytest.mark.parametrize("build", [llama, gpt2], ids=["llama", "gpt2"])
+def test_greedy_dsi_and_si_equal_transformers_generate(build, no_thread_leak):
+    target_model, target, drafter = noisy_pair(build)
     rng = np.random.default_rng(0)
     accepted = rejected = 0
     for case in range(4):
@@ -169,3 +173,20 @@ def test_sampling_with_a_drafter_of_shorter_context(no_thread_leak):
                                       num_target_servers=servers, max_new_tokens=12, sampling=sampling).tokens)
                    for lookahead, servers in [(1, 1), (4, 2), ("auto", 2)]}
         assert len(outputs) == 1, outputs
+
+
+@pytest.mark.parametrize("mode", ["raw", "processed"])
+def test_fp32_logprobs_of_si_and_dsi_equal_non_si_at_every_token(mode, no_thread_leak):
+    """Greedy, so every method emits the same tokens: each token's logprob and top 5 are non-SI's,
+    to float32 rounding (rows of a window forward vs one-token forwards), after rejections too."""
+    _, target, drafter = noisy_pair(llama)
+    params = SamplingParams(presence_penalty=0.3)  # processed mode differs from raw
+    run = dict(prompt=[5, 9, 2, 7], max_new_tokens=24, sampling=params, logprobs=5, logprobs_mode=mode)
+    ref = dsi.generate(target=target, method="ar", **run)
+    for method, k, sp in [("si", 3, None), ("dsi", 3, 2), ("dsi", "auto", 3)]:
+        out = dsi.generate(target=target, drafter=drafter, method=method, lookahead=k, num_target_servers=sp, **run)
+        assert out.tokens == ref.tokens and out.stats.rejections > 0
+        for got, want in zip(out.logprobs, ref.logprobs, strict=True):
+            assert got.logprob == pytest.approx(want.logprob, abs=2e-5)
+            assert [i for i, _ in got.top] == [i for i, _ in want.top]
+            np.testing.assert_allclose([v for _, v in got.top], [v for _, v in want.top], atol=2e-5)

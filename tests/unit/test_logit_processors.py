@@ -287,3 +287,16 @@ def test_windows_over_processed_rows_emit_exactly_the_processed_target_law(k, dr
     assert any(abs(mass - np.prod([process_logits(_logits(1, seq[:i]), plain)[seq[i]] for i in range(len(seq))])) > 1e-3
                for seq, mass in law.items())
     assert all(STOP not in seq[:1] for seq in law)  # min_tokens=2: no stop as the first token
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(**CASES["combined"])], ids=["plain", "processed"])
+def test_greedy_tokens_are_the_argmax_of_each_processed_row(params):
+    rng = np.random.default_rng(8)
+    tokens = [int(t) for t in rng.integers(0, VOCAB, 9)]
+    rows = rng.normal(0.0, 2.0, (5, VOCAB))
+    rows[2, 4] = np.inf  # the limit: a +inf logit is the token
+    want = [int(np.argmax(process_logits(rows[j], params, Prefix(tokens[: 5 + j], 3, frozenset({1}))))) for j in range(5)]
+    assert sampling.greedy_tokens(rows, params, tokens, 3, frozenset({1})).tolist() == want
+    rows[1, 0] = np.nan
+    with pytest.raises(sampling.ModelError, match="NaN"):
+        sampling.greedy_tokens(rows, params, tokens, 3)

@@ -223,3 +223,13 @@ def test_draft_from_logits_greedy_and_sampling():
     token, q = draft_from_logits(logits, SAMPLE, 5)
     np.testing.assert_allclose(q, process_logits(logits, SAMPLE))
     assert token == draft_token(q, SAMPLE, 5)
+
+
+def test_choice_seeds_keep_choice_zero_and_give_the_others_their_own():
+    from dsi.sampling import choice_seed
+
+    assert choice_seed(7, 0) == 7
+    seeds = {choice_seed(s, i) for s in (0, 7, 2**63 - 1) for i in range(1, 50)}
+    assert len(seeds) == 3 * 49 and all(0 <= x < 2**63 for x in seeds)
+    assert choice_seed(7, 1) != 8 and choice_seed(7, 1) == choice_seed(7, 1)
+    SamplingParams(seed=choice_seed(2**63 - 1, 3))  # a valid seed

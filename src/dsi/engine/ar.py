@@ -18,7 +18,7 @@ from dsi.engine.stats import GenerationStats
 from dsi.logprobs import logprob_row
 from dsi.models.base import LanguageModel, check_sampling, forward_rows
 from dsi.models.determinism import start_fresh_unless_deterministic
-from dsi.sampling import bonus, process_logits
+from dsi.sampling import bonus, greedy_tokens, process_logits
 
 
 class AutoregressiveDecoder:
@@ -52,10 +52,15 @@ class AutoregressiveDecoder:
                 out.commit(int(row))
             else:
                 prefix = request.prefix(out.tokens)
-                probs = process_logits(row, params, prefix)
+                if params.greedy:
+                    probs, token = None, int(greedy_tokens(row[None], params, out.tokens, len(request.prompt),
+                                                           request.eos_token_ids)[0])
+                else:
+                    probs = process_logits(row, params, prefix)
+                    token = bonus(probs, params, len(out.tokens))
                 logprobs = (None if request.logprobs is None else
                             logprob_row(row, params, prefix, request.logprobs_mode, probs))
-                out.commit(bonus(probs, params, len(out.tokens)), logprobs)
+                out.commit(token, logprobs)
             stats.bonus_tokens += 1
         return GenerationResult(out.finalize(), stats, out.logprobs)
 

@@ -91,9 +91,10 @@ class Output:
     def remaining(self) -> int:
         return self.request.max_new_tokens - self.new_count
 
-    def commit(self, token: int, logprob_row: np.ndarray | None = None) -> None:
-        """Append ``token``; ``logprob_row`` ([V] log-probabilities of the row that decided it) is
-        needed when the request asks for logprobs. The callback then gets ``(tokens, entries)``."""
+    def commit(self, token: int, logprob_row: tuple[np.ndarray, float] | None = None) -> None:
+        """Append ``token``; ``logprob_row`` (the log-probability row that decided it, as
+        :class:`dsi.logprobs.LogprobRows` gives rows) is needed when the request asks for logprobs.
+        The callback then gets ``(tokens, entries)``."""
         if self.finished:
             raise RuntimeError("commit after the output finished")
         entries = None

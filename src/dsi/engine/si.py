@@ -36,7 +36,7 @@ from dsi.models.base import (
 )
 from dsi.logprobs import logprob_rows
 from dsi.models.determinism import start_fresh_unless_deterministic
-from dsi.sampling import bonus, decide, decide_greedy, draft_from_logits, process_rows
+from dsi.sampling import bonus, decide, decide_greedy, draft_from_logits, greedy_tokens, process_rows
 
 
 class SpeculativeDecoder:
@@ -79,17 +79,21 @@ class SpeculativeDecoder:
             if limited or count < wanted:
                 stats.extra["drafter_context_limited"] = stats.extra.get("drafter_context_limited", 0) + 1
             start = time.perf_counter()
-            # greedy on raw rows (no logprobs): the target's argmax ids [kk+1]; otherwise its processed rows [kk+1, V]
+            # greedy: the target's argmax ids [kk+1] (from the model where it reads raw rows, no logprobs);
+            # sampling: its processed rows [kk+1, V]
             context = base + tuple(drafts)
             ids_only = not request.wants_rows
             rows = forward_rows(self._target, context, len(drafts) + 1, greedy=ids_only, top=request.row_top)
             logprobs = None
             if not ids_only:
                 raw = rows
-                rows = process_rows(raw, params, context, len(request.prompt), request.eos_token_ids)
+                if params.greedy:  # the argmax ids of the processed rows [kk+1]
+                    rows = greedy_tokens(raw, params, context, len(request.prompt), request.eos_token_ids)
+                else:
+                    rows = process_rows(raw, params, context, len(request.prompt), request.eos_token_ids)
                 if request.logprobs is not None:
                     logprobs = logprob_rows(raw, params, context, len(request.prompt), request.eos_token_ids,
-                                            request.logprobs_mode, rows)  # [kk+1, V]
+                                            request.logprobs_mode, None if params.greedy else rows)
             elapsed = time.perf_counter() - start
             stats.target_busy_s += elapsed
             stats.completed_target_s += elapsed
@@ -97,7 +101,7 @@ class SpeculativeDecoder:
             stats.completed_target_forwards += 1
             stats.verify_tasks += 1
             for i, x in enumerate(drafts):
-                if ids_only:
+                if params.greedy:
                     decision = decide_greedy(rows[i], x)
                 else:
                     decision = decide(rows[i], x, qs[i], params, len(out.tokens))
@@ -110,7 +114,7 @@ class SpeculativeDecoder:
                     break
             else:  # every draft accepted: the extra row gives a bonus token
                 last = rows[len(drafts)]
-                out.commit(int(last) if ids_only else bonus(last, params, len(out.tokens)),
+                out.commit(int(last) if params.greedy else bonus(last, params, len(out.tokens)),
                            None if logprobs is None else logprobs[len(drafts)])
                 stats.bonus_tokens += 1
 

@@ -31,6 +31,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -220,6 +221,19 @@ class ServerState:
         self._check_open()
         return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, step, body)
 
+    def submit_choices(self, prepared: Prepared) -> list[Job]:
+        """Queue one job per request of ``prepared``'s choices (all or none: 429 if the queue cannot
+        take them all), each started at once; they run on free slots in parallel."""
+        jobs: list[Job] = []
+        try:
+            for request in prepared.choice_requests():
+                jobs.append(self.submit(replace(prepared, request=request)))
+        except APIError:
+            for job in jobs:
+                job.cancel(HANDLER_CANCELLED)
+            raise
+        return jobs
+
     def submit(self, prepared: Prepared) -> Job:
         """Queue a prepared request (429 if the queue is full) and start it."""
         self._check_open()
@@ -251,16 +265,18 @@ def _dsi_info(outcome: Outcome) -> DSIInfo | None:
         drafted_tokens=s.drafted_tokens, accepted_tokens=s.accepted_tokens, rejections=s.rejections,
         verify_tasks=s.verify_tasks, preempted_tasks=s.preempted_tasks,
         cancelled_tasks=s.cancelled_tasks, wasted_target_s=s.wasted_target_s,
-        target_utilisation=s.target_utilisation, num_target_servers=s.num_target_servers, lookahead=s.lookahead,
+        target_utilisation=s.target_utilisation, num_target_servers=s.num_target_servers,
+        lookahead=None if s.method == "ar" else s.lookahead,
         mean_window=s.mean_window, auto=s.extra.get("auto"),
         queue_time_s=outcome.queue_time_s, time_to_first_token_s=s.time_to_first_token_s,
         wall_time_s=s.wall_time_s,
     )
 
 
-def _usage(prompt_tokens: int, outcome: Outcome) -> Usage:
-    return Usage(prompt_tokens=prompt_tokens, completion_tokens=outcome.completion_tokens,
-                 total_tokens=prompt_tokens + outcome.completion_tokens)
+def _usage(prompt_tokens: int, outcomes: list[Outcome]) -> Usage:
+    """Usage of a request: its prompt once, the completion tokens of every choice."""
+    completion = sum(o.completion_tokens for o in outcomes)
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion)
 
 
 def _sse(data: dict | str) -> str:
@@ -276,12 +292,13 @@ def _endpoint(path: str) -> str:
     return path if path in ENDPOINTS else "other"
 
 
-async def _watch_disconnect(request: Request, job: Job) -> None:
-    """Cancel ``job`` as soon as the client closes the connection."""
+async def _watch_disconnect(request: Request, jobs: list[Job]) -> None:
+    """Cancel ``jobs`` (a request's choices) as soon as the client closes the connection."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
-            job.cancel(CLIENT_GONE)
+            for job in jobs:
+                job.cancel(CLIENT_GONE)
             return
 
 
@@ -375,63 +392,100 @@ def create_app(
                            type="authentication_error", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
 
-    async def accept(request: Request, step: Callable[[list[bytearray]], Prepared]) -> tuple[Prepared, Job]:
-        """Authorise, read, parse, tokenise and check a generation request, then queue it."""
+    async def accept(request: Request, step: Callable[[list[bytearray]], Prepared]) -> tuple[Prepared, list[Job]]:
+        """Authorise, read, parse, tokenise and check a generation request, then queue its choices."""
         authorize(request)
         check_json_content_type(request.headers.get("content-type"))
         with state.admitted():
             # the body goes in a list the preparation step empties: once parsed, nothing holds it
             body = [await read_body(request.receive, content_length(request.scope))]
             prepared = await state.prepare(step, body)
-            return prepared, state.submit(prepared)
+            return prepared, state.submit_choices(prepared)
 
-    async def finish_plain(request: Request, job: Job) -> Outcome:
-        watcher = asyncio.create_task(_watch_disconnect(request, job))
+    def choice_outcomes(prepared: Prepared, outcomes: list[Outcome]) -> list[Outcome]:
+        """One outcome per choice (greedy choices share their one job's)."""
+        return outcomes * prepared.n if len(outcomes) == 1 else outcomes
+
+    async def finish_plain(request: Request, jobs: list[Job]) -> list[Outcome]:
+        watcher = asyncio.create_task(_watch_disconnect(request, jobs))
         try:
-            outcome = await job.outcome()
+            outcomes = []
+            for job in jobs:
+                outcome = await job.outcome()
+                error = _failure(outcome, job)
+                if error is not None:  # one failed choice fails the request: the others stop
+                    raise error
+                outcomes.append(outcome)
+            return outcomes
         finally:
             watcher.cancel()
-            job.cancel(HANDLER_CANCELLED)  # no-op once the job is done
-        error = _failure(outcome, job)
-        if error is not None:
-            raise error
-        return outcome
+            for job in jobs:
+                job.cancel(HANDLER_CANCELLED)  # no-op once the job is done
 
-    def stream(request: Request, job: Job, opening: list[dict], delta: Callable[[str, list | None], dict],
-               closing: Callable[[Outcome], list[dict]]) -> StreamingResponse:
-        """Server-sent events: ``opening``, a ``delta(text, logprob entries)`` chunk per piece of stable
-        text, then ``closing(outcome)`` (or the error) and ``[DONE]``."""
-        watcher = asyncio.create_task(_watch_disconnect(request, job))
+    def stream(request: Request, prepared: Prepared, jobs: list[Job], opening: Callable[[int], list[dict]],
+               delta: Callable[[int, str, list | None], dict],
+               finish: Callable[[int, Outcome, list[Outcome] | None], dict],
+               closing: Callable[[list[Outcome]], list[dict]]) -> StreamingResponse:
+        """Server-sent events: each choice's ``opening(i)``, a ``delta(i, text, logprob entries)`` chunk
+        per piece of stable text of choice i (the choices interleave as they run), ``finish(i, outcome,
+        usage)`` as each ends (``usage``: every choice's outcome, on the last one, without
+        include_usage), then with include_usage ``closing(outcomes)``; or the first error; then ``[DONE]``."""
+        watcher = asyncio.create_task(_watch_disconnect(request, jobs))
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def forward(job: Job) -> None:
+            async for item in job.deltas():
+                await merged.put((job, *item))
 
         async def events() -> AsyncIterator[str]:
             status, finished = 200, False
+            pumps = [asyncio.create_task(forward(job)) for job in jobs]
+            choices = range(prepared.n)
+            index = {job: i for i, job in enumerate(jobs)}  # greedy: one job, every choice
             try:
-                for chunk in opening:
-                    yield _sse(chunk)
-                async for kind, payload in job.deltas():
+                for i in choices:
+                    for chunk in opening(i):
+                        yield _sse(chunk)
+                outcomes: dict[int, Outcome] = {}
+                while len(outcomes) < len(jobs):
+                    job, kind, payload = await merged.get()
+                    mine = range(prepared.n) if len(jobs) == 1 else [index[job]]
                     if kind == "text":
-                        yield _sse(delta(*payload))
+                        for i in mine:
+                            yield _sse(delta(i, *payload))
                         continue
                     outcome: Outcome = payload
-                    finished = True
-                    if outcome.tail or outcome.tail_logprobs:
-                        yield _sse(delta(outcome.tail, outcome.tail_logprobs))
                     error = _failure(outcome, job)
-                    if error is None:
-                        for chunk in closing(outcome):
-                            yield _sse(chunk)
-                    else:
+                    if error is not None:
                         status = error.status
                         yield _sse(error.body())
+                        break
+                    outcomes[index[job]] = outcome
+                    every = (choice_outcomes(prepared, [outcomes[j] for j in range(len(jobs))])
+                             if len(outcomes) == len(jobs) else None)
+                    for i in mine:
+                        if outcome.tail or outcome.tail_logprobs:
+                            yield _sse(delta(i, outcome.tail, outcome.tail_logprobs))
+                        # without include_usage, the usage rides on the last choice's final chunk
+                        usage = every if every is not None and i == mine[-1] and not prepared.include_usage else None
+                        yield _sse(finish(i, outcome, usage))
+                else:
+                    if prepared.include_usage:  # a last chunk of its own, with no choices (OpenAI's shape)
+                        for chunk in closing(every):
+                            yield _sse(chunk)
+                finished = True
                 yield _sse("[DONE]")
             except asyncio.CancelledError:
                 status = 499
                 raise
             finally:
                 watcher.cancel()
+                for pump in pumps:
+                    pump.cancel()
                 if not finished:  # the client went away mid-stream, or shutdown cancelled us
                     status = 499
-                    job.cancel(HANDLER_CANCELLED)
+                for job in jobs:
+                    job.cancel(HANDLER_CANCELLED)  # no-op once done; stops the others after an error
                 count(request, status)
 
         return StreamingResponse(events(), media_type="text/event-stream",
@@ -491,73 +545,68 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        prepared, job = await accept(request, state.preparer.completion)
+        prepared, jobs = await accept(request, state.preparer.completion)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         echo, n_prompt = prepared.echo, prepared.prompt_tokens
-        # where the next token's text_offset starts: the echoed prompt, then the tokens' own texts so far
-        streamed = [len(echo)]
+        # per choice, where the next token's text_offset starts: the echoed prompt, then its tokens' texts so far
+        streamed = [len(echo)] * prepared.n
 
-        def response(text: str, finish: str | None, outcome: Outcome | None = None, usage: bool = False,
-                     entries: list | None = None) -> dict:
+        def choice(i: int, text: str, finish: str | None, entries: list | None = None) -> CompletionChoice:
             logprobs = None
             if entries is not None:
-                logprobs = completion_logprobs(entries, decode_one, streamed[0])
-                streamed[0] += sum(len(piece) for piece in logprobs["tokens"])
+                logprobs = completion_logprobs(entries, decode_one, streamed[i])
+                streamed[i] += sum(len(piece) for piece in logprobs["tokens"])
+            return CompletionChoice(index=i, text=text, finish_reason=finish, logprobs=logprobs)
+
+        def response(choices: list[CompletionChoice], outcomes: list[Outcome] | None = None) -> dict:
             return dump(CompletionResponse(
-                id=rid, created=created, model=config.model_name,
-                choices=[CompletionChoice(text=text, finish_reason=finish, logprobs=logprobs)],
-                usage=_usage(n_prompt, outcome) if usage else None, dsi=_dsi_info(outcome) if usage else None,
+                id=rid, created=created, model=config.model_name, choices=choices,
+                usage=_usage(n_prompt, outcomes) if outcomes else None, dsi=_dsi_info(outcomes[0]) if outcomes else None,
             ))
 
         if prepared.stream:
-            def closing(outcome: Outcome) -> list[dict]:
-                if not prepared.include_usage:
-                    return [response("", outcome.finish_reason, outcome, usage=True)]
-                last = response("", None, outcome, usage=True)
-                last["choices"] = []
-                return [response("", outcome.finish_reason), last]
-
-            return stream(request, job, [response(echo, None)] if echo else [],
-                          lambda t, entries: response(t, None, entries=entries), closing)
-        outcome = await finish_plain(request, job)
+            return stream(request, prepared, jobs, lambda i: [response([choice(i, echo, None)])] if echo else [],
+                          lambda i, t, entries: response([choice(i, t, None, entries)]),
+                          lambda i, outcome, usage: response([choice(i, "", outcome.finish_reason)], usage),
+                          lambda outcomes: [response([], outcomes)])  # usage of all choices, dsi of choice 0
+        outcomes = choice_outcomes(prepared, await finish_plain(request, jobs))
         count(request, 200)
-        answer = response(echo + outcome.text, outcome.finish_reason, outcome, usage=True, entries=outcome.logprobs)
-        if outcome.prompt_logprobs is not None:
-            answer["choices"][0]["prompt_logprobs"] = outcome.prompt_logprobs
+        answer = response([choice(i, echo + o.text, o.finish_reason, o.logprobs) for i, o in enumerate(outcomes)],
+                          outcomes)
+        if outcomes[0].prompt_logprobs is not None:
+            answer["choices"][0]["prompt_logprobs"] = outcomes[0].prompt_logprobs
         return JSONResponse(answer)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        prepared, job = await accept(request, state.preparer.chat)
+        prepared, jobs = await accept(request, state.preparer.chat)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         n_prompt = prepared.prompt_tokens
 
-        def chunk(delta: ChatDelta | None, finish: str | None, outcome: Outcome | None = None,
+        def chunk(i: int | None, delta: ChatDelta | None, finish: str | None, outcomes: list[Outcome] | None = None,
                   entries: list | None = None) -> dict:
             logprobs = None if entries is None else chat_logprobs(entries, decode_one)
-            choices = [] if delta is None else [ChatChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs)]
+            choices = [] if delta is None else [ChatChunkChoice(index=i, delta=delta, finish_reason=finish,
+                                                                logprobs=logprobs)]
             return dump(ChatCompletionChunk(
                 id=rid, created=created, model=config.model_name, choices=choices,
-                usage=_usage(n_prompt, outcome) if outcome else None, dsi=_dsi_info(outcome) if outcome else None,
+                usage=_usage(n_prompt, outcomes) if outcomes else None,
+                dsi=_dsi_info(outcomes[0]) if outcomes else None,
             ))
 
         if prepared.stream:
-            def closing(outcome: Outcome) -> list[dict]:
-                if not prepared.include_usage:
-                    return [chunk(ChatDelta(), outcome.finish_reason, outcome)]
-                return [chunk(ChatDelta(), outcome.finish_reason), chunk(None, None, outcome)]
-
-            opening = [chunk(ChatDelta(role="assistant", content=""), None)]
-            return stream(request, job, opening, lambda t, entries: chunk(ChatDelta(content=t), None, entries=entries),
-                          closing)
-        outcome = await finish_plain(request, job)
+            return stream(request, prepared, jobs, lambda i: [chunk(i, ChatDelta(role="assistant", content=""), None)],
+                          lambda i, t, entries: chunk(i, ChatDelta(content=t), None, entries=entries),
+                          lambda i, outcome, usage: chunk(i, ChatDelta(), outcome.finish_reason, usage),
+                          lambda outcomes: [chunk(None, None, None, outcomes)])
+        outcomes = choice_outcomes(prepared, await finish_plain(request, jobs))
         count(request, 200)
-        logprobs = None if outcome.logprobs is None else chat_logprobs(outcome.logprobs, decode_one)
         return JSONResponse(dump(ChatCompletionResponse(
             id=rid, created=created, model=config.model_name,
-            choices=[ChatChoice(message=AssistantMessage(content=outcome.text), finish_reason=outcome.finish_reason,
-                                logprobs=logprobs)],
-            usage=_usage(n_prompt, outcome), dsi=_dsi_info(outcome),
+            choices=[ChatChoice(index=i, message=AssistantMessage(content=o.text), finish_reason=o.finish_reason,
+                                logprobs=None if o.logprobs is None else chat_logprobs(o.logprobs, decode_one))
+                     for i, o in enumerate(outcomes)],
+            usage=_usage(n_prompt, outcomes), dsi=_dsi_info(outcomes[0]),
         )))
 
     return app

@@ -29,7 +29,7 @@ from typing import Any
 from dsi.engine.api import make_request
 from dsi.engine.request import Request
 from dsi.errors import ConfigError
-from dsi.sampling import SamplingParams
+from dsi.sampling import SamplingParams, choice_seed
 from dsi.server.codec import Codec, PromptTooLong
 from dsi.server.config import ServeConfig
 from dsi.server.protocol import (
@@ -62,6 +62,15 @@ class Prepared:
     echo: str = ""  # the prompt text to echo (completions with echo=true)
     prompt_logprobs: int | None = None  # top N per prompt position (-1: every token); None: not asked
     prompt_logprobs_from: int = 1  # the first position whose prompt logprobs are computed
+    n: int = 1  # choices: choice i samples with dsi.sampling.choice_seed(seed, i)
+
+    def choice_requests(self) -> list[Request]:
+        """The request of each choice. Greedy choices are one request: its output is every choice's."""
+        if self.n == 1 or self.request.sampling.greedy:
+            return [self.request]
+        sampling = self.request.sampling
+        return [replace(self.request, sampling=replace(sampling, seed=choice_seed(sampling.seed, i)))
+                for i in range(self.n)]
 
     @property
     def prompt_tokens(self) -> int:
@@ -102,6 +111,9 @@ class Preparer:
             if req.prompt_logprobs_from is not None:
                 raise APIError(400, "prompt_logprobs_from needs prompt_logprobs", param="prompt_logprobs_from")
             return prepared
+        if prepared.n > 1:
+            raise APIError(400, "prompt_logprobs with n > 1 is not supported: ask them with n = 1", param="n",
+                           code="unsupported_parameter")
         return replace(prepared, prompt_logprobs=self._check_prompt_logprobs(req, len(ids)),
                        prompt_logprobs_from=req.prompt_logprobs_from or 1)
 
@@ -234,4 +246,4 @@ class Preparer:
                 raise APIError(400, str(exc), param=option, code="invalid_value") from exc
             raise APIError(400, str(exc), param=prompt_param, code="invalid_prompt") from exc
         return Prepared(request, stop=req.stop_strings(), stream=req.stream, include_usage=req.include_usage(),
-                        echo=echo)
+                        echo=echo, n=req.n or 1)

@@ -4,7 +4,7 @@ Requests are parsed from the raw body with :func:`parse_request` (:func:`load_js
 :func:`validate_request` in strict mode: ``"3"`` is not an integer, ``true`` is not a number)
 and forbid unknown fields: an option we do not
 implement is a 400 naming it, never a silent ignore. Options of the OpenAI API that we support
-only at their default value (``n``, ``best_of``, ``logprobs``, ...) are declared and
+only at their default value (``best_of``, ``suffix``, ...) are declared and
 checked by :func:`unsupported_option`. Responses follow the OpenAI objects and add a ``dsi``
 object with the run's speculation statistics.
 
@@ -27,6 +27,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1000  # text that could begin a stop string is held back and searched at each token
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_STOP_TOKEN_IDS = 64
+MAX_CHOICES = 16  # n: each choice is a generation of its own
 
 
 class APIError(Exception):
@@ -88,8 +89,7 @@ class _GenerationRequest(_Strict):
     min_tokens: int | None = Field(default=None, ge=0)
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
-    # supported only at their default value (see unsupported_option)
-    n: int | None = None
+    n: int | None = Field(default=None, ge=1)  # choices, each sampled independently (see unsupported_option)
 
     @field_validator("stop")
     @classmethod
@@ -314,7 +314,8 @@ def validate_request(model: type[_Strict], value: dict) -> Any:
 def unsupported_option(request: _GenerationRequest) -> APIError | None:
     """A 400 for an OpenAI option set to a value dsi serve does not implement, else None."""
     checks: list[tuple[str, bool, str]] = [
-        ("n", request.n not in (None, 1), "n > 1 is not supported: one choice per request"),
+        ("n", request.n is not None and request.n > MAX_CHOICES, f"n={request.n}: at most {MAX_CHOICES} choices "
+         "per request"),
     ]
     if isinstance(request, CompletionRequest):
         checks += [
@@ -359,7 +360,7 @@ class DSIInfo(BaseModel):
     wasted_target_s: float
     target_utilisation: float
     num_target_servers: int
-    lookahead: int | str  # k, or "auto" (event-driven windows)
+    lookahead: int | str | None  # k, or "auto" (event-driven windows); null for non-SI (it drafts nothing)
     mean_window: float  # drafts per verification window, on average
     auto: dict | None = None  # method="auto": what was picked and why
     queue_time_s: float

@@ -19,6 +19,7 @@ from typing import Protocol
 
 import numpy as np
 
+from dsi.logprobs import LogprobRows
 from dsi.sampling import SamplingParams
 
 
@@ -46,7 +47,7 @@ class TaskResult:
     tokens: np.ndarray  # [num_rows] int64, argmax of each processed row
     probs: np.ndarray | None  # [num_rows, V] float64 processed distributions; None when greedy
     compute_s: float  # server time spent on the task
-    logprobs: np.ndarray | None = None  # [num_rows, V] float32 log-probabilities, when the task asked
+    logprobs: LogprobRows | None = None  # [num_rows, V] log-probabilities (dsi.logprobs), when the task asked
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import pytest
 import dsi
 from dsi.engine.api import make_request
 from dsi.errors import ConfigError
-from dsi.logprobs import entry, log_softmax, logprob_row
+from dsi.logprobs import entry, log_softmax, logprob_row, logprob_rows
 from dsi.models import synthetic_pair
 from dsi.models.base import forward_rows
 from dsi.sampling import Prefix, SamplingParams, process_logits, shape_logits
@@ -27,10 +27,11 @@ PARAMS = {
 
 
 def test_an_entry_has_the_token_and_the_top_n_most_likely_first_ties_by_id():
-    row = np.log(np.array([0.1, 0.3, 0.1, 0.4, 0.1]))
+    row = (np.log(np.array([0.1, 0.3, 0.1, 0.4, 0.1])) + 2.0, 2.0)  # values and their log-normaliser
     e = entry(row, 2, 3)
     assert e.token == 2 and e.logprob == pytest.approx(np.log(0.1))
     assert [i for i, _ in e.top] == [3, 1, 0]  # 0, 2 and 4 tie at 0.1: the lowest id
+    assert [v for _, v in e.top] == pytest.approx(np.log([0.4, 0.3, 0.1]))
     assert entry(row, 2, 0).top == ()
     assert [i for i, _ in entry(row, 0, 9).top] == [3, 1, 0, 2, 4]  # N past the vocabulary: all of it
 
@@ -38,15 +39,21 @@ def test_an_entry_has_the_token_and_the_top_n_most_likely_first_ties_by_id():
 def test_the_two_modes_are_the_models_row_and_the_law_drawn_from():
     logits = np.array([2.0, 1.0, 0.5, -1.0])
     prefix = Prefix([1, 0], prompt_len=1)
-    np.testing.assert_allclose(np.exp(logprob_row(logits, SamplingParams(), prefix, "raw")),
+
+    def dense(row):  # (values, lse) -> the log-probabilities
+        return row[0].astype(np.float64) - row[1]
+
+    np.testing.assert_allclose(np.exp(dense(logprob_row(logits, SamplingParams(), prefix, "raw"))),
                                np.exp(logits) / np.exp(logits).sum(), rtol=1e-6)
     sampled = SamplingParams(temperature=0.5, top_k=2, presence_penalty=1.0)
-    processed = logprob_row(logits, sampled, prefix, "processed")
+    processed = dense(logprob_row(logits, sampled, prefix, "processed"))
     np.testing.assert_allclose(np.exp(processed), process_logits(logits, sampled, prefix), rtol=1e-6, atol=1e-7)
     assert np.isneginf(processed[2:]).all()  # outside the top 2: impossible, -inf
     greedy = SamplingParams(presence_penalty=1.0)  # greedy: the softmax of the logits greedy takes the argmax of
-    np.testing.assert_allclose(logprob_row(logits, greedy, prefix, "processed"),
+    np.testing.assert_allclose(dense(logprob_row(logits, greedy, prefix, "processed")),
                                log_softmax(shape_logits(logits, greedy, prefix)), rtol=1e-6)
+    rows = logprob_rows(np.stack([logits, logits + 3.0]), SamplingParams(), [1, 0], 1, frozenset(), "raw")
+    np.testing.assert_allclose(rows.dense()[0], rows.dense()[1], atol=1e-6)  # a shift of the logits changes nothing
 
 
 def reference_entries(target, prompt, tokens, params, n, mode):

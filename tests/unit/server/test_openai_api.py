@@ -322,6 +322,40 @@ def test_the_server_reports_processed_logprobs_when_started_so(tiny_pair):
         assert values[3:] == [-9999.0, -9999.0] and item["logprob"] in values[:3]
 
 
+def test_n_choices_are_independent_seeded_samples_and_usage_counts_them_all(client):
+    from dsi.sampling import choice_seed
+
+    kwargs = dict(model=MODEL, prompt="The quick brown", max_tokens=8, temperature=1.0, seed=11)
+    r = client.completions.create(**kwargs, n=3, logprobs=1)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    texts = [c.text for c in r.choices]
+    assert len(set(texts)) > 1  # independent samples
+    for i, c in enumerate(r.choices):  # choice i is the n = 1 request with seed choice_seed(11, i)
+        alone = client.completions.create(**{**kwargs, "seed": choice_seed(11, i)}).choices[0]
+        assert c.text == alone.text and c.finish_reason == alone.finish_reason
+        assert len(c.logprobs.tokens) == 8
+    assert r.usage.completion_tokens == 24 and r.usage.prompt_tokens == client.completions.create(
+        **kwargs).usage.prompt_tokens
+    chunks = list(client.completions.create(**kwargs, n=3, stream=True, stream_options={"include_usage": True}))
+    streamed = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(3)]
+    assert streamed == texts
+    finished = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(finished) == [0, 1, 2] and chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+
+
+def test_n_greedy_choices_are_copies_of_one_run_and_chat_takes_n(client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                       temperature=0, n=2)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.choices[0].message.content == r.choices[1].message.content and r.usage.completion_tokens == 12
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=6, temperature=0, n=2, stream=True))
+    streamed = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+                for i in range(2)]
+    assert streamed == [r.choices[0].message.content] * 2
+    assert chunks[-1].usage.completion_tokens == 12  # without include_usage: on the last choice's final chunk
+
+
 def test_chat_takes_the_processors_too(client, capsys, tiny_dirs):
     ref = generate_json(capsys, tiny_dirs, "--prompt", "hello", "--chat", "--max-new-tokens", "8",
                         "--presence-penalty", "2", "--logit-bias", "42=5")
@@ -336,7 +370,9 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 @pytest.mark.parametrize("path, body, status, param", [
     ("/v1/completions", b"{not json", 400, None),
     ("/v1/completions", b'"a string"', 400, None),
-    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 17}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 422, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 2, "prompt_logprobs": 1}, 400, "n"),
     ("/v1/completions", {"prompt": "x", "best_of": 2}, 400, "best_of"),
     ("/v1/completions", {"prompt": "x", "frobnicate": True}, 400, "frobnicate"),
     ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
@@ -484,3 +520,12 @@ def test_the_documented_acceptance_rate_query_gives_the_responses_rate(server, c
     weights = [i["accepted_tokens"] + i["rejections"] for i in infos]
     assert query == pytest.approx(sum(r * w for r, w in zip(rates, weights, strict=True)) / sum(weights))
     assert delta("dsi_drafted_tokens_total") >= decided  # the other ratio counts undecided drafts too
+
+
+def test_a_non_si_response_reports_no_lookahead(tiny_pair):
+    from dsi.server import ServeConfig, create_app
+
+    target, _ = tiny_pair
+    with running_server(create_app(target, None, ServeConfig(method="ar", model_name=MODEL, max_tokens=4))) as running:
+        info = httpx.post(running.url + "/v1/completions", json={"prompt": "abc"}, timeout=60).json()["dsi"]
+    assert info["method"] == "ar" and info["lookahead"] is None and info["drafted_tokens"] == 0

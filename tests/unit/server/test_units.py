@@ -86,7 +86,7 @@ def test_chat_message_errors_name_the_nested_field():
 
 
 @pytest.mark.parametrize("body, param", [
-    (b'{"prompt": "x", "n": 2}', "n"),
+    (b'{"prompt": "x", "n": 17}', "n"),
     (b'{"prompt": "x", "best_of": 2}', "best_of"),
     (b'{"prompt": "x", "suffix": "y"}', "suffix"),
     (b'{"prompt": ["a", "b"]}', "prompt"),
