@@ -1,9 +1,12 @@
 """What the OpenAI request fields cost under speculation: ``dsi serve`` with penalties, logit_bias
 and ``logprobs: 5`` against plain requests, on the embedded pair (issue 22's benchmark).
 
-A ``dsi serve`` app runs in this process on 127.0.0.1 (the embedded Qwen2.5-Coder pair on llama.cpp);
-for each method, the same prompts are sent, greedy, as four kinds of request, in alternating order
-over ``--repeats`` rounds:
+1. **Per position** (robust on a noisy machine): on real rows of the target (151,936 logits), the
+   median time of what each kind of request adds to a position (processing the row, the logprob
+   row and its top-5 entry), next to the target's median one-token forward.
+2. **End to end**: a ``dsi serve`` app runs in this process on 127.0.0.1 (the embedded Qwen2.5-Coder
+pair on llama.cpp); for each method, the same prompts are sent, greedy, as four kinds of request, in
+alternating order over ``--repeats`` rounds:
 
 - ``plain``: no field beyond ``max_tokens`` / ``temperature: 0`` (the argmax-only path);
 - ``logprobs``: ``logprobs: 5``;
@@ -12,7 +15,7 @@ over ``--repeats`` rounds:
 
 Reported per kind: the median over rounds of the summed wall time of the prompts (the server's own
 ``dsi.wall_time_s``, which leaves out HTTP), its ratio to ``plain`` of the same round, and the
-acceptance rate. The processed outputs differ from the plain ones (the penalties change them); the
+acceptance rate (accepted / decided drafts). The processed outputs differ from the plain ones (the penalties change them); the
 acceptance says whether the drafter, processed alike, keeps up.
 
     python benchmarks/request_surface_cost.py --out docs/data/request_surface_cost-2026-12-01.json
@@ -40,6 +43,48 @@ METHODS = {"si k=4": dict(method="si", lookahead=4), "dsi auto SP=1": dict(metho
                                                                           num_target_servers=1)}
 
 
+def position_costs(target, prompt: str, repeats: int = 50) -> dict[str, float]:
+    """Median milliseconds of each per-position step on 8 real rows of ``target``, and of its forward."""
+    import time
+
+    import numpy as np
+
+    from dsi.logprobs import entry, logprob_rows
+    from dsi.models.base import forward_rows
+    from dsi.sampling import SamplingParams, greedy_tokens
+
+    ids = target.encode(prompt)
+    session = target.new_session()
+    rows = np.asarray(forward_rows(session, ids, 8), dtype=np.float32)  # [8, V]
+    forwards = []
+    for t in range(12):  # one-token forwards, as non-SI runs them
+        start = time.perf_counter()
+        forward_rows(session, [*ids, t + 1], 1, greedy=True)
+        forwards.append(time.perf_counter() - start)
+        session.truncate(len(ids))
+    session.close()
+    plain, processed = SamplingParams(), SamplingParams(**{k: v for k, v in KINDS["processed"].items()})
+    tokens = ids + list(range(100, 108))
+
+    def median_ms(run) -> float:
+        run()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1000 / 8  # per row
+
+    lp = logprob_rows(rows, plain, tokens, len(ids), frozenset(), "raw")
+    return {
+        "target one-token forward": statistics.median(forwards) * 1000,
+        "greedy, argmax of the raw row": median_ms(lambda: np.argmax(rows, axis=-1)),
+        "greedy, processed (penalties + bias)": median_ms(lambda: greedy_tokens(rows, processed, tokens, len(ids))),
+        "logprobs rows (raw)": median_ms(lambda: logprob_rows(rows, plain, tokens, len(ids), frozenset(), "raw")),
+        "logprobs: top-5 entry": median_ms(lambda: [entry(lp[j], 0, 5) for j in range(8)]),
+    }
+
+
 def main() -> int:
     import httpx
 
@@ -59,6 +104,7 @@ def main() -> int:
     args = parser.parse_args()
     target, drafter = load_pair(args.target, args.drafter, backend="llama.cpp", progress=False)
     prompts = CODE_PROMPTS[: args.prompts]
+    per_position = position_costs(target, prompts[0])
     rows = []
     for label, method in METHODS.items():
         config = ServeConfig(model_name="m", max_tokens=args.tokens, max_concurrent=1, **method)
@@ -80,17 +126,24 @@ def main() -> int:
                         info = answer.json()["dsi"]
                         total += info["wall_time_s"]
                         accepted[kind][0] += info["accepted_tokens"]
-                        accepted[kind][1] += info["drafted_tokens"]
+                        accepted[kind][1] += info["accepted_tokens"] + info["rejections"]
                     seconds[kind].append(total)
                     print(f"{label} round {rep + 1} {kind}: {total:.2f} s", file=sys.stderr, flush=True)
                 for kind in KINDS:
                     ratios[kind].append(seconds[kind][-1] / seconds["plain"][-1])
             client.close()
         for kind in KINDS:
-            done, drafted = accepted[kind]
+            done, decided = accepted[kind]
             rows.append({"method": label, "kind": kind, "seconds": statistics.median(seconds[kind]),
                          "ratio_to_plain": statistics.median(ratios[kind]),
-                         "acceptance": done / drafted if drafted else None})
+                         "acceptance": done / decided if decided else None})
+    forward = per_position.pop("target one-token forward")
+    print(f"per position, on the target's rows ({target.vocab_size} logits); its one-token forward: {forward:.2f} ms")
+    print("| what a position adds | ms | / forward |")
+    print("|---|---|---|")
+    for what, ms in per_position.items():
+        print(f"| {what} | {ms:.3f} | {ms / forward:.4f} |")
+    print()
     print(f"{args.target} / {args.drafter}, llama.cpp, dsi serve in-process, greedy, {len(prompts)} prompts x "
           f"{args.tokens} tokens, median of {args.repeats} rounds")
     print("| method | request | s (sum of prompts) | / plain | acceptance |")
@@ -99,7 +152,8 @@ def main() -> int:
         print(f"| {r['method']} | {r['kind']} | {r['seconds']:.2f} | {r['ratio_to_plain']:.3f} | "
               f"{r['acceptance']:.3f} |")
     emit_record({"benchmark": "request_surface_cost", "target": args.target, "drafter": args.drafter,
-                 "prompts": len(prompts), "tokens": args.tokens, "repeats": args.repeats, "rows": rows}, args.out)
+                 "prompts": len(prompts), "tokens": args.tokens, "repeats": args.repeats,
+                 "target_forward_ms": forward, "per_position_ms": per_position, "rows": rows}, args.out)
     return 0
 
 

@@ -274,9 +274,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     d.add_argument("--sp", type=int, nargs="+", default=[1], help="DSI target-server counts to run (default 1)")
     d.add_argument("--max-new-tokens", type=int, default=None,
                    help=f"new tokens per prompt (default {QUICK_DEMO.tokens}, {FULL_DEMO.tokens} with --full)")
-    d.add_argument("--prompts", type=int, default=None,
+    d.add_argument("--prompts", default=None, metavar="N|FILE",
                    help=f"how many built-in code prompts (default {QUICK_DEMO.prompts}, {FULL_DEMO.prompts} with "
-                        "--full; max 4)")
+                        "--full; max 4), or a file of prompts as selftest takes: one per line, a line starting "
+                        'with " a JSON string')
     d.add_argument("--repeats", type=int, default=1, help="runs per method and prompt; medians reported")
     d.add_argument("--target-devices", help="comma-separated devices of DSI's target servers, one per server in "
                                             "turn, e.g. cuda:1,cuda:2 (default: --device)")
@@ -301,12 +302,37 @@ QUICK_DEMO = DemoPlan(prompts=2, tokens=48)  # every method on the same prompts,
 FULL_DEMO = DemoPlan(prompts=3, tokens=64, dsi_lookahead=5)
 
 
+def demo_prompts(args: argparse.Namespace) -> list[str]:
+    """The demo's prompt texts: ``--prompts N`` built-in code prompts, or those of the file ``--prompts``
+    names (checked before anything loads)."""
+    from dsi.cli.output import check_input_file
+    from dsi.evaluate.compare import CODE_PROMPTS
+    from dsi.evaluate.selftest import read_prompts
+
+    value = args.prompts
+    if value is None:
+        return list(CODE_PROMPTS[: (FULL_DEMO if args.full else QUICK_DEMO).prompts])
+    if value.strip().lstrip("+-").isdigit():
+        count = int(value)
+        if not 1 <= count <= len(CODE_PROMPTS):
+            raise ConfigError(f"--prompts={count} must be in [1, {len(CODE_PROMPTS)}] (built-in prompts), or a file")
+        return list(CODE_PROMPTS[:count])
+    check_input_file(value, "--prompts")
+    texts = read_prompts(value)
+    if not texts:
+        raise ConfigError(f"--prompts={value!r} holds no prompt")
+    return texts
+
+
 def demo_plan(args: argparse.Namespace) -> DemoPlan:
     """The demo's plan from ``--full``, ``--prompts``, ``--max-new-tokens`` and ``--lookahead``: the quick
     plan unless ``--full``; an explicit ``--lookahead`` adds DSI with that fixed k to the quick plan too."""
     base = FULL_DEMO if args.full else QUICK_DEMO
     k = args.lookahead if args.lookahead is not None else base.dsi_lookahead
-    return DemoPlan(prompts=args.prompts if args.prompts is not None else base.prompts,
+    count = base.prompts
+    if args.prompts is not None:
+        count = len(demo_prompts(args))
+    return DemoPlan(prompts=count,
                     tokens=args.max_new_tokens if args.max_new_tokens is not None else base.tokens,
                     dsi_lookahead=k)
 
@@ -433,12 +459,11 @@ def run_demo(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from dsi.cli.output import format_table, print_json
-    from dsi.evaluate.compare import CODE_PROMPTS, NEAR_TIE_MARGIN, MethodConfig, compare, first_divergence, summarize
+    from dsi.evaluate.compare import NEAR_TIE_MARGIN, MethodConfig, compare, first_divergence, summarize
     from dsi.models.determinism import is_deterministic
 
     plan = demo_plan(args)
-    if not 1 <= plan.prompts <= len(CODE_PROMPTS):
-        raise ConfigError(f"--prompts={plan.prompts} must be in [1, {len(CODE_PROMPTS)}]")
+    texts = demo_prompts(args)
     for flag, value in (("--lookahead", plan.dsi_lookahead or 1), *(("--sp", sp) for sp in args.sp),
                         ("--max-new-tokens", plan.tokens), ("--repeats", args.repeats)):
         if value < 1:
@@ -448,7 +473,7 @@ def run_demo(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     target, drafter = _load(args, need_drafter=True)
     load_s = time.perf_counter() - start
-    prompts = [target.encode(p) for p in CODE_PROMPTS[: plan.prompts]]
+    prompts = [target.encode(p) for p in texts]
     from dsi.evaluate.autotune import worker_threads
 
     whole = args.threads  # threads for single-worker methods (None: torch's default, all cores)

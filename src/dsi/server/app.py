@@ -175,6 +175,12 @@ class ServerState:
             if job.queued:
                 job.cancel(SHUTTING_DOWN)
 
+    async def wait_running(self, timeout: float | None) -> None:
+        """Wait up to ``timeout`` seconds for the running requests to end (after :meth:`drain`)."""
+        jobs = [job for job in self.jobs if not job.done]
+        if jobs:
+            await asyncio.wait([asyncio.ensure_future(job.wait_finished()) for job in jobs], timeout=timeout)
+
     async def stop(self) -> None:
         """Cancel queued and running requests, wait for the slots, close every decoder."""
         self.closing = True

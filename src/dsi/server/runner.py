@@ -1,10 +1,11 @@
 """Running the app under uvicorn with the shutdown ``dsi serve`` promises.
 
-On SIGINT / SIGTERM (or ``server.should_exit = True``): the listening socket is closed, requests
-still waiting in the queue are answered 503 at once, running requests get ``graceful_s`` seconds
-to finish, then uvicorn cancels them (which aborts their decoders), and the app's lifespan
-shutdown closes every decoder. Unlike plain uvicorn, the signal is not re-raised afterwards, so
-the process exits normally.
+On SIGINT / SIGTERM (or ``server.should_exit = True``): requests still waiting in the queue are
+answered 503 at once, and running requests get ``graceful_s`` seconds to finish *while the listener
+stays open*: a new request, and ``/health``, are answered 503 meanwhile (a load balancer sees the
+server going, not a refused connection). Then the listening socket is closed, uvicorn cancels what
+still runs (which aborts their decoders), and the app's lifespan shutdown closes every decoder.
+Unlike plain uvicorn, the signal is not re-raised afterwards, so the process exits normally.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,6 +25,11 @@ class DSIServer(uvicorn.Server):
         state = getattr(getattr(self.config.app, "state", None), "dsi", None)  # the app's ServerState
         if state is not None:
             state.drain()
+            began = time.monotonic()
+            grace = self.config.timeout_graceful_shutdown
+            await state.wait_running(grace)  # the listener still answers: 503 to anything new
+            if grace is not None:  # what is left of the grace period, for uvicorn's own wait
+                self.config.timeout_graceful_shutdown = max(0.0, grace - (time.monotonic() - began))
         await super().shutdown(sockets=sockets)
 
     @contextlib.contextmanager

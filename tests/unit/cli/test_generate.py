@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from dsi.cli.main import main  # noqa: E402
+from dsi.errors import ConfigError  # noqa: E402
 from tests.tiny_hf import make_model_dir  # noqa: E402
 
 pytestmark = pytest.mark.hf
@@ -144,7 +145,7 @@ def test_the_quick_demo_runs_every_method_on_the_same_prompts_with_event_driven_
     assert sorted(r["prompt"] for r in doc["rows"]) == [0, 0, 0, 1, 1, 1]  # each method on each prompt
 
 
-def test_demo_plans():
+def test_demo_plans(tmp_path):
     from dsi.cli.generate import FULL_DEMO, QUICK_DEMO, DemoPlan, demo_plan
 
     def plan(*flags):
@@ -159,6 +160,11 @@ def test_demo_plans():
     assert plan("--full") == FULL_DEMO == DemoPlan(3, 64, 5)
     assert plan("-k", "3") == DemoPlan(2, 48, 3)  # a lookahead asked for adds DSI with that fixed k
     assert plan("--full", "--prompts", "1", "--max-new-tokens", "8", "-k", "2") == DemoPlan(1, 8, 2)
+    prompts = tmp_path / "prompts.txt"  # --prompts takes a file too, as selftest's and measure's do
+    prompts.write_text('def f(x):\n"class A:\\n    def __init__"\nimport os\n', encoding="utf-8")
+    assert plan("--prompts", str(prompts)) == DemoPlan(3, 48, None)
+    with pytest.raises(ConfigError, match=r"--prompts=5 must be in \[1, 4\] \(built-in prompts\), or a file"):
+        plan("--prompts", "5")
 
 
 def test_generate_target_devices_and_transport_errors(pair_dirs, capsys):
@@ -296,6 +302,7 @@ def test_the_summary_line_reports_only_what_the_method_has(pair_dirs, capsys):
 @pytest.mark.parametrize("make_argv, message", [
     (lambda d: ["selftest", "--prompts", str(d / "missing.txt")], "--prompts='{d}/missing.txt' does not exist"),
     (lambda d: ["selftest", "--prompts", str(d)], "--prompts='{d}' is not a file"),
+    (lambda d: ["demo", "--prompts", str(d / "missing.txt")], "--prompts='{d}/missing.txt' does not exist"),
     (lambda d: ["measure", "latency", "--model", "/nonexistent/m", "--out", str(d / "no" / "x.json")],
      "the folder '{d}/no' does not exist"),
     (lambda d: ["measure", "acceptance", "--target", "/nonexistent/t", "--drafter", "/nonexistent/d",
@@ -307,7 +314,7 @@ def test_the_summary_line_reports_only_what_the_method_has(pair_dirs, capsys):
 ])
 def test_bad_paths_exit_2_with_one_line_before_any_work(capsys, tmp_path, make_argv, message):
     argv = make_argv(tmp_path)
-    if argv[0] == "selftest":
+    if argv[0] in ("selftest", "demo"):
         argv += ["--target", "/nonexistent/never-loaded", "--drafter", "/nonexistent/never-loaded"]
     code = main(argv)
     err = capsys.readouterr().err

@@ -255,3 +255,25 @@ def test_shutdown_cancels_running_and_queued_requests_and_closes_every_worker(ti
     assert len(received) < 2000  # the long stream was cut short, not run to the end
     assert slot.executor._shutdown
     wait_until(lambda: not any(t.is_alive() for t in workers), timeout=10, what="worker threads to stop")
+
+
+def test_during_the_grace_period_the_listener_answers_503_and_the_running_request_finishes(tiny_tokenizer):
+    app = make_app(tiny_tokenizer, LONG, cycle=True, latency=SLOW, max_concurrent=1, max_queue=2, typo_every=0)
+    running = Running(app, graceful_s=20.0).start()
+    result = {}
+    worker = threading.Thread(target=lambda: result.setdefault("r", httpx.post(
+        running.url + "/v1/completions", json={"prompt": "go", "max_tokens": 200}, timeout=60)))
+    worker.start()
+    wait_until(lambda: health(running.url)["running"] == 1, what="the request to run")
+    stopper = threading.Thread(target=running.shutdown)
+    stopper.start()
+    wait_until(lambda: app.state.dsi.closing, what="shutdown to begin")
+    during = httpx.get(running.url + "/health", timeout=10)  # not a refused connection
+    assert during.status_code == 503 and during.json()["status"] == "unavailable"
+    late = httpx.post(running.url + "/v1/completions", json={"prompt": "go", "max_tokens": 2}, timeout=10)
+    assert late.status_code == 503
+    worker.join(60)
+    stopper.join(60)
+    assert result["r"].status_code == 200 and result["r"].json()["usage"]["completion_tokens"] == 200
+    with pytest.raises(httpx.ConnectError):  # once it has ended, the listener is closed
+        httpx.get(running.url + "/health", timeout=5)
