@@ -31,7 +31,7 @@ from tests.conftest import exact_sequence_law, interval_law, random_lm
 from tests.tiny_vocab import PiecesTokenizer
 
 ALPHA = 1e-4
-N_SAMPLES = 2000
+N_SAMPLES = 1500
 LENGTH = 3
 T_TEXTS = ["a", "b", "ab", "c"]  # target ids 0..3
 D_TEXTS = ["b", "a", "ba", "c", "d"]  # drafter ids 0..4

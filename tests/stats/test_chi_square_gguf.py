@@ -17,7 +17,7 @@ from dsi.sampling import Prefix, process_logits  # noqa: E402
 from tests.tiny_gguf import write_tiny_gguf  # noqa: E402
 
 ALPHA = 1e-4
-N_SAMPLES = 1500
+N_SAMPLES = 1000
 LENGTH = 3
 PROCESSING = dict(temperature=1.0, top_k=2)  # at most 2^3 continuations
 # with the rows' prefixes: penalties over the generated tokens, a bias, min_p

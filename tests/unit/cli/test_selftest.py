@@ -75,7 +75,8 @@ def biased_accept(p, draft, q, params, position):
     return Decision(sample_from(residual(p, q), uniform(params.seed, position, Purpose.RESIDUAL)), False)
 
 
-@pytest.mark.parametrize("broken", [always_accept, biased_accept])
+# always_accept is the grosser bug (biased_accept fails the same checks): slow suite only
+@pytest.mark.parametrize("broken", [pytest.param(always_accept, marks=pytest.mark.slow), biased_accept])
 def test_selftest_fails_when_dsi_acceptance_is_biased(capsys, pair, monkeypatch, broken):
     monkeypatch.setattr(dsi_engine, "decide", broken)  # only DSI's sampling path calls it
     code, doc = selftest(capsys, pair)
