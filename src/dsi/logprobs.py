@@ -102,7 +102,7 @@ def logprob_rows(logits: np.ndarray, params: SamplingParams, tokens: Sequence[in
         law = probs if probs is not None else process_rows(logits, params, tokens, prompt_len, stop_ids)
         with np.errstate(divide="ignore"):
             return LogprobRows(np.log(np.asarray(law, dtype=np.float32)), np.zeros(len(law)))
-    return _normalised(shape_rows(logits, params, tokens, prompt_len, stop_ids) if params.moves_argmax else logits)
+    return _normalised(shape_rows(logits, params, tokens, prompt_len, stop_ids))
 
 
 def logprob_row(logits: np.ndarray, params: SamplingParams, prefix: Prefix, mode: str,

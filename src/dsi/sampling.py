@@ -254,30 +254,27 @@ def process_rows(logits: np.ndarray, params: SamplingParams, tokens: Sequence[in
     """:func:`process_logits` of the last ``n`` rows of a forward over ``tokens`` (``logits``:
     ``[n, V]``; row j follows ``tokens[: len(tokens) - n + 1 + j]``), counting the output once and
     adding one token per row. Returns ``[n, V]`` float64 probabilities."""
-    rows = np.asarray(logits, dtype=np.float64)  # [n, V]
-    if not params.uses_prefix:
-        return np.stack([process_logits(row, params) for row in rows])
-    return np.stack([_distribution(row, params) for row in shape_rows(rows, params, tokens, prompt_len, stop_ids)])
+    return np.stack([_distribution(row, params) for row in shape_rows(logits, params, tokens, prompt_len, stop_ids)])
 
 
 def greedy_tokens(logits: np.ndarray, params: SamplingParams, tokens: Sequence[int], prompt_len: int,
                   stop_ids: frozenset[int] = frozenset()) -> np.ndarray:
     """Greedy decoding of the last ``n`` rows of a forward over ``tokens`` (as in :func:`process_rows`):
     the first argmax of each processed row, ``[n]`` int64, without building the one-hot laws."""
-    if params.moves_argmax:
-        rows = shape_rows(logits, params, tokens, prompt_len, stop_ids)
-    else:
-        rows = np.asarray(logits)
-        for row in rows:
-            check_logit_row(row)
+    rows = shape_rows(logits, params, tokens, prompt_len, stop_ids)
     return np.argmax(rows, axis=-1).astype(np.int64)  # a +inf logit is the first argmax, as its limit says
 
 
 def shape_rows(logits: np.ndarray, params: SamplingParams, tokens: Sequence[int], prompt_len: int,
                stop_ids: frozenset[int] = frozenset()) -> np.ndarray:
     """:func:`shape_logits` of the last ``n`` rows of a forward over ``tokens`` (as in
-    :func:`process_rows`): ``[n, V]`` float64 logits after the processors that precede temperature."""
+    :func:`process_rows`): ``[n, V]`` float64 logits after the processors that precede temperature,
+    each row checked (:func:`check_logit_row`); the rows themselves when no processor moves them."""
     rows = np.asarray(logits, dtype=np.float64)  # [n, V]
+    for row in rows:
+        check_logit_row(row)
+    if not params.moves_argmax:
+        return rows
     n = rows.shape[0]
     first = len(tokens) - n + 1  # the prefix length of row 0
     counts = _Counts(tokens[:first], prompt_len, rows.shape[1]) if params.uses_prefix else None
@@ -285,7 +282,6 @@ def shape_rows(logits: np.ndarray, params: SamplingParams, tokens: Sequence[int]
     for j in range(n):
         if j and counts is not None:
             counts.add(tokens[first + j - 1])
-        check_logit_row(rows[j])
         out[j] = _shape(rows[j], params, counts, stop_ids)
     return out
 

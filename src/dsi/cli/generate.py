@@ -193,17 +193,18 @@ def add_logprobs_args(p: argparse.ArgumentParser) -> None:
 
 
 def _id_list(flag: str, text: str | None) -> list[int]:
+    """Comma-separated token ids (a trailing comma allowed; an empty entry, ``1,,2``, refused)."""
     if text is None:
         return []
     parts = [t.strip() for t in text.split(",")]
     if parts and parts[-1] == "":
-        parts = parts[:-1]
+        parts = parts[:-1]  # a trailing comma
     try:
         if not parts or any(p == "" for p in parts):
             raise ValueError
         return [int(t) for t in parts]
     except ValueError:
-        raise ConfigError(f"{flag}={text!r} must be comma-separated integer token ids, with none empty") from None
+        raise ConfigError(f"{flag}={text!r} must be comma-separated integers, with none empty") from None
 
 
 def _logit_bias(values: list[str]) -> dict[int, float]:
@@ -370,15 +371,7 @@ def check_prompt_flags(args: argparse.Namespace) -> list[int] | None:
     if args.chat:
         raise ConfigError("--chat applies a chat template to --prompt text; with --prompt-ids the ids are used "
                           "as given: drop one of them")
-    parts = [t.strip() for t in args.prompt_ids.split(",")]
-    if parts and parts[-1] == "":
-        parts = parts[:-1]  # a trailing comma
-    if not parts or any(p == "" for p in parts):
-        raise ConfigError(f"--prompt-ids={args.prompt_ids!r} must be comma-separated integers, with none empty")
-    try:
-        return [int(t) for t in parts]
-    except ValueError:
-        raise ConfigError(f"--prompt-ids={args.prompt_ids!r} must be comma-separated integers") from None
+    return _id_list("--prompt-ids", args.prompt_ids)
 
 
 def _prompt_ids(args: argparse.Namespace, target) -> list[int]:

@@ -15,10 +15,10 @@ import numpy as np
 from dsi.engine.request import Output, Request, TokenCallback
 from dsi.engine.result import GenerationResult
 from dsi.engine.stats import GenerationStats
-from dsi.logprobs import logprob_row
 from dsi.models.base import LanguageModel, check_sampling, forward_rows
 from dsi.models.determinism import start_fresh_unless_deterministic
-from dsi.sampling import bonus, greedy_tokens, process_logits
+from dsi.sampling import bonus
+from dsi.transport.server import read_rows
 
 
 class AutoregressiveDecoder:
@@ -33,34 +33,28 @@ class AutoregressiveDecoder:
     def generate(
         self, request: Request, on_tokens: TokenCallback | None = None, abort: threading.Event | None = None
     ) -> GenerationResult:
-        check_sampling(self._model, request.sampling, request.logprobs is not None)  # refuses what the target cannot serve exactly (engines)
+        # refuses what the target cannot serve exactly (engines; whole rows for logprobs)
+        check_sampling(self._model, request.sampling, request.logprobs is not None)
         stats = GenerationStats(method=self.method)
         out = Output(request, stats, on_tokens, abort)
         start_fresh_unless_deterministic(self._session, self._model)  # the same request, the same tokens
         while not out.finished:
             out.check_abort()
-            params = request.sampling
+            task = request.verify_task(0, out.tokens, 1)
             start = time.perf_counter()
-            # an argmax id where greedy decoding reads the raw row (and no logprobs); else the row [V]
-            row = forward_rows(self._session, out.tokens, 1, greedy=not request.wants_rows, top=request.row_top)[-1]
+            # an argmax id where greedy decoding reads the raw row (and no logprobs); else the row [1, V]
+            rows = forward_rows(self._session, task.context, 1, greedy=task.ids_only, top=task.row_top)
             elapsed = time.perf_counter() - start
             stats.target_busy_s += elapsed
             stats.completed_target_s += elapsed
             stats.target_forwards += 1
             stats.completed_target_forwards += 1
-            if not request.wants_rows:
-                out.commit(int(row))
+            if task.ids_only:
+                out.commit(int(rows[-1]))
             else:
-                prefix = request.prefix(out.tokens)
-                if params.greedy:
-                    probs, token = None, int(greedy_tokens(row[None], params, out.tokens, len(request.prompt),
-                                                           request.eos_token_ids)[0])
-                else:
-                    probs = process_logits(row, params, prefix)
-                    token = bonus(probs, params, len(out.tokens))
-                logprobs = (None if request.logprobs is None else
-                            logprob_row(row, params, prefix, request.logprobs_mode, probs))
-                out.commit(token, logprobs)
+                tokens, probs, logprobs = read_rows(rows, task)
+                token = int(tokens[0]) if probs is None else bonus(probs[0], request.sampling, len(out.tokens))
+                out.commit(token, None if logprobs is None else logprobs[0])
             stats.bonus_tokens += 1
         return GenerationResult(out.finalize(), stats, out.logprobs)
 

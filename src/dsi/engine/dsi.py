@@ -43,7 +43,7 @@ from dsi.engine.stats import GenerationStats
 from dsi.errors import WorkerError
 from dsi.models.base import LanguageModel, check_sampling, counter_changes
 from dsi.sampling import bonus, decide, decide_greedy
-from dsi.transport.base import ServerDied, TargetPool, TaskAborted, TaskFailed, TaskResult, VerifyTask
+from dsi.transport.base import ServerDied, TargetPool, TaskAborted, TaskFailed, TaskResult
 from dsi.transport.liveness import LivenessPolicy
 from dsi.windows import WindowPacer, window_end
 
@@ -95,7 +95,8 @@ class DSIDecoder:
     def generate(
         self, request: Request, on_tokens: TokenCallback | None = None, abort: threading.Event | None = None
     ) -> GenerationResult:
-        check_sampling(self._target_model, request.sampling, request.logprobs is not None)  # refuses what the target cannot serve exactly
+        # refuses what the target cannot serve exactly (whole rows for logprobs)
+        check_sampling(self._target_model, request.sampling, request.logprobs is not None)
         if not self._drafter.is_alive():  # a drafter frozen (abandoned) or dead in an earlier request: a new one
             self._drafter = DraftWorker(self._drafter_model, self.events.put)
         info = request_info(self._drafter_model, request.sampling)  # refuses what the drafter cannot serve
@@ -292,9 +293,7 @@ class _DSIRun:
         self.stats.verify_tasks += 1
         if self.decoder.trace is not None:
             self.decoder.trace.append(("submit", task_id, context))
-        self.pool.submit(VerifyTask(task_id, context, last - first + 1, self.request.sampling,
-                                    len(self.request.prompt), self.request.eos_token_ids,
-                                    None if self.request.logprobs is None else self.request.logprobs_mode))
+        self.pool.submit(self.request.verify_task(task_id, context, last - first + 1))
 
     def horizon(self) -> int:
         """The last relative position that may still need deciding in this epoch."""

@@ -17,7 +17,7 @@ from dsi.errors import DSIError
 import numpy as np
 
 from dsi.logprobs import TokenLogprob, entry
-from dsi.models.base import top_hint
+from dsi.transport.base import VerifyTask
 from dsi.sampling import Prefix, SamplingParams
 
 # called with the tokens just committed; with a request that asks for logprobs, also with their entries
@@ -47,16 +47,11 @@ class Request:
     logprobs: int | None = None  # report each new token's logprob and this many top ones (None: none)
     logprobs_mode: str = "raw"  # their distribution: "raw" or "processed" (dsi.logprobs)
 
-    @property
-    def wants_rows(self) -> bool:
-        """Whether the target must return rows, not argmax ids: sampling, processing, or logprobs."""
-        return not self.sampling.raw_argmax or self.logprobs is not None
-
-    @property
-    def row_top(self) -> int | None:
-        """How many of each row's largest logits the target must return (None: all; logprobs need
-        the whole row's normaliser): :func:`dsi.models.base.top_hint`."""
-        return None if self.logprobs is not None else top_hint(self.sampling)
+    def verify_task(self, task_id: int, context: Sequence[int], num_rows: int) -> VerifyTask:
+        """The task of scoring the last ``num_rows`` positions of ``context`` for this request (its
+        sampling, prompt length, stop ids and logprobs mode): what a target server, SI or non-SI runs."""
+        return VerifyTask(task_id, tuple(context), num_rows, self.sampling, len(self.prompt), self.eos_token_ids,
+                          None if self.logprobs is None else self.logprobs_mode)
 
     def prefix(self, tokens: Sequence[int]) -> Prefix:
         """What the logit processors see before a row that follows ``tokens`` (prompt included)."""

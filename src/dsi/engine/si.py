@@ -34,9 +34,9 @@ from dsi.models.base import (
     forward_rows,
     session_counters,
 )
-from dsi.logprobs import logprob_rows
 from dsi.models.determinism import start_fresh_unless_deterministic
-from dsi.sampling import bonus, decide, decide_greedy, draft_from_logits, greedy_tokens, process_rows
+from dsi.sampling import bonus, decide, decide_greedy, draft_from_logits
+from dsi.transport.server import run_verify_task
 
 
 class SpeculativeDecoder:
@@ -55,7 +55,8 @@ class SpeculativeDecoder:
         self, request: Request, on_tokens: TokenCallback | None = None, abort: threading.Event | None = None
     ) -> GenerationResult:
         params = request.sampling
-        check_sampling(self._target_model, params, request.logprobs is not None)  # refuses what the target cannot serve exactly (engines)
+        # refuses what the target cannot serve exactly (engines; whole rows for logprobs)
+        check_sampling(self._target_model, params, request.logprobs is not None)
         stats = GenerationStats(method=self.method, lookahead=self.lookahead)
         stats.extra.update(request_info(self._drafter_model, params))
         counters = session_counters(self._drafter)
@@ -79,32 +80,22 @@ class SpeculativeDecoder:
             if limited or count < wanted:
                 stats.extra["drafter_context_limited"] = stats.extra.get("drafter_context_limited", 0) + 1
             start = time.perf_counter()
-            # greedy: the target's argmax ids [kk+1] (from the model where it reads raw rows, no logprobs);
-            # sampling: its processed rows [kk+1, V]
-            context = base + tuple(drafts)
-            ids_only = not request.wants_rows
-            rows = forward_rows(self._target, context, len(drafts) + 1, greedy=ids_only, top=request.row_top)
-            logprobs = None
-            if not ids_only:
-                raw = rows
-                if params.greedy:  # the argmax ids of the processed rows [kk+1]
-                    rows = greedy_tokens(raw, params, context, len(request.prompt), request.eos_token_ids)
-                else:
-                    rows = process_rows(raw, params, context, len(request.prompt), request.eos_token_ids)
-                if request.logprobs is not None:
-                    logprobs = logprob_rows(raw, params, context, len(request.prompt), request.eos_token_ids,
-                                            request.logprobs_mode, None if params.greedy else rows)
+            # one verification, as a DSI target server runs it: greedy, the argmax ids of the
+            # (processed) rows; sampling, the processed laws too; logprob rows when asked
+            result = run_verify_task(self._target, request.verify_task(0, base + tuple(drafts), len(drafts) + 1),
+                                     0, None)
             elapsed = time.perf_counter() - start
             stats.target_busy_s += elapsed
             stats.completed_target_s += elapsed
             stats.target_forwards += 1
             stats.completed_target_forwards += 1
             stats.verify_tasks += 1
+            logprobs = result.logprobs
             for i, x in enumerate(drafts):
                 if params.greedy:
-                    decision = decide_greedy(rows[i], x)
+                    decision = decide_greedy(result.tokens[i], x)
                 else:
-                    decision = decide(rows[i], x, qs[i], params, len(out.tokens))
+                    decision = decide(result.probs[i], x, qs[i], params, len(out.tokens))
                 out.commit(decision.token, None if logprobs is None else logprobs[i])
                 if decision.accepted:
                     stats.accepted_tokens += 1
@@ -113,9 +104,10 @@ class SpeculativeDecoder:
                 if not decision.accepted or out.finished:
                     break
             else:  # every draft accepted: the extra row gives a bonus token
-                last = rows[len(drafts)]
-                out.commit(int(last) if params.greedy else bonus(last, params, len(out.tokens)),
-                           None if logprobs is None else logprobs[len(drafts)])
+                last = len(drafts)
+                out.commit(int(result.tokens[last]) if params.greedy else bonus(result.probs[last], params,
+                                                                                len(out.tokens)),
+                           None if logprobs is None else logprobs[last])
                 stats.bonus_tokens += 1
 
     def _draft(

@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from dsi.errors import ConfigError, DraftUnavailable, VocabularyMismatchError
-from dsi.models.base import CancelFlag, LanguageModel, forward_rows
+from dsi.models.base import CancelFlag, LanguageModel, drafts_ids_only, forward_rows
 from dsi.models.vocabulary import Intersection, Vocabulary, last_word_start, same_vocabulary
 
 logger = logging.getLogger(__name__)
@@ -136,8 +136,8 @@ class CrossVocabularyDrafter:
     def request_info(self, params: Any) -> dict:
         """What the stats of a request report about the translation (``auto``: string mode where
         greedy drafting reads argmax ids, intersection rows where the drafts are processed)."""
-        ids_only = params.raw_argmax or (params.greedy and self.proposes_only_ids)
-        return {"vocab_mode": self.mode_for(ids_only), "vocab_intersection": self.intersection.size}
+        return {"vocab_mode": self.mode_for(drafts_ids_only(self, params)),
+                "vocab_intersection": self.intersection.size}
 
     def __repr__(self) -> str:
         return (f"CrossVocabularyDrafter({self.drafter!r}, mode={self.mode!r}, "

@@ -19,17 +19,16 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 from dsi.engine.request import GenerationAborted, Request
 from dsi.engine.stats import GenerationStats
 from dsi.errors import TaskCancelled
-from dsi.logprobs import TokenLogprob, entry, logprob_row
-from dsi.sampling import bonus, process_logits
+from dsi.logprobs import TokenLogprob, entry
+from dsi.sampling import bonus
 from dsi.server.codec import Codec
 from dsi.server.logprobs import prompt_logprobs
 from dsi.server.metrics import ServerMetrics
 from dsi.server.scheduler import RequestCancelled, Scheduler, Slot
+from dsi.transport.server import read_rows
 from dsi.text import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
@@ -304,16 +303,13 @@ class Job:
         scored = prompt_logprobs(rows, prompt, first, n, decode)
         if self.request.max_new_tokens != 1:
             return scored, None, None
-        params = self.request.sampling
-        last = rows[-1]
-        prefix = self.request.prefix(prompt)
-        probs = None if params.raw_argmax else process_logits(last, params, prefix)
-        token = int(np.argmax(last)) if probs is None else bonus(probs, params, len(prompt))
+        # the last row decides the token as the decoder's own first row would (read_rows: the same numbers)
+        tokens, probs, logprobs = read_rows(rows[-1:], self.request.verify_task(0, prompt, 1))
+        token = int(tokens[0]) if probs is None else bonus(probs[0], self.request.sampling, len(prompt))
         stats = GenerationStats(method=slot.decoder.method)
         stats.target_forwards = stats.completed_target_forwards = stats.bonus_tokens = 1
-        if self.request.logprobs is None:
+        if logprobs is None:
             self._on_tokens([token])
-        else:  # the same numbers as the decoder's own first row
-            row = logprob_row(last, params, prefix, self.request.logprobs_mode, probs)
-            self._on_tokens([token], [entry(row, token, self.request.logprobs)])
+        else:
+            self._on_tokens([token], [entry(logprobs[0], token, self.request.logprobs)])
         return scored, stats, "stop" if token in self.request.eos_token_ids else "length"

@@ -20,6 +20,7 @@ from typing import Protocol
 import numpy as np
 
 from dsi.logprobs import LogprobRows
+from dsi.models.base import top_hint
 from dsi.sampling import SamplingParams
 
 
@@ -38,6 +39,17 @@ class VerifyTask:
     prompt_len: int = 0  # how much of ``context`` is the request's prompt (penalties, min_tokens)
     stop_ids: frozenset[int] = frozenset()  # the ids that end the request (min_tokens holds them back)
     logprobs_mode: str | None = None  # also return log-probability rows in this mode (dsi.logprobs); None: no
+
+    @property
+    def ids_only(self) -> bool:
+        """Whether the model may hand out argmax ids only: greedy on raw rows, and no logprobs asked."""
+        return self.sampling.raw_argmax and self.logprobs_mode is None
+
+    @property
+    def row_top(self) -> int | None:
+        """How many of each row's largest logits the model must return (None: all; logprobs need the
+        whole row's normaliser): :func:`dsi.models.base.top_hint`."""
+        return None if self.logprobs_mode is not None else top_hint(self.sampling)
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ import time
 
 import numpy as np
 
-from dsi.models.base import CancelFlag, ModelSession, forward_rows, top_hint
-from dsi.logprobs import logprob_rows
+from dsi.models.base import CancelFlag, ModelSession, forward_rows
+from dsi.logprobs import LogprobRows, logprob_rows
 from dsi.sampling import greedy_tokens, process_rows
 from dsi.transport.base import TaskResult, VerifyTask
 
@@ -22,18 +22,26 @@ def run_verify_task(
 ) -> TaskResult:
     """Compute ``task`` on ``session``; raises ``TaskCancelled`` if ``cancel`` fires."""
     start = time.perf_counter()
-    params, logprobs, probs = task.sampling, None, None
-    if params.raw_argmax and task.logprobs_mode is None:  # only the argmax ids leave the model (on a GPU:
-        tokens = forward_rows(session, task.context, task.num_rows, cancel, greedy=True)  # only they cross to the host)
-    else:
-        top = None if task.logprobs_mode is not None else top_hint(params)
-        logits = forward_rows(session, task.context, task.num_rows, cancel, top=top)  # [num_rows, V]
-        if params.greedy:  # the argmax ids of the processed rows say everything
-            tokens = greedy_tokens(logits, params, task.context, task.prompt_len, task.stop_ids)  # [num_rows]
-        else:
-            probs = process_rows(logits, params, task.context, task.prompt_len, task.stop_ids)  # [num_rows, V]
-            tokens = np.argmax(probs, axis=-1).astype(np.int64)
-        if task.logprobs_mode is not None:
-            logprobs = logprob_rows(logits, params, task.context, task.prompt_len, task.stop_ids, task.logprobs_mode,
-                                    probs)
+    if task.ids_only:  # only the argmax ids leave the model (on a GPU: only they cross to the host)
+        tokens = forward_rows(session, task.context, task.num_rows, cancel, greedy=True)  # [num_rows]
+        return TaskResult(task.task_id, server_id, tokens, None, time.perf_counter() - start)
+    logits = forward_rows(session, task.context, task.num_rows, cancel, top=task.row_top)  # [num_rows, V]
+    tokens, probs, logprobs = read_rows(logits, task)
     return TaskResult(task.task_id, server_id, tokens, probs, time.perf_counter() - start, logprobs)
+
+
+def read_rows(logits: np.ndarray, task: VerifyTask) -> tuple[np.ndarray, np.ndarray | None, LogprobRows | None]:
+    """What the decisions need of ``task``'s logit rows ``[num_rows, V]``: the argmax ids of the processed
+    rows, the processed laws when sampling (None when greedy: the ids say everything), and the
+    log-probability rows when the task asks for them."""
+    params = task.sampling
+    probs = None
+    if params.greedy:
+        tokens = greedy_tokens(logits, params, task.context, task.prompt_len, task.stop_ids)  # [num_rows]
+    else:
+        probs = process_rows(logits, params, task.context, task.prompt_len, task.stop_ids)  # [num_rows, V]
+        tokens = np.argmax(probs, axis=-1).astype(np.int64)
+    logprobs = None
+    if task.logprobs_mode is not None:
+        logprobs = logprob_rows(logits, params, task.context, task.prompt_len, task.stop_ids, task.logprobs_mode, probs)
+    return tokens, probs, logprobs
