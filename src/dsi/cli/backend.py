@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
+from dsi.cli.args import COUNT, Number
 from dsi.errors import ConfigError
 from dsi.models.loading import BACKEND_CHOICES, BackendChoice
 
@@ -32,10 +33,10 @@ def add_backend_args(g: argparse._ArgumentGroup | argparse.ArgumentParser, threa
                         "(greedy SI/DSI equal to non-SI bit for bit, a seed always gives the same text, for DSI "
                         "too); default off: it cuts verification forwards into single tokens (costs measured in "
                         "docs/results.md section 11; docs/architecture.md, 'Deterministic inference')")
-    g.add_argument("--max-model-len", "--n-ctx", dest="max_model_len", type=int, default=None, metavar="N",
+    g.add_argument("--max-model-len", "--n-ctx", dest="max_model_len", type=Number(int, 2), default=None, metavar="N",
                    help="llama.cpp: the most tokens a session holds (its KV cells; default: the GGUF's training "
                         "context, at most 4096); the hf backend uses the model's own context length")
-    g.add_argument("--threads", type=int, default=None,
+    g.add_argument("--threads", type=COUNT, default=None,
                    help=threads_help or "threads per worker (drafter and each target server): torch's intra-op "
                                         "threads (hf) or llama.cpp's threads per session; default: the backend's")
 
@@ -68,10 +69,8 @@ def describe(backend: str, args: argparse.Namespace, hf_default: str = "bf16") -
 
 
 def max_model_len(args: argparse.Namespace) -> int | None:
-    """``--max-model-len`` (llama.cpp's ``n_ctx``), checked: None, or an integer >= 2."""
+    """``--max-model-len`` (llama.cpp's ``n_ctx``; parsed as an integer >= 2), checked against the backend."""
     value = getattr(args, "max_model_len", None)
-    if value is not None and value < 2:
-        raise ConfigError(f"--max-model-len={value} must be >= 2")
     choice = getattr(args, "backend_choice", None)
     if value is not None and choice is not None and choice.backend != "llama.cpp":
         raise ConfigError(f"--max-model-len={value} applies to the llama.cpp backend; the {choice.backend} backend "

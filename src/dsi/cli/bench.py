@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from dsi.cli.args import COUNT, Number, output_file
 from dsi.errors import ConfigError
 
 
@@ -26,9 +27,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--windows", action="store_true",
                    help="compare DSI's window policies instead: every fixed k in 1..10 and event-driven "
                         "windows (--lookahead auto), with the best fixed k and k = 5 as references")
-    p.add_argument("--tokens", type=int, default=100, help="new tokens per generation (default 100)")
-    p.add_argument("--repeats", type=int, default=3, help="runs per method; medians are reported (default 3)")
-    p.add_argument("--out", help="also write the JSON report to this file")
+    p.add_argument("--tokens", type=Number(int, 2), default=100, help="new tokens per generation (default 100)")
+    p.add_argument("--repeats", type=COUNT, default=3, help="runs per method; medians are reported (default 3)")
+    p.add_argument("--out", type=output_file, metavar="FILE", help="also write the JSON report to this file")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=run)
@@ -65,13 +66,6 @@ def run(args: argparse.Namespace) -> int:
     from dsi.evaluate.bench import SCENARIOS, run_scenario
     from dsi.cli.output import format_table
 
-    if args.tokens < 2:
-        raise ConfigError(f"--tokens={args.tokens} must be >= 2")
-    if args.repeats < 1:
-        raise ConfigError(f"--repeats={args.repeats} must be >= 1")
-    from dsi.cli.output import check_output_file
-
-    check_output_file(args.out)  # before running, not after
     if args.windows:
         return run_windows(args)
     unknown = [n for n in args.scenario or [] if n not in SCENARIOS]

@@ -12,11 +12,15 @@ import time
 from dataclasses import dataclass
 
 from dsi.cli.advice import what_dsi_needs
+from dsi.cli.args import COUNT, LOOKAHEAD, NATURAL, NON_NEGATIVE, POSITIVE, PROBABILITY, SEED, Number
 from dsi.cli.backend import add_backend_args, choose, describe, hf_dtype, max_model_len
 from dsi.errors import ConfigError
+from dsi.sampling import MAX_PENALTY
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFTER = "qwen2.5-coder-0.5b-instruct"
+TOP_P = Number(float, 0, 1, low_open=True)
+PENALTY = Number(float, -MAX_PENALTY, MAX_PENALTY)  # presence and frequency, as OpenAI
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -36,19 +40,6 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     add_backend_args(g)
 
 
-def lookahead_arg(value: str) -> int | str:
-    """``--lookahead``: an integer k >= 1, or ``auto`` (DSI's event-driven windows)."""
-    if value.strip().lower() == "auto":
-        return "auto"
-    try:
-        k = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is neither an integer >= 1 nor 'auto'") from None
-    if k < 1:
-        raise argparse.ArgumentTypeError(f"{value!r} must be an integer >= 1 or 'auto'")
-    return k
-
-
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--method", choices=["auto", "dsi", "si", "ar"], default="auto",
@@ -56,12 +47,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "placement once (cached) and uses the fastest")
     g.add_argument("--retune", action="store_true", help="with --method auto: measure again instead of using "
                                                          "the cached choice")
-    g.add_argument("--lookahead", "-k", type=lookahead_arg, default=5,
+    g.add_argument("--lookahead", "-k", type=LOOKAHEAD, default=5,
                    help="draft tokens per verification window, or 'auto' (DSI: event-driven windows, sent "
                         "whenever a target server is free) (default 5)")
-    g.add_argument("--max-window", type=int, default=None,
+    g.add_argument("--max-window", type=COUNT, default=None,
                    help="with --lookahead auto: the most drafts one window carries (default: no cap)")
-    g.add_argument("--sp", type=int, default=None,
+    g.add_argument("--sp", type=COUNT, default=None,
                    help="number of target servers (default 1); with --method auto the most DSI may use "
                         "(default: one per --target-devices entry, else 1)")
     g.add_argument("--transport", choices=["threads", "processes", "ray"], default="threads",
@@ -102,8 +93,6 @@ def server_count(args: argparse.Namespace) -> int:
     """``--sp``, or its default: one server per ``--target-servers`` URL; for ``--method auto`` one per
     ``--target-devices`` entry; else 1."""
     if args.sp is not None:
-        if args.sp < 1:
-            raise ConfigError(f"--sp={args.sp} must be >= 1")
         if args.sp > 1 and args.method in ("si", "ar"):
             raise ConfigError(f"--sp={args.sp} sets DSI's target servers; --method {args.method} verifies on one "
                               "target: drop --sp, or use --method dsi or auto")
@@ -156,37 +145,39 @@ def transport_options(args: argparse.Namespace) -> dict:
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-new-tokens", type=int, default=128, help="new tokens at most (default 128)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus filtering (default 1.0: off)")
-    g.add_argument("--top-k", type=int, default=0, help="top-k filtering (default 0: off)")
-    g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    g.add_argument("--max-new-tokens", type=COUNT, default=128, help="new tokens at most (default 128)")
+    g.add_argument("--temperature", type=NON_NEGATIVE, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=TOP_P, default=1.0, help="nucleus filtering (default 1.0: off)")
+    g.add_argument("--top-k", type=NATURAL, default=0, help="top-k filtering (default 0: off)")
+    g.add_argument("--seed", type=SEED, default=0, help="sampling seed (default 0)")
 
 
 def add_processing_args(p: argparse.ArgumentParser, stopping: bool = True) -> None:
     """The logit processors of :class:`dsi.SamplingParams` (OpenAI / vLLM request fields); with
     ``stopping``, also those about where generation ends (min_tokens, stop ids, ignore_eos)."""
     g = p.add_argument_group("logit processing (exact under speculation: see docs/serving.md)")
-    g.add_argument("--presence-penalty", type=float, default=0.0,
+    g.add_argument("--presence-penalty", type=PENALTY, default=0.0,
                    help="subtracted from the logit of every token already generated, in [-2, 2] (default 0)")
-    g.add_argument("--frequency-penalty", type=float, default=0.0,
+    g.add_argument("--frequency-penalty", type=PENALTY, default=0.0,
                    help="times a token's count in the output, subtracted from its logit, in [-2, 2] (default 0)")
-    g.add_argument("--repetition-penalty", type=float, default=1.0,
-                   help="divides positive (multiplies negative) logits of tokens of the prompt or output (default 1: off)")
+    g.add_argument("--repetition-penalty", type=POSITIVE, default=1.0,
+                   help="divides positive (multiplies negative) logits of tokens of the prompt or output "
+                        "(default 1: off)")
     g.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
                    help="add BIAS in [-100, 100] to token ID's logit; repeat it or separate pairs by commas")
-    g.add_argument("--min-p", type=float, default=0.0,
+    g.add_argument("--min-p", type=PROBABILITY, default=0.0,
                    help="drop tokens less likely than min_p x the most likely one, in [0, 1] (default 0: off)")
     if not stopping:
         return
-    g.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop token before this many tokens (default 0)")
+    g.add_argument("--min-tokens", type=NATURAL, default=0,
+                   help="no EOS or stop token before this many tokens (default 0)")
     g.add_argument("--stop-token-ids", metavar="IDS", help="comma-separated token ids that end generation like EOS")
     g.add_argument("--ignore-eos", action="store_true", help="EOS is an ordinary token: generate max-new-tokens")
 
 
 def add_logprobs_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("log-probabilities")
-    g.add_argument("--logprobs", type=int, metavar="N",
+    g.add_argument("--logprobs", type=NATURAL, metavar="N",
                    help="with --json: each new token's log-probability and the N most likely tokens of its row")
     g.add_argument("--logprobs-mode", choices=("raw", "processed"), default="raw",
                    help="raw: of the model's logits (vLLM's default); processed: of the law the token was drawn from")
@@ -269,17 +260,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help=f"the full comparison: {FULL_DEMO.prompts} prompts x {FULL_DEMO.tokens} new tokens, and DSI "
                         "with a fixed lookahead next to its event-driven windows (default: the quick one, "
                         f"{QUICK_DEMO.prompts} prompts x {QUICK_DEMO.tokens} tokens, DSI event-driven only)")
-    d.add_argument("--lookahead", "-k", type=int, default=None,
+    d.add_argument("--lookahead", "-k", type=COUNT, default=None,
                    help="lookahead of SI, and of a DSI row with fixed windows (shown with --full or when given; "
                         "default 5)")
-    d.add_argument("--sp", type=int, nargs="+", default=[1], help="DSI target-server counts to run (default 1)")
-    d.add_argument("--max-new-tokens", type=int, default=None,
+    d.add_argument("--sp", type=COUNT, nargs="+", default=[1], help="DSI target-server counts to run (default 1)")
+    d.add_argument("--max-new-tokens", type=COUNT, default=None,
                    help=f"new tokens per prompt (default {QUICK_DEMO.tokens}, {FULL_DEMO.tokens} with --full)")
     d.add_argument("--prompts", default=None, metavar="N|FILE",
                    help=f"how many built-in code prompts (default {QUICK_DEMO.prompts}, {FULL_DEMO.prompts} with "
                         "--full; max 4), or a file of prompts as selftest takes: one per line, a line starting "
                         'with " a JSON string')
-    d.add_argument("--repeats", type=int, default=1, help="runs per method and prompt; medians reported")
+    d.add_argument("--repeats", type=COUNT, default=1, help="runs per method and prompt; medians reported")
     d.add_argument("--target-devices", help="comma-separated devices of DSI's target servers, one per server in "
                                             "turn, e.g. cuda:1,cuda:2 (default: --device)")
     d.add_argument("--no-auto", action="store_true",
@@ -343,8 +334,6 @@ def _load(args: argparse.Namespace, need_drafter: bool, hf_default_dtype: str = 
     ``args.backend_choice`` for the report, and ``args.backend_label`` describes it."""
     from dsi.models.loading import load_model, load_pair
 
-    if args.threads is not None and args.threads < 1:
-        raise ConfigError(f"--threads={args.threads} must be >= 1")
     choice = choose(args, [args.target, args.drafter] if need_drafter else [args.target])
     args.backend_choice = choice
     args.backend_label = describe(choice.backend, args, hf_default_dtype)
@@ -390,8 +379,6 @@ def run_generate(args: argparse.Namespace) -> int:
     sampling = sampling_from_args(args)
     if args.logprobs is not None and not args.json:
         raise ConfigError("--logprobs reports the log-probabilities in the JSON output: add --json")
-    if args.max_new_tokens < 1:
-        raise ConfigError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
     if args.method != "ar":
         from dsi.models.crossvocab import check_mode_sampling
 
@@ -457,10 +444,6 @@ def run_demo(args: argparse.Namespace) -> int:
 
     plan = demo_plan(args)
     texts = demo_prompts(args)
-    for flag, value in (("--lookahead", plan.dsi_lookahead or 1), *(("--sp", sp) for sp in args.sp),
-                        ("--max-new-tokens", plan.tokens), ("--repeats", args.repeats)):
-        if value < 1:
-            raise ConfigError(f"{flag}={value} must be >= 1")
     lookahead = plan.dsi_lookahead or FULL_DEMO.dsi_lookahead  # SI's k
     transport_options(args)  # --target-devices checked before anything loads
     start = time.perf_counter()

@@ -13,6 +13,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from dsi.cli.args import flag_message
 from dsi.errors import DSIError
 
 COMMAND_MODULES = (
@@ -25,8 +26,16 @@ COMMAND_MODULES = (
 )
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with the CLI's error style: one line naming the flag and value, exit 2 (argparse
+    would print the whole usage first; ``--help`` still shows it). Sub-commands inherit it."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {flag_message(message)} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="dsi",
         description="Distributed Speculative Inference: lossless, faster LLM decoding.",
     )
@@ -45,7 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as stop:  # --help (0) or a usage error (2, already printed): a code, like every error
+        return stop.code if isinstance(stop.code, int) else 2
     if args.command is None:
         parser.print_help()
         return 2

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from dsi.cli.args import COUNT, Number, output_file
 from dsi.cli.backend import add_backend_args, choose, describe, hf_dtype, max_model_len
 from dsi.cli.output import dumps, format_table, print_json
 from dsi.errors import ConfigError
@@ -280,13 +281,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         p.add_argument("--prompts", default="code",
                        help="built-in set (code, prose) or a file: JSON lines {\"prompt\": ...} or one prompt per line "
                             "(default: code)")
-        p.add_argument("--num-prompts", type=int, default=None, metavar="N", help="use only the first N prompts")
+        p.add_argument("--num-prompts", type=COUNT, default=None, metavar="N", help="use only the first N prompts")
         p.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
         add_backend_args(p, threads_help="threads of the model: torch's intra-op threads (hf; default: the number "
                                          "of cores) or llama.cpp's threads per session (default: the backend's)")
-        p.add_argument("--max-new-tokens", type=int, default=max_new, metavar="N",
+        p.add_argument("--max-new-tokens", type=Number(int, 2), default=max_new, metavar="N",
                        help=f"new tokens per prompt (default {max_new})")
-        p.add_argument("--out", default=None, metavar="FILE", help="also write the JSON result to FILE")
+        p.add_argument("--out", type=output_file, default=None, metavar="FILE",
+                       help="also write the JSON result to FILE")
         p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
     lat = sub.add_parser("latency", help="TTFT and TPOT of one model",
@@ -320,8 +322,6 @@ def _usage(parser: argparse.ArgumentParser) -> int:
 def _prompt_ids(model: Any, args: argparse.Namespace) -> list[list[int]]:
     texts = load_prompts(args.prompts)
     if args.num_prompts is not None:
-        if args.num_prompts < 1:
-            raise ConfigError(f"--num-prompts={args.num_prompts} must be >= 1")
         texts = texts[: args.num_prompts]
     ids = [model.encode(text, chat=args.chat) for text in texts]
     for one in ids:
@@ -332,13 +332,6 @@ def _prompt_ids(model: Any, args: argparse.Namespace) -> list[list[int]]:
 
 
 def _check_common(args: argparse.Namespace) -> None:
-    if args.max_new_tokens < 2:
-        raise ConfigError(f"--max-new-tokens={args.max_new_tokens} must be >= 2")
-    if args.threads is not None and args.threads < 1:
-        raise ConfigError(f"--threads={args.threads} must be >= 1")
-    from dsi.cli.output import check_output_file
-
-    check_output_file(args.out)  # before measuring, not after
     load_prompts(args.prompts)  # a missing or unreadable prompt file too
 
 

@@ -2,42 +2,38 @@
 
 from __future__ import annotations
 
+import argparse
 import json
-import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
 
+from dsi.cli.args import input_file, output_file
 from dsi.errors import ConfigError
 
 
 def check_output_file(path: str | None, flag: str = "--out") -> None:
-    """Refuse, before any work, an output file that could not be written: a directory, or a file in
-    a folder that does not exist or is not writable. None: no file asked for."""
-    if path is None:
-        return
-    target = Path(path).expanduser()
-    if target.is_dir():
-        raise ConfigError(f"{flag}={path!r} is a directory; give a file name")
-    folder = target.parent
-    if not folder.is_dir():
-        raise ConfigError(f"{flag}={path!r}: the folder {str(folder)!r} does not exist")
-    if not os.access(folder, os.W_OK | os.X_OK) or (target.exists() and not os.access(target, os.W_OK)):
-        raise ConfigError(f"{flag}={path!r} is not writable")
+    """Refuse, before any work, an output file that could not be written (see
+    :func:`dsi.cli.args.output_file`); for flags checked after parsing. None: no file asked for."""
+    if path is not None:
+        _as_config_error(output_file, path, flag)
 
 
 def check_input_file(path: str, flag: str) -> None:
     """Refuse, before any work, an input file that cannot be read: missing, a directory, unreadable."""
-    source = Path(path).expanduser()
-    if not source.exists():
-        raise ConfigError(f"{flag}={path!r} does not exist")
-    if not source.is_file():
-        raise ConfigError(f"{flag}={path!r} is not a file")
-    if not os.access(source, os.R_OK):
-        raise ConfigError(f"{flag}={path!r} is not readable")
+    _as_config_error(input_file, path, flag)
+
+
+def _as_config_error(check, path: str, flag: str) -> None:
+    try:
+        check(path)
+    except argparse.ArgumentTypeError as exc:
+        message = str(exc)
+        quoted = repr(path)
+        shown = f"{flag}={message}" if message.startswith(quoted) else f"{flag}={quoted}: {message}"
+        raise ConfigError(shown) from None
 
 
 def _default(obj: Any) -> Any:

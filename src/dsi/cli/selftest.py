@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from dsi.cli.args import COUNT, NATURAL, POSITIVE, SEED, Number, input_file
 from dsi.cli.backend import hf_dtype
 from dsi.cli.generate import _load, add_model_args, add_processing_args, processing_from_args, target_servers
 from dsi.errors import ConfigError
@@ -39,29 +40,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         if action.dest == "dtype":
             action.help = (f"weights dtype of the hf backend (default {HF_DTYPE} here); setting it makes --backend "
                            "auto pick hf")
-    p.add_argument("--prompts", metavar="FILE",
+    p.add_argument("--prompts", type=input_file, metavar="FILE",
                    help='prompts, one per line (a line starting with " is a JSON string); default: 3 built-in')
-    p.add_argument("--lookahead", "-k", type=int, default=3, help="lookahead of SI and DSI (default 3)")
-    p.add_argument("--sp", type=int, default=2, help="DSI target servers (default 2)")
-    p.add_argument("--transport", default="threads", help="target-server transport (default threads)")
+    p.add_argument("--lookahead", "-k", type=COUNT, default=3, help="lookahead of SI and DSI (default 3)")
+    p.add_argument("--sp", type=COUNT, default=2, help="DSI target servers (default 2)")
+    p.add_argument("--transport", choices=("threads", "processes", "ray"), default="threads",
+                   help="target-server transport (default threads)")
     p.add_argument("--target-servers", metavar="URL[,URL...]",
                    help="check SI and DSI verifying on these engines (vLLM or dsi serve) against the local "
                         "non-SI and the local target's exact law (docs/engines.md)")
-    p.add_argument("--max-new-tokens", type=int, default=24, help="greedy tokens per prompt (default 24)")
-    p.add_argument("--positions", type=int, default=2, help="prefixes of the chi-square test (default 2; 0: skip it)")
-    p.add_argument("--samples", type=int, default=400,
+    p.add_argument("--max-new-tokens", type=COUNT, default=24, help="greedy tokens per prompt (default 24)")
+    p.add_argument("--positions", type=NATURAL, default=2,
+                   help="prefixes of the chi-square test (default 2; 0: skip it)")
+    p.add_argument("--samples", type=COUNT, default=400,
                    help="seeded DSI runs per prefix (default 400; each generates 2 tokens)")
-    p.add_argument("--temperature", type=float, default=1.0, help="temperature of the chi-square test (default 1.0)")
-    p.add_argument("--top-k", type=int, default=4, help="top-k of the chi-square test (default 4)")
-    p.add_argument("--alpha", type=float, default=1e-4, help="significance level (default 1e-4)")
-    p.add_argument("--seed", type=int, default=0, help="first seed of the chi-square runs (default 0)")
+    p.add_argument("--temperature", type=POSITIVE, default=1.0, help="temperature of the chi-square test (default 1.0)")
+    p.add_argument("--top-k", type=NATURAL, default=4, help="top-k of the chi-square test (default 4)")
+    p.add_argument("--alpha", type=Number(float, 0, 1, low_open=True, high_open=True), default=1e-4,
+                   help="significance level (default 1e-4)")
+    p.add_argument("--seed", type=SEED, default=0, help="first seed of the chi-square runs (default 0)")
     add_processing_args(p, stopping=False)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     p.set_defaults(func=run_selftest_command)
 
 
 def run_selftest_command(args: argparse.Namespace) -> int:
-    from dsi.cli.output import check_input_file, format_table, print_json
+    from dsi.cli.output import format_table, print_json
     from dsi.evaluate.selftest import SelftestConfig, read_prompts, run_selftest
 
     config = SelftestConfig(
@@ -71,8 +75,6 @@ def run_selftest_command(args: argparse.Namespace) -> int:
         target_servers=tuple(urls) if (urls := target_servers(args)) else None,
         **processing_from_args(args),
     )
-    if args.prompts:
-        check_input_file(args.prompts, "--prompts")
     texts = read_prompts(args.prompts) if args.prompts else list(DEFAULT_PROMPTS)
     if not texts:
         raise ConfigError(f"--prompts={args.prompts!r} holds no prompt")

@@ -18,6 +18,7 @@ import socket
 import sys
 from pathlib import Path
 
+from dsi.cli.args import COUNT, NATURAL, NON_NEGATIVE, Number
 from dsi.cli.generate import (
     _load,
     add_engine_args,
@@ -56,12 +57,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             action.help = helps[action.dest]
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    g.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
-    g.add_argument("--max-concurrent", type=int, default=1,
+    g.add_argument("--port", type=Number(int, 0, 65535), default=8000,
+                   help="TCP port (default 8000; 0 picks a free one)")
+    g.add_argument("--max-concurrent", type=COUNT, default=1,
                    help="engine slots: requests generated at once, each on its own decoder (default 1)")
-    g.add_argument("--max-queue", type=int, default=64,
+    g.add_argument("--max-queue", type=NATURAL, default=64,
                    help="requests that may wait for a slot; more get 429 (default 64)")
-    g.add_argument("--max-body-bytes", type=int, default=None,
+    g.add_argument("--max-body-bytes", type=COUNT, default=None,
                    help="largest request body in bytes; larger ones get 413 (default 16777216: 16 MiB)")
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 endpoints (printable ASCII, no surrounding spaces)")
@@ -71,10 +73,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--logprobs-mode", choices=("raw", "processed"), default="raw",
                    help="generated tokens' logprobs: raw (the model's logits, vLLM's default) or processed "
                         "(the law each token was drawn from)")
-    g.add_argument("--max-logprobs", type=int, default=20,
+    g.add_argument("--max-logprobs", type=Number(int, -1), default=20,
                    help="the most logprobs / prompt_logprobs per token a request may ask (default 20, as vLLM; -1: the "
                         "whole vocabulary, which another dsi needs to sample over this server without top_k)")
-    g.add_argument("--shutdown-timeout", type=float, default=10.0,
+    g.add_argument("--shutdown-timeout", type=NON_NEGATIVE, default=10.0,
                    help="on SIGINT/SIGTERM, seconds running requests may take before they are cancelled (default 10)")
     p.set_defaults(func=run_serve)
 
@@ -122,16 +124,6 @@ def run_serve(args: argparse.Namespace) -> int:
         from dsi.server.runner import make_server
     except ImportError as exc:
         raise ConfigError(f"dsi serve needs the server extra: pip install 'dsi[server]' ({exc})") from exc
-    if not 0 <= args.port <= 65535:
-        raise ConfigError(f"--port={args.port} must be in [0, 65535]")
-    if args.max_concurrent < 1:
-        raise ConfigError(f"--max-concurrent={args.max_concurrent} must be >= 1")
-    if args.max_queue < 0:
-        raise ConfigError(f"--max-queue={args.max_queue} must be >= 0")
-    if args.shutdown_timeout < 0:
-        raise ConfigError(f"--shutdown-timeout={args.shutdown_timeout} must be >= 0")
-    if args.max_body_bytes is not None and args.max_body_bytes < 1:
-        raise ConfigError(f"--max-body-bytes={args.max_body_bytes} must be >= 1")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise ConfigError(f"--served-model-name={args.served_model_name!r} must name the model (clients send it)")
     limits = {} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}

@@ -9,8 +9,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from dsi.cli.args import (COUNT, LOOKAHEAD, NON_NEGATIVE, POSITIVE, PROBABILITY, SEED, Number, input_file,
+                          output_dir)
 from dsi.cli.output import format_table, print_json
 from dsi.errors import ConfigError
+
+DRAFTER_COST = Number(float, 0, 1, low_open=True, high_open=True)  # c: drafter latency / target's
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -27,16 +31,6 @@ def _info(args: argparse.Namespace, text: str) -> None:
 
 
 # ---- simulate -----------------------------------------------------------------------------------
-def _lookahead(text: str) -> int | str:
-    """``--lookahead`` values: an integer k, or "auto" (the event-driven policy)."""
-    if text.strip().lower() == "auto":
-        return "auto"
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither an integer nor 'auto'") from None
-
-
 def _register_simulate(subparsers) -> None:
     p = subparsers.add_parser(
         "simulate",
@@ -49,23 +43,23 @@ def _register_simulate(subparsers) -> None:
             "one): event simulator only, compared with SI at its best k in 1..20."
         ),
     )
-    p.add_argument("--c", type=float, required=True, help="drafter latency / target latency, in (0, 1)")
-    p.add_argument("--a", type=float, required=True, help="acceptance rate, in [0, 1]")
+    p.add_argument("--c", type=DRAFTER_COST, required=True, help="drafter latency / target latency, in (0, 1)")
+    p.add_argument("--a", type=PROBABILITY, required=True, help="acceptance rate, in [0, 1]")
     p.add_argument(
         "--lookahead",
         "-k",
-        type=_lookahead,
+        type=LOOKAHEAD,
         nargs="+",
         required=True,
         metavar="K",
         help="drafts per verification window (k >= 1), or 'auto' (event-driven DSI); several: one row each",
     )
     p.add_argument(
-        "--sp", type=int, default=7, help="target servers for DSI (default 7; with a k it must meet Equation 1)"
+        "--sp", type=COUNT, default=7, help="target servers for DSI (default 7; with a k it must meet Equation 1)"
     )
-    p.add_argument("--tokens", type=int, default=1000, help="tokens to generate (default 1000)")
-    p.add_argument("--repeats", type=int, default=5, help="repeats (default 5)")
-    p.add_argument("--seed", type=int, default=42, help="random seed (default 42)")
+    p.add_argument("--tokens", type=COUNT, default=1000, help="tokens to generate (default 1000)")
+    p.add_argument("--repeats", type=COUNT, default=5, help="repeats (default 5)")
+    p.add_argument("--seed", type=SEED, default=42, help="random seed (default 42)")
     p.add_argument(
         "--rng",
         choices=("pcg64", "legacy"),
@@ -73,18 +67,21 @@ def _register_simulate(subparsers) -> None:
         help="offline sample stream: pcg64 (default) or legacy (the authors' exact stream)",
     )
     e = p.add_argument_group("event simulator (time units; default: target 1, drafter c)")
-    e.add_argument("--target-tpot", type=float, default=1.0, help="target time per output token (default 1)")
-    e.add_argument("--target-ttft", type=float, default=None, help="target time to first token (default: TPOT)")
-    e.add_argument("--drafter-tpot", type=float, default=None, help="drafter time per token (default: c x target TPOT)")
-    e.add_argument("--drafter-ttft", type=float, default=None, help="drafter time to first token (default: its TPOT)")
-    e.add_argument("--preempt-delay", type=float, default=0.0, help="time a preempted server needs to stop (default 0)")
+    e.add_argument("--target-tpot", type=NON_NEGATIVE, default=1.0, help="target time per output token (default 1)")
+    e.add_argument("--target-ttft", type=NON_NEGATIVE, default=None, help="target time to first token (default: TPOT)")
+    e.add_argument("--drafter-tpot", type=NON_NEGATIVE, default=None,
+                   help="drafter time per token (default: c x target TPOT)")
+    e.add_argument("--drafter-ttft", type=NON_NEGATIVE, default=None,
+                   help="drafter time to first token (default: its TPOT)")
+    e.add_argument("--preempt-delay", type=NON_NEGATIVE, default=0.0,
+                   help="time a preempted server needs to stop (default 0)")
     e.add_argument("--queue", choices=("fifo", "newest"), default="fifo", help="task queue order (default fifo)")
     e.add_argument(
-        "--max-window", type=int, default=None, metavar="N", help="with --lookahead auto: at most N drafts per window"
+        "--max-window", type=COUNT, default=None, metavar="N", help="with --lookahead auto: at most N drafts per window"
     )
     e.add_argument(
         "--latency-cv",
-        type=float,
+        type=NON_NEGATIVE,
         default=0.0,
         metavar="X",
         help="random target forward times: lognormal factors of mean 1 and this coefficient of variation (default 0)",
@@ -263,8 +260,9 @@ def _register_heatmap(subparsers) -> None:
             "Writes heatmap.csv, heatmap.png and heatmap.pdf."
         ),
     )
-    p.add_argument("--ndim", type=int, default=20, help="grid points per axis minus one, and largest k (default 20)")
-    p.add_argument("--out", default="heatmap", help="output directory (default ./heatmap)")
+    p.add_argument("--ndim", type=Number(int, 2), default=20,
+                   help="grid points per axis minus one, and largest k (default 20)")
+    p.add_argument("--out", type=output_dir, default="heatmap", help="output directory (default ./heatmap)")
     p.add_argument(
         "--panel",
         action="append",
@@ -272,10 +270,10 @@ def _register_heatmap(subparsers) -> None:
         metavar="PANEL",
         help=f"panel to draw (repeatable; default all): {', '.join(PANELS)}",
     )
-    p.add_argument("--tokens", type=int, default=1000, help="tokens per run (default 1000)")
-    p.add_argument("--repeats", type=int, default=5, help="repeats per configuration (default 5)")
-    p.add_argument("--seed", type=int, default=42, help="random seed (default 42)")
-    p.add_argument("--max-sp", type=int, default=7, help="target servers available to DSI (default 7)")
+    p.add_argument("--tokens", type=COUNT, default=1000, help="tokens per run (default 1000)")
+    p.add_argument("--repeats", type=COUNT, default=5, help="repeats per configuration (default 5)")
+    p.add_argument("--seed", type=SEED, default=42, help="random seed (default 42)")
+    p.add_argument("--max-sp", type=COUNT, default=7, help="target servers available to DSI (default 7)")
     p.add_argument("--rng", choices=("pcg64", "legacy"), default="pcg64", help="sample stream (default pcg64)")
     p.add_argument(
         "--si-all-k",
@@ -284,13 +282,13 @@ def _register_heatmap(subparsers) -> None:
     )
     p.add_argument(
         "--event-tokens",
-        type=int,
+        type=COUNT,
         default=EVENT_TOKENS,
         help=f"tokens per run of the event-simulator panel fixed_auto (default {EVENT_TOKENS})",
     )
     p.add_argument(
         "--event-repeats",
-        type=int,
+        type=COUNT,
         default=EVENT_REPEATS,
         help=f"repeats of the event-simulator panel (default {EVENT_REPEATS})",
     )
@@ -365,14 +363,14 @@ def _register_table(subparsers) -> None:
             "pairs (with each run's engine/ideal ratio). Writes table1.md, table1.csv, table1.png."
         ),
     )
-    p.add_argument("--out", default="table1", help="output directory (default ./table1)")
+    p.add_argument("--out", type=output_dir, default="table1", help="output directory (default ./table1)")
     p.add_argument("--no-engine", action="store_true", help="skip the engine column (it runs on the wall clock)")
-    p.add_argument("--engine-repeats", type=int, default=2, help="engine runs per method and row (default 2)")
-    p.add_argument("--event-repeats", type=int, default=100, help="event simulator repeats (default 100)")
-    p.add_argument("--offline-repeats", type=int, default=200, help="offline simulator repeats (default 200)")
-    p.add_argument("--tokens", type=int, default=50, help="new tokens per run (default 50, as the paper)")
+    p.add_argument("--engine-repeats", type=COUNT, default=2, help="engine runs per method and row (default 2)")
+    p.add_argument("--event-repeats", type=COUNT, default=100, help="event simulator repeats (default 100)")
+    p.add_argument("--offline-repeats", type=COUNT, default=200, help="offline simulator repeats (default 200)")
+    p.add_argument("--tokens", type=COUNT, default=50, help="new tokens per run (default 50, as the paper)")
     p.add_argument("--rows", type=str, default=None, help="rows to run, e.g. 0,4,6 (default all ten)")
-    p.add_argument("--seed", type=int, default=42, help="simulator seed (default 42)")
+    p.add_argument("--seed", type=SEED, default=42, help="simulator seed (default 42)")
     p.add_argument("--no-plot", action="store_true", help="no bar chart (no matplotlib needed)")
     p.add_argument("--json", action="store_true", help="print the table as JSON")
     p.set_defaults(func=cmd_table)
@@ -441,24 +439,27 @@ def _register_plan(subparsers) -> None:
             "flags override files."
         ),
     )
-    p.add_argument("--drafter-tpot", type=float, default=None, metavar="MS", help="drafter time per token, ms")
-    p.add_argument("--target-tpot", type=float, default=None, metavar="MS", help="target time per token, ms")
-    p.add_argument("--drafter-ttft", type=float, default=None, metavar="MS", help="drafter time to first token, ms")
-    p.add_argument("--target-ttft", type=float, default=None, metavar="MS", help="target time to first token, ms")
-    p.add_argument("--acceptance", type=float, default=None, metavar="A", help="acceptance rate in [0, 1]")
+    p.add_argument("--drafter-tpot", type=POSITIVE, default=None, metavar="MS", help="drafter time per token, ms")
+    p.add_argument("--target-tpot", type=POSITIVE, default=None, metavar="MS", help="target time per token, ms")
+    p.add_argument("--drafter-ttft", type=NON_NEGATIVE, default=None, metavar="MS",
+                   help="drafter time to first token, ms")
+    p.add_argument("--target-ttft", type=NON_NEGATIVE, default=None, metavar="MS",
+                   help="target time to first token, ms")
+    p.add_argument("--acceptance", type=PROBABILITY, default=None, metavar="A", help="acceptance rate in [0, 1]")
     p.add_argument(
         "--from",
         dest="from_files",
         action="append",
         default=[],
         metavar="FILE",
+        type=input_file,
         help="JSON from dsi measure (latency or acceptance); repeatable",
     )
-    p.add_argument("--max-servers", type=int, default=7, help="target servers available (default 7)")
-    p.add_argument("--max-lookahead", type=int, default=20, help="largest lookahead to consider (default 20)")
-    p.add_argument("--tokens", type=int, default=200, help="tokens per simulated request (default 200)")
-    p.add_argument("--repeats", type=int, default=30, help="simulated requests per candidate (default 30)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--max-servers", type=COUNT, default=7, help="target servers available (default 7)")
+    p.add_argument("--max-lookahead", type=COUNT, default=20, help="largest lookahead to consider (default 20)")
+    p.add_argument("--tokens", type=COUNT, default=200, help="tokens per simulated request (default 200)")
+    p.add_argument("--repeats", type=COUNT, default=30, help="simulated requests per candidate (default 30)")
+    p.add_argument("--seed", type=SEED, default=0, help="random seed (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_plan)
 

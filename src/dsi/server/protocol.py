@@ -116,7 +116,7 @@ class _GenerationRequest(_Strict):
         if value is not None and len(value) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(value)}")
         if value is not None and any(t < 0 for t in value):
-            raise ValueError("stop_token_ids must be token ids (integers >= 0)")
+            raise ValueError(f"stop_token_ids must be token ids (integers >= 0), got {min(value)}")
         return value
 
     def stop_strings(self) -> tuple[str, ...]:

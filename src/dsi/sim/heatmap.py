@@ -252,7 +252,8 @@ def event_panel(
     """
     c_vals = np.asarray(c_vals, dtype=np.float64)
     if np.any(c_vals > 1):
-        raise ConfigError("the event panel's lower bound needs c <= 1 (the drafter no slower than the target)")
+        raise ConfigError(f"the event panel's lower bound needs c <= 1 (the drafter no slower than the target); "
+                          f"got c={c_vals.max():g}")
     ks = np.asarray(ks)
     shape = (len(c_vals), len(a_vals))
     fixed, auto, window = np.zeros(shape), np.zeros(shape), np.zeros(shape)

@@ -202,7 +202,8 @@ def simulate_many(
     if a.size and not (np.all(a >= 0) and np.all(a <= 1)):
         raise ConfigError(f"every a must be in [0, 1]; got min {a.min()}, max {a.max()}")
     if k.size and not (np.all(k >= 1) and np.all(k == np.floor(k))):
-        raise ConfigError("every lookahead k must be an integer >= 1")
+        bad = k[(k < 1) | (k != np.floor(k))]
+        raise ConfigError(f"every lookahead k must be an integer >= 1; got {bad[0]:g}")
     n_cfg = c.size
     S, T = int(tokens), float(failure_cost)
     sampler = _sampler(rng, a, repeats, S, seed)

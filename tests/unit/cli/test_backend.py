@@ -145,9 +145,7 @@ def test_target_devices_count_as_devices(models, capsys):
 
 
 def test_an_unknown_backend_is_an_argparse_error(models, capsys):
-    with pytest.raises(SystemExit) as info:
-        main(["generate", "--prompt", "x", "--backend", "vllm"])
-    assert info.value.code == 2
+    assert main(["generate", "--prompt", "x", "--backend", "vllm"]) == 2
     assert "invalid choice: 'vllm'" in capsys.readouterr().err
 
 
@@ -172,4 +170,4 @@ def test_max_model_len_reaches_llamacpp_as_n_ctx_and_is_refused_for_hf(models, c
     err = capsys.readouterr().err
     assert code == 2 and "--max-model-len=8192 applies to the llama.cpp backend; the hf backend" in err, err
     assert main(["generate", "--target", models["t"], "--prompt-ids", "3", "--method", "ar", "--n-ctx", "1"]) == 2
-    assert "--max-model-len=1 must be >= 2" in capsys.readouterr().err
+    assert "--max-model-len=1 must be an integer >= 2" in capsys.readouterr().err

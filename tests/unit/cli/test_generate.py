@@ -91,14 +91,14 @@ def test_generate_chat_template(pair_dirs, capsys):
     (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens=0"),
     (["--prompt", "hi", "--max-new-tokens", "1000"], "exceeds the context"),
     (["--prompt", "hi", "--temperature", "-1"], "temperature=-1"),
-    (["--prompt", "hi", "--lookahead", "0"], "'0' must be an integer >= 1 or 'auto'"),
-    (["--prompt", "hi", "--lookahead", "soon"], "'soon' is neither an integer >= 1 nor 'auto'"),
+    (["--prompt", "hi", "--lookahead", "0"], "--lookahead=0 must be an integer >= 1 or 'auto'"),
+    (["--prompt", "hi", "--lookahead", "soon"], "--lookahead='soon' must be an integer >= 1 or 'auto'"),
     (["--prompt", "hi", "--lookahead", "3", "--max-window", "2"], "max_window=2 applies to lookahead='auto' only"),
     (["--prompt-ids", "1,99999"], "outside the vocabulary"),
     (["--prompt", "hi", "--logprobs", "2"], "--logprobs reports the log-probabilities in the JSON output: add --json"),
     (["--prompt", "hi", "--logit-bias", "5:1"], "--logit-bias='5:1' must be ID=BIAS pairs"),
     (["--prompt", "hi", "--stop-token-ids", "1,,2"], "--stop-token-ids='1,,2' must be comma-separated"),
-    (["--prompt", "hi", "--presence-penalty", "3"], "presence_penalty=3.0 must be a number in [-2, 2]"),
+    (["--prompt", "hi", "--presence-penalty", "3"], "--presence-penalty=3 must be a number in [-2, 2]"),
     (["--prompt", "hi", "--logit-bias", "99999=1"], "logit_bias names token id(s) [99999] outside the vocabulary"),
 ])
 def test_generate_errors(pair_dirs, capsys, argv, message):
@@ -254,10 +254,10 @@ def refusal(capsys, argv, message):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["demo", "--sp", "1", "0"], "--sp=0 must be >= 1"),
-    (["demo", "--repeats", "0"], "--repeats=0 must be >= 1"),
-    (["serve", "--max-queue", "-1"], "--max-queue=-1 must be >= 0"),
-    (["serve", "--max-concurrent", "0"], "--max-concurrent=0 must be >= 1"),
+    (["demo", "--sp", "1", "0"], "--sp=0 must be an integer >= 1"),
+    (["demo", "--repeats", "0"], "--repeats=0 must be an integer >= 1"),
+    (["serve", "--max-queue", "-1"], "--max-queue=-1 must be an integer >= 0"),
+    (["serve", "--max-concurrent", "0"], "--max-concurrent=0 must be an integer >= 1"),
 ])
 def test_a_bad_number_is_named_alone_before_anything_loads(capsys, argv, message):
     err = refusal(capsys, argv, message)

@@ -93,8 +93,8 @@ def test_serve_parser_takes_every_generate_model_and_engine_option():
     (["--max-concurrent", "0"], "--max-concurrent=0"),
     (["--lookahead", "auto", "--method", "si"], "SI needs an integer lookahead"),
     (["--lookahead", "5", "--max-window", "3"], "max_window=3 applies to lookahead='auto' only"),
-    (["--method", "dsi", "--sp", "0"], "--sp=0 must be >= 1"),
-    (["--max-body-bytes", "0"], "--max-body-bytes=0 must be >= 1"),
+    (["--method", "dsi", "--sp", "0"], "--sp=0 must be an integer >= 1"),
+    (["--max-body-bytes", "0"], "--max-body-bytes=0 must be an integer >= 1"),
     (["--api-key", "s3cret "], "api_key (--api-key) has leading or trailing whitespace"),
     (["--api-key", "clé"], "api_key (--api-key) has a character at position 2 that is not printable ASCII"),
 ])
