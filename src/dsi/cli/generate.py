@@ -9,7 +9,7 @@ import argparse
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dsi.cli.advice import what_dsi_needs
 from dsi.cli.args import COUNT, LOOKAHEAD, NATURAL, NON_NEGATIVE, POSITIVE, PROBABILITY, SEED, Number
@@ -246,7 +246,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_sampling_args(p)
     add_processing_args(p)
     add_logprobs_args(p)
-    p.add_argument("--json", action="store_true", help="print one JSON object (token_ids, text, stats) instead of text")
+    p.add_argument("--n", type=COUNT, default=1, metavar="N",
+                   help="independent samples of the same prompt, as the OpenAI field n: choice i samples with a seed "
+                        "derived from --seed and i, as dsi serve does (greedy: one run, N equal copies)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (token_ids, text, stats; with --n > 1 a list of choices) instead of text")
     p.set_defaults(func=run_generate)
 
     d = subparsers.add_parser(
@@ -371,7 +375,7 @@ def _prompt_ids(args: argparse.Namespace, target) -> list[int]:
 def run_generate(args: argparse.Namespace) -> int:
     import dsi
     from dsi.cli.output import print_json
-    from dsi.engine.api import run_once
+    from dsi.engine.api import make_request
     from dsi.models.determinism import is_deterministic
     from dsi.models.loading import release
     from dsi.text import IncrementalDetokenizer
@@ -406,33 +410,61 @@ def run_generate(args: argparse.Namespace) -> int:
     if decoder.method == "ar" and drafter is not None:  # auto picked non-SI: decode with nothing else loaded
         release(drafter)
         drafter = None
-    result = run_once(decoder, ids, args.max_new_tokens, vocab_size=target.vocab_size, sampling=sampling,
-                      eos_token_id=list(target.eos_token_ids) or None, on_tokens=stream, logprobs=args.logprobs,
-                      logprobs_mode=args.logprobs_mode)
-    text = target.decode(result.tokens) if target.tokenizer is not None else None
+    eos = list(target.eos_token_ids) or None
+    try:
+        results = []
+        for index, seed in enumerate(choice_seeds(sampling, args.n)):
+            if index and stream is not None:
+                detok = IncrementalDetokenizer(target.decode, ids)
+                sys.stdout.write(f"\n--- choice {index} ---\n")
+            request = make_request(ids, args.max_new_tokens, replace(sampling, seed=seed), eos, target.vocab_size,
+                                   args.logprobs, args.logprobs_mode)
+            results.append(decoder.generate(request, stream))
+            if stream is not None:
+                sys.stdout.write(detok.flush() + "\n")
+    finally:
+        decoder.close()
+    if sampling.greedy:  # greedy choices are one run: its output is every choice's
+        results = results * args.n
     if args.json:
-        doc = {
-            "token_ids": result.tokens, "text": text, "prompt_tokens": len(ids),
-            "finish_reason": result.finish_reason, "method": args.method,
-            "deterministic": is_deterministic(target), "stats": result.stats.to_dict(),
-        }
-        if result.logprobs is not None:
-            doc["logprobs_mode"] = args.logprobs_mode
-            doc["logprobs"] = [e.to_dict() for e in result.logprobs]
-        print_json(doc)
+        docs = [_result_doc(target, result, args) for result in results]
+        head = {"prompt_tokens": len(ids), "method": args.method, "deterministic": is_deterministic(target)}
+        print_json({**docs[0], **head} if args.n == 1 else {**head, "choices": [
+            {"index": i, **doc} for i, doc in enumerate(docs)]})
         return 0
-    if stream is not None:
-        sys.stdout.write(detok.flush() + "\n")
-    else:
-        print(",".join(map(str, result.tokens)))
-    s = result.stats
-    summary = f"[{s.method}] {s.new_tokens} tokens in {s.wall_time_s:.2f} s ({s.tokens_per_second:.1f} tok/s)"
-    if s.method != "ar":  # non-SI drafts nothing: no acceptance to report
-        summary += f", acceptance {s.acceptance_rate:.2f}"
-    if s.method == "dsi":  # only DSI preempts
-        summary += f", preempted tasks {s.preempted_tasks}"
-    print(summary, file=sys.stderr)
+    shown = results[:1] if sampling.greedy else results
+    if stream is None:
+        for result in shown:
+            print(",".join(map(str, result.tokens)))
+    if sampling.greedy and args.n > 1:
+        print(f"greedy: the {args.n} choices are this one output", file=sys.stderr)
+    for index, result in enumerate(shown):
+        s = result.stats
+        summary = f"[{s.method}] {s.new_tokens} tokens in {s.wall_time_s:.2f} s ({s.tokens_per_second:.1f} tok/s)"
+        if s.method != "ar":  # non-SI drafts nothing: no acceptance to report
+            summary += f", acceptance {s.acceptance_rate:.2f}"
+        if s.method == "dsi":  # only DSI preempts
+            summary += f", preempted tasks {s.preempted_tasks}"
+        print(summary if args.n == 1 else f"{summary} (choice {index})", file=sys.stderr)
     return 0
+
+
+def choice_seeds(sampling, n: int) -> list[int]:
+    """The seed of each of ``--n`` choices, as ``dsi serve`` derives them (:func:`dsi.sampling.choice_seed`);
+    greedy: one run, whose output is every choice's."""
+    from dsi.sampling import choice_seed
+
+    return [sampling.seed] if sampling.greedy else [choice_seed(sampling.seed, i) for i in range(n)]
+
+
+def _result_doc(target, result, args: argparse.Namespace) -> dict:
+    """One choice of ``dsi generate --json``: its tokens, text, finish reason, stats and logprobs."""
+    doc = {"token_ids": result.tokens, "text": target.decode(result.tokens) if target.tokenizer is not None else None,
+           "finish_reason": result.finish_reason, "stats": result.stats.to_dict()}
+    if result.logprobs is not None:
+        doc["logprobs_mode"] = args.logprobs_mode
+        doc["logprobs"] = [e.to_dict() for e in result.logprobs]
+    return doc
 
 
 def run_demo(args: argparse.Namespace) -> int:

@@ -334,3 +334,26 @@ def test_bad_paths_exit_2_with_one_line_before_any_work(capsys, tmp_path, make_a
 def test_target_devices_are_checked_once_before_anything_loads(capsys, argv, message):
     err = refusal(capsys, argv, message)
     assert len(err.strip().splitlines()) == 1 and "died" not in err  # one line, no server restarted in a loop
+
+
+def test_n_choices_are_the_runs_of_their_derived_seeds(pair_dirs, capsys):
+    """``--n 3``: choice i is the run with seed choice_seed(seed, i) (as dsi serve's choice i), for DSI too;
+    greedy choices are one run, copied."""
+    from dsi.sampling import choice_seed
+
+    target, drafter = pair_dirs
+    base = ["generate", "--target", target, "--drafter", drafter, "--prompt", "def add(a, b):", "--dtype", "fp32",
+            "--max-new-tokens", "6", "--method", "dsi", "--sp", "2", "-k", "2", "--temperature", "1.5", "--json"]
+    doc = run_json(capsys, [*base, "--seed", "5", "--n", "3", "--logprobs", "1"])
+    choices = doc["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2] and doc["prompt_tokens"] > 0
+    for i, choice in enumerate(choices):
+        alone = run_json(capsys, [*base, "--seed", str(choice_seed(5, i)), "--logprobs", "1"])
+        assert choice["token_ids"] == alone["token_ids"] and choice["text"] == alone["text"]
+        assert [e["token"] for e in choice["logprobs"]] == choice["token_ids"]
+    assert len({tuple(c["token_ids"]) for c in choices}) > 1  # independent samples, not copies
+    greedy = run_json(capsys, [*base[:-3], "--n", "2", "--json"])["choices"]
+    assert greedy[0]["token_ids"] == greedy[1]["token_ids"]
+    code = main([*base[:-1], "--n", "2", "--seed", "5"])  # text: both choices, each after a separator
+    out = capsys.readouterr()
+    assert code == 0 and out.out.count("--- choice 1 ---") == 1 and "(choice 1)" in out.err
