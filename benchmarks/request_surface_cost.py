@@ -13,10 +13,12 @@ alternating order over ``--repeats`` rounds:
 - ``processed``: ``presence_penalty: 0.5``, ``frequency_penalty: 0.3``, ``logit_bias`` on 3 tokens;
 - ``processed + logprobs``: both.
 
-Reported per kind: the median over rounds of the summed wall time of the prompts (the server's own
-``dsi.wall_time_s``, which leaves out HTTP), its ratio to ``plain`` of the same round, and the
-acceptance rate (accepted / decided drafts). The processed outputs differ from the plain ones (the penalties change them); the
-acceptance says whether the drafter, processed alike, keeps up.
+Every request sets ``ignore_eos``, so each one generates exactly ``--tokens`` tokens and the kinds do
+the same amount of decoding. Reported per kind: the median over rounds of the summed wall time of the
+prompts (the server's own ``dsi.wall_time_s``, which leaves out HTTP), its ratio to ``plain`` of the
+same round, and the acceptance rate (accepted / decided drafts). The processed outputs differ from
+the plain ones (the penalties change them), so their acceptance may differ too: it says whether the
+drafter, processed alike, keeps up.
 
     python benchmarks/request_surface_cost.py --out docs/data/request_surface_cost-2026-12-01.json
 
@@ -120,7 +122,8 @@ def main() -> int:
                 for kind in order:
                     total = 0.0
                     for prompt in prompts:
-                        body = {"prompt": prompt, "max_tokens": args.tokens, "temperature": 0, **KINDS[kind]}
+                        body = {"prompt": prompt, "max_tokens": args.tokens, "temperature": 0, "ignore_eos": True,
+                                **KINDS[kind]}
                         answer = client.post("/v1/completions", json=body)
                         answer.raise_for_status()
                         info = answer.json()["dsi"]

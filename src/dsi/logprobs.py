@@ -83,11 +83,16 @@ class LogprobRows:
 def _normalised(values: np.ndarray) -> LogprobRows:
     """Rows of logits ``[n, V]`` as :class:`LogprobRows` (log-softmax: lse = logsumexp)."""
     x = np.asarray(values, dtype=np.float32)
-    if np.isposinf(x).any():  # the softmax's limit: the +inf logits share the mass
-        x = np.where(np.isposinf(x), np.float32(0.0), np.float32(-np.inf))
     top = x.max(axis=-1)  # [n]
+    if np.isposinf(top).any():  # the softmax's limit: the +inf logits share the mass
+        x = np.where(np.isposinf(x), np.float32(0.0), np.float32(-np.inf))
+        top = x.max(axis=-1)
+    total = np.empty(len(x))  # [n] float64, each >= 1
+    shifted = np.empty(x.shape[-1], dtype=np.float32)  # one buffer for every row: no [n, V] temporaries
     with np.errstate(under="ignore"):
-        total = np.exp(x - top[:, None]).sum(axis=-1, dtype=np.float64)  # [n], >= 1
+        for j, row in enumerate(x):
+            np.subtract(row, top[j], out=shifted)
+            total[j] = np.exp(shifted, out=shifted).sum(dtype=np.float64)
     return LogprobRows(x, top.astype(np.float64) + np.log(total))
 
 
@@ -119,7 +124,7 @@ def entry(row: tuple[np.ndarray, float], token: int, top: int) -> TokenLogprob:
     best: tuple[tuple[int, float], ...] = ()
     if top > 0:
         n = min(top, values.size)
-        kth = -np.partition(-values, n - 1)[n - 1]  # the n-th largest value
+        kth = np.partition(values, values.size - n)[values.size - n]  # the n-th largest value
         candidates = np.flatnonzero(values >= kth)  # every token tied with it too, then ids break ties
         order = sorted((int(i) for i in candidates), key=lambda i: (-float(values[i]), i))[:n]
         best = tuple((i, float(values[i]) - lse) for i in order)

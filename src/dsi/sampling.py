@@ -217,12 +217,12 @@ def check_logit_row(row: np.ndarray, what: str = "model") -> None:
     """
     if row.ndim != 1 or row.size == 0:
         raise ModelError(f"{what} logits have shape {row.shape}; expected one row [vocab_size]")
-    nan = np.isnan(row)
-    if nan.any():
-        ids = np.flatnonzero(nan)
+    top = row.max()  # one pass: the maximum is NaN when any logit is, -inf when all are
+    if np.isnan(top):
+        ids = np.flatnonzero(np.isnan(row))
         raise ModelError(f"{what} returned NaN logits at {ids.size} token ids (first {ids[:5].tolist()}); "
                          "a logit must be a number or -inf")
-    if not (row > -np.inf).any():
+    if top == -np.inf:
         raise ModelError(f"{what} returned -inf for all {row.size} logits: no token has positive probability")
 
 
@@ -260,9 +260,54 @@ def process_rows(logits: np.ndarray, params: SamplingParams, tokens: Sequence[in
 def greedy_tokens(logits: np.ndarray, params: SamplingParams, tokens: Sequence[int], prompt_len: int,
                   stop_ids: frozenset[int] = frozenset()) -> np.ndarray:
     """Greedy decoding of the last ``n`` rows of a forward over ``tokens`` (as in :func:`process_rows`):
-    the first argmax of each processed row, ``[n]`` int64, without building the one-hot laws."""
-    rows = shape_rows(logits, params, tokens, prompt_len, stop_ids)
-    return np.argmax(rows, axis=-1).astype(np.int64)  # a +inf logit is the first argmax, as its limit says
+    the first argmax of each processed row, ``[n]`` int64, without building the processed rows.
+
+    Exactly :func:`shape_rows`' argmax, sparsely: the processors move only the ids they touch
+    (held stop ids, biased ids, the prefix's ids), so a row's argmax is the larger of its untouched
+    maximum (the raw values, in the row's own dtype: widening to float64 keeps their order) and the
+    touched ids' processed values, the lower id on a tie. A +inf logit is the first argmax, as its
+    limit says."""
+    rows = np.asarray(logits)  # [n, V], as the model gave them
+    if not np.issubdtype(rows.dtype, np.floating):
+        rows = rows.astype(np.float64)
+    for row in rows:
+        check_logit_row(row)
+    if not params.moves_argmax:
+        return np.argmax(rows, axis=-1).astype(np.int64)
+    n = rows.shape[0]
+    first = len(tokens) - n + 1  # the prefix length of row 0
+    counts = _Counts(tokens[:first], prompt_len, rows.shape[1]) if params.uses_prefix else None
+    out = np.empty(n, dtype=np.int64)
+    for j in range(n):
+        if j and counts is not None:
+            counts.add(tokens[first + j - 1])
+        out[j] = _sparse_argmax(rows[j], params, counts, stop_ids)
+    return out
+
+
+def _sparse_argmax(row: np.ndarray, params: SamplingParams, counts: _Counts | None, stop_ids: frozenset[int]) -> int:
+    """The first argmax of ``_shape(row, ...)`` without building it."""
+    vocab = row.size
+    touched: set[int] = {t for t, _ in params.logit_bias if t < vocab}
+    if params.min_tokens and counts is not None and counts.generated < params.min_tokens:
+        touched.update(t for t in stop_ids if 0 <= t < vocab)
+    if counts is not None:
+        touched |= counts.seen if params.repetition_penalty != 1.0 else counts.output.keys()
+    if not touched:
+        return int(np.argmax(row))
+    ids = np.fromiter(sorted(touched), np.int64, len(touched))  # [m], ascending
+    values = _process(row[ids].astype(np.float64), lambda which: np.searchsorted(ids, which), vocab, params,
+                      counts, stop_ids)
+    rest = row.copy()
+    rest[ids] = -np.inf
+    best = int(np.argmax(rest))
+    best_value = float(rest[best])  # -inf when every untouched logit is
+    k = int(np.argmax(values))  # the lowest touched id among the largest values
+    if values[k] == -np.inf and best_value == -np.inf:
+        raise _nothing_possible(params, stop_ids)
+    if values[k] > best_value or (values[k] == best_value and ids[k] < best):
+        return int(ids[k])
+    return best
 
 
 def shape_rows(logits: np.ndarray, params: SamplingParams, tokens: Sequence[int], prompt_len: int,
@@ -322,33 +367,46 @@ class _Counts:
 
 
 def _shape(row: np.ndarray, params: SamplingParams, counts: _Counts | None, stop_ids: frozenset[int]) -> np.ndarray:
-    x = row.copy()  # [V] float64
-    vocab = x.size
-    held = []
+    x = _process(row.copy(), lambda which: which, row.size, params, counts, stop_ids)  # [V] float64
+    holding = params.min_tokens and counts is not None and counts.generated < params.min_tokens
+    if holding and not (x > -np.inf).any():  # only min_tokens makes a logit -inf
+        raise _nothing_possible(params, stop_ids)
+    return x
+
+
+def _process(x: np.ndarray, where, vocab: int, params: SamplingParams, counts: _Counts | None,
+             stop_ids: frozenset[int]) -> np.ndarray:
+    """The processors before temperature applied in place to the float64 values ``x`` of a row's ids
+    (``vocab``: the row's size); ``where(ids)`` gives the positions in ``x`` of token ids (the identity
+    for a whole row, a lookup for the touched ids :func:`_sparse_argmax` gathered). One code for
+    both, so they agree bit for bit."""
     if params.min_tokens and counts is not None and counts.generated < params.min_tokens:
         held = [t for t in stop_ids if 0 <= t < vocab]
-        x[held] = -np.inf
+        if held:
+            x[where(np.asarray(held, dtype=np.int64))] = -np.inf
     biased = [(t, b) for t, b in params.logit_bias if t < vocab]
     if biased:
-        ids = np.fromiter((t for t, _ in biased), np.int64, len(biased))
+        ids = where(np.fromiter((t for t, _ in biased), np.int64, len(biased)))
         x[ids] += np.fromiter((b for _, b in biased), np.float64, len(biased))
     if counts is not None:
         rp = params.repetition_penalty
         if rp != 1.0 and counts.seen:
-            ids = np.fromiter(counts.seen, np.int64, len(counts.seen))
+            ids = where(np.fromiter(counts.seen, np.int64, len(counts.seen)))
             v = x[ids]
             x[ids] = np.where(v > 0, v / rp, v * rp)
         if (params.frequency_penalty or params.presence_penalty) and counts.output:
-            ids = np.fromiter(counts.output.keys(), np.int64, len(counts.output))
+            ids = where(np.fromiter(counts.output.keys(), np.int64, len(counts.output)))
             if params.frequency_penalty:
                 x[ids] -= params.frequency_penalty * np.fromiter(counts.output.values(), np.float64, len(ids))
             if params.presence_penalty:
                 x[ids] -= params.presence_penalty
-    if held and not (x > -np.inf).any():  # only min_tokens makes a logit -inf
-        raise ConfigError(
-            f"no token is possible after logit processing (min_tokens={params.min_tokens} holds back the stop "
-            f"ids {sorted(stop_ids)[:5]}, logit_bias={dict(params.logit_bias)!r}): every logit is -inf")
     return x
+
+
+def _nothing_possible(params: SamplingParams, stop_ids: frozenset[int]) -> ConfigError:
+    return ConfigError(
+        f"no token is possible after logit processing (min_tokens={params.min_tokens} holds back the stop "
+        f"ids {sorted(stop_ids)[:5]}, logit_bias={dict(params.logit_bias)!r}): every logit is -inf")
 
 
 def _distribution(row: np.ndarray, params: SamplingParams) -> np.ndarray:

@@ -24,6 +24,7 @@ from dsi.sampling import (
     process_logits,
     process_rows,
     residual,
+    shape_rows,
 )
 from tests.conftest import interval_law
 
@@ -300,3 +301,37 @@ def test_greedy_tokens_are_the_argmax_of_each_processed_row(params):
     rows[1, 0] = np.nan
     with pytest.raises(sampling.ModelError, match="NaN"):
         sampling.greedy_tokens(rows, params, tokens, 3)
+
+
+def test_sparse_greedy_agrees_with_the_dense_processed_argmax_on_ties_and_infinities():
+    """greedy_tokens reads only the touched ids; the dense shape_rows argmax is the definition. Small
+    integer logits make ties common; -inf, +inf and min_tokens holding every possible token are drawn too."""
+    rng = np.random.default_rng(23)
+    disagreements, raised = [], 0
+    for _ in range(1500):
+        vocab, n = int(rng.integers(2, 10)), int(rng.integers(1, 4))
+        rows = rng.integers(-3, 4, (n, vocab)).astype(np.float32)
+        if rng.random() < 0.25:
+            rows[rng.random((n, vocab)) < 0.4] = -np.inf
+        if rng.random() < 0.1:
+            rows[rng.random((n, vocab)) < 0.2] = np.inf
+        rows[~(rows > -np.inf).any(axis=1), 0] = 0.0  # a row the model could give
+        tokens = [int(t) for t in rng.integers(0, vocab + 2, int(rng.integers(n, 8)))]  # ids past V too
+        params = SamplingParams(
+            presence_penalty=float(rng.choice([0, 0.5, -1, 2])), frequency_penalty=float(rng.choice([0, 0.3, -2])),
+            repetition_penalty=float(rng.choice([1, 1.3, 0.7])), min_tokens=int(rng.choice([0, 3])),
+            logit_bias={int(i): float(rng.choice([-100, -1, 1, 3, 100])) for i in rng.integers(0, vocab + 1, 2)})
+        stops = frozenset(int(t) for t in rng.integers(0, vocab, 3))
+        prompt_len = int(rng.integers(0, len(tokens) - n + 2))
+        try:
+            dense = np.argmax(shape_rows(rows, params, tokens, prompt_len, stops), axis=-1).tolist()
+        except ConfigError:
+            with pytest.raises(ConfigError, match="no token is possible"):
+                sampling.greedy_tokens(rows, params, tokens, prompt_len, stops)
+            raised += 1
+            continue
+        sparse = sampling.greedy_tokens(rows, params, tokens, prompt_len, stops).tolist()
+        if sparse != dense:
+            disagreements.append((rows.tolist(), tokens, params, sorted(stops), prompt_len, dense, sparse))
+    assert not disagreements, disagreements[:3]
+    assert raised > 0  # the all -inf case was reached
