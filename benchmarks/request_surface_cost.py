@@ -11,7 +11,10 @@ alternating order over ``--repeats`` rounds:
 - ``plain``: no field beyond ``max_tokens`` / ``temperature: 0`` (the argmax-only path);
 - ``logprobs``: ``logprobs: 5``;
 - ``processed``: ``presence_penalty: 0.5``, ``frequency_penalty: 0.3``, ``logit_bias`` on 3 tokens;
-- ``processed + logprobs``: both.
+- ``processed + logprobs``: both;
+- ``tiny processing + logprobs``: ``presence_penalty: 1e-4``, ``logit_bias`` of 1e-4 and ``logprobs: 5``:
+  the processed path with values too small to change the output, so it is the plain output (the
+  table says whether it was) and the ratio is the cost of processing and logprobs alone.
 
 Every request sets ``ignore_eos``, so each one generates exactly ``--tokens`` tokens and the kinds do
 the same amount of decoding. Reported per kind: the median over rounds of the summed wall time of the
@@ -41,6 +44,9 @@ KINDS = {
     "processed": {"presence_penalty": 0.5, "frequency_penalty": 0.3, "logit_bias": {"13": 1.0, "198": -1.0, "220": 0.5}},
 }
 KINDS["processed + logprobs"] = {**KINDS["processed"], "logprobs": 5}
+# the same processing path with values too small to move an argmax here: the output (and so the
+# acceptance) stays the plain one's, so the ratio is what processing and logprobs cost, alone
+KINDS["tiny processing + logprobs"] = {"presence_penalty": 1e-4, "logit_bias": {"13": 1e-4}, "logprobs": 5}
 METHODS = {"si k=4": dict(method="si", lookahead=4), "dsi auto SP=1": dict(method="dsi", lookahead="auto",
                                                                           num_target_servers=1)}
 
@@ -113,6 +119,7 @@ def main() -> int:
         seconds: dict[str, list[float]] = {k: [] for k in KINDS}
         ratios: dict[str, list[float]] = {k: [] for k in KINDS}
         accepted = {k: [0, 0] for k in KINDS}
+        texts: dict[str, dict[str, str]] = {k: {} for k in KINDS}
         with running_server(create_app(target, drafter, config)) as server:
             client = httpx.Client(base_url=server.url, timeout=600)
             warm = {"prompt": prompts[0], "max_tokens": 4, "temperature": 0}
@@ -127,6 +134,7 @@ def main() -> int:
                         answer = client.post("/v1/completions", json=body)
                         answer.raise_for_status()
                         info = answer.json()["dsi"]
+                        texts[kind][prompt] = answer.json()["choices"][0]["text"]
                         total += info["wall_time_s"]
                         accepted[kind][0] += info["accepted_tokens"]
                         accepted[kind][1] += info["accepted_tokens"] + info["rejections"]
@@ -139,7 +147,8 @@ def main() -> int:
             done, decided = accepted[kind]
             rows.append({"method": label, "kind": kind, "seconds": statistics.median(seconds[kind]),
                          "ratio_to_plain": statistics.median(ratios[kind]),
-                         "acceptance": done / decided if decided else None})
+                         "acceptance": done / decided if decided else None,
+                         "same_output_as_plain": texts[kind] == texts["plain"]})
     forward = per_position.pop("target one-token forward")
     print(f"per position, on the target's rows ({target.vocab_size} logits); its one-token forward: {forward:.2f} ms")
     print("| what a position adds | ms | / forward |")
@@ -149,11 +158,11 @@ def main() -> int:
     print()
     print(f"{args.target} / {args.drafter}, llama.cpp, dsi serve in-process, greedy, {len(prompts)} prompts x "
           f"{args.tokens} tokens, median of {args.repeats} rounds")
-    print("| method | request | s (sum of prompts) | / plain | acceptance |")
-    print("|---|---|---|---|---|")
+    print("| method | request | s (sum of prompts) | / plain | acceptance | plain's output |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['method']} | {r['kind']} | {r['seconds']:.2f} | {r['ratio_to_plain']:.3f} | "
-              f"{r['acceptance']:.3f} |")
+              f"{r['acceptance']:.3f} | {'yes' if r['same_output_as_plain'] else 'no'} |")
     emit_record({"benchmark": "request_surface_cost", "target": args.target, "drafter": args.drafter,
                  "prompts": len(prompts), "tokens": args.tokens, "repeats": args.repeats,
                  "target_forward_ms": forward, "per_position_ms": per_position, "rows": rows}, args.out)

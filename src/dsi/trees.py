@@ -1,0 +1,305 @@
+"""Draft trees: a window's draft budget spent as a tree instead of a chain, and how a verified
+tree is decided (issue 24). Pure: no model, engine or thread here.
+
+**The verification rule (chain-coupled).** Every node's children are ordered: the *main child*
+first (the drafter's own draft at that position, exactly the token a chain would draft there:
+its argmax when greedy, its sample with the DRAFT uniform when sampling), then *side children*
+(the drafter's next most likely tokens). The token at each position is decided exactly as a chain
+decides it (:func:`dsi.sampling.decide` on the main child: accepted with the ACCEPT uniform, else
+the residual drawn with the RESIDUAL uniform; greedy: the target's argmax). If the decided token is
+one of the node's children, the walk goes on below that child; otherwise the token ends the window
+(:func:`walk`). A position below a leaf has no draft yet, so the walk stops there and the next
+window decides it, as DSI does after a chain's last draft. So:
+
+- a tree commits exactly the tokens a chain commits with the same seed, whatever the shape, the
+  budget, the window policy or the timing: losslessness and seed determinism are the chain's;
+- a side child is followed exactly when the chain's correction token is that child: for a side
+  child ``s`` with probability ``P(reject main) * r(s)``, ``r`` the residual. That is the acceptance
+  of multi-draft speculative sampling with deterministic side drafts (SpecInfer's or RSD's
+  recursive rejection with point-mass drafts: accepting ``s`` w.p. ``r(s)``, then the next side
+  child against the residual without ``s``, sums to the same ``r(s1) + r(s2) + ...``);
+- greedy: the walk follows the child equal to the target's argmax, as every tree verifier does.
+
+**Shapes.** ``"chain"`` (no tree), fixed :class:`Widths` (children per main-path node, depth by
+depth: ``"3,2,1"``), or :class:`Dynamic` (EAGLE-2-style best-first growth by cumulative drafter
+probability, within the budget). :func:`grow` builds a tree from a drafter oracle, ``propose(path
+tokens) -> (main token, [(token, drafter probability), ...] most likely first)``.
+
+**Verification in one forward.** Node ``i`` sits at position ``len(prefix) + depth(i) - 1`` and
+attends to the prefix and its own ancestors (:meth:`DraftTree.attention_mask`,
+:meth:`DraftTree.positions`); a backend with sequence ids gives each root-to-leaf path its own
+(:meth:`DraftTree.paths`).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dsi.errors import ConfigError
+
+ROOT = -1  # the committed prefix: the parent of the first level
+
+Proposal = tuple[int, Sequence[tuple[int, float]]]  # (main token, ranked (token, drafter probability))
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """Nodes ``0..n-1``: ``tokens[i]`` with parent ``parents[i]`` (:data:`ROOT` for the first
+    level), parents before children, and among siblings the main child first."""
+
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...]
+    _children: dict[int, tuple[int, ...]] = field(init=False, repr=False, compare=False)
+    _depths: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        tokens, parents = tuple(int(t) for t in self.tokens), tuple(int(p) for p in self.parents)
+        if len(tokens) != len(parents):
+            raise ConfigError(f"a tree of {len(tokens)} tokens needs as many parents, got {len(parents)}")
+        children: dict[int, list[int]] = {ROOT: []}
+        depths: list[int] = []
+        for i, (token, parent) in enumerate(zip(tokens, parents, strict=True)):
+            if not ROOT <= parent < i:
+                raise ConfigError(f"node {i}'s parent {parent} must be an earlier node or {ROOT} (the prefix)")
+            if token < 0:
+                raise ConfigError(f"node {i}'s token {token} must be a token id >= 0")
+            siblings = children.setdefault(parent, [])
+            if any(tokens[s] == token for s in siblings):
+                raise ConfigError(f"node {i} repeats token {token} among its siblings")
+            siblings.append(i)
+            children[i] = []
+            depths.append(1 if parent == ROOT else depths[parent] + 1)
+        object.__setattr__(self, "tokens", tokens)
+        object.__setattr__(self, "parents", parents)
+        object.__setattr__(self, "_children", {k: tuple(v) for k, v in children.items()})
+        object.__setattr__(self, "_depths", tuple(depths))
+
+    @classmethod
+    def chain(cls, tokens: Sequence[int]) -> DraftTree:
+        return cls(tuple(tokens), tuple(range(-1, len(tokens) - 1)))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def children(self, node: int) -> tuple[int, ...]:
+        """The children of ``node`` (:data:`ROOT`: the first level), the main child first."""
+        return self._children[node]
+
+    def depth(self, node: int) -> int:
+        return self._depths[node]
+
+    def path(self, node: int) -> list[int]:
+        """The nodes from the first level down to ``node``."""
+        nodes = []
+        while node != ROOT:
+            nodes.append(node)
+            node = self.parents[node]
+        return nodes[::-1]
+
+    def path_tokens(self, node: int) -> list[int]:
+        return [self.tokens[i] for i in self.path(node)]
+
+    def main_path(self) -> list[int]:
+        """The chain of main children from the root: what a chain would have drafted."""
+        nodes, node = [], ROOT
+        while self._children[node]:
+            node = self._children[node][0]
+            nodes.append(node)
+        return nodes
+
+    def is_chain(self) -> bool:
+        return all(len(c) <= 1 for c in self._children.values())
+
+    def leaves(self) -> list[int]:
+        return [i for i in range(len(self)) if not self._children[i]]
+
+    def paths(self) -> list[list[int]]:
+        """Every root-to-leaf path (one sequence id each on a backend with sequence ids)."""
+        return [self.path(leaf) for leaf in self.leaves()]
+
+    def positions(self, prefix_len: int) -> np.ndarray:
+        """The absolute position of each node, ``[n]`` int64: its depth after the prefix."""
+        return prefix_len - 1 + np.asarray(self._depths, dtype=np.int64)
+
+    def attention_mask(self) -> np.ndarray:
+        """``[n, n]`` bool: node i attends to node j iff j is i or an ancestor of i (every node also
+        attends to the whole prefix)."""
+        n = len(self)
+        mask = np.zeros((n, n), dtype=bool)
+        for i in range(n):
+            mask[i, self.path(i)] = True
+        return mask
+
+
+@dataclass(frozen=True)
+class TreeWalk:
+    """The outcome of verifying a tree: the accepted nodes (a root-to-node path), then the token
+    decided where the walk left the tree (a correction: it matched no child), or None when the walk
+    ended on a leaf (the position after it has no draft yet: the next window decides it, as after a
+    chain's last draft)."""
+
+    accepted: tuple[int, ...]
+    token: int | None
+
+    def tokens(self, tree: DraftTree) -> list[int]:
+        """Every token the window commits: the accepted nodes' tokens, then the decided one."""
+        return [tree.tokens[i] for i in self.accepted] + ([] if self.token is None else [self.token])
+
+
+def walk(tree: DraftTree, decide: Callable[[int], int]) -> TreeWalk:
+    """Verify ``tree``: ``decide(node)`` is the token decided at the position after ``node``
+    (:data:`ROOT`: after the prefix), decided as a chain decides it against the node's main child;
+    it is only asked where a node has children. Follows the child whose token was decided."""
+    accepted, node = [], ROOT
+    while tree.children(node):
+        token = int(decide(node))
+        follow = next((c for c in tree.children(node) if tree.tokens[c] == token), None)
+        if follow is None:
+            return TreeWalk(tuple(accepted), token)
+        accepted.append(follow)
+        node = follow
+    return TreeWalk(tuple(accepted), None)
+
+
+# ---- shapes ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Widths:
+    """A fixed shape: ``widths[d]`` children below the depth-d main-path node (its main child and
+    ``widths[d] - 1`` side children, which are leaves); ``(1, 1, ...)`` is a chain."""
+
+    widths: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.widths or any(not isinstance(w, int) or w < 1 for w in self.widths):
+            raise ConfigError(f"tree widths {self.widths!r} must be integers >= 1, one per depth")
+
+    @property
+    def name(self) -> str:
+        return ",".join(map(str, self.widths))
+
+
+@dataclass(frozen=True)
+class Dynamic:
+    """EAGLE-2-style: grow best-first by cumulative drafter probability (the product of the drafter's
+    probabilities along the path), considering each expanded node's ``top`` most likely tokens."""
+
+    top: int = 3
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.top, int) or self.top < 1:
+            raise ConfigError(f"top={self.top!r} must be an integer >= 1 (tokens considered per node)")
+
+    name = "auto"
+
+
+TreeShape = Widths | Dynamic | None  # None: a chain
+
+
+def parse_shape(text: str | None) -> TreeShape:
+    """``--draft-tree``: ``off`` / ``chain`` (None), ``auto`` (:class:`Dynamic`), or widths ``3,2,1``."""
+    if text is None:
+        return None
+    value = text.strip().lower()
+    if value in ("off", "chain", "none", ""):
+        return None
+    if value == "auto":
+        return Dynamic()
+    try:
+        widths = tuple(int(w) for w in value.split(","))
+    except ValueError:
+        raise ConfigError(f"draft tree {text!r} must be off, auto, or widths per depth such as 3,2,1") from None
+    return Widths(widths)
+
+
+def grow(shape: TreeShape, budget: int, propose: Callable[[list[int]], Proposal]) -> DraftTree:
+    """A tree of at most ``budget`` nodes in ``shape`` (None: a chain of ``budget``), from the drafter
+    oracle ``propose(path tokens) -> (main token, [(token, probability), ...] most likely first)``,
+    called once per node that gets children (the root's path is ``[]``)."""
+    if not isinstance(budget, int) or budget < 1:
+        raise ConfigError(f"budget={budget!r} must be an integer >= 1 (draft tokens per window)")
+    if isinstance(shape, Dynamic):
+        return _grow_dynamic(shape, budget, propose)
+    widths = (1,) * budget if shape is None else shape.widths
+    tokens: list[int] = []
+    parents: list[int] = []
+    node = ROOT
+    for width in widths:
+        if len(tokens) >= budget:
+            break
+        main, ranked = propose([tokens[i] for i in _path(parents, node)])
+        kids = [int(main)] + _sides(main, ranked, min(width, budget - len(tokens)) - 1)
+        first = len(tokens)
+        tokens += kids
+        parents += [node] * len(kids)
+        node = first  # the main child: the next level grows below it
+    return DraftTree(tuple(tokens), tuple(parents))
+
+
+def _grow_dynamic(shape: Dynamic, budget: int, propose: Callable[[list[int]], Proposal]) -> DraftTree:
+    # candidates: (-priority, order, parent, token, cumulative probability); each node's first child is
+    # its main one
+    tokens: list[int] = []
+    parents: list[int] = []
+    heap: list[tuple[float, int, int, int, float]] = []
+    order = 0
+
+    def expand(node: int, mass: float) -> None:
+        nonlocal order
+        main, ranked = propose([tokens[i] for i in _path(parents, node)])
+        prob = dict((int(t), float(p)) for t, p in ranked)
+        kids = [int(main)] + _sides(main, ranked, shape.top - 1)
+        best = max(prob.get(t, 0.0) for t in kids)
+        for rank, token in enumerate(kids):
+            cumulative = mass * prob.get(token, 0.0)
+            # the main child takes the best sibling's priority, so it is taken first (greedy: it is the best)
+            priority = cumulative if rank else mass * best
+            heapq.heappush(heap, (-priority, order, node, token, cumulative))
+            order += 1
+
+    expand(ROOT, 1.0)
+    while heap and len(tokens) < budget:
+        _, _, parent, token, cumulative = heapq.heappop(heap)
+        tokens.append(token)
+        parents.append(parent)
+        if len(tokens) < budget:
+            expand(len(tokens) - 1, cumulative)
+    return _canonical(tokens, parents)
+
+
+def _canonical(tokens: list[int], parents: list[int]) -> DraftTree:
+    """Renumber nodes breadth-first, keeping each node's children in the order they were added (the
+    main child first), so parents come before children."""
+    children: dict[int, list[int]] = {ROOT: []}
+    for i, parent in enumerate(parents):
+        children.setdefault(parent, []).append(i)
+    new_index, order, queue = {ROOT: ROOT}, [], [ROOT]
+    while queue:
+        node = queue.pop(0)
+        for child in children.get(node, []):
+            new_index[child] = len(order)
+            order.append(child)
+            queue.append(child)
+    return DraftTree(tuple(tokens[i] for i in order), tuple(new_index[parents[i]] for i in order))
+
+
+def _path(parents: list[int], node: int) -> list[int]:
+    nodes = []
+    while node != ROOT:
+        nodes.append(node)
+        node = parents[node]
+    return nodes[::-1]
+
+
+def _sides(main: int, ranked: Sequence[tuple[int, float]], count: int) -> list[int]:
+    """The ``count`` most likely tokens other than ``main`` (side children)."""
+    out: list[int] = []
+    for token, _ in ranked:
+        if len(out) >= count:
+            break
+        if int(token) != int(main) and int(token) not in out:
+            out.append(int(token))
+    return out

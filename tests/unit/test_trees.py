@@ -1,0 +1,259 @@
+"""Draft trees (dsi.trees): structure, shapes, and why verification stays exact.
+
+- Exact enumeration in float64: decoding window by window with a tree (fixed widths and dynamic,
+  depth <= 3, width <= 3, vocabularies of 3-4 tokens, greedy and sampling, plain and processed
+  rows) gives exactly the target's law of the first tokens, and more tokens per window than a chain.
+- With the real counter-based uniforms, a tree commits exactly the chain's tokens for every seed
+  (the chain-coupled rule), so seed determinism holds for any shape.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+
+import numpy as np
+import pytest
+
+from dsi.errors import ConfigError
+from dsi.sampling import Prefix, SamplingParams, decide, draft_token, process_logits, residual
+from dsi.trees import ROOT, DraftTree, Dynamic, Widths, grow, parse_shape, walk
+
+
+# ---- structure ---------------------------------------------------------------------------------
+def test_a_tree_knows_its_paths_depths_positions_and_mask():
+    #        root
+    #      0(5)   1(6)
+    #    2(7) 3(8)
+    #    4(9)
+    tree = DraftTree((5, 6, 7, 8, 9), (ROOT, ROOT, 0, 0, 2))
+    assert tree.children(ROOT) == (0, 1) and tree.children(0) == (2, 3) and tree.children(1) == ()
+    assert tree.main_path() == [0, 2, 4] and tree.path_tokens(4) == [5, 7, 9]
+    assert tree.paths() == [[1], [0, 3], [0, 2, 4]]
+    assert tree.positions(10).tolist() == [10, 10, 11, 11, 12]
+    mask = tree.attention_mask()
+    assert mask[4].tolist() == [True, False, True, False, True]
+    assert mask[1].tolist() == [False, True, False, False, False]
+    assert not tree.is_chain() and DraftTree.chain([1, 2, 3]).is_chain()
+    assert DraftTree.chain([1, 2, 3]).attention_mask().tolist() == np.tril(np.ones((3, 3), bool)).tolist()
+
+
+@pytest.mark.parametrize("tokens, parents, fragment", [
+    ((1, 2), (ROOT,), "needs as many parents"),
+    ((1, 2), (ROOT, 1), "must be an earlier node"),
+    ((1, 1), (ROOT, ROOT), "repeats token 1 among its siblings"),
+    ((1, -2), (ROOT, 0), "token -2 must be a token id"),
+])
+def test_malformed_trees_are_refused_naming_the_node(tokens, parents, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        DraftTree(tokens, parents)
+
+
+def test_shapes_parse_from_their_names():
+    assert parse_shape("off") is None and parse_shape("chain") is None and parse_shape(None) is None
+    assert parse_shape("auto") == Dynamic() and parse_shape("3,2,1") == Widths((3, 2, 1))
+    for bad, fragment in (("3,x", "must be off, auto, or widths"), ("3,0", "integers >= 1")):
+        with pytest.raises(ConfigError, match=fragment):
+            parse_shape(bad)
+
+
+def _ranked(q: np.ndarray) -> list[tuple[int, float]]:
+    order = sorted(range(q.size), key=lambda t: (-q[t], t))
+    return [(t, float(q[t])) for t in order]
+
+
+def test_fixed_widths_branch_along_the_main_path_within_the_budget():
+    q = np.array([0.5, 0.3, 0.15, 0.05])
+    calls = []
+
+    def propose(path):
+        calls.append(list(path))
+        return 1, _ranked(q)  # the main child need not be the most likely (a sampled draft)
+
+    tree = grow(Widths((3, 2, 1)), 6, propose)
+    assert tree.children(ROOT) == (0, 1, 2) and [tree.tokens[c] for c in tree.children(ROOT)] == [1, 0, 2]
+    assert tree.main_path() == [0, 3, 5] and len(tree) == 6 and calls == [[], [1], [1, 1]]
+    assert len(grow(Widths((3, 2, 1)), 4, propose)) == 4  # the budget cuts the shape
+    assert grow(None, 3, propose).is_chain()
+
+
+def test_dynamic_trees_spend_the_budget_where_the_drafter_is_unsure():
+    confident = np.array([0.97, 0.01, 0.01, 0.01])
+    unsure = np.array([0.4, 0.35, 0.2, 0.05])
+
+    def propose_for(table):
+        return lambda path: (int(np.argmax(table)), _ranked(table))
+
+    sure_tree = grow(Dynamic(top=3), 4, propose_for(confident))
+    assert sure_tree.is_chain()  # 0.97^4 beats every side child
+    wide = grow(Dynamic(top=3), 4, propose_for(unsure))
+    assert len(wide.children(ROOT)) == 3 and len(wide) == 4
+    for node in range(len(wide)):  # main child first everywhere
+        kids = wide.children(node)
+        assert not kids or wide.tokens[kids[0]] == 0
+
+
+# ---- exact enumeration -------------------------------------------------------------------------
+VOCAB = 3
+PROMPT = (0, 1)
+
+
+def _logits(prefix: tuple[int, ...], salt: bytes, vocab: int) -> np.ndarray:
+    digest = hashlib.blake2b(bytes(prefix) + salt, digest_size=16).digest()
+    return (np.frombuffer(digest, dtype=np.uint8)[:vocab].astype(np.float64) - 128.0) / 40.0
+
+
+def _law(prefix, salt, vocab, params):
+    return process_logits(_logits(tuple(prefix), salt, vocab), params, Prefix(list(prefix), len(PROMPT)))
+
+
+def _explore(run):
+    """Every outcome of ``run(choose)`` with its exact probability (``choose`` branches on each option)."""
+    outcomes: dict = {}
+    pending = [[]]
+    while pending:
+        script = pending.pop()
+        steps, mass = [], 1.0
+
+        def choose(options, script=script, steps=steps):
+            nonlocal mass
+            options = [(value, p) for value, p in options if p > 0.0]
+            index = script[len(steps)] if len(steps) < len(script) else 0
+            steps.append(len(options))
+            mass *= options[index][1]
+            return options[index][0]
+
+        result = run(choose)
+        outcomes[result] = outcomes.get(result, 0.0) + mass
+        for step in range(len(script), len(steps)):
+            taken = script + [0] * (step - len(script))
+            pending += [taken + [j] for j in range(1, steps[step])]
+    return outcomes
+
+
+def _window(choose, tokens, shape, budget, target, drafter, greedy, vocab, ranks=None):
+    """One window after ``tokens``: grow the tree (main child drawn from the drafter), verify it
+    chain-coupled. Returns the committed tokens and how many drafts were accepted. ``ranks``: the
+    drafter law whose order names the side children when greedy (its one-hot law has no order)."""
+    def propose(path):
+        q = drafter(tokens + path)
+        main = int(np.argmax(q)) if greedy else choose([(t, q[t]) for t in range(vocab)])
+        return main, _ranked(ranks(tokens + path) if greedy else q)
+
+    tree = grow(shape, budget, propose)
+
+    def decided(node):
+        path = [] if node == ROOT else tree.path_tokens(node)
+        p = target(tokens + path)
+        if greedy:
+            return int(np.argmax(p))
+        x, q = tree.tokens[tree.children(node)[0]], drafter(tokens + path)
+        keep = min(1.0, p[x] / q[x])
+        r = residual(p, q) if keep < 1.0 else np.zeros_like(p)
+        return choose([(t, keep * (t == x) + (1.0 - keep) * r[t]) for t in range(vocab)])
+
+    outcome = walk(tree, decided)
+    return outcome.tokens(tree), len(outcome.accepted)
+
+
+def _first_tokens(choose, shape, budget, length, target, drafter, greedy, vocab):
+    """One tree window, then the target's own law up to ``length`` tokens: if this is the target's
+    law, so is decoding window after window (each window starts from a committed prefix)."""
+    ranks = None if not greedy else (lambda prefix: _law(prefix, b"d", vocab, SamplingParams(temperature=1.0)))
+    tokens = list(PROMPT) + _window(choose, list(PROMPT), shape, budget, target, drafter, greedy, vocab, ranks)[0]
+    while len(tokens) - len(PROMPT) < length:
+        p = target(tokens)
+        tokens.append(int(np.argmax(p)) if greedy else choose([(t, p[t]) for t in range(vocab)]))
+    return tuple(tokens[len(PROMPT):][:length])
+
+
+TREES = [(None, 3), (Widths((3,)), 3), (Widths((2, 2)), 4), (Widths((3, 2, 1)), 5), (Dynamic(top=3), 4)]
+PARAMS = {
+    "greedy": SamplingParams(),
+    "T=1": SamplingParams(temperature=1.0),
+    "processed": SamplingParams(temperature=0.8, presence_penalty=0.7, logit_bias={2: 0.6}, top_k=3),
+}
+
+
+@pytest.mark.parametrize("name", list(PARAMS))
+@pytest.mark.parametrize("shape, budget", TREES, ids=lambda v: getattr(v, "name", str(v)))
+def test_tree_decoding_has_exactly_the_target_law(name, shape, budget):
+    params, length = PARAMS[name], 3
+    drafter_params = SamplingParams(temperature=1.3) if name != "greedy" else params  # processed differently
+
+    def target(prefix):
+        return _law(prefix, b"t", VOCAB, params)
+
+    def drafter(prefix):
+        return _law(prefix, b"d", VOCAB, drafter_params)
+
+    law = _explore(lambda choose: _first_tokens(choose, shape, budget, length, target, drafter, params.greedy, VOCAB))
+    for seq in itertools.product(range(VOCAB), repeat=length):
+        want = np.prod([target(list(PROMPT) + list(seq[:i]))[seq[i]] for i in range(length)])
+        assert law.get(seq, 0.0) == pytest.approx(want, abs=1e-12), (seq, law.get(seq), want)
+    assert sum(law.values()) == pytest.approx(1.0, abs=1e-12)
+
+
+def _accepted_per_window(shape, budget, params, vocab=3):
+    """The exact expected number of drafts one window accepts, averaged over a few prompts, with a
+    drafter that is often wrong."""
+    drafter_params = SamplingParams(temperature=params.temperature * 1.5 if not params.greedy else 0.0)
+
+    def target(prefix):
+        return _law(prefix, b"T", vocab, params)
+
+    def drafter(prefix):
+        return _law(prefix, b"D", vocab, drafter_params)
+
+    def ranks(prefix):
+        return _law(prefix, b"D", vocab, SamplingParams(temperature=1.0))
+
+    total = 0.0
+    prompts = [(0, 1), (1, 0), (2, 2), (1, 2), (0, 0), (2, 1)]
+    for prompt in prompts:
+        outcomes = _explore(lambda choose, prompt=prompt: _window(choose, list(prompt), shape, budget, target, drafter,
+                                                                  params.greedy, vocab, ranks)[1])
+        total += sum(accepted * mass for accepted, mass in outcomes.items())
+    return total / len(prompts)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=1.0)], ids=["greedy", "T=1"])
+def test_a_tree_accepts_more_per_window_than_the_chain_of_its_budget(params):
+    chain = _accepted_per_window(None, 4, params)
+    tree = _accepted_per_window(Widths((2, 2)), 4, params)  # 2 of the 3 tokens at each branching
+    dynamic = _accepted_per_window(Dynamic(top=3), 4, params)
+    assert tree > chain * 1.05 and dynamic > chain * 1.05, (chain, tree, dynamic)
+
+
+# ---- the real uniforms: the same tokens as the chain -------------------------------------------
+@pytest.mark.parametrize("shape", [Widths((3, 2, 1)), Dynamic(top=3)], ids=["3,2,1", "auto"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_with_counter_based_uniforms_a_tree_commits_the_chains_tokens(shape, temperature):
+    vocab, budget, length = 5, 5, 12
+    followed_side = 0
+    for seed in range(60):
+        params = SamplingParams(temperature=temperature, seed=seed)
+        runs = []
+        for tree_shape in (None, shape):
+            tokens = list(PROMPT)
+            while len(tokens) - len(PROMPT) < length:
+                def propose(path, tokens=tokens):
+                    q = _law(tokens + path, b"d", vocab, params)
+                    ranks = _law(tokens + path, b"d", vocab, SamplingParams(temperature=1.0))  # greedy ranks too
+                    return draft_token(q, params, len(tokens) + len(path)), _ranked(ranks)
+
+                tree = grow(tree_shape, budget, propose)
+
+                def decided(node, tokens=tokens, tree=tree):
+                    path = [] if node == ROOT else tree.path_tokens(node)
+                    position = len(tokens) + len(path)
+                    p = _law(tokens + path, b"t", vocab, params)
+                    return decide(p, tree.tokens[tree.children(node)[0]], _law(tokens + path, b"d", vocab, params),
+                                  params, position).token
+
+                outcome = walk(tree, decided)
+                followed_side += any(tree.children(tree.parents[n])[0] != n for n in outcome.accepted)
+                tokens += outcome.tokens(tree)
+            runs.append(tokens[len(PROMPT):][:length])
+        assert runs[0] == runs[1], (seed, runs)
+    assert followed_side > 0  # side children were taken, and changed nothing in the output
