@@ -195,6 +195,41 @@ def forward_rows(
     return extend_rows(session, context[keep:], cancel, num_rows, greedy, top)
 
 
+def tree_rows(
+    session: ModelSession,
+    prefix: Sequence[int],
+    tree: Any,
+    cancel: CancelFlag | None = None,
+    *,
+    greedy: bool = False,
+) -> np.ndarray:
+    """The verification rows of a draft tree (:class:`dsi.trees.DraftTree`) after ``prefix``: row 0
+    follows the prefix, row ``1 + i`` follows node i's path (``[1 + n, vocab_size]``; with ``greedy``
+    the argmax ids ``[1 + n]``).
+
+    Generic, for any session: one extension per root-to-leaf path, each node computed once (a path
+    reuses the cache of the path before it down to their last common node), the main path last, so
+    the session is left holding ``prefix`` + the main path, the most likely accepted one."""
+    if not prefix:
+        raise ConfigError("a tree is verified after a prefix of at least one token")
+    prefix = list(prefix)
+    paths = sorted(tree.paths(), key=lambda path: path == tree.main_path())  # the main path last
+    rows: list[np.ndarray | None] = [None] * (len(tree) + 1)
+    for path in paths or [[]]:
+        context = prefix + [tree.tokens[i] for i in path]
+        keep = min(common_prefix_length(session.tokens, context), len(context) - 1)
+        if rows[0] is None:
+            keep = min(keep, len(prefix) - 1)  # the prefix's last token once more: the root row
+        if keep < len(session.tokens):
+            session.truncate(keep)
+        first = max(keep, len(prefix) - 1)  # the first row wanted: the root row, or the first new node's
+        got = extend_rows(session, context[keep:], cancel, len(context) - first, greedy)
+        for offset, row in zip(range(first, len(context)), got, strict=True):
+            depth = offset - len(prefix) + 1  # 0: the root row
+            rows[0 if depth == 0 else 1 + path[depth - 1]] = row
+    return np.stack(rows) if not greedy else np.asarray(rows, dtype=np.int64)
+
+
 def greedy_guess(session: ModelSession, context: Sequence[int]) -> int:
     """The greedy next token of ``session``'s model after ``context`` (:func:`forward_rows`, reusing
     its cache), or -1 where the model has nothing to propose (:class:`~dsi.errors.DraftUnavailable`:

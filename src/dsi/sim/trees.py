@@ -1,0 +1,76 @@
+"""Draft trees replayed on a recording of a real pair: tokens per verification, tree against chain.
+
+A greedy recording holds the target's output and, at each output position, the drafter's most
+likely tokens on the same context (its main draft first). Greedy tree verification only ever
+walks along the target's output (a child is followed iff it is the target's token), so for fixed
+shapes (:class:`dsi.trees.Widths`) the recording decides every window exactly: the main path is
+the drafter's chain, a side child is the drafter's next choice at that position. Dynamic shapes
+also look at the drafter off the target's path, which a recording does not hold, so they are not
+replayed here.
+
+Windows follow DSI's rule (:func:`dsi.trees.walk`): a window commits its accepted drafts and the
+correction where the walk left the tree; a walk that ends on a leaf leaves the next position to
+the next window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dsi.errors import ConfigError
+from dsi.trees import ROOT, TreeShape, grow, walk
+
+_OFF_RECORD = 2**62  # a token no vocabulary has: the drafter's draft below a node off the target's path
+
+
+@dataclass(frozen=True)
+class TreeReplay:
+    """Windows of one recording: how many, the tokens they committed, and the drafts accepted."""
+
+    windows: int
+    tokens: int
+    accepted: int
+
+    @property
+    def tokens_per_window(self) -> float:
+        """Tokens committed per target verification (what a forward buys)."""
+        return self.tokens / self.windows if self.windows else 0.0
+
+
+def replay_greedy(target_tokens: Sequence[int], drafter_ranked: Sequence[Sequence[int]], shape: TreeShape,
+                  budget: int) -> TreeReplay:
+    """Replay greedy windows of ``budget`` drafts in ``shape`` (None: a chain) over a recording:
+    ``target_tokens[i]`` the target's token at output position i, ``drafter_ranked[i]`` the drafter's
+    tokens at that position, most likely first (a level wider than the ranking gets fewer children)."""
+    n = len(target_tokens)
+    if len(drafter_ranked) != n:
+        raise ConfigError(f"the recording has {n} target tokens but {len(drafter_ranked)} drafter rankings")
+    if shape is not None and not hasattr(shape, "widths"):
+        raise ConfigError(f"shape {shape!r} cannot be replayed from a recording: only fixed widths (or a chain)")
+    if any(len(r) < 1 for r in drafter_ranked):
+        raise ConfigError("every position needs at least the drafter's main draft")
+    windows = tokens = accepted = 0
+    start = 0
+    while start < n:
+        def propose(path: list[int], start: int = start):
+            at = start + len(path)
+            on_record = at < n and list(path) == [int(t) for t in target_tokens[start:at]]
+            if not on_record:
+                return _OFF_RECORD, []
+            ranked = [int(t) for t in drafter_ranked[at]]
+            return ranked[0], [(t, 1.0) for t in ranked]
+
+        tree = grow(shape, budget, propose)
+
+        def decided(node: int, start: int = start, tree=tree) -> int:
+            at = start + (0 if node == ROOT else tree.depth(node))
+            return int(target_tokens[at]) if at < n else -1  # past the recording: no child matches
+
+        outcome = walk(tree, decided)
+        committed = len(outcome.tokens(tree))
+        windows += 1
+        tokens += committed
+        accepted += len(outcome.accepted)
+        start += committed
+    return TreeReplay(windows, min(tokens, n), accepted)
