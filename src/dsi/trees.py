@@ -8,8 +8,9 @@ its argmax when greedy, its sample with the DRAFT uniform when sampling), then *
 decides it (:func:`dsi.sampling.decide` on the main child: accepted with the ACCEPT uniform, else
 the residual drawn with the RESIDUAL uniform; greedy: the target's argmax). If the decided token is
 one of the node's children, the walk goes on below that child; otherwise the token ends the window
-(:func:`walk`). A position below a leaf has no draft yet, so the walk stops there and the next
-window decides it, as DSI does after a chain's last draft. So:
+(:func:`walk`). A position below a leaf has no draft yet: greedy decoding takes the target's token
+there (its row is in the same forward), sampling leaves it to the next window, as DSI does after a
+chain's last draft. So:
 
 - a tree commits exactly the tokens a chain commits with the same seed, whatever the shape, the
   budget, the window policy or the timing: losslessness and seed determinism are the chain's;
@@ -150,10 +151,16 @@ class TreeWalk:
         return [tree.tokens[i] for i in self.accepted] + ([] if self.token is None else [self.token])
 
 
-def walk(tree: DraftTree, decide: Callable[[int], int]) -> TreeWalk:
+def walk(tree: DraftTree, decide: Callable[[int], int], *, leaf_token: bool = False) -> TreeWalk:
     """Verify ``tree``: ``decide(node)`` is the token decided at the position after ``node``
-    (:data:`ROOT`: after the prefix), decided as a chain decides it against the node's main child;
-    it is only asked where a node has children. Follows the child whose token was decided."""
+    (:data:`ROOT`: after the prefix), decided as a chain decides it against the node's main child.
+    Follows the child whose token was decided.
+
+    ``leaf_token``: where the walk ends on a leaf, also ask ``decide`` for the leaf's row and commit
+    that token (the target's own token after the leaf, computed in the same forward). Greedy decoding
+    takes it: every greedy token is the target's argmax, so it changes nothing but the count; a
+    sampled one would be drawn where the chain has a draft, so sampling leaves that position to the
+    next window and keeps the chain's tokens (the default)."""
     accepted, node = [], ROOT
     while tree.children(node):
         token = int(decide(node))
@@ -162,7 +169,7 @@ def walk(tree: DraftTree, decide: Callable[[int], int]) -> TreeWalk:
             return TreeWalk(tuple(accepted), token)
         accepted.append(follow)
         node = follow
-    return TreeWalk(tuple(accepted), None)
+    return TreeWalk(tuple(accepted), int(decide(node)) if leaf_token else None)
 
 
 # ---- shapes ------------------------------------------------------------------------------------

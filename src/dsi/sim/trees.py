@@ -8,9 +8,9 @@ the drafter's chain, a side child is the drafter's next choice at that position.
 also look at the drafter off the target's path, which a recording does not hold, so they are not
 replayed here.
 
-Windows follow DSI's rule (:func:`dsi.trees.walk`): a window commits its accepted drafts and the
-correction where the walk left the tree; a walk that ends on a leaf leaves the next position to
-the next window.
+Windows follow greedy verification (:func:`dsi.trees.walk` with ``leaf_token``): a window commits
+its accepted drafts, then the correction where the walk left the tree, or the target's token after
+the leaf where it ended on one (its row is in the same forward).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def replay_greedy(target_tokens: Sequence[int], drafter_ranked: Sequence[Sequenc
             at = start + (0 if node == ROOT else tree.depth(node))
             return int(target_tokens[at]) if at < n else -1  # past the recording: no child matches
 
-        outcome = walk(tree, decided)
+        outcome = walk(tree, decided, leaf_token=True)  # greedy: the leaf's row gives a token too
         committed = len(outcome.tokens(tree))
         windows += 1
         tokens += committed

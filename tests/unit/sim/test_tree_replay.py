@@ -15,20 +15,20 @@ RANKED = [[1, 9], [8, 2], [3, 9], [4, 9], [7, 5], [6, 9]]
 
 
 def test_a_chain_stops_at_each_wrong_first_choice():
-    # window 1: accept 1, correction 2 | window 2: accept 3 4, correction 5 | window 3: accept 6
+    # window 1: accept 1, correction 2 | window 2: accept 3 4, correction 5 | window 3: accept 6 (the end)
     replay = replay_greedy(TARGET, RANKED, None, 4)
     assert (replay.windows, replay.tokens, replay.accepted) == (3, 6, 4)
 
 
 def test_side_children_catch_the_second_choices():
-    # widths 2,2,2: window 1 accepts 1 (main), then 2 (a side child, a leaf): 2 tokens, no correction |
-    # window 2 at position 2: 3, 4 on the main path, then 5 as a side child: 3 tokens | window 3: 6
+    # widths 2,2,2: window 1 accepts 1 (main), then 2 (a side child, a leaf) and takes the target's
+    # token after it, 3 | window 2 at position 3: 4 on the main path, 5 as a side child, then 6
     replay = replay_greedy(TARGET, RANKED, Widths((2, 2, 2)), 6)
-    assert (replay.windows, replay.tokens, replay.accepted) == (3, 6, 6)
-    assert replay.tokens_per_window == 2.0
-    # widths 1,2 (a side child at depth 2 only): 1 2 | 3 4 (4 is a leaf) | 5 (a correction) | 6
+    assert (replay.windows, replay.tokens, replay.accepted) == (2, 6, 4)
+    assert replay.tokens_per_window == 3.0
+    # widths 1,2 (a side child at depth 2 only): the same windows within a budget of 3
     second = replay_greedy(TARGET, RANKED, Widths((1, 2)), 3)
-    assert (second.windows, second.tokens, second.accepted) == (4, 6, 5)
+    assert (second.windows, second.tokens, second.accepted) == (2, 6, 4)
 
 
 def test_a_replay_refuses_what_a_recording_cannot_decide():
