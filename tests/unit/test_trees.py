@@ -257,3 +257,21 @@ def test_with_counter_based_uniforms_a_tree_commits_the_chains_tokens(shape, tem
             runs.append(tokens[len(PROMPT):][:length])
         assert runs[0] == runs[1], (seed, runs)
     assert followed_side > 0  # side children were taken, and changed nothing in the output
+
+
+@pytest.mark.parametrize("shape", [Widths((2, 2, 1)), Dynamic(top=3)], ids=["2,2,1", "auto"])
+def test_greedy_windows_that_take_the_leaf_token_still_give_the_targets_greedy_output(shape):
+    vocab, greedy, ranks = 5, SamplingParams(), SamplingParams(temperature=1.0)
+    want = list(PROMPT)
+    for _ in range(10):
+        want.append(int(np.argmax(_law(want, b"t", vocab, greedy))))
+    tokens, windows = list(PROMPT), 0
+    while len(tokens) < len(want):
+        tree = grow(shape, 4, lambda path: (int(np.argmax(_law(tokens + path, b"d", vocab, greedy))),
+                                            _ranked(_law(tokens + path, b"d", vocab, ranks))))
+        outcome = walk(tree, lambda node: int(np.argmax(_law(tokens + ([] if node == ROOT else tree.path_tokens(node)),
+                                                             b"t", vocab, greedy))), leaf_token=True)
+        assert outcome.token is not None  # a correction, or the leaf's own token
+        tokens += outcome.tokens(tree)
+        windows += 1
+    assert tokens[:len(want)] == want and windows < 10
