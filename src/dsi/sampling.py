@@ -498,10 +498,14 @@ def draft_from_logits(logits: np.ndarray, params: SamplingParams, position: int,
     """
     if params.greedy:
         row = np.asarray(logits)
-        check_logit_row(row, "the drafter")
-        if params.moves_argmax:
-            row = shape_logits(row, params, prefix)
-        return int(np.argmax(row)), None
+        if not params.moves_argmax:
+            check_logit_row(row, "the drafter")
+            return int(np.argmax(row)), None
+        if params.uses_prefix and prefix is None:
+            raise ConfigError("penalties and min_tokens need the tokens before the row (a Prefix)")
+        tokens, prompt_len, stops = ((), 0, frozenset()) if prefix is None else (
+            prefix.tokens, prefix.prompt_len, prefix.stop_ids)
+        return int(greedy_tokens(row[None], params, tokens, prompt_len, stops)[0]), None  # sparse: touched ids only
     q = process_logits(logits, params, prefix)  # [V]
     return draft_token(q, params, position), q
 

@@ -335,3 +335,26 @@ def test_sparse_greedy_agrees_with_the_dense_processed_argmax_on_ties_and_infini
             disagreements.append((rows.tolist(), tokens, params, sorted(stops), prompt_len, dense, sparse))
     assert not disagreements, disagreements[:3]
     assert raised > 0  # the all -inf case was reached
+
+
+def test_a_greedy_processed_draft_is_the_argmax_of_the_drafters_processed_row():
+    """draft_from_logits takes the sparse path (greedy_tokens) for processed greedy rows: the same
+    token as the dense definition, with ties; a missing prefix is refused as before."""
+    rng = np.random.default_rng(29)
+    for _ in range(400):
+        vocab = int(rng.integers(2, 12))
+        row = rng.integers(-3, 4, vocab).astype(np.float32)
+        tokens = [int(t) for t in rng.integers(0, vocab + 2, int(rng.integers(1, 9)))]
+        stops = frozenset(int(t) for t in rng.integers(0, vocab, 2))
+        prefix = Prefix(tokens, int(rng.integers(0, len(tokens) + 1)), stops)
+        params = SamplingParams(presence_penalty=float(rng.choice([0, 1.0])),
+                                repetition_penalty=float(rng.choice([1, 1.4])),
+                                logit_bias={int(rng.integers(0, vocab)): float(rng.choice([-2, 2]))},
+                                min_tokens=int(rng.choice([0, 20])))
+        try:
+            want = int(np.argmax(shape_rows(row[None], params, prefix.tokens, prefix.prompt_len, prefix.stop_ids)[0]))
+        except ConfigError:
+            continue  # min_tokens holding every possible token: refused on both paths (tested above)
+        assert draft_from_logits(row, params, len(tokens), prefix) == (want, None)
+    with pytest.raises(ConfigError, match="need the tokens before the row"):
+        draft_from_logits(np.zeros(4), SamplingParams(presence_penalty=1.0), 3)
