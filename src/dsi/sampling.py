@@ -337,11 +337,18 @@ def shape_logits(logits: np.ndarray, params: SamplingParams, prefix: Prefix | No
     prompt or output: positive logits divided, others multiplied), then ``frequency_penalty`` x count
     and ``presence_penalty`` subtracted for every token of the output. Returns a new float64 row."""
     row = np.asarray(logits, dtype=np.float64)  # [V]
+    tokens, prompt_len, stop_ids = _prefix_fields(params, prefix)
+    return _shape(row, params, _Counts(tokens, prompt_len, row.size) if params.uses_prefix else None, stop_ids)
+
+
+def _prefix_fields(params: SamplingParams, prefix: Prefix | None) -> tuple[Sequence[int], int, frozenset[int]]:
+    """``prefix``'s tokens, prompt length and stop ids (empty without one); a missing prefix is refused
+    where the processors read it."""
+    if prefix is not None:
+        return prefix.tokens, prefix.prompt_len, prefix.stop_ids
     if params.uses_prefix:
-        if prefix is None:
-            raise ConfigError("penalties and min_tokens need the tokens before the row (a Prefix)")
-        return _shape(row, params, _Counts(prefix.tokens, prefix.prompt_len, row.size), prefix.stop_ids)
-    return _shape(row, params, None, frozenset())
+        raise ConfigError("penalties and min_tokens need the tokens before the row (a Prefix)")
+    return (), 0, frozenset()
 
 
 class _Counts:
@@ -501,11 +508,8 @@ def draft_from_logits(logits: np.ndarray, params: SamplingParams, position: int,
         if not params.moves_argmax:
             check_logit_row(row, "the drafter")
             return int(np.argmax(row)), None
-        if params.uses_prefix and prefix is None:
-            raise ConfigError("penalties and min_tokens need the tokens before the row (a Prefix)")
-        tokens, prompt_len, stops = ((), 0, frozenset()) if prefix is None else (
-            prefix.tokens, prefix.prompt_len, prefix.stop_ids)
-        return int(greedy_tokens(row[None], params, tokens, prompt_len, stops)[0]), None  # sparse: touched ids only
+        tokens, prompt_len, stop_ids = _prefix_fields(params, prefix)
+        return int(greedy_tokens(row[None], params, tokens, prompt_len, stop_ids)[0]), None  # sparse: touched ids only
     q = process_logits(logits, params, prefix)  # [V]
     return draft_token(q, params, position), q
 

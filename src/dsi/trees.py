@@ -95,11 +95,7 @@ class DraftTree:
 
     def path(self, node: int) -> list[int]:
         """The nodes from the first level down to ``node``."""
-        nodes = []
-        while node != ROOT:
-            nodes.append(node)
-            node = self.parents[node]
-        return nodes[::-1]
+        return _path(self.parents, node)
 
     def path_tokens(self, node: int) -> list[int]:
         return [self.tokens[i] for i in self.path(node)]
@@ -293,7 +289,8 @@ def _canonical(tokens: list[int], parents: list[int]) -> DraftTree:
     return DraftTree(tuple(tokens[i] for i in order), tuple(new_index[parents[i]] for i in order))
 
 
-def _path(parents: list[int], node: int) -> list[int]:
+def _path(parents: Sequence[int], node: int) -> list[int]:
+    """The nodes from the first level down to ``node``, following ``parents``."""
     nodes = []
     while node != ROOT:
         nodes.append(node)

@@ -31,10 +31,6 @@ class Number:
     low_open: bool = False
     high_open: bool = False
 
-    @property
-    def __name__(self) -> str:  # argparse names a type by it in some messages
-        return "integer" if self.kind is int else "number"
-
     def describe(self) -> str:
         what = "an integer" if self.kind is int else "a number"
         if self.low is not None and self.high is not None:
@@ -82,7 +78,6 @@ NON_NEGATIVE = Number(float, 0)
 PROBABILITY = Number(float, 0, 1)  # a rate in [0, 1]
 
 
-
 def lookahead(text: str) -> int | str:
     """``--lookahead``: an integer k >= 1, or ``auto`` (DSI's event-driven windows)."""
     if text.strip().lower() == "auto":
@@ -94,6 +89,7 @@ def lookahead(text: str) -> int | str:
 
 
 LOOKAHEAD = lookahead
+
 
 def input_file(text: str) -> str:
     """A file that must exist and be readable."""

@@ -250,7 +250,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="independent samples of the same prompt, as the OpenAI field n: choice i samples with a seed "
                         "derived from --seed and i, as dsi serve does (greedy: one run, N equal copies)")
     p.add_argument("--json", action="store_true",
-                   help="print one JSON object (token_ids, text, stats; with --n > 1 a list of choices) instead of text")
+                   help="print one JSON object (token_ids, text, stats; with --n > 1 a list of choices) instead of "
+                        "text")
     p.set_defaults(func=run_generate)
 
     d = subparsers.add_parser(

@@ -10,25 +10,15 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from dsi.cli.args import input_file, output_file
+from dsi.cli.args import input_file
 from dsi.errors import ConfigError
 
 
-def check_output_file(path: str | None, flag: str = "--out") -> None:
-    """Refuse, before any work, an output file that could not be written (see
-    :func:`dsi.cli.args.output_file`); for flags checked after parsing. None: no file asked for."""
-    if path is not None:
-        _as_config_error(output_file, path, flag)
-
-
 def check_input_file(path: str, flag: str) -> None:
-    """Refuse, before any work, an input file that cannot be read: missing, a directory, unreadable."""
-    _as_config_error(input_file, path, flag)
-
-
-def _as_config_error(check, path: str, flag: str) -> None:
+    """Refuse, before any work, an input file that cannot be read (:func:`dsi.cli.args.input_file`),
+    for a flag that may also hold something else and so is checked after parsing (``demo --prompts``)."""
     try:
-        check(path)
+        input_file(path)
     except argparse.ArgumentTypeError as exc:
         message = str(exc)
         quoted = repr(path)

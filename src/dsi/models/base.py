@@ -213,7 +213,8 @@ def tree_rows(
     if not prefix:
         raise ConfigError("a tree is verified after a prefix of at least one token")
     prefix = list(prefix)
-    paths = sorted(tree.paths(), key=lambda path: path == tree.main_path())  # the main path last
+    main = tree.main_path()
+    paths = sorted(tree.paths(), key=lambda path: path == main)  # the main path last
     rows: list[np.ndarray | None] = [None] * (len(tree) + 1)
     for path in paths or [[]]:
         context = prefix + [tree.tokens[i] for i in path]
