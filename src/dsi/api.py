@@ -39,6 +39,7 @@ def build_decoder(
     drafter_tokenizer: object = None,
     deterministic: bool | None = None,
     target_servers: object = None,
+    draft_tree: object = None,
 ) -> Decoder:
     """A decoder that keeps its workers (threads, caches) across requests; ``close()`` it.
 
@@ -68,8 +69,16 @@ def build_decoder(
     vocabulary drafts through text (string-level for greedy requests, the token intersection for
     sampling); ``"shared"``: one vocabulary required; ``"string"`` / ``"intersection"``: that
     translation. Translating needs both tokenizers: the models' ``tokenizer`` attributes, or
-    ``target_tokenizer`` / ``drafter_tokenizer``. Output stays exact in every mode."""
+    ``target_tokenizer`` / ``drafter_tokenizer``. Output stays exact in every mode.
+
+    ``draft_tree`` (SI and DSI): spend each window's drafts as a tree instead of a chain (:mod:`dsi.trees`):
+    None or ``"off"`` (chains), ``"auto"`` (dynamic trees grown by the drafter's confidence) or widths per
+    depth (``"3,2,1"``). The committed tokens are the chain's for the same seed (DSI), or the target's
+    law with the same guarantees (SI): a tree only changes how many tokens a verification commits."""
     require(method in METHODS, f"method={method!r} must be one of {', '.join(METHODS)}")
+    if method == "auto" and draft_tree not in (None, "off"):
+        raise ConfigError(f"draft_tree={draft_tree!r} with method='auto': the method choice does not measure trees "
+                          "yet; pick method 'si' or 'dsi' (--method) with the tree, or leave it off")
     if deterministic and target_servers is not None:
         raise ConfigError("deterministic=True cannot hold with target_servers: an engine's rows depend on its own "
                           "batching, which dsi does not control; drop deterministic or the target servers")
@@ -82,7 +91,7 @@ def build_decoder(
             target=target, drafter=drafter, method=method, lookahead=lookahead,
             num_target_servers=num_target_servers, transport=transport, transport_options=transport_options,
             max_window=max_window, vocab_mode=vocab_mode, target_tokenizer=target_tokenizer,
-            drafter_tokenizer=drafter_tokenizer,
+            drafter_tokenizer=drafter_tokenizer, draft_tree=draft_tree,
         )
     engine.check_lookahead(method, lookahead, max_window)
     if drafter is not None:
@@ -130,6 +139,7 @@ def generate(
     target_servers: object = None,
     logprobs: int | None = None,
     logprobs_mode: str = "raw",
+    draft_tree: object = None,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt`` with non-SI, SI, DSI or ``"auto"``.
 
@@ -142,13 +152,14 @@ def generate(
     to keep them across calls. ``logprobs`` (N >= 0): the result's ``logprobs`` hold each new
     token's log-probability and the N most likely tokens of the row that decided it, the numbers
     non-SI reports (``logprobs_mode`` ``"raw"``, vLLM's default, or ``"processed"``: :mod:`dsi.logprobs`);
-    ``on_tokens`` then also gets them.
+    ``on_tokens`` then also gets them. ``draft_tree``: see :func:`build_decoder`.
     """
     decoder = build_decoder(
         target=target, drafter=drafter, method=method, lookahead=lookahead, num_target_servers=num_target_servers,
         transport=transport, transport_options=transport_options, max_window=max_window,
         auto_options=auto_options, vocab_mode=vocab_mode, target_tokenizer=target_tokenizer,
         drafter_tokenizer=drafter_tokenizer, deterministic=deterministic, target_servers=target_servers,
+        draft_tree=draft_tree,
     )
     return engine.run_once(decoder, prompt, max_new_tokens, vocab_size=target.vocab_size, sampling=sampling,
                            eos_token_id=eos_token_id, on_tokens=on_tokens, abort=abort, logprobs=logprobs,

@@ -45,6 +45,7 @@ from dsi.errors import ConfigError
 ROOT = -1  # the committed prefix: the parent of the first level
 
 Proposal = tuple[int, Sequence[tuple[int, float]]]  # (main token, ranked (token, drafter probability))
+# what a drafter oracle gives ``grow``: a proposal, or None where nothing follows the path (EOS, no room)
 
 
 @dataclass(frozen=True)
@@ -184,19 +185,41 @@ class Widths:
     def name(self) -> str:
         return ",".join(map(str, self.widths))
 
+    def sides(self, main: int, ranked: Sequence[tuple[int, float]]) -> list[int]:
+        """A position's side children in DSI (one width for every position): the ``width - 1`` likeliest
+        tokens other than ``main``."""
+        if len(self.widths) != 1:
+            raise ConfigError(f"draft tree {self.name!r}: DSI branches position by position, so it takes one width "
+                              "for every position (such as '2') or 'auto'; widths per depth are for SI")
+        return _sides(main, ranked, self.widths[0] - 1)
+
 
 @dataclass(frozen=True)
 class Dynamic:
     """EAGLE-2-style: grow best-first by cumulative drafter probability (the product of the drafter's
-    probabilities along the path), considering each expanded node's ``top`` most likely tokens."""
+    probabilities along the path), considering each expanded node's ``top`` most likely tokens.
+
+    DSI, whose windows are cut by timing, branches position by position instead (so that where a
+    tree branches is a function of the tokens, never of the cut): a position gets as side children
+    its drafter's next most likely tokens (at most ``top - 1``) whose drafter probability is at least
+    ``floor`` (:meth:`sides`): a confident drafter gets none."""
 
     top: int = 3
+    floor: float = 0.1
 
     def __post_init__(self) -> None:
         if not isinstance(self.top, int) or self.top < 1:
             raise ConfigError(f"top={self.top!r} must be an integer >= 1 (tokens considered per node)")
+        if not (isinstance(self.floor, int | float) and 0.0 < self.floor <= 1.0):
+            raise ConfigError(f"floor={self.floor!r} must be a probability in (0, 1] (the least drafter "
+                              "probability of a side child)")
 
     name = "auto"
+
+    def sides(self, main: int, ranked: Sequence[tuple[int, float]]) -> list[int]:
+        """A position's side children in DSI: the likeliest tokens other than ``main`` with drafter
+        probability >= ``floor``, at most ``top - 1``."""
+        return _sides(main, [(t, p) for t, p in ranked if p >= self.floor], self.top - 1)
 
 
 TreeShape = Widths | Dynamic | None  # None: a chain
@@ -218,10 +241,11 @@ def parse_shape(text: str | None) -> TreeShape:
     return Widths(widths)
 
 
-def grow(shape: TreeShape, budget: int, propose: Callable[[list[int]], Proposal]) -> DraftTree:
+def grow(shape: TreeShape, budget: int, propose: Callable[[list[int]], Proposal | None]) -> DraftTree:
     """A tree of at most ``budget`` nodes in ``shape`` (None: a chain of ``budget``), from the drafter
     oracle ``propose(path tokens) -> (main token, [(token, probability), ...] most likely first)``,
-    called once per node that gets children (the root's path is ``[]``)."""
+    called once per node that gets children (the root's path is ``[]``). ``propose`` returns None where
+    the drafter has nothing after that path (an EOS, the end of its context): that node stays a leaf."""
     if not isinstance(budget, int) or budget < 1:
         raise ConfigError(f"budget={budget!r} must be an integer >= 1 (draft tokens per window)")
     if isinstance(shape, Dynamic):
@@ -233,7 +257,10 @@ def grow(shape: TreeShape, budget: int, propose: Callable[[list[int]], Proposal]
     for width in widths:
         if len(tokens) >= budget:
             break
-        main, ranked = propose([tokens[i] for i in _path(parents, node)])
+        proposal = propose([tokens[i] for i in _path(parents, node)])
+        if proposal is None:
+            break
+        main, ranked = proposal
         kids = [int(main)] + _sides(main, ranked, min(width, budget - len(tokens)) - 1)
         first = len(tokens)
         tokens += kids
@@ -242,7 +269,7 @@ def grow(shape: TreeShape, budget: int, propose: Callable[[list[int]], Proposal]
     return DraftTree(tuple(tokens), tuple(parents))
 
 
-def _grow_dynamic(shape: Dynamic, budget: int, propose: Callable[[list[int]], Proposal]) -> DraftTree:
+def _grow_dynamic(shape: Dynamic, budget: int, propose: Callable[[list[int]], Proposal | None]) -> DraftTree:
     # candidates: (-priority, order, parent, token, cumulative probability); each node's first child is
     # its main one
     tokens: list[int] = []
@@ -252,7 +279,10 @@ def _grow_dynamic(shape: Dynamic, budget: int, propose: Callable[[list[int]], Pr
 
     def expand(node: int, mass: float) -> None:
         nonlocal order
-        main, ranked = propose([tokens[i] for i in _path(parents, node)])
+        proposal = propose([tokens[i] for i in _path(parents, node)])
+        if proposal is None:
+            return
+        main, ranked = proposal
         prob = dict((int(t), float(p)) for t, p in ranked)
         kids = [int(main)] + _sides(main, ranked, shape.top - 1)
         best = max(prob.get(t, 0.0) for t in kids)

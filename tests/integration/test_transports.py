@@ -107,6 +107,26 @@ def test_logprobs_from_remote_servers_equal_those_of_threads(transport, no_threa
     assert runs[transport].logprobs == runs["threads"].logprobs and len(runs["threads"].logprobs) == 24
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_tree_windows_travel_to_remote_servers(transport, no_thread_leak):
+    """Tree tasks (issue 24) are pickled with their tree and each path's rows are processed on the server:
+    the same tokens and logprobs as threads, greedy and sampled."""
+    use(transport)
+    target, drafter = synthetic()
+    runs = {}
+    for name in ("threads", transport):
+        decoder = dsi.build_decoder(target=target, drafter=drafter, lookahead=3, num_target_servers=2, transport=name,
+                                    draft_tree="2")
+        try:
+            runs[name] = [decoder.generate(make_request(PROMPT, 24, PARAMS[p], None, target.vocab_size, logprobs=2))
+                          for p in ("greedy, processed", "sampling, processed")]
+        finally:
+            decoder.close()
+    for got, want in zip(runs[transport], runs["threads"], strict=True):
+        assert got.tokens == want.tokens and got.logprobs == want.logprobs
+        assert got.stats.extra["tree_windows"] > 0
+
+
 # ---- a tiny random Llama pair, re-loaded from disk by every process / actor --------------------------------
 @pytest.fixture(scope="module")
 def llama_pair(tmp_path_factory):

@@ -53,12 +53,25 @@ def test_sampling_with_penalties_bias_min_p_and_min_tokens_matches_the_processed
     assert_target_law(target, drafter, method, lookahead, servers, processing, eos=2)
 
 
-def assert_target_law(target, drafter, method, lookahead, servers, processing, eos=None) -> None:
+@pytest.mark.parametrize("method, lookahead, servers, tree", [("dsi", 1, 1, "3"), ("dsi", "auto", 3, "auto"),
+                                                           ("si", 3, 1, "2,2"), ("si", 3, 1, "auto")])
+def test_sampling_with_draft_trees_matches_the_target_law(method, lookahead, servers, tree, no_thread_leak):
+    """Tree windows (issue 24): side children followed when the chain's correction is one of them, then
+    the target's own token after it (DSI), or the walk down a tree (SI); penalties make every path's
+    rows differ from the main path's."""
+    target = random_lm(VOCAB, seed=21, sharpness=1.0)
+    drafter = random_lm(VOCAB, seed=99, sharpness=1.5)
+    processing = dict(temperature=0.9, presence_penalty=0.5, repetition_penalty=1.2)
+    assert_target_law(target, drafter, method, lookahead, servers, processing, draft_tree=tree)
+
+
+def assert_target_law(target, drafter, method, lookahead, servers, processing, eos=None, draft_tree=None) -> None:
     """Chi-square of N_SAMPLES seeded generations against the target's exact sequence law."""
     stops = frozenset() if eos is None else frozenset({eos})
     law = exact_sequence_law(target, PROMPT, LENGTH, dsi.SamplingParams(**processing, seed=0), stops)
     decoder = build_decoder(
-        target=target, drafter=drafter, method=method, lookahead=lookahead, num_target_servers=servers
+        target=target, drafter=drafter, method=method, lookahead=lookahead, num_target_servers=servers,
+        draft_tree=draft_tree,
     )
     try:
         counts = sample_counts(decoder, lambda s: dsi.SamplingParams(**processing, seed=s), law, eos)

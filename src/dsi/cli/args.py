@@ -91,6 +91,23 @@ def lookahead(text: str) -> int | str:
 LOOKAHEAD = lookahead
 
 
+def draft_tree(text: str) -> str:
+    """``--draft-tree``: ``off``, ``auto`` or widths per depth such as ``3,2,1`` (:func:`dsi.trees.parse_shape`),
+    returned in its canonical spelling."""
+    from dsi.errors import ConfigError
+    from dsi.trees import parse_shape
+
+    try:
+        shape = parse_shape(text)
+    except ConfigError:
+        raise argparse.ArgumentTypeError(f"{text!r} must be off, auto, or widths per depth such as 3,2,1 "
+                                         "(integers >= 1)") from None
+    return "off" if shape is None else shape.name
+
+
+DRAFT_TREE = draft_tree
+
+
 def input_file(text: str) -> str:
     """A file that must exist and be readable."""
     source = Path(text).expanduser()

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, replace
 
 from dsi.cli.advice import what_dsi_needs
-from dsi.cli.args import COUNT, LOOKAHEAD, NATURAL, NON_NEGATIVE, POSITIVE, PROBABILITY, SEED, Number
+from dsi.cli.args import COUNT, DRAFT_TREE, LOOKAHEAD, NATURAL, NON_NEGATIVE, POSITIVE, PROBABILITY, SEED, Number
 from dsi.cli.backend import add_backend_args, choose, describe, hf_dtype, max_model_len
 from dsi.errors import ConfigError
 from dsi.sampling import MAX_PENALTY
@@ -52,6 +52,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "whenever a target server is free) (default 5)")
     g.add_argument("--max-window", type=COUNT, default=None,
                    help="with --lookahead auto: the most drafts one window carries (default: no cap)")
+    g.add_argument("--draft-tree", type=DRAFT_TREE, default="off", metavar="off|auto|W,W,...",
+                   help="spend each window's drafts as a tree (with --method si or dsi): 'auto' branches where the "
+                        "drafter is unsure (its next likeliest tokens with probability >= 0.1), widths such as "
+                        "2,2,1 give the children per depth below the main path (SI; DSI takes one width for every "
+                        "position, e.g. 2). Output stays exact (default off: chains)")
     g.add_argument("--sp", type=COUNT, default=None,
                    help="number of target servers (default 1); with --method auto the most DSI may use "
                         "(default: one per --target-devices entry, else 1)")
@@ -269,6 +274,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="lookahead of SI, and of a DSI row with fixed windows (shown with --full or when given; "
                         "default 5)")
     d.add_argument("--sp", type=COUNT, nargs="+", default=[1], help="DSI target-server counts to run (default 1)")
+    d.add_argument("--draft-tree", type=DRAFT_TREE, default="off", metavar="off|auto|W",
+                   help="also run SI and DSI with their windows as draft trees of this shape, next to the chains "
+                        "(auto, or one width for every position such as 2: a shape DSI takes too; default off)")
     d.add_argument("--max-new-tokens", type=COUNT, default=None,
                    help=f"new tokens per prompt (default {QUICK_DEMO.tokens}, {FULL_DEMO.tokens} with --full)")
     d.add_argument("--prompts", default=None, metavar="N|FILE",
@@ -406,7 +414,7 @@ def run_generate(args: argparse.Namespace) -> int:
     decoder = dsi.build_decoder(
         target=target, drafter=drafter, method=args.method, lookahead=args.lookahead, max_window=args.max_window,
         num_target_servers=servers, transport=args.transport, transport_options=placement,
-        auto_options=auto_options(args, quiet=args.json), target_servers=urls,
+        auto_options=auto_options(args, quiet=args.json), target_servers=urls, draft_tree=args.draft_tree,
     )
     if decoder.method == "ar" and drafter is not None:  # auto picked non-SI: decode with nothing else loaded
         release(drafter)
@@ -477,6 +485,10 @@ def run_demo(args: argparse.Namespace) -> int:
 
     plan = demo_plan(args)
     texts = demo_prompts(args)
+    if args.draft_tree != "off":
+        from dsi.engine.api import check_draft_tree
+
+        check_draft_tree("dsi", args.draft_tree)  # before anything loads: a shape both SI and DSI take
     lookahead = plan.dsi_lookahead or FULL_DEMO.dsi_lookahead  # SI's k
     transport_options(args)  # --target-devices checked before anything loads
     start = time.perf_counter()
@@ -495,6 +507,8 @@ def run_demo(args: argparse.Namespace) -> int:
     windows = [plan.dsi_lookahead, "auto"] if plan.dsi_lookahead is not None else ["auto"]
     configs += [MethodConfig("dsi", k, sp, threads=dsi_threads(sp), transport_options=placement)
                 for sp in args.sp for k in windows]
+    if args.draft_tree != "off":  # the same windows as trees, next to the chains
+        configs += [replace(c, draft_tree=args.draft_tree) for c in configs if c.method != "ar"]
     choice = None
     if not args.no_auto:  # measured with the same threads per worker as the comparison below
         from dsi.evaluate.autotune import choose_method

@@ -24,6 +24,7 @@ from dsi.models.base import LanguageModel
 from dsi.models.crossvocab import VOCAB_MODES, bridge_drafter
 from dsi.sampling import SamplingParams
 from dsi.transport import TRANSPORTS, make_pool
+from dsi.trees import Dynamic, TreeShape, Widths, parse_shape
 
 ENGINE_METHODS = ("dsi", "si", "ar")  # what the engine runs; dsi.api adds "auto" (the fastest of them here)
 
@@ -83,6 +84,23 @@ def check_placement(num_target_servers: object, transport: object) -> None:
 DEFAULT_TARGET_SERVERS = 2
 
 
+def check_draft_tree(method: str, draft_tree: object) -> TreeShape:
+    """``draft_tree`` as a shape: None / ``"off"`` (chains), ``"auto"`` (dynamic trees), widths per depth
+    (``"3,2,1"``), or a :class:`~dsi.trees.Widths` / :class:`~dsi.trees.Dynamic`."""
+    if draft_tree is None or isinstance(draft_tree, Widths | Dynamic):
+        shape = draft_tree
+    elif isinstance(draft_tree, str):
+        shape = parse_shape(draft_tree)
+    else:
+        raise ConfigError(f"draft_tree={draft_tree!r} must be None, 'off', 'auto', widths per depth such as '3,2,1', "
+                          "or a dsi.trees.Widths / dsi.trees.Dynamic")
+    if shape is not None and method == "ar":
+        raise ConfigError(f"draft_tree={draft_tree!r} needs a drafter: it applies to method 'si' or 'dsi', not 'ar'")
+    if shape is not None and method == "dsi":
+        shape.sides(0, ())  # refuses what DSI cannot branch by (widths per depth), naming the shape
+    return shape
+
+
 def engine_placement(target: object, target_servers: object, num_target_servers: object, transport: object,
                      transport_options: dict | None) -> tuple[LanguageModel, int, str, dict]:
     """Where the target servers run: ``(target, num_target_servers, transport, transport_options)``.
@@ -136,6 +154,7 @@ def build_decoder(
     target_tokenizer: object = None,
     drafter_tokenizer: object = None,
     target_servers: object = None,
+    draft_tree: object = None,
 ) -> Decoder:
     """A decoder of ``method`` (``"dsi"``, ``"si"`` or ``"ar"``) that keeps its workers (threads,
     caches) across requests; ``close()`` it. The arguments are those of :func:`dsi.build_decoder`,
@@ -146,6 +165,7 @@ def build_decoder(
     require(method in ENGINE_METHODS, f"method={method!r} must be one of {', '.join(ENGINE_METHODS)}")
     require(vocab_mode in VOCAB_MODES, f"vocab_mode={vocab_mode!r} must be one of {', '.join(VOCAB_MODES)}")
     check_lookahead(method, lookahead, max_window)
+    shape = check_draft_tree(method, draft_tree)
     if drafter is not None and method != "ar":
         drafter = bridge(target, drafter, vocab_mode, target_tokenizer, drafter_tokenizer)
     check_placement(DEFAULT_TARGET_SERVERS if num_target_servers is None else num_target_servers, transport)
@@ -158,12 +178,12 @@ def build_decoder(
     if drafter is None:
         raise ConfigError(f"method={method!r} needs a drafter model")
     if method == "si":
-        return SpeculativeDecoder(target, drafter, lookahead)
+        return SpeculativeDecoder(target, drafter, lookahead, shape)
     options = dict(transport_options or {})
     return DSIDecoder(
         drafter, lookahead,
         lambda on_event: make_pool(transport, target, num_target_servers, on_event, **options),
-        max_window=max_window, target=target, liveness=options.get("liveness"),
+        max_window=max_window, target=target, liveness=options.get("liveness"), draft_tree=shape,
     )
 
 

@@ -37,6 +37,7 @@ from dsi.models.base import (
     session_counters,
 )
 from dsi.sampling import Prefix, SamplingParams, draft_from_logits
+from dsi.engine.trees import draft_with_alternatives
 from dsi.transport.liveness import HISTORY, LivenessPolicy
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,8 @@ class Draft:
     index: int  # position in the draft, 0 = first token after the committed context
     token: int
     q: np.ndarray | None  # [V] processed drafter distribution; None when greedy
+    # draft trees: the drafter's likeliest tokens at this position, (token, probability) most likely first
+    alternatives: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,7 @@ class _Job:
     eos_token_ids: frozenset[int]
     cancel: threading.Event
     prompt_len: int = 0  # how much of the context is the prompt (penalties, min_tokens)
+    alternatives: int = 0  # draft trees: report this many likeliest tokens with each draft (0: none)
 
 
 class DraftWorker:
@@ -129,14 +133,17 @@ class DraftWorker:
         sampling: SamplingParams,
         eos_token_ids: frozenset[int],
         prompt_len: int = 0,
+        alternatives: int = 0,
     ) -> None:
         """Abandon the current drafts and start drafting ``limit`` tokens after ``context`` (the
         caller has capped ``limit`` at the drafter's room: :meth:`capped`); the first ``prompt_len``
-        tokens of ``context`` are the request's prompt."""
+        tokens of ``context`` are the request's prompt. ``alternatives``: each draft also reports the
+        drafter's that many likeliest tokens (draft trees)."""
         with self._cond:
             if self._job is not None:
                 self._job.cancel.set()
-            self._job = _Job(epoch, context, limit, sampling, eos_token_ids, threading.Event(), prompt_len)
+            self._job = _Job(epoch, context, limit, sampling, eos_token_ids, threading.Event(), prompt_len,
+                             alternatives)
             self._cond.notify()
 
     def stop(self) -> None:
@@ -215,21 +222,27 @@ class DraftWorker:
         limited = False
         try:
             if limit > 0:
-                # argmax ids only (taken where the logits are) where greedy decoding reads raw rows
-                ids_only = drafts_ids_only(self._model, params)
+                # argmax ids only (taken where the logits are) where greedy decoding reads raw rows, and
+                # no tree asks for the likeliest tokens
+                ids_only = drafts_ids_only(self._model, params) and not job.alternatives
                 out = self._forward(lambda: forward_rows(session, job.context, 1, cancel, greedy=ids_only)[-1])
                 drafted: list[int] = []
                 while True:
                     position = len(job.context) + count
+                    alternatives: tuple[tuple[int, float], ...] = ()
                     if ids_only:
                         token, q = int(out), None
                     else:
                         prefix = Prefix((*job.context, *drafted), job.prompt_len, job.eos_token_ids)
-                        token, q = draft_from_logits(out, params, position, prefix)
+                        if job.alternatives:
+                            token, q, ranked = draft_with_alternatives(out, params, position, prefix, job.alternatives)
+                            alternatives = tuple(ranked)
+                        else:
+                            token, q = draft_from_logits(out, params, position, prefix)
                     drafted.append(token)
                     if cancel.is_set():
                         raise TaskCancelled("drafts abandoned")
-                    self._on_event(Draft(job.epoch, count, token, q))
+                    self._on_event(Draft(job.epoch, count, token, q, alternatives))
                     count += 1
                     if count >= limit or token in job.eos_token_ids:
                         break

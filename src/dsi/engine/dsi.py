@@ -40,11 +40,13 @@ from dsi.engine.drafter import Draft, DrafterFailed, DraftsDone, DraftWorker, re
 from dsi.engine.request import Output, Request, TokenCallback
 from dsi.engine.result import GenerationResult
 from dsi.engine.stats import GenerationStats
+from dsi.engine.trees import row_of, tree_unsupported
 from dsi.errors import WorkerError
 from dsi.models.base import LanguageModel, check_sampling, counter_changes
 from dsi.sampling import bonus, decide, decide_greedy
 from dsi.transport.base import ServerDied, TargetPool, TaskAborted, TaskFailed, TaskResult
 from dsi.transport.liveness import LivenessPolicy
+from dsi.trees import ROOT, DraftTree, Dynamic, TreeShape
 from dsi.windows import WindowPacer, window_end
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,14 @@ class _Window:
     last: int  # last relative position decided (inclusive); context = base + draft[:last]
     task_id: int
     result: TaskResult | None = None
+    # a tree window: the row deciding each relative position on the main path, and the row after each
+    # side child (relative position, token) -> row; None: a chain window (row r - first decides r)
+    main_rows: dict[int, int] | None = None
+    side_rows: dict[tuple[int, int], int] | None = None
+
+    def row(self, r: int) -> int:
+        """The row of this window's result that decides relative position ``r``."""
+        return r - self.first if self.main_rows is None else self.main_rows[r]
 
 
 class DSIDecoder:
@@ -71,8 +81,12 @@ class DSIDecoder:
     method = "dsi"
 
     def __init__(self, drafter: LanguageModel, lookahead: int | str, pool_factory, trace: bool = False,
-                 max_window: int | None = None, target: LanguageModel | None = None, liveness: object = None) -> None:
+                 max_window: int | None = None, target: LanguageModel | None = None, liveness: object = None,
+                 draft_tree: TreeShape = None) -> None:
+        if draft_tree is not None:
+            draft_tree.sides(0, ())  # refuses a shape DSI cannot branch by (widths per depth)
         self.lookahead = lookahead  # k, or "auto" for event-driven windows (read at each request)
+        self.draft_tree = draft_tree  # side children at each position (dsi.trees); None: chains
         self.max_window = max_window  # event-driven: the most drafts one window carries (None: no cap)
         self.pacer = WindowPacer()  # event-driven: latency and acceptance estimates, kept across requests
         # with trace=True, each request's ("submit", task_id, context) and ("apply", task_id,
@@ -136,6 +150,13 @@ class _DSIRun:
             method="dsi", lookahead=self.k, num_target_servers=self.pool.num_servers
         )
         self.out = Output(request, self.stats, on_tokens, abort)
+        self.tree = decoder.draft_tree
+        if self.tree is not None:
+            why_not = tree_unsupported(decoder._drafter_model, request.sampling)
+            self.stats.extra["draft_tree"] = self.tree.name if why_not is None else "chain"
+            if why_not is not None:
+                self.stats.extra["draft_tree_fallback"] = why_not
+                self.tree = None
         self._drafter_forwards_at_start = self.drafter.forwards
         self._drafter_busy_at_start = self.drafter.busy_s
         self._drafter_counters_at_start = self.drafter.counters()
@@ -143,6 +164,7 @@ class _DSIRun:
         self.base: tuple[int, ...] = ()
         self.draft: list[int] = []
         self.qs: list = []
+        self.sides: list[list[int]] = []  # draft trees: the side children at each drafted position
         self.drafter_done = False
         self.limit = 0
         self.windows: dict[int, _Window] = {}
@@ -218,6 +240,8 @@ class _DSIRun:
                 self._last_draft_at = now
                 self.draft.append(event.token)
                 self.qs.append(event.q)
+                if self.tree is not None:
+                    self.sides.append(self.tree.sides(event.token, event.alternatives))
                 self.stats.drafted_tokens += 1
         elif isinstance(event, DraftsDone):
             if event.epoch == self.epoch:
@@ -262,7 +286,7 @@ class _DSIRun:
         self.stats.preempted_tasks += self.discard_epoch()
         self.epoch = next(self.decoder._epochs)
         self.base = tuple(self.out.tokens)
-        self.draft, self.qs, self.windows, self.lasts = [], [], {}, []
+        self.draft, self.qs, self.sides, self.windows, self.lasts = [], [], [], {}, []
         self.drafter_done = False
         self.limit = self.out.remaining  # positions after base that may be committed
         drafts = self.drafter.capped(len(self.base), self.limit)  # the drafter's context may allow fewer
@@ -271,10 +295,16 @@ class _DSIRun:
             self._count_context_limited()
         if drafts > 0:
             self.drafter.restart(self.epoch, self.base, drafts, self.request.sampling, self.request.eos_token_ids,
-                                 len(self.request.prompt))
+                                 len(self.request.prompt), self._alternatives())
         else:  # no room for even one draft: no prefill; every position is the target's own token
             self.drafter.stop()
             self.drafter_done = True
+
+    def _alternatives(self) -> int:
+        """How many likeliest tokens the drafter reports with each draft (what the tree's sides need)."""
+        if self.tree is None:
+            return 0
+        return self.tree.top if isinstance(self.tree, Dynamic) else self.tree.widths[0]
 
     def _count_context_limited(self) -> None:
         """Count an epoch whose drafts the drafter's context cut short (``drafter_context_limited``)."""
@@ -283,7 +313,8 @@ class _DSIRun:
     def submit_window(self, index: int, first: int, last: int) -> None:
         task_id = next(self.decoder._task_ids)
         context = self.base + tuple(self.draft[:last])
-        self.windows[index] = _Window(first, last, task_id)
+        window = self.windows[index] = _Window(first, last, task_id)
+        tree = self._window_tree(window) if self.tree is not None and index > 0 else None
         if index > 0:
             self.lasts.append(last)
             self.stats.draft_windows += 1
@@ -293,7 +324,38 @@ class _DSIRun:
         self.stats.verify_tasks += 1
         if self.decoder.trace is not None:
             self.decoder.trace.append(("submit", task_id, context))
-        self.pool.submit(self.request.verify_task(task_id, context, last - first + 1))
+        if tree is None:
+            self.pool.submit(self.request.verify_task(task_id, context, last - first + 1))
+        else:
+            self.stats.extra["tree_windows"] = self.stats.extra.get("tree_windows", 0) + 1
+            self.stats.extra["tree_side_nodes"] = self.stats.extra.get("tree_side_nodes", 0) + len(window.side_rows)
+            prefix = self.base + tuple(self.draft[:first])
+            self.pool.submit(self.request.verify_task(task_id, prefix, 1 + len(tree), tree))
+
+    def _window_tree(self, window: _Window) -> DraftTree | None:
+        """The tree of a window (relative positions ``first..last``) after ``base + draft[:first]``: the
+        main path ``draft[first..last]`` (as far as drafted) with the side children of each of those
+        positions; None when it has no side child (the window goes as a chain). Sets the window's rows."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        main_rows, side_rows = {}, {}
+        parent = ROOT
+        for r in range(window.first, min(window.last, len(self.draft) - 1) + 1):
+            main_rows[r] = row_of(parent)
+            node = len(tokens)
+            tokens.append(self.draft[r])
+            parents.append(parent)
+            for side in self.sides[r]:
+                side_rows[(r, side)] = row_of(len(tokens))
+                tokens.append(side)
+                parents.append(parent)
+            parent = node
+        if not side_rows:
+            return None
+        if window.last not in main_rows:  # the bonus position after the drafter's last draft: no draft there
+            main_rows[window.last] = row_of(parent)
+        window.main_rows, window.side_rows = main_rows, side_rows
+        return DraftTree(tuple(tokens), tuple(parents))
 
     def horizon(self) -> int:
         """The last relative position that may still need deciding in this epoch."""
@@ -312,9 +374,11 @@ class _DSIRun:
         while True:
             index = len(self.windows)  # next window to send (window 0 is sent at every restart)
             first = (self.lasts[-1] if self.lasts else 0) + 1
+            # a tree window also carries its last position's draft and side children, so it waits for them
+            drafted = len(self.draft) - 1 if self.tree is not None and not self.drafter_done else len(self.draft)
             if self.event_driven:
                 last = window_end(
-                    first, len(self.draft), self.horizon(), idle_servers=self.pool.idle_servers(),
+                    first, drafted, self.horizon(), idle_servers=self.pool.idle_servers(),
                     min_window=self.decoder.pacer.min_window(self.pool.alive_servers()),
                     max_window=self.max_window, drafter_done=self.drafter_done,
                     in_flight=len(self.outstanding),
@@ -323,7 +387,7 @@ class _DSIRun:
                     return
             else:
                 last = min(index * self.k, self.horizon())
-                if first > last or len(self.draft) < last:
+                if first > last or drafted < last:
                     return
             self.submit_window(index, first, last)
 
@@ -343,7 +407,7 @@ class _DSIRun:
             window = self.windows.get(0 if r == 0 else bisect.bisect_left(self.lasts, r) + 1)
             if window is None or window.result is None:
                 return
-            row = r - window.first
+            row = window.row(r)
             result = window.result
             position = len(self.out.tokens)
             if r < len(self.draft):
@@ -357,7 +421,17 @@ class _DSIRun:
                 if accepted:
                     self.stats.accepted_tokens += 1
                     continue
-                self.stats.rejections += 1
+                side = None if window.side_rows is None else window.side_rows.get((r, token))
+                if side is None:
+                    self.stats.rejections += 1
+                else:  # the correction is a side child: the target's own token after it is in the same result
+                    self.stats.accepted_tokens += 1
+                    self.stats.extra["tree_side_accepts"] = self.stats.extra.get("tree_side_accepts", 0) + 1
+                    if not self.out.finished:
+                        probs = result.probs[side] if result.probs is not None else None
+                        after = int(result.tokens[side]) if probs is None else bonus(probs, params, position + 1)
+                        self.commit(after, result, side)
+                        self.stats.bonus_tokens += 1
             elif self.drafter_done:
                 probs = result.probs[row] if result.probs is not None else None
                 token = int(result.tokens[row]) if probs is None else bonus(probs, params, position)

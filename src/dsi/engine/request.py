@@ -19,6 +19,7 @@ import numpy as np
 from dsi.logprobs import TokenLogprob, entry
 from dsi.transport.base import VerifyTask
 from dsi.sampling import Prefix, SamplingParams
+from dsi.trees import DraftTree
 
 # called with the tokens just committed; with a request that asks for logprobs, also with their entries
 TokenCallback = Callable[..., None]
@@ -47,11 +48,13 @@ class Request:
     logprobs: int | None = None  # report each new token's logprob and this many top ones (None: none)
     logprobs_mode: str = "raw"  # their distribution: "raw" or "processed" (dsi.logprobs)
 
-    def verify_task(self, task_id: int, context: Sequence[int], num_rows: int) -> VerifyTask:
+    def verify_task(self, task_id: int, context: Sequence[int], num_rows: int,
+                    tree: DraftTree | None = None) -> VerifyTask:
         """The task of scoring the last ``num_rows`` positions of ``context`` for this request (its
-        sampling, prompt length, stop ids and logprobs mode): what a target server, SI or non-SI runs."""
+        sampling, prompt length, stop ids and logprobs mode): what a target server, SI or non-SI runs.
+        With ``tree``: the tree task of that draft tree after ``context`` (``num_rows`` = 1 + its nodes)."""
         return VerifyTask(task_id, tuple(context), num_rows, self.sampling, len(self.prompt), self.eos_token_ids,
-                          None if self.logprobs is None else self.logprobs_mode)
+                          None if self.logprobs is None else self.logprobs_mode, tree)
 
     def prefix(self, tokens: Sequence[int]) -> Prefix:
         """What the logit processors see before a row that follows ``tokens`` (prompt included)."""

@@ -24,6 +24,7 @@ from dsi.engine.drafter import capped_drafts, request_info
 from dsi.engine.request import Output, Request, TokenCallback
 from dsi.engine.result import GenerationResult
 from dsi.engine.stats import GenerationStats
+from dsi.engine.trees import TreeDrafter, decide_tree, ended_on_leaf, parent_row, tree_unsupported
 from dsi.errors import ContextLengthError, DraftUnavailable
 from dsi.models.base import (
     LanguageModel,
@@ -36,16 +37,21 @@ from dsi.models.base import (
 )
 from dsi.models.determinism import start_fresh_unless_deterministic
 from dsi.sampling import bonus, decide, decide_greedy, draft_from_logits
+from dsi.transport.base import TaskResult, VerifyTask
 from dsi.transport.server import run_verify_task
+from dsi.trees import Dynamic, TreeShape, grow
 
 
 class SpeculativeDecoder:
-    """SI with lookahead ``k`` on one target session and one drafter session."""
+    """SI with lookahead ``k`` on one target session and one drafter session; with ``draft_tree`` (a
+    :data:`dsi.trees.TreeShape`), each iteration spends its k drafts as a tree (:mod:`dsi.engine.trees`)."""
 
     method = "si"
 
-    def __init__(self, target: LanguageModel, drafter: LanguageModel, lookahead: int) -> None:
+    def __init__(self, target: LanguageModel, drafter: LanguageModel, lookahead: int,
+                 draft_tree: TreeShape = None) -> None:
         self.lookahead = lookahead
+        self.draft_tree = draft_tree
         self._target_model = target
         self._drafter_model = drafter
         self._target = target.new_session()
@@ -71,25 +77,25 @@ class SpeculativeDecoder:
 
     def _run(self, out: Output, request: Request, stats: GenerationStats) -> None:
         params = request.sampling
+        shape = self.draft_tree
+        if shape is not None:
+            why_not = tree_unsupported(self._drafter_model, params)
+            stats.extra["draft_tree"] = shape.name if why_not is None else "chain"
+            if why_not is not None:
+                stats.extra["draft_tree_fallback"] = why_not
+                shape = None
         while not out.finished:
             out.check_abort()
             base = tuple(out.tokens)
             wanted = min(self.lookahead, out.remaining - 1)
             count = capped_drafts(self._drafter_model, len(base), wanted)
+            if shape is not None and count > 0:
+                self._tree_iteration(out, request, stats, base, count, shape)
+                continue
             drafts, qs, limited = self._draft(base, count, request, stats)
             if limited or count < wanted:
                 stats.extra["drafter_context_limited"] = stats.extra.get("drafter_context_limited", 0) + 1
-            start = time.perf_counter()
-            # one verification, as a DSI target server runs it: greedy, the argmax ids of the
-            # (processed) rows; sampling, the processed laws too; logprob rows when asked
-            result = run_verify_task(self._target, request.verify_task(0, base + tuple(drafts), len(drafts) + 1),
-                                     0, None)
-            elapsed = time.perf_counter() - start
-            stats.target_busy_s += elapsed
-            stats.completed_target_s += elapsed
-            stats.target_forwards += 1
-            stats.completed_target_forwards += 1
-            stats.verify_tasks += 1
+            result = self._verify(request.verify_task(0, base + tuple(drafts), len(drafts) + 1), stats)
             logprobs = result.logprobs
             for i, x in enumerate(drafts):
                 if params.greedy:
@@ -109,6 +115,51 @@ class SpeculativeDecoder:
                                                                                 len(out.tokens)),
                            None if logprobs is None else logprobs[last])
                 stats.bonus_tokens += 1
+
+    def _verify(self, task: VerifyTask, stats: GenerationStats) -> TaskResult:
+        """One verification, as a DSI target server runs it (greedy: the argmax ids of the processed rows;
+        sampling: the processed laws too; logprob rows when asked), counted in ``stats``."""
+        start = time.perf_counter()
+        result = run_verify_task(self._target, task, 0, None)
+        elapsed = time.perf_counter() - start
+        stats.target_busy_s += elapsed
+        stats.completed_target_s += elapsed
+        stats.target_forwards += 1
+        stats.completed_target_forwards += 1
+        stats.verify_tasks += 1
+        return result
+
+    def _tree_iteration(self, out: Output, request: Request, stats: GenerationStats, base: tuple[int, ...],
+                        count: int, shape: TreeShape) -> None:
+        """One SI iteration whose ``count`` drafts form a tree: grow it, verify it in one tree task, commit
+        the walk (the chain's tokens; then the target's own after a leaf)."""
+        start = time.perf_counter()
+        drafter = TreeDrafter(self._drafter, request, base, shape.top if isinstance(shape, Dynamic) else
+                              max(shape.widths) - 1)
+        tree = grow(shape, count, drafter.propose)
+        stats.drafter_forwards += drafter.forwards
+        stats.drafter_busy_s += time.perf_counter() - start
+        stats.drafted_tokens += len(tree)
+        if drafter.context_limited:
+            stats.extra["drafter_context_limited"] = stats.extra.get("drafter_context_limited", 0) + 1
+        result = self._verify(request.verify_task(0, base, 1 + len(tree), tree), stats)
+        stats.extra["tree_windows"] = stats.extra.get("tree_windows", 0) + 1
+        walked = decide_tree(tree, result, drafter, request.sampling, len(base))
+        logprobs = result.logprobs
+        for index, token in enumerate(walked.tokens(tree)):
+            row = parent_row(walked, index)
+            out.commit(token, None if logprobs is None else logprobs[row])
+            if index < len(walked.accepted):
+                stats.accepted_tokens += 1
+                node = walked.accepted[index]
+                if tree.children(tree.parents[node])[0] != node:
+                    stats.extra["tree_side_accepts"] = stats.extra.get("tree_side_accepts", 0) + 1
+            elif ended_on_leaf(tree, walked):
+                stats.bonus_tokens += 1
+            else:
+                stats.rejections += 1
+            if out.finished:
+                break
 
     def _draft(
         self, base: tuple[int, ...], count: int, request: Request, stats: GenerationStats

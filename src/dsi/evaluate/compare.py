@@ -47,21 +47,23 @@ class MethodConfig:
     threads: int | None = None  # torch threads per worker for HF models (None: leave as is)
     transport: str = "threads"
     transport_options: tuple = ()  # (key, value) pairs passed to build_decoder's transport_options
+    draft_tree: str | None = None  # SI / DSI windows as draft trees (dsi.trees): "auto", "3,2,1"; None: chains
 
     @property
     def label(self) -> str:
+        tree = f" tree={self.draft_tree}" if self.draft_tree not in (None, "off") else ""
         if self.method != "dsi":
-            return method_label(self.method, self.lookahead)
+            return method_label(self.method, self.lookahead) + tree
         where = "" if self.transport == "threads" else f" {self.transport}"
         server_threads = dict(self.transport_options).get("threads_per_server")
         if server_threads is not None:  # a split of CPU cores: t threads per server, d for the drafter
             where += f" t={server_threads} d={self.threads}"
-        return method_label("dsi", self.lookahead, self.servers) + where
+        return method_label("dsi", self.lookahead, self.servers) + tree + where
 
     @property
     def workers(self) -> tuple:
         """What its decoder's workers depend on: configs equal in this can share a decoder."""
-        return self.method, self.servers, self.threads, self.transport, self.transport_options
+        return self.method, self.servers, self.threads, self.transport, self.transport_options, self.draft_tree
 
 
 @dataclass
@@ -118,7 +120,7 @@ def iter_compare(
         built = build_decoder(
             target=target, drafter=drafter, method=config.method, lookahead=config.lookahead,
             num_target_servers=config.servers, transport=config.transport,
-            transport_options=dict(config.transport_options),
+            transport_options=dict(config.transport_options), draft_tree=config.draft_tree,
         )
         if cold and flush is not None:
             built.generate(make_request(flush, 2, params, None, target.vocab_size))

@@ -202,16 +202,34 @@ def tree_rows(
     cancel: CancelFlag | None = None,
     *,
     greedy: bool = False,
+    top: int | None = None,
 ) -> np.ndarray:
     """The verification rows of a draft tree (:class:`dsi.trees.DraftTree`) after ``prefix``: row 0
     follows the prefix, row ``1 + i`` follows node i's path (``[1 + n, vocab_size]``; with ``greedy``
-    the argmax ids ``[1 + n]``).
+    the argmax ids ``[1 + n]``; ``top``: as in :func:`extend_rows`). The session is left holding
+    ``prefix`` + the tree's main path, the most likely accepted one.
 
-    Generic, for any session: one extension per root-to-leaf path, each node computed once (a path
-    reuses the cache of the path before it down to their last common node), the main path last, so
-    the session is left holding ``prefix`` + the main path, the most likely accepted one."""
+    Uses the session's own ``tree_rows`` when it has one (a latency model charges the tree as one
+    forward); else :func:`path_tree_rows`."""
     if not prefix:
         raise ConfigError("a tree is verified after a prefix of at least one token")
+    own = getattr(session, "tree_rows", None)
+    if own is not None:
+        return own(prefix, tree, cancel, greedy=greedy, top=top)
+    return path_tree_rows(session, prefix, tree, cancel, greedy=greedy, top=top)
+
+
+def path_tree_rows(
+    session: ModelSession,
+    prefix: Sequence[int],
+    tree: Any,
+    cancel: CancelFlag | None = None,
+    *,
+    greedy: bool = False,
+    top: int | None = None,
+) -> np.ndarray:
+    """:func:`tree_rows` on any session: one extension per root-to-leaf path, each node computed once (a
+    path reuses the cache of the path before it down to their last common node), the main path last."""
     prefix = list(prefix)
     main = tree.main_path()
     paths = sorted(tree.paths(), key=lambda path: path == main)  # the main path last
@@ -224,7 +242,7 @@ def tree_rows(
         if keep < len(session.tokens):
             session.truncate(keep)
         first = max(keep, len(prefix) - 1)  # the first row wanted: the root row, or the first new node's
-        got = extend_rows(session, context[keep:], cancel, len(context) - first, greedy)
+        got = extend_rows(session, context[keep:], cancel, len(context) - first, greedy, top)
         for offset, row in zip(range(first, len(context)), got, strict=True):
             depth = offset - len(prefix) + 1  # 0: the root row
             rows[0 if depth == 0 else 1 + path[depth - 1]] = row

@@ -1,7 +1,10 @@
 """``WithLatency``: wrap any model so each forward takes a fixed wall-clock time.
 
 The first forward of a session (the prefill) takes ``ttft`` seconds, every later one ``tpot``
-seconds, whatever the number of new tokens: the memory-bound regime the DSI paper simulates.
+seconds, whatever the number of new tokens: the memory-bound regime the DSI paper simulates (a GPU
+up to its compute bound). ``token_s > 0`` adds that many seconds per token the forward computes (a
+compute-bound CPU: a forward's time grows with its tokens). A draft tree's rows cost one forward of
+its nodes (:meth:`LatencySession.tree_rows`), as a tree attention mask computes them.
 With ``cv > 0`` each forward's latency is instead multiplied by an independent lognormal factor of
 mean 1 and coefficient of variation ``cv`` (seeded per session from ``seed``): forwards whose
 time varies, as on shared or throttled hardware.
@@ -21,7 +24,15 @@ from collections.abc import Sequence
 import numpy as np
 
 from dsi.errors import ConfigError, TaskCancelled
-from dsi.models.base import CancelFlag, LanguageModel, ModelSession, context_limit, extend_rows
+from dsi.models.base import (
+    CancelFlag,
+    LanguageModel,
+    ModelSession,
+    common_prefix_length,
+    context_limit,
+    extend_rows,
+    path_tree_rows,
+)
 
 _SPIN_S = 0.0003  # final stretch of a wait done by polling, for sub-millisecond precision
 
@@ -52,11 +63,13 @@ class WithLatency:
     """A model whose sessions take ``ttft`` s for their first forward and ``tpot`` s after
     (times a random lognormal factor of mean 1 when ``cv > 0``)."""
 
-    def __init__(self, model: LanguageModel, ttft: float, tpot: float, cv: float = 0.0, seed: int = 0) -> None:
+    def __init__(self, model: LanguageModel, ttft: float, tpot: float, cv: float = 0.0, seed: int = 0,
+                 token_s: float = 0.0) -> None:
         self.model = model
         self.ttft = _check_latency("ttft", ttft)
         self.tpot = _check_latency("tpot", tpot)
         self.cv = _check_latency("cv", cv)
+        self.token_s = _check_latency("token_s", token_s)
         self.seed = seed
         self._sessions = itertools.count()
         self._lock = threading.Lock()
@@ -82,7 +95,7 @@ class WithLatency:
 
             with self._lock:
                 rng = np.random.default_rng([self.seed, next(self._sessions)])
-        return LatencySession(self.model.new_session(), self.ttft, self.tpot, self.cv, rng)
+        return LatencySession(self.model.new_session(), self.ttft, self.tpot, self.cv, rng, self.token_s)
 
     def __getstate__(self) -> dict:  # picklable for process and Ray servers (locks are not)
         state = dict(self.__dict__)
@@ -96,14 +109,17 @@ class WithLatency:
 
     def __repr__(self) -> str:
         noise = f", cv={self.cv}, seed={self.seed}" if self.cv else ""
-        return f"WithLatency({self.model!r}, ttft={self.ttft}, tpot={self.tpot}{noise})"
+        per_token = f", token_s={self.token_s}" if self.token_s else ""
+        return f"WithLatency({self.model!r}, ttft={self.ttft}, tpot={self.tpot}{noise}{per_token})"
 
 
 class LatencySession:
-    def __init__(self, inner: ModelSession, ttft: float, tpot: float, cv: float = 0.0, rng=None) -> None:
+    def __init__(self, inner: ModelSession, ttft: float, tpot: float, cv: float = 0.0, rng=None,
+                 token_s: float = 0.0) -> None:
         self._inner = inner
         self._ttft = ttft
         self._tpot = tpot
+        self._token_s = token_s
         self._prefilled = False
         self._rng = rng
         if cv > 0:  # lognormal with mean 1: sigma^2 = ln(1 + cv^2), mu = -sigma^2 / 2
@@ -117,14 +133,28 @@ class LatencySession:
         return self.extend_rows(tokens, cancel, len(tokens), False)
 
     def extend_rows(self, tokens: Sequence[int], cancel: CancelFlag | None, num_rows: int, greedy: bool) -> np.ndarray:
+        return self._timed(lambda: extend_rows(self._inner, tokens, cancel, num_rows, greedy), cancel, len(tokens))
+
+    def tree_rows(self, prefix: Sequence[int], tree, cancel: CancelFlag | None = None, *, greedy: bool = False,
+                  top: int | None = None) -> np.ndarray:
+        """A draft tree's rows (:func:`dsi.models.base.tree_rows`) in one forward's time, as a tree
+        attention mask gives them: a tree of n nodes costs what a chain of n tokens costs."""
+        computed = len(prefix) - min(common_prefix_length(self._inner.tokens, prefix), len(prefix) - 1) + len(tree)
+        return self._timed(lambda: path_tree_rows(self._inner, prefix, tree, cancel, greedy=greedy, top=top), cancel,
+                           computed)
+
+    def _timed(self, run, cancel: CancelFlag | None, computed: int) -> np.ndarray:
+        """``run()`` on the inner session, lasting one forward's latency (of ``computed`` tokens); a cancel
+        restores the session (to the longest prefix of what it held that it still holds)."""
         start = time.perf_counter()
         latency = self._tpot if self._prefilled else self._ttft
         if self._rng is not None:
             latency *= float(self._rng.lognormal(-self._sigma ** 2 / 2, self._sigma))
-        before = len(self._inner.tokens)
-        rows = extend_rows(self._inner, tokens, cancel, num_rows, greedy)
+        latency += self._token_s * computed
+        before = self._inner.tokens
+        rows = run()
         if precise_wait(latency - (time.perf_counter() - start), cancel):
-            self._inner.truncate(before)
+            self._inner.truncate(common_prefix_length(before, self._inner.tokens))
             raise TaskCancelled("forward cancelled")
         self._prefilled = True
         return rows

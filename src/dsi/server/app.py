@@ -126,6 +126,7 @@ class ServerState:
             target=self.verifier, drafter=self.drafter, method=c.method, lookahead=c.lookahead, max_window=c.max_window,
             num_target_servers=c.num_target_servers, auto_options=c.auto_options, transport=c.transport,
             transport_options=c.transport_options, target_servers=True if c.target_servers else None,
+            draft_tree=c.draft_tree,
         )
         self.choice = getattr(decoder, "choice", None)
         if self.choice is not None:
@@ -521,7 +522,7 @@ def create_app(
         choice = state.choice
         if choice is None:
             return {"method": config.method, "lookahead": config.lookahead,
-                    "num_target_servers": config.num_target_servers}
+                    "num_target_servers": config.num_target_servers, "draft_tree": config.draft_tree or "off"}
         return {"method": choice.method, "lookahead": None if choice.method == "ar" else choice.lookahead,
                 "num_target_servers": choice.num_target_servers if choice.method == "dsi" else 1,
                 "auto": {"picked": choice.label, "reason": choice.reason}}

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dsi.api import METHODS
-from dsi.engine.api import check_lookahead
+from dsi.engine.api import check_draft_tree, check_lookahead
 from dsi.errors import ConfigError, require
 from dsi.models.crossvocab import VOCAB_MODES, check_mode_sampling
 from dsi.sampling import SamplingParams
@@ -66,6 +66,7 @@ class ServeConfig:
     target_servers: tuple[str, ...] | None = None  # engines (URLs) that verify instead of local servers
     max_logprobs: int = 20  # the most (prompt_)logprobs per position a request may ask (-1: the whole vocabulary)
     logprobs_mode: str = "raw"  # the distribution of generated tokens' logprobs: "raw" (vLLM's default) or "processed"
+    draft_tree: str | None = None  # spend each window's drafts as a tree (dsi.trees): None / "off", "auto", "3,2,1"
 
     def __post_init__(self) -> None:
         def positive_int(v: object) -> bool:
@@ -73,6 +74,10 @@ class ServeConfig:
 
         require(self.method in METHODS, f"method={self.method!r} must be one of {', '.join(METHODS)}")
         check_lookahead(self.method, self.lookahead, self.max_window)
+        check_draft_tree(self.method, self.draft_tree)
+        if self.method == "auto" and self.draft_tree not in (None, "off"):
+            raise ConfigError(f"draft_tree={self.draft_tree!r} with method='auto': the method choice does not measure "
+                              "trees yet; serve with method 'si' or 'dsi' (--method) and the tree, or no tree")
         require(positive_int(self.num_target_servers), f"num_target_servers={self.num_target_servers!r} must be >= 1")
         require(positive_int(self.max_concurrent), f"max_concurrent={self.max_concurrent!r} must be an integer >= 1")
         require(isinstance(self.max_queue, int) and self.max_queue >= 0,

@@ -13,15 +13,16 @@ never knows which one it talks to.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
 from dsi.logprobs import LogprobRows
-from dsi.models.base import top_hint
+from dsi.models.base import common_prefix_length, top_hint
 from dsi.sampling import SamplingParams
+from dsi.trees import DraftTree
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,10 @@ class VerifyTask:
 
     Row i of the answer is the target's next-token distribution after
     ``context[: len(context) - num_rows + i + 1]``.
+
+    A *tree task* (``tree`` set, issue 24) scores a draft tree after ``context``: ``num_rows`` is
+    ``1 + len(tree)``, row 0 follows ``context`` and row ``1 + i`` follows ``context`` + node i's path
+    (:func:`dsi.models.base.tree_rows`); each row is processed with its own path as prefix.
     """
 
     task_id: int
@@ -39,6 +44,24 @@ class VerifyTask:
     prompt_len: int = 0  # how much of ``context`` is the request's prompt (penalties, min_tokens)
     stop_ids: frozenset[int] = frozenset()  # the ids that end the request (min_tokens holds them back)
     logprobs_mode: str | None = None  # also return log-probability rows in this mode (dsi.logprobs); None: no
+    tree: DraftTree | None = None  # a tree task: the tree after ``context`` (None: a chain task)
+
+    def __post_init__(self) -> None:
+        if self.tree is not None and self.num_rows != 1 + len(self.tree):
+            raise ValueError(f"a tree task of {len(self.tree)} nodes has {1 + len(self.tree)} rows, not {self.num_rows}")
+
+    @property
+    def held_context(self) -> tuple[int, ...]:
+        """What a server's session holds after the task: its context (a tree task: and the tree's main
+        path, which :func:`dsi.models.base.tree_rows` computes last)."""
+        if self.tree is None:
+            return self.context
+        return self.context + tuple(self.tree.tokens[i] for i in self.tree.main_path())
+
+    def tokens_to_compute(self, cached: Sequence[int]) -> int:
+        """How many tokens a session holding ``cached`` runs for this task (the liveness watchdog's measure)."""
+        fresh = len(self.context) - common_prefix_length(cached, self.context)
+        return fresh + (len(self.tree) if self.tree is not None else 0)
 
     @property
     def ids_only(self) -> bool:

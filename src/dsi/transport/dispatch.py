@@ -94,10 +94,10 @@ class Dispatcher:
         return task
 
     def _start(self, server: int, task: VerifyTask) -> None:
-        self.new_tokens[server] = len(task.context) - common_prefix_length(self.last_context[server], task.context)
+        self.new_tokens[server] = task.tokens_to_compute(self.last_context[server])
         self.started[server] = time.monotonic()
         self.running[server] = task
-        self.last_context[server] = task.context
+        self.last_context[server] = task.held_context
 
 
 class DispatchingPool:

@@ -1,7 +1,7 @@
 """One target server's work on one task, shared by every transport.
 
 It brings the server's session to the task's context (reusing the longest common prefix of its
-KV cache), runs one forward over the rest, and turns the logit rows into what the orchestrator
+KV cache), runs one forward over the rest (a tree task: the tree's paths, :func:`~dsi.models.base.tree_rows`), and turns the logit rows into what the orchestrator
 needs: argmax tokens (of the processed rows) always, processed probability rows only when sampling.
 """
 
@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from dsi.models.base import CancelFlag, ModelSession, forward_rows
+from dsi.models.base import CancelFlag, ModelSession, forward_rows, tree_rows
 from dsi.logprobs import LogprobRows, logprob_rows
 from dsi.sampling import greedy_tokens, process_rows
 from dsi.transport.base import TaskResult, VerifyTask
@@ -22,6 +22,8 @@ def run_verify_task(
 ) -> TaskResult:
     """Compute ``task`` on ``session``; raises ``TaskCancelled`` if ``cancel`` fires."""
     start = time.perf_counter()
+    if task.tree is not None:
+        return _run_tree_task(session, task, server_id, cancel, start)
     if task.ids_only:  # only the argmax ids leave the model (on a GPU: only they cross to the host)
         tokens = forward_rows(session, task.context, task.num_rows, cancel, greedy=True)  # [num_rows]
         return TaskResult(task.task_id, server_id, tokens, None, time.perf_counter() - start)
@@ -30,18 +32,47 @@ def run_verify_task(
     return TaskResult(task.task_id, server_id, tokens, probs, time.perf_counter() - start, logprobs)
 
 
-def read_rows(logits: np.ndarray, task: VerifyTask) -> tuple[np.ndarray, np.ndarray | None, LogprobRows | None]:
-    """What the decisions need of ``task``'s logit rows ``[num_rows, V]``: the argmax ids of the processed
-    rows, the processed laws when sampling (None when greedy: the ids say everything), and the
-    log-probability rows when the task asks for them."""
+def _run_tree_task(session: ModelSession, task: VerifyTask, server_id: int, cancel: CancelFlag | None,
+                   start: float) -> TaskResult:
+    """A tree task: every row of the tree in one :func:`~dsi.models.base.tree_rows` call, each row read with
+    its own root-to-node path as prefix (penalties and ``min_tokens`` count the path's tokens)."""
+    tree = task.tree
+    if task.ids_only:
+        tokens = tree_rows(session, task.context, tree, cancel, greedy=True)  # [1 + n]
+        return TaskResult(task.task_id, server_id, tokens, None, time.perf_counter() - start)
+    logits = tree_rows(session, task.context, tree, cancel, top=task.row_top)  # [1 + n, V]
+    tokens = np.empty(task.num_rows, dtype=np.int64)
+    probs = None if task.sampling.greedy else np.empty(logits.shape)
+    values = lse = None
+    if task.logprobs_mode is not None:
+        values, lse = np.empty(logits.shape, dtype=np.float32), np.empty(task.num_rows)
+    for path in tree.paths() or [[]]:  # each path read as the chain it is (shared rows read alike)
+        rows = [0] + [1 + node for node in path]
+        context = task.context + tuple(tree.tokens[node] for node in path)
+        got_tokens, got_probs, got_logprobs = read_rows(logits[rows], task, context)
+        tokens[rows] = got_tokens
+        if probs is not None:
+            probs[rows] = got_probs
+        if values is not None:
+            values[rows], lse[rows] = got_logprobs.values, got_logprobs.lse
+    logprobs = None if values is None else LogprobRows(values, lse)
+    return TaskResult(task.task_id, server_id, tokens, probs, time.perf_counter() - start, logprobs)
+
+
+def read_rows(logits: np.ndarray, task: VerifyTask, context: tuple[int, ...] | None = None,
+              ) -> tuple[np.ndarray, np.ndarray | None, LogprobRows | None]:
+    """What the decisions need of ``task``'s logit rows ``[num_rows, V]`` over ``context`` (default: the
+    task's): the argmax ids of the processed rows, the processed laws when sampling (None when greedy:
+    the ids say everything), and the log-probability rows when the task asks for them."""
     params = task.sampling
+    context = task.context if context is None else context
     probs = None
     if params.greedy:
-        tokens = greedy_tokens(logits, params, task.context, task.prompt_len, task.stop_ids)  # [num_rows]
+        tokens = greedy_tokens(logits, params, context, task.prompt_len, task.stop_ids)  # [num_rows]
     else:
-        probs = process_rows(logits, params, task.context, task.prompt_len, task.stop_ids)  # [num_rows, V]
+        probs = process_rows(logits, params, context, task.prompt_len, task.stop_ids)  # [num_rows, V]
         tokens = np.argmax(probs, axis=-1).astype(np.int64)
     logprobs = None
     if task.logprobs_mode is not None:
-        logprobs = logprob_rows(logits, params, task.context, task.prompt_len, task.stop_ids, task.logprobs_mode, probs)
+        logprobs = logprob_rows(logits, params, context, task.prompt_len, task.stop_ids, task.logprobs_mode, probs)
     return tokens, probs, logprobs

@@ -16,7 +16,7 @@ import pathlib
 
 import pytest
 
-from dsi.cli.args import LOOKAHEAD, Number, flag_message, input_file, output_dir, output_file
+from dsi.cli.args import DRAFT_TREE, LOOKAHEAD, Number, flag_message, input_file, output_dir, output_file
 from dsi.cli.main import build_parser
 
 PATH_TYPES = (input_file, output_file, output_dir)
@@ -115,7 +115,7 @@ def _refused(capsys, parser, argv) -> str:
 
 def test_every_flag_with_a_value_is_typed_or_a_choice_or_listed():
     unchecked = sorted({f"{' '.join(path)} {_flag(a)}" for path, _, a in FLAGS
-                        if not (isinstance(a.type, Number) or a.type in (*PATH_TYPES, LOOKAHEAD) or a.choices)
+                        if not (isinstance(a.type, Number) or a.type in (*PATH_TYPES, LOOKAHEAD, DRAFT_TREE) or a.choices)
                         and _flag(a) not in TEXT_FLAGS})
     assert not unchecked, f"flags without a checked type (use dsi.cli.args): {unchecked}"
     assert len(NUMBERS) > 80  # the walk reaches every sub-command (measure's too)
@@ -150,6 +150,18 @@ def test_lookahead_flags_take_k_or_auto(capsys, command):
         assert f"--lookahead={_shown(text)} must be an integer >= 1 or 'auto'" in err, err
     parsed = vars(root.parse_args([*base, "-k", "AUTO"]))["lookahead"]
     assert parsed in ("auto", ["auto"])
+
+
+@pytest.mark.parametrize("command", [p for p, _, a in FLAGS if a.type is DRAFT_TREE], ids=" ".join)
+def test_draft_tree_flags_take_off_auto_or_widths(capsys, command):
+    root = build_parser()
+    parser, action = next((parser, a) for p, parser, a in FLAGS if p == command and a.type is DRAFT_TREE)
+    base = _base(parser, command, action)
+    for text in ("0", "2,0", "wide", "2,,1", "1.5"):
+        err = _refused(capsys, root, [*base, f"--draft-tree={text}"])
+        assert f"--draft-tree={_shown(text)} must be off, auto, or widths per depth" in err, err
+    for text, canonical in (("AUTO", "auto"), (" 3, 2,1", "3,2,1"), ("chain", "off")):
+        assert vars(root.parse_args([*base, "--draft-tree", text]))["draft_tree"] == canonical
 
 
 PATHS = [(p, parser, a) for p, parser, a in FLAGS if a.type in PATH_TYPES]

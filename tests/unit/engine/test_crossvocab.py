@@ -542,3 +542,22 @@ def test_string_mode_proposes_within_bounded_drafter_work(drafter_fn, context):
         assert drafter_fn is not completes_the_emoji  # there the rest of the character is a target token
         return
     assert drafter_fn is completes_the_emoji and token == EMOJI_T.index(b"\x99\x82")
+
+
+@pytest.mark.parametrize("method, lookahead, tree", [("si", 3, "2,2"), ("dsi", 2, "auto")])
+def test_draft_trees_branch_through_the_intersection_and_fall_back_to_chains_in_string_mode(
+        method, lookahead, tree, no_thread_leak):
+    """String mode proposes one settled target token per position, no law over alternatives: a chain,
+    said in the stats; the intersection gives a law over target ids, so it branches."""
+    target, wrapped = written_pair("auto")
+    decoder = build_decoder(target=target, drafter=wrapped, method=method, lookahead=lookahead, draft_tree=tree)
+    try:
+        greedy = decoder.generate(make_request([0, 3], 8, GREEDY, None, 4))
+        sampled = decoder.generate(make_request([0, 3], 8, SamplingParams(temperature=1.0, seed=5), None, 4))
+    finally:
+        decoder.close()
+    assert greedy.tokens == dsi.generate(target=target, prompt=[0, 3], method="ar", max_new_tokens=8).tokens
+    assert greedy.stats.extra["draft_tree"] == "chain" and "string mode" in greedy.stats.extra["draft_tree_fallback"]
+    assert "tree_windows" not in greedy.stats.extra
+    assert sampled.stats.extra["vocab_mode"] == "intersection" and sampled.stats.extra["draft_tree"] == tree
+    assert sampled.stats.extra["tree_windows"] > 0

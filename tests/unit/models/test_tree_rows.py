@@ -98,3 +98,32 @@ def test_hf_and_llamacpp_sessions_give_each_node_its_paths_row(tmp_path):
             np.testing.assert_allclose(rows[1 + node], alone, atol=1e-3)
     finally:
         gguf.close()
+
+
+def test_a_latency_model_charges_a_tree_as_one_forward_and_a_cpu_like_one_per_token():
+    """WithLatency (GPU-like): a tree of 4 paths takes one forward's time, not one per path, with the same
+    rows; with ``token_s`` (CPU-like) the time grows with the tokens computed. Lower bounds are sleeps, so
+    exact; the upper bound has a margin of most of a forward."""
+    import time
+
+    from dsi.models.latency import WithLatency
+
+    gpu = WithLatency(CallableLM(_next_logits, VOCAB), ttft=0.0, tpot=0.2)
+    session = gpu.new_session()
+    forward_rows(session, PREFIX, 1)  # prefilled: later forwards cost tpot
+    start = time.perf_counter()
+    rows = tree_rows(session, PREFIX, TREE)
+    elapsed = time.perf_counter() - start
+    assert len(TREE.paths()) == 4 and 0.2 <= elapsed < 0.35  # one forward per path would take 0.8 s
+    np.testing.assert_array_equal(rows, tree_rows(CallableLM(_next_logits, VOCAB).new_session(), PREFIX, TREE))
+    assert session.tokens == tuple(PREFIX + TREE.path_tokens(TREE.main_path()[-1]))
+
+    cpu = WithLatency(CallableLM(_next_logits, VOCAB), ttft=0.0, tpot=0.0, token_s=0.05)
+    session = cpu.new_session()
+    forward_rows(session, PREFIX, 1)
+    start = time.perf_counter()
+    tree_rows(session, PREFIX, TREE)  # the prefix's last token again (the root row) and 6 nodes
+    assert time.perf_counter() - start >= 7 * 0.05
+    start = time.perf_counter()
+    forward_rows(session, PREFIX + [2, 6, 3, 1, 1], 1)  # 2 new tokens after the main path the tree left
+    assert 2 * 0.05 <= time.perf_counter() - start < 5 * 0.05

@@ -305,6 +305,31 @@ def test_chat_logprobs_with_top_logprobs(client, capsys, tiny_dirs, tiny_pair):
     assert plain.choices[0].logprobs is None
 
 
+def test_draft_trees_in_generate_and_serve_keep_the_target_s_greedy_text(capsys, tiny_pair, tiny_dirs):
+    """``--draft-tree`` on the hf backend (a tree's paths verified on one session) and a server started with a
+    tree: the target's own greedy tokens; the model card says which tree the slots run."""
+    from dsi.server import ServeConfig, create_app
+
+    prompt = "def fibonacci(n):"
+    ar = generate_json(capsys, tiny_dirs, "--prompt", prompt, "--max-new-tokens", "12", "--method", "ar", "--sp", "1")
+    for method, tree in (("si", "2,2"), ("dsi", "2")):  # (random tiny models are never 10% sure: auto never branches)
+        out = generate_json(capsys, tiny_dirs, "--prompt", prompt, "--max-new-tokens", "12", "--method", method,
+                            "--sp", "1" if method == "si" else "2", "--draft-tree", tree)
+        assert out["token_ids"] == ar["token_ids"], (method, tree)
+        assert out["stats"]["draft_tree"] == tree
+        # SI verifies a tree every iteration but the last (one token left: nothing to draft); DSI's windows here may
+        # all be preempted by the zero-draft tasks (the random pair agrees on almost nothing)
+        assert method == "dsi" or out["stats"]["tree_windows"] == out["stats"]["verify_tasks"] - 1
+    target, drafter = tiny_pair
+    config = ServeConfig(method="dsi", lookahead=3, model_name=MODEL, max_tokens=12, draft_tree="2")
+    with running_server(create_app(target, drafter, config)) as running:
+        body = {"prompt": prompt, "max_tokens": 12, "temperature": 0}
+        answer = httpx.post(running.url + "/v1/completions", json=body, timeout=60).json()
+        card = httpx.get(running.url + "/v1/models", timeout=10).json()["data"][0]
+    assert answer["choices"][0]["text"] == ar["text"]
+    assert card["dsi"]["draft_tree"] == "2"
+
+
 def test_the_server_reports_processed_logprobs_when_started_so(tiny_pair):
     from dsi.server import ServeConfig, create_app
 

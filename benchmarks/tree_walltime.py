@@ -1,0 +1,187 @@
+"""Tree windows against chains in wall time, on emulated latencies driven by recordings of a real pair
+(issue 24's second benchmark), greedy.
+
+**Recordings.** For each prompt of a set (code, prose), the embedded pair on llama.cpp: the target's
+greedy output, and the drafter's 8 likeliest tokens with their probabilities (softmax of its logits)
+at every position of it, from one batched forward over prompt + output.
+
+**The models** replay them (:class:`Recorded`, a ``CallableLM`` over the tokens the recording uses):
+the target's row after ``prompt + output[:i]`` has its maximum at ``output[i]``; the drafter's row
+there gives the recorded tokens their recorded probabilities. Greedy verification only walks along the
+target's output, and every side child that wins is the target's token, so every decision the engine
+takes is the real pair's; what a model says off the recording (after a rejected draft) is discarded by
+the algorithm whatever it is. Both are wrapped in ``WithLatency``:
+
+- GPU-like: every forward costs the same (target 20 ms, drafter 2 ms), a tree of n nodes what a
+  chain of n tokens costs (the memory-bound regime the paper simulates);
+- CPU-like: a target forward costs 8 ms + 3 ms per token it computes (a tree's side children cost
+  what they compute); the drafter 2 ms.
+
+**Runs**: non-SI; SI k = 5, chain and tree ``2,2,1``/``auto``; DSI with event-driven windows on SP = 2
+and 4 target servers, chain and trees ``2`` and ``auto``. Median wall time over repeats, one run per
+prompt and configuration in turn; every output is checked against the recording.
+
+    python benchmarks/tree_walltime.py --out docs/data/tree_walltime-2026-12-01.json
+
+Prints one table per cost model and prompt set, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+TOP = 8  # drafter tokens kept per position
+COST_MODELS = {
+    "gpu-like": dict(target=dict(ttft=0.020, tpot=0.020), drafter=dict(ttft=0.002, tpot=0.002)),
+    "cpu-like": dict(target=dict(ttft=0.008, tpot=0.008, token_s=0.003), drafter=dict(ttft=0.002, tpot=0.002)),
+}
+CONFIGS = [  # (label, method, lookahead, servers, draft tree)
+    ("non-SI", "ar", 1, 1, None),
+    ("SI k=5", "si", 5, 1, None),
+    ("SI k=5 tree=2,2,1", "si", 5, 1, "2,2,1"),
+    ("SI k=5 tree=auto", "si", 5, 1, "auto"),
+    ("DSI auto SP=2", "dsi", "auto", 2, None),
+    ("DSI auto SP=2 tree=2", "dsi", "auto", 2, "2"),
+    ("DSI auto SP=2 tree=auto", "dsi", "auto", 2, "auto"),
+    ("DSI auto SP=4", "dsi", "auto", 4, None),
+    ("DSI auto SP=4 tree=2", "dsi", "auto", 4, "2"),
+    ("DSI auto SP=4 tree=auto", "dsi", "auto", 4, "auto"),
+]
+
+
+def record(target, drafter, prompts: list[str], tokens: int) -> list[dict]:
+    """Per prompt: its ids, the target's greedy output, the drafter's ranked (ids, probabilities) per position."""
+    import dsi
+    from dsi.logprobs import log_softmax
+    from dsi.models.base import forward_rows
+
+    recordings = []
+    for text in prompts:
+        ids = target.encode(text)
+        out = dsi.generate(target=target, prompt=ids, method="ar", max_new_tokens=tokens).tokens
+        session = drafter.new_session()
+        rows = np.asarray(forward_rows(session, ids + out[:-1], len(out)), dtype=np.float64)  # row i: before out[i]
+        session.close()
+        logp = log_softmax(rows)
+        top = np.argsort(-rows, axis=-1, kind="stable")[:, :TOP]
+        recordings.append({"prompt": list(ids), "output": list(out), "ranked": top.tolist(),
+                           "probs": np.exp(np.take_along_axis(logp, top, axis=-1)).tolist()})
+        print(f"recorded {len(out)} tokens of {text[:40]!r}", file=sys.stderr, flush=True)
+    return recordings
+
+
+class Recorded:
+    """The target and drafter of one recording set, over a compact vocabulary (the ids it uses)."""
+
+    def __init__(self, recordings: list[dict]) -> None:
+        ids = sorted({t for r in recordings for t in (*r["prompt"], *r["output"], *np.ravel(r["ranked"]).tolist())})
+        self.index = {t: i for i, t in enumerate(ids)}
+        self.vocab = len(ids) + 1  # + one token no recording uses: what the models say off the record
+        self.target_next: dict[tuple[int, ...], int] = {}
+        self.drafter_row: dict[tuple[int, ...], np.ndarray] = {}
+        self.prompts, self.outputs = [], []
+        for r in recordings:
+            prompt = [self.index[t] for t in r["prompt"]]
+            out = [self.index[t] for t in r["output"]]
+            self.prompts.append(prompt)
+            self.outputs.append(out)
+            for i, token in enumerate(out):
+                context = tuple(prompt + out[:i])
+                self.target_next[context] = token
+                probs = np.asarray(r["probs"][i])
+                row = np.full(self.vocab, np.log(max(1.0 - probs.sum(), 1e-12) / (self.vocab - TOP)))
+                row[[self.index[t] for t in r["ranked"][i]]] = np.log(probs)
+                self.drafter_row[context] = row
+
+    def target_logits(self, context) -> np.ndarray:
+        row = np.zeros(self.vocab)
+        row[self.target_next.get(tuple(context), self.vocab - 1)] = 10.0
+        return row
+
+    def drafter_logits(self, context) -> np.ndarray:
+        row = self.drafter_row.get(tuple(context))
+        return row if row is not None else np.zeros(self.vocab)
+
+
+def run_set(recorded: Recorded, cost: dict, repeats: int) -> dict:
+    import dsi
+    from dsi.models import CallableLM, WithLatency
+
+    target = WithLatency(CallableLM(recorded.target_logits, recorded.vocab, name="recorded target"), **cost["target"])
+    drafter = WithLatency(CallableLM(recorded.drafter_logits, recorded.vocab, name="recorded drafter"),
+                          **cost["drafter"])
+    walls: dict[str, list[float]] = {label: [] for label, *_ in CONFIGS}
+    stats: dict[str, dict] = {label: {"accepted": 0, "side": 0, "forwards": 0, "tokens": 0} for label, *_ in CONFIGS}
+    for _ in range(repeats):
+        for label, method, k, servers, tree in CONFIGS:
+            total = 0.0
+            for prompt, want in zip(recorded.prompts, recorded.outputs, strict=True):
+                out = dsi.generate(target=target, drafter=None if method == "ar" else drafter, prompt=prompt,
+                                   method=method, lookahead=k, num_target_servers=servers, draft_tree=tree,
+                                   max_new_tokens=len(want))
+                if out.tokens != want:
+                    raise SystemExit(f"{label}: output departs from the recording")
+                total += out.stats.wall_time_s
+                s = stats[label]
+                s["accepted"] += out.stats.accepted_tokens
+                s["side"] += out.stats.extra.get("tree_side_accepts", 0)
+                s["forwards"] += out.stats.completed_target_forwards
+                s["tokens"] += len(want)
+            walls[label].append(total)
+    med = {label: statistics.median(v) for label, v in walls.items()}
+    return {"median_s": med, "walls": walls, "counts": stats}
+
+
+def main() -> int:
+    from dsi.cli.measure import PROMPT_SETS
+    from dsi.evaluate.bench import emit_record
+    from dsi.models.loading import load_pair
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    parser.add_argument("--drafter", default="qwen2.5-coder-0.5b-instruct")
+    parser.add_argument("--tokens", type=int, default=96)
+    parser.add_argument("--prompts", type=int, default=3, help="prompts per set")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    start = time.perf_counter()
+    target, drafter = load_pair(args.target, args.drafter, backend="llama.cpp", progress=False)
+    sets = {name: Recorded(record(target, drafter, PROMPT_SETS[name][: args.prompts], args.tokens))
+            for name in ("code", "prose")}
+    results = []
+    for cost_name, cost in COST_MODELS.items():
+        for set_name, recorded in sets.items():
+            agreement = np.mean([r == recorded.drafter_row[tuple(p + o[:i])].argmax()
+                                 for p, o in zip(recorded.prompts, recorded.outputs, strict=True)
+                                 for i, r in enumerate(o)])
+            got = run_set(recorded, cost, args.repeats)
+            results.append({"cost_model": cost_name, "cost": cost, "prompts": set_name,
+                            "drafter_agreement": float(agreement), **got})
+            med = got["median_s"]
+            print(f"\n{cost_name}, {set_name} (drafter top-1 agreement {agreement:.2f}), median of {args.repeats}:")
+            print("| configuration | wall s | vs non-SI | vs its chain | tokens / target forward | side wins |")
+            print("|---|---|---|---|---|---|")
+            for label, *_ in CONFIGS:
+                chain = label.split(" tree=")[0]
+                c = got["counts"][label]
+                print(f"| {label} | {med[label]:.3f} | {med['non-SI'] / med[label]:.2f}x | "
+                      f"{med[chain] / med[label]:.3f} | {c['tokens'] / max(c['forwards'], 1):.2f} | {c['side']} |")
+    print(f"\n{args.target} / {args.drafter} recordings (llama.cpp, greedy), {args.prompts} prompts x {args.tokens} "
+          f"tokens per set; {time.perf_counter() - start:.0f} s in all", file=sys.stderr)
+    emit_record({"benchmark": "tree_walltime", "target": args.target, "drafter": args.drafter, "tokens": args.tokens,
+                 "prompts_per_set": args.prompts, "repeats": args.repeats, "results": results}, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,127 @@
+"""Draft trees in the engines (issue 24): tree windows in SI and DSI stay exact and deterministic.
+
+The pair: a random target and, as drafter, the target's logits plus seeded noise, so the drafter's
+second and third choices are often the target's token (side children win: the trees matter).
+
+- Greedy SI and DSI with trees commit exactly non-SI's tokens, for fixed shapes and ``auto``, any k,
+  event-driven windows and SP, with penalties too, and count every token once in the stats.
+- Sampled DSI with a tree gives the same tokens for any SP, lookahead and window policy (where a
+  tree branches is a function of each position's drafter row, never of the cut).
+- Logprobs come from the row that decided each token: a side path's rows are processed with their
+  own prefix, so they equal non-SI's numbers.
+- (A drafter of another vocabulary: tests/unit/engine/test_crossvocab.py.)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import dsi
+from dsi.errors import ConfigError
+from dsi.models import CallableLM
+from tests.conftest import Jitter, random_lm
+
+VOCAB = 16
+PROMPT = [1, 2, 3]
+
+
+def noisy_pair(seed: int = 1, noise: float = 1.5):
+    target = random_lm(VOCAB, seed, sharpness=2.0)
+
+    def drafter_logits(tokens):
+        rng = np.random.default_rng([seed, len(tokens), *tokens])
+        return np.asarray(target.next_logits(tuple(tokens)), dtype=np.float64) + rng.normal(0, noise, VOCAB)
+
+    return target, CallableLM(drafter_logits, VOCAB, name="noisy target")
+
+
+def reference(target, tokens, sampling=None, logprobs=None):
+    return dsi.generate(target=target, prompt=PROMPT, method="ar", max_new_tokens=tokens, sampling=sampling,
+                        logprobs=logprobs)
+
+
+@pytest.mark.parametrize("method, tree, lookahead, servers", [
+    ("si", "2,2,1", 4, 1), ("si", "3,1,1", 3, 1), ("si", "auto", 5, 1),
+    ("dsi", "2", 1, 1), ("dsi", "3", 3, 2), ("dsi", "auto", 2, 3), ("dsi", "auto", "auto", 2), ("dsi", "2", "auto", 4),
+])
+def test_greedy_tree_windows_equal_non_si(method, tree, lookahead, servers, no_thread_leak):
+    target, drafter = noisy_pair()
+    expected = reference(target, 60).tokens
+    jt, jd = Jitter(target, 0.0015, 5), Jitter(drafter, 0.0005, 6)
+    out = dsi.generate(target=jt, drafter=jd, prompt=PROMPT, method=method, max_new_tokens=60, lookahead=lookahead,
+                       num_target_servers=servers, draft_tree=tree)
+    assert out.tokens == expected
+    stats = out.stats
+    assert stats.accepted_tokens + stats.rejections + stats.bonus_tokens == 60
+    assert stats.extra["draft_tree"] == tree and stats.extra["tree_windows"] > 0
+    assert stats.extra.get("tree_side_accepts", 0) > 0  # the drafter's second choices won somewhere
+
+
+def test_greedy_trees_with_penalties_and_stop_ids_equal_non_si(no_thread_leak):
+    """Each path's rows are processed with that path's tokens (penalties count them), on the server."""
+    target, drafter = noisy_pair(seed=4)
+    params = dsi.SamplingParams(presence_penalty=0.8, repetition_penalty=1.3, logit_bias={3: 1.0}, min_tokens=10,
+                                stop_token_ids=[7])
+    expected = dsi.generate(target=target, prompt=PROMPT, method="ar", max_new_tokens=50, sampling=params).tokens
+    for method, tree, k in (("si", "2,2,2", 4), ("dsi", "auto", 3), ("dsi", "3", "auto")):
+        out = dsi.generate(target=target, drafter=drafter, prompt=PROMPT, method=method, max_new_tokens=50,
+                           lookahead=k, draft_tree=tree, sampling=params)
+        assert out.tokens == expected, (method, tree, k)
+
+
+def test_more_side_children_commit_more_tokens_per_target_forward(no_thread_leak):
+    """Greedy SI with the same main path (depth 2) and 0, 1, 2 side children below the root: the budget k
+    grows by each side child, and so do the tokens a target forward commits."""
+    target, drafter = noisy_pair(seed=2)
+    per_forward = []
+    for tree, k in (("1,1", 2), ("2,1", 3), ("3,1", 4)):
+        out = dsi.generate(target=target, drafter=drafter, prompt=PROMPT, method="si", max_new_tokens=80, lookahead=k,
+                           draft_tree=tree)
+        per_forward.append(80 / out.stats.target_forwards)
+    assert per_forward[0] <= per_forward[1] <= per_forward[2] and per_forward[0] < per_forward[2], per_forward
+
+
+def test_sampled_dsi_with_a_tree_is_the_same_for_any_sp_lookahead_and_window_policy(no_thread_leak):
+    target, drafter = noisy_pair(seed=3)
+    params = dsi.SamplingParams(temperature=0.9, seed=11, frequency_penalty=0.3)
+    jt, jd = Jitter(target, 0.0015, 1), Jitter(drafter, 0.0005, 2)
+    for tree in ("2", "auto"):
+        outputs, side_wins = set(), 0
+        for lookahead, servers in ((1, 1), (3, 1), (3, 3), ("auto", 1), ("auto", 3)):
+            out = dsi.generate(target=jt, drafter=jd, prompt=PROMPT, method="dsi", max_new_tokens=50,
+                               lookahead=lookahead, num_target_servers=servers, draft_tree=tree, sampling=params)
+            outputs.add(tuple(out.tokens))
+            side_wins += out.stats.extra.get("tree_side_accepts", 0)
+        assert len(outputs) == 1, tree
+        assert side_wins > 0, tree
+
+
+@pytest.mark.parametrize("method, tree", [("si", "2,2"), ("dsi", "auto")])
+def test_logprobs_with_trees_equal_non_si(method, tree, no_thread_leak):
+    target, drafter = noisy_pair(seed=5)
+    params = dsi.SamplingParams(presence_penalty=0.6, repetition_penalty=1.2)
+    expected = reference(target, 40, params, logprobs=3)
+    for mode in ("raw", "processed"):
+        ar = dsi.generate(target=target, prompt=PROMPT, method="ar", max_new_tokens=40, sampling=params, logprobs=3,
+                          logprobs_mode=mode)
+        out = dsi.generate(target=target, drafter=drafter, prompt=PROMPT, method=method, max_new_tokens=40,
+                           lookahead=3, draft_tree=tree, sampling=params, logprobs=3, logprobs_mode=mode)
+        assert out.tokens == expected.tokens
+        assert out.stats.extra.get("tree_side_accepts", 0) > 0
+        for got, want in zip(out.logprobs, ar.logprobs, strict=True):
+            assert got.token == want.token and [t for t, _ in got.top] == [t for t, _ in want.top]
+            assert got.logprob == pytest.approx(want.logprob, abs=1e-9)
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(method="dsi", draft_tree="3,2"), "DSI branches position by position"),
+    (dict(method="ar", draft_tree="2"), "applies to method 'si' or 'dsi'"),
+    (dict(method="auto", draft_tree="auto"), "does not measure trees"),
+    (dict(method="si", draft_tree=3), "must be None, 'off', 'auto', widths"),
+    (dict(method="si", draft_tree="wide"), "must be off, auto, or widths"),
+])
+def test_bad_draft_trees_are_refused_naming_the_value(kwargs, fragment):
+    target, drafter = noisy_pair()
+    with pytest.raises(ConfigError, match=fragment):
+        dsi.build_decoder(target=target, drafter=drafter, **kwargs).close()
