@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The prepared run for a lent GPU machine (one H200, no registry access, nothing installed from
 # here; it needs only torch, transformers and numpy, which its image has). Fits 9 minutes of wall
-# time; parts in order of value, each with its own time limit, each writing as it goes:
+# time (60 + 210 + 230 + 40 s); parts in order of value, each with its own time limit, each writing as it goes:
 #   0. the HF backend's and the replay's tests, CUDA ones included (they skip on a CPU);
 #   a. the embedded pair (Qwen2.5-Coder 1.5B target / 0.5B drafter), its real greedy decisions
 #      replayed on random-weight models of its architectures (benchmarks/real_pair.py --replay,
@@ -14,7 +14,10 @@
 #      to 3 processes (4 copies of 29.5 GB with the driver's own) and 4 threads (one shared copy);
 #   c. every SI and DSI row of a and b carries engine/ideal (the event simulator fed by latencies
 #      measured alone in the same run), the target forward and drafter step as they ran, and the
-#      GPU's utilisation during the timed runs.
+#      GPU's utilisation during the timed runs;
+#   e. draft trees (issue 24): what verifying a tree of 4-64 nodes in one forward (the tree attention
+#      mask) costs against one token, a chain of as many tokens, and a forward per path, on the 1.5B
+#      target's architecture (benchmarks/tree_forward_cost.py).
 # Part d, the 16-core CPU question, is benchmarks/gpu_check_cpu.sh: a second run of the same length.
 #
 # Usage, from the repository root:  bash benchmarks/gpu_check.sh     (writes to $OUT or results/)
@@ -29,12 +32,14 @@ recording=benchmarks/recordings/qwen2.5-coder-code-64.json
 if [ -n "${DRY_RUN:-}" ]; then
     configs="$(mktemp -d)"
     python3 benchmarks/tiny_configs.py "$configs" || exit 1
-    device=cpu dtype=fp32 limit_tests=0 limit_a=240 limit_b=240
+    device=cpu dtype=fp32 limit_tests=0 limit_a=240 limit_b=240 limit_e=120
+    trees=(--configs-dir "$configs" --sizes 4 8 --repeats 1)
     common=(--configs-dir "$configs" --tokens 8 --prompts 2 --repeats 1)
     a_dsi=(--dsi processes:3,auto:1,2 --dsi threads:3:1) b_dsi=(--dsi processes:2:1 --dsi threads:2,auto:1,2)
     si_a=(--si-k 4) si_b=(--si-k 3)
 else
-    device=cuda:0 dtype=bf16 limit_tests=60 limit_a=230 limit_b=260
+    device=cuda:0 dtype=bf16 limit_tests=60 limit_a=210 limit_b=230 limit_e=40
+    trees=(--repeats 5)
     common=(--repeats "${REPEATS:-2}")
     a_dsi=(--dsi processes:5,auto:1,2,4 --dsi threads:5:1,2,4) b_dsi=(--dsi processes:4,auto:1,2,3 --dsi threads:4:1,2,4)
     si_a=(--si-k 4 6) si_b=(--si-k 3 5)
@@ -70,5 +75,8 @@ part() {  # part NAME LIMIT ARGS...: one real_pair.py run, cut off at LIMIT s (i
 }
 part pair "$limit_a" "${si_a[@]}" "${a_dsi[@]}" || status=1
 part target14b "$limit_b" --target-config qwen2.5-14b-instruct "${si_b[@]}" "${b_dsi[@]}" || status=1
+timeout "$limit_e" python3 benchmarks/tree_forward_cost.py --config qwen2.5-coder-1.5b-instruct --device "$device" \
+    --dtype "$dtype" "${trees[@]}" --out "$out/trees.json" 2>&1 | grep -v "Loading weights" | tee "$out/trees.log" \
+    || status=1
 echo "gpu_check exit $status"
 exit $status

@@ -173,7 +173,8 @@ def walk(tree: DraftTree, decide: Callable[[int], int], *, leaf_token: bool = Fa
 @dataclass(frozen=True)
 class Widths:
     """A fixed shape: ``widths[d]`` children below the depth-d main-path node (its main child and
-    ``widths[d] - 1`` side children, which are leaves); ``(1, 1, ...)`` is a chain."""
+    ``widths[d] - 1`` side children, which are leaves); ``(1, 1, ...)`` is a chain. One width (``"2"``)
+    is that width at every depth, as deep as the budget goes (DSI takes only this form)."""
 
     widths: tuple[int, ...]
 
@@ -250,7 +251,7 @@ def grow(shape: TreeShape, budget: int, propose: Callable[[list[int]], Proposal 
         raise ConfigError(f"budget={budget!r} must be an integer >= 1 (draft tokens per window)")
     if isinstance(shape, Dynamic):
         return _grow_dynamic(shape, budget, propose)
-    widths = (1,) * budget if shape is None else shape.widths
+    widths = (1,) * budget if shape is None else shape.widths * (budget if len(shape.widths) == 1 else 1)
     tokens: list[int] = []
     parents: list[int] = []
     node = ROOT

@@ -41,6 +41,9 @@ def test_gpu_check_dry_run_measures_every_part(tmp_path):
         assert set(report["latencies_s"]["1"]) == {"drafter", "target"}
     log = (tmp_path / "target14b.log").read_text()
     assert "vocabularies 152064 / 151936" in log and "DSI k=2 SP=1 processes" in log
+    trees = json.loads((tmp_path / "trees.json").read_text())
+    assert trees["config"] == "qwen2.5-coder-1.5b-instruct" and [r["nodes"] for r in trees["rows"]] == [4, 8]
+    assert all(r["tree_ms"] > 0 and r["paths"] == r["nodes"] // 2 + 1 for r in trees["rows"])
 
 
 def test_gpu_check_cpu_dry_run_splits_cores_between_drafter_and_servers(tmp_path):

@@ -57,6 +57,17 @@ def test_shapes_parse_from_their_names():
             parse_shape(bad)
 
 
+def test_one_width_is_that_width_at_every_depth_and_a_proposal_of_none_ends_the_path():
+    def propose(path):  # main token 10 + depth, side tokens 20.., nothing after depth 3
+        return None if len(path) >= 3 else (10 + len(path), [(20 + t, 0.1) for t in range(4)])
+
+    tree = grow(Widths((2,)), 7, propose)
+    assert [tree.depth(i) for i in range(len(tree))] == [1, 1, 2, 2, 3, 3]  # 2 children per depth, depth 3 the last
+    assert tree.path_tokens(tree.main_path()[-1]) == [10, 11, 12]
+    assert len(grow(Widths((2,)), 3, propose)) == 3 and len(grow(Widths((3, 1)), 9, propose)) == 4
+    assert len(grow(Dynamic(), 9, lambda path: None)) == 0
+
+
 def _ranked(q: np.ndarray) -> list[tuple[int, float]]:
     order = sorted(range(q.size), key=lambda t: (-q[t], t))
     return [(t, float(q[t])) for t in order]

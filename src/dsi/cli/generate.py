@@ -54,9 +54,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="with --lookahead auto: the most drafts one window carries (default: no cap)")
     g.add_argument("--draft-tree", type=DRAFT_TREE, default="off", metavar="off|auto|W,W,...",
                    help="spend each window's drafts as a tree (with --method si or dsi): 'auto' branches where the "
-                        "drafter is unsure (its next likeliest tokens with probability >= 0.1), widths such as "
-                        "2,2,1 give the children per depth below the main path (SI; DSI takes one width for every "
-                        "position, e.g. 2). Output stays exact (default off: chains)")
+                        "drafter is unsure (its next likeliest tokens with probability >= 0.1); one width such as 2 "
+                        "gives that many children at every position; widths per depth such as 3,2,1 (SI only) give "
+                        "the children below each node of the main path. Output stays exact (default off: chains)")
     g.add_argument("--sp", type=COUNT, default=None,
                    help="number of target servers (default 1); with --method auto the most DSI may use "
                         "(default: one per --target-devices entry, else 1)")

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from dsi.errors import ConfigError, ContextLengthError, ModelError, TaskCancelled
-from dsi.models.base import CancelFlag, encode_prompt
+from dsi.models.base import CancelFlag, common_prefix_length, encode_prompt, path_tree_rows
 from dsi.models.determinism import check_deterministic
 from dsi.models.hf_checkpoint import checkpoint_dir
 from dsi.models.sources import resolve_source
@@ -368,7 +368,7 @@ class HFModel:
             raise TaskCancelled("forward cancelled between layers")
 
     def _forward(self, ids: torch.Tensor, cache: Any, cancel: CancelFlag | None, num_rows: int | None = None,
-                 greedy: bool = False) -> torch.Tensor | None:
+                 greedy: bool = False, **extra: Any) -> torch.Tensor | None:
         """One forward of ``ids`` ([1, n]) after ``cache``.
 
         Returns the last ``num_rows`` logit rows as float32 on the CPU ([num_rows, V]), or with
@@ -381,7 +381,7 @@ class HFModel:
             torch.set_num_threads(self.threads)
         n = ids.shape[1]
         rows = n if num_rows is None else num_rows
-        kwargs = {self._cache_kwarg: cache}
+        kwargs = {self._cache_kwarg: cache, **extra}
         if self._keep_kwarg is not None and rows < n:
             kwargs[self._keep_kwarg] = max(rows, 1)  # 0 would mean "every row"
         self._local.cancel = cancel
@@ -399,6 +399,18 @@ class HFModel:
                                  f"of the last {rows}); its forward is numerically broken")
             return ids
         return logits.float().cpu()  # [rows, V]
+
+    @property
+    def one_forward_trees(self) -> bool:
+        """Whether a draft tree can be verified in one forward with a tree attention mask: the attention is
+        eager or sdpa (they take a custom 4D mask as it is) and every layer attends to the whole context (no
+        sliding window, whose mask a custom one would replace); not in deterministic mode (its canonical
+        cut is one token a forward)."""
+        config = self.model.config.get_text_config()
+        attention = getattr(config, "_attn_implementation", None)
+        layer_types = getattr(config, "layer_types", None) or ()
+        sliding = bool(getattr(config, "use_sliding_window", False)) or any(t != "full_attention" for t in layer_types)
+        return attention in ("eager", "sdpa") and not sliding and not self.deterministic
 
     def close(self) -> None:
         """Remove the cancellation hooks (the model itself is left to the garbage collector)."""
@@ -480,6 +492,56 @@ class HFSession:
                 self._restore(before)
                 raise
         self._tokens.extend(new)
+        return out.numpy()
+
+    def tree_rows(self, prefix: Sequence[int], tree: Any, cancel: CancelFlag | None = None, *, greedy: bool = False,
+                  top: int | None = None) -> np.ndarray:
+        """A draft tree's rows (:func:`dsi.models.base.tree_rows`) in **one forward**: the prefix's new tokens
+        and every node in one batch, each node at the position of its depth and attending to the prefix and
+        its own ancestors (a 4D attention mask, position ids by depth); then the cache keeps the prefix and
+        the main path only, as if they alone had been run. Falls back to one extension per path where the
+        model cannot take such a mask (:attr:`HFModel.one_forward_trees`)."""
+        owner = self._owner
+        if not owner.one_forward_trees or len(tree) == 0:
+            return path_tree_rows(self, prefix, tree, cancel, greedy=greedy, top=top)
+        prefix = [int(t) for t in prefix]
+        keep = min(common_prefix_length(self._tokens, prefix), len(prefix) - 1)  # the root row is computed
+        self.truncate(keep)
+        fresh = prefix[keep:]
+        new = fresh + [int(t) for t in tree.tokens]
+        bad = [t for t in new if not 0 <= t < owner.vocab_size]
+        if bad:
+            raise ConfigError(f"token ids {bad[:5]} are outside the vocabulary [0, {owner.vocab_size}) of {owner.name}")
+        depth = max(tree.depth(i) for i in range(len(tree)))
+        if owner.max_context is not None and len(prefix) + depth > owner.max_context:
+            raise ContextLengthError(f"{len(prefix) + depth} tokens exceed max_context={owner.max_context} of "
+                                     f"{owner.name}")
+        if cancel is not None and cancel.is_set():
+            raise TaskCancelled("forward cancelled before it started")
+        q, n = len(new), len(tree)
+        allowed = np.zeros((q, keep + q), dtype=bool)  # [q, kv]: query i may attend to key j
+        allowed[:, :keep] = True
+        allowed[: len(fresh), keep: keep + len(fresh)] = np.tril(np.ones((len(fresh), len(fresh)), dtype=bool))
+        allowed[len(fresh):, keep: keep + len(fresh)] = True  # every node sees the whole prefix
+        allowed[len(fresh):, keep + len(fresh):] = tree.attention_mask()  # and itself and its ancestors
+        positions = list(range(keep, len(prefix))) + tree.positions(len(prefix)).tolist()
+        main = [len(prefix) + i for i in tree.main_path()]  # where the main path's nodes land in the cache
+        with torch.inference_mode(), self._on_stream():
+            dtype = owner.model.dtype
+            mask = torch.zeros((1, 1, q, keep + q), dtype=dtype, device=owner.device)
+            mask.masked_fill_(torch.from_numpy(~allowed).to(owner.device), torch.finfo(dtype).min)
+            ids = torch.tensor([new], dtype=torch.long, device=owner.device)  # [1, q]
+            try:
+                out = owner._forward(ids, self._cache, cancel, 1 + n, greedy, attention_mask=mask,
+                                     position_ids=torch.tensor([positions], dtype=torch.long, device=owner.device))
+            except BaseException:
+                self._restore(keep)
+                raise
+            index = torch.tensor(list(range(len(prefix))) + main, dtype=torch.long, device=owner.device)
+            for layer in self._cache.layers:  # keep the prefix and the main path, in order
+                layer.keys = layer.keys.index_select(-2, index)
+                layer.values = layer.values.index_select(-2, index)
+        self._tokens = prefix + [int(tree.tokens[i]) for i in tree.main_path()]
         return out.numpy()
 
     def truncate(self, length: int) -> None:

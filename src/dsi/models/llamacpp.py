@@ -51,6 +51,7 @@ N_BATCH = 512  # tokens per llama_decode call
 # tokens (docs/results.md section 11)
 DETERMINISTIC_DEFAULT = False
 _ABORTED = 2  # llama_decode's return code after the abort callback said stop
+MAX_TREE_PATHS = 16  # root-to-leaf paths of a draft tree verified in one forward (more: one forward per path)
 
 _init_lock = threading.Lock()
 _initialised = False
@@ -227,7 +228,10 @@ class LlamaCppSession:
         params = ll.llama_context_default_params()
         params.n_ctx = owner.n_ctx
         params.n_batch = params.n_ubatch = min(N_BATCH, owner.n_ctx)
-        params.n_seq_max = 1
+        # sequence 0 is the session's text; 1.. are a draft tree's paths during one tree forward (tree_rows):
+        # one unified KV cache, so a cell may belong to several sequences (a prefix shared by every path)
+        params.n_seq_max = 1 + MAX_TREE_PATHS
+        params.kv_unified = True
         # llama.cpp's own default is a fixed 4 threads; None here means every core, as for torch
         params.n_threads = params.n_threads_batch = owner.threads or os.cpu_count() or 1
         params.no_perf = True
@@ -241,7 +245,7 @@ class LlamaCppSession:
         self._threads = owner.threads
         self._tokens: list[int] = []
         self._cancel: CancelFlag | None = None
-        self._batch = ll.llama_batch_init(self._n_batch, 0, 1)
+        self._batch = ll.llama_batch_init(self._n_batch, 0, 1 + MAX_TREE_PATHS)  # a token may be in every sequence
         self._abort = ll.ggml_abort_callback(self._should_abort)  # kept alive with the session
         ll.llama_set_abort_callback(ctx, self._abort, ctypes.c_void_p())
         self._closed = False
@@ -293,14 +297,7 @@ class LlamaCppSession:
                 chunk = new[offset: offset + step]
                 self._decode(chunk, start + offset, first_row - offset)
                 for i in range(max(0, first_row - offset), len(chunk)):
-                    row = np.ctypeslib.as_array(self._ll.llama_get_logits_ith(self._ctx, i), shape=(vocab,))
-                    r = offset + i - first_row
-                    if greedy:
-                        if np.isnan(row).any():
-                            raise ModelError(f"{self._owner.name} returned NaN logits")
-                        out[r] = int(np.argmax(row))
-                    else:
-                        out[r] = row
+                    self._read_row(i, out, offset + i - first_row, greedy)
                 self._tokens.extend(chunk)
         except BaseException:
             self._remove_from(start)  # exactly as before the call
@@ -308,6 +305,16 @@ class LlamaCppSession:
         finally:
             self._cancel = None
         return out
+
+    def _read_row(self, i: int, out: np.ndarray, r: int, greedy: bool) -> None:
+        """Row ``i`` of the last decode into ``out[r]``: the logits, or with ``greedy`` their argmax."""
+        row = np.ctypeslib.as_array(self._ll.llama_get_logits_ith(self._ctx, i), shape=(self._owner.vocab_size,))
+        if not greedy:
+            out[r] = row
+        elif np.isnan(row).any():
+            raise ModelError(f"{self._owner.name} returned NaN logits")
+        else:
+            out[r] = int(np.argmax(row))
 
     def _decode(self, chunk: list[int], position: int, first_row: int) -> None:
         batch = self._batch
@@ -324,6 +331,80 @@ class LlamaCppSession:
         if code != 0:
             raise ModelError(f"llama_decode failed with code {code} on {self._owner.name} "
                              f"({len(chunk)} tokens at position {position})")
+
+    def tree_rows(self, prefix: Sequence[int], tree: Any, cancel: CancelFlag | None = None, *, greedy: bool = False,
+                  top: int | None = None) -> np.ndarray:
+        """A draft tree's rows (:func:`dsi.models.base.tree_rows`) in **one** ``llama_decode``: sequence 0 is
+        the session's text (the prefix, then the main path), and each root-to-leaf path is a sequence of its
+        own (1..P) that shares the prefix's cells (``llama_memory_seq_cp``) and holds its own nodes, each
+        node in every path through it, at the position of its depth; llama.cpp's mask lets a token see
+        only cells of its own sequences at earlier positions, so a node attends to the prefix and its
+        ancestors. Afterwards sequences 1..P are removed: the cache keeps the prefix and the main path.
+        Falls back to one extension per path in deterministic mode (one token a forward), for a tree of
+        more than :data:`MAX_TREE_PATHS` paths, or one larger than a batch."""
+        from dsi.models.base import common_prefix_length, path_tree_rows
+
+        paths = tree.paths()
+        prefix = [int(t) for t in prefix]
+        keep = min(common_prefix_length(self._tokens, prefix), len(prefix) - 1)
+        fresh = prefix[keep:]
+        if (self._owner.deterministic or not paths or len(paths) > MAX_TREE_PATHS
+                or len(fresh) + len(tree) > self._n_batch):
+            return path_tree_rows(self, prefix, tree, cancel, greedy=greedy, top=top)
+        vocab = self._owner.vocab_size
+        bad = [t for t in [*fresh, *tree.tokens] if not 0 <= int(t) < vocab]
+        if bad:
+            raise ConfigError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        depth = max(len(path) for path in paths)
+        if len(prefix) + depth > self._owner.n_ctx or keep + len(fresh) + len(tree) > self._owner.n_ctx:
+            raise ContextLengthError(f"a tree of {len(tree)} nodes after {len(prefix)} tokens exceeds "
+                                     f"n_ctx={self._owner.n_ctx} of {self._owner.name}")
+        self.truncate(keep)
+        main = set(tree.main_path())
+        seqs: list[list[int]] = [[] for _ in range(len(tree))]  # the sequences each node belongs to
+        for p, path in enumerate(paths, 1):
+            for node in path:
+                seqs[node].append(p)
+        ll, batch = self._ll, self._batch
+        for p in range(1, len(paths) + 1):  # every path sees the kept prefix
+            ll.llama_memory_seq_cp(self._memory, 0, p, -1, -1)
+        every = list(range(len(paths) + 1))
+        entries = [(t, keep + i, every) for i, t in enumerate(fresh)]  # the prefix's rest is in every sequence
+        entries += [(int(tree.tokens[i]), len(prefix) - 1 + tree.depth(i), ([0] if i in main else []) + seqs[i])
+                    for i in range(len(tree))]
+        batch.n_tokens = len(entries)
+        for i, (token, position, ids) in enumerate(entries):
+            batch.token[i] = token
+            batch.pos[i] = position
+            batch.n_seq_id[i] = len(ids)
+            for j, seq in enumerate(ids):
+                batch.seq_id[i][j] = seq
+            batch.logits[i] = i >= len(fresh) - 1  # the root row (after the prefix) and every node
+        self._cancel = cancel
+        try:
+            if cancel is not None and cancel.is_set():
+                raise TaskCancelled("forward cancelled")
+            code = ll.llama_decode(self._ctx, batch)
+            if code == _ABORTED:
+                raise TaskCancelled("forward cancelled")
+            if code != 0:
+                raise ModelError(f"llama_decode failed with code {code} on {self._owner.name} (a tree of "
+                                 f"{len(tree)} nodes after {len(prefix)} tokens)")
+            out = np.empty(1 + len(tree), np.int64) if greedy else np.empty((1 + len(tree), vocab), np.float32)
+            for r in range(1 + len(tree)):
+                self._read_row(len(fresh) - 1 + r, out, r, greedy)
+        except BaseException:
+            for p in range(1, len(paths) + 1):
+                ll.llama_memory_seq_rm(self._memory, p, -1, -1)
+            self._tokens[keep:] = fresh  # what sequence 0 may hold now; then drop it back to the kept prefix
+            self._remove_from(keep)
+            raise
+        finally:
+            self._cancel = None
+        for p in range(1, len(paths) + 1):
+            ll.llama_memory_seq_rm(self._memory, p, -1, -1)
+        self._tokens = prefix + [int(tree.tokens[i]) for i in tree.main_path()]
+        return out
 
     def _remove_from(self, length: int) -> None:
         if not self._ll.llama_memory_seq_rm(self._memory, 0, length, -1):

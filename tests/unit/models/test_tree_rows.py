@@ -127,3 +127,121 @@ def test_a_latency_model_charges_a_tree_as_one_forward_and_a_cpu_like_one_per_to
     start = time.perf_counter()
     forward_rows(session, PREFIX + [2, 6, 3, 1, 1], 1)  # 2 new tokens after the main path the tree left
     assert 2 * 0.05 <= time.perf_counter() - start < 5 * 0.05
+
+
+@pytest.mark.parametrize("family, attention", [("llama", "sdpa"), ("llama", "eager"), ("gpt2", "sdpa")])
+def test_hf_verifies_a_tree_in_one_forward_and_keeps_exactly_the_main_path(family, attention):
+    """A 4D tree mask with position ids by depth: one model forward for the whole tree (from a warm session
+    that holds part of the prefix), every row its path's row, and afterwards the cache of the prefix and
+    the main path only: the same keys and values as a fresh session that ran just those, and the same next
+    rows. A cancelled tree forward leaves the session as it was up to the prefix it kept."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import torch
+
+    from dsi.errors import TaskCancelled
+    from dsi.models.hf import HFModel
+    from tests.unit.models.test_hf import MODELS, reference
+
+    raw = MODELS[family]()
+    raw.config._attn_implementation = attention
+    model = HFModel(raw)
+    assert model.one_forward_trees
+    assert not HFModel(raw, deterministic=True).one_forward_trees  # the canonical cut: one token a forward
+    calls = []
+    hook = raw.register_forward_pre_hook(lambda module, args: calls.append(1))
+    session = model.new_session()
+    forward_rows(session, PREFIX[:3] + [9, 9], 1)  # a cache that shares 3 prefix tokens
+    calls.clear()
+    rows = tree_rows(session, PREFIX, TREE)
+    assert len(calls) == 1  # one forward for the prefix's rest and all 6 nodes
+    for node in [ROOT, *range(len(TREE))]:
+        path = [] if node == ROOT else TREE.path_tokens(node)
+        np.testing.assert_allclose(rows[0 if node == ROOT else 1 + node], reference(raw, PREFIX + path)[-1],
+                                   atol=1e-5)
+    kept = PREFIX + TREE.path_tokens(TREE.main_path()[-1])
+    assert session.tokens == tuple(kept)
+    fresh = model.new_session()
+    forward_rows(fresh, kept, 1)
+    for mine, theirs in zip(session._cache.layers, fresh._cache.layers, strict=True):
+        torch.testing.assert_close(mine.keys, theirs.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(mine.values, theirs.values, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(forward_rows(session, kept + [4, 2], 2), forward_rows(fresh, kept + [4, 2], 2),
+                               atol=1e-5)
+    greedy = tree_rows(model.new_session(), PREFIX, TREE, greedy=True)
+    assert greedy.tolist() == np.argmax(rows, axis=-1).tolist()
+    hook.remove()
+
+    class CancelAfterFirstLayer:
+        def __init__(self):
+            self.checks = 0
+
+        def is_set(self):
+            self.checks += 1
+            return self.checks > 2
+
+    session = model.new_session()
+    forward_rows(session, PREFIX, 1)
+    with pytest.raises(TaskCancelled):
+        tree_rows(session, PREFIX, TREE, CancelAfterFirstLayer())
+    assert session.tokens == tuple(PREFIX[:-1])  # the kept prefix (its last token is run again for the root row)
+    np.testing.assert_allclose(forward_rows(session, PREFIX, 1)[0], reference(raw, PREFIX)[-1], atol=1e-5)
+
+
+def test_llamacpp_verifies_a_tree_in_one_decode_with_a_sequence_per_path(tmp_path):
+    """One ``llama_decode`` for the prefix's rest and every node (each path a sequence of its own sharing the
+    prefix's cells); afterwards only sequence 0 is left, holding the prefix and the main path: the next rows
+    are a fresh session's. A cancel restores the kept prefix. Deterministic mode goes path by path."""
+    pytest.importorskip("llama_cpp")
+    from dsi.errors import TaskCancelled
+    from dsi.models.llamacpp import LlamaCppModel
+    from tests.tiny_gguf import write_tiny_gguf
+
+    path, _, _ = write_tiny_gguf(tmp_path / "m.gguf", seed=4, layers=2)
+    gguf = LlamaCppModel(path, threads=1)
+    try:
+        session = gguf.new_session()
+        forward_rows(session, PREFIX[:2] + [9], 1)  # a warm cache sharing 2 prefix tokens
+        decodes = []
+        real = session._ll.llama_decode
+
+        class Counting:  # the session's binding with llama_decode counted
+            def __getattr__(self, name):
+                return getattr(session._ll_real, name)
+
+            def llama_decode(self, ctx, batch):
+                decodes.append(batch.n_tokens)
+                return real(ctx, batch)
+
+        session._ll_real, session._ll = session._ll, Counting()
+        rows = tree_rows(session, PREFIX, TREE)
+        assert decodes == [len(PREFIX) - 2 + len(TREE)]  # one decode: 3 prefix tokens and 6 nodes
+        session._ll = session._ll_real
+        for node in [ROOT, *range(len(TREE))]:
+            tokens = PREFIX + ([] if node == ROOT else TREE.path_tokens(node))
+            np.testing.assert_allclose(rows[0 if node == ROOT else 1 + node],
+                                       forward_rows(gguf.new_session(), tokens, 1)[0], atol=1e-3)
+        kept = PREFIX + TREE.path_tokens(TREE.main_path()[-1])
+        assert session.tokens == tuple(kept)
+        np.testing.assert_allclose(forward_rows(session, kept + [4, 2], 2),
+                                   forward_rows(gguf.new_session(), kept + [4, 2], 2), atol=1e-3)
+        assert tree_rows(gguf.new_session(), PREFIX, TREE, greedy=True).tolist() == np.argmax(rows, -1).tolist()
+
+        class Cancelled:
+            def is_set(self):
+                return True
+
+        session = gguf.new_session()
+        forward_rows(session, PREFIX, 1)
+        with pytest.raises(TaskCancelled):
+            tree_rows(session, PREFIX, TREE, Cancelled())
+        assert session.tokens == tuple(PREFIX[:-1])
+        np.testing.assert_allclose(forward_rows(session, PREFIX, 1)[0], forward_rows(gguf.new_session(), PREFIX, 1)[0],
+                                   atol=1e-3)
+        gguf.deterministic = True  # the canonical cut (path by path, one token a forward): bitwise a fresh run's rows
+        rows = tree_rows(gguf.new_session(), PREFIX, TREE)
+        for node in range(len(TREE)):
+            np.testing.assert_array_equal(rows[1 + node],
+                                          forward_rows(gguf.new_session(), PREFIX + TREE.path_tokens(node), 1)[0])
+    finally:
+        gguf.close()
