@@ -107,7 +107,7 @@ def test_logprobs_from_remote_servers_equal_those_of_threads(transport, no_threa
     assert runs[transport].logprobs == runs["threads"].logprobs and len(runs["threads"].logprobs) == 24
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", ["processes", pytest.param("ray", marks=[pytest.mark.ray, pytest.mark.slow])])
 def test_tree_windows_travel_to_remote_servers(transport, no_thread_leak):
     """Tree tasks (issue 24) are pickled with their tree and each path's rows are processed on the server:
     the same tokens and logprobs as threads, greedy and sampled."""

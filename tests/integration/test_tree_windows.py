@@ -125,3 +125,38 @@ def test_bad_draft_trees_are_refused_naming_the_value(kwargs, fragment):
     target, drafter = noisy_pair()
     with pytest.raises(ConfigError, match=fragment):
         dsi.build_decoder(target=target, drafter=drafter, **kwargs).close()
+
+
+@pytest.mark.parametrize("method, tree, lookahead", [("dsi", "2", 3), ("dsi", "3", "auto"), ("dsi", "auto", 1),
+                                                    ("si", "2", 5), ("si", "2", 4)])
+def test_the_event_simulator_takes_the_engines_tree_decisions(method, tree, lookahead, no_thread_leak):
+    """The event simulator with rescues (a rejection whose correction is one of its position's side
+    children, read off the models) makes the engine's decisions: the same accepted drafts, rejections and
+    side wins, which depend on the tokens only (SI: the tree "2", and the same number of verifications)."""
+    from dsi.engine.trees import draft_with_alternatives
+    from dsi.sim.events import simulate
+    from dsi.trees import parse_shape
+
+    target, drafter = noisy_pair(seed=6)
+    out = reference(target, 60).tokens
+    shape = parse_shape(tree)
+    greedy = dsi.SamplingParams()
+    matches, rescues = [], []
+    for p, token in enumerate(out):
+        context = PROMPT + out[:p]
+        main, _, ranked = draft_with_alternatives(np.asarray(drafter.next_logits(tuple(context))), greedy,
+                                                  len(context), None, 3)
+        matches.append(main == token)
+        rescues.append(token in shape.sides(main, ranked))
+    engine = dsi.generate(target=target, drafter=drafter, prompt=PROMPT, method=method, max_new_tokens=60,
+                          lookahead=lookahead, num_target_servers=2 if method == "dsi" else None,
+                          draft_tree=tree).stats
+    sim = simulate(method, target_tpot=1.0, drafter_tpot=0.1, lookahead=lookahead, num_servers=2,
+                   matches=matches, rescues=rescues).runs[0]
+    assert sim.side_wins == engine.extra.get("tree_side_accepts", 0) > 0
+    assert (sim.accepted, sim.rejections) == (engine.accepted_tokens, engine.rejections)
+    if method == "si":
+        assert sim.tasks == engine.verify_tasks
+    chain = simulate(method, target_tpot=1.0, drafter_tpot=0.1, lookahead=lookahead, num_servers=2,
+                     matches=matches).runs[0]
+    assert chain.rejections > sim.rejections and chain.side_wins == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dsi.cli.args import COUNT, Number, output_file
+from dsi.cli.args import COUNT, DRAFT_TREE, Number, output_file
 from dsi.errors import ConfigError
 
 
@@ -27,6 +27,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--windows", action="store_true",
                    help="compare DSI's window policies instead: every fixed k in 1..10 and event-driven "
                         "windows (--lookahead auto), with the best fixed k and k = 5 as references")
+    p.add_argument("--draft-tree", type=DRAFT_TREE, default="off", metavar="off|auto|W",
+                   help="SI and DSI with their windows as draft trees of this shape (auto, or one width for every "
+                        "position such as 2; not with --windows). The synthetic drafter's second choices are random, "
+                        "so this measures what a tree costs where its side children rarely win (default off)")
     p.add_argument("--tokens", type=Number(int, 2), default=100, help="new tokens per generation (default 100)")
     p.add_argument("--repeats", type=COUNT, default=3, help="runs per method; medians are reported (default 3)")
     p.add_argument("--out", type=output_file, metavar="FILE", help="also write the JSON report to this file")
@@ -67,11 +71,20 @@ def run(args: argparse.Namespace) -> int:
     from dsi.cli.output import format_table
 
     if args.windows:
+        if args.draft_tree != "off":
+            raise ConfigError(f"--draft-tree={args.draft_tree} compares trees with chains at each scenario's k; "
+                              "--windows compares window policies of chains: use one or the other")
         return run_windows(args)
     unknown = [n for n in args.scenario or [] if n not in SCENARIOS]
     if unknown:
         raise ConfigError(f"--scenario {unknown[0]} needs --windows; without it: {', '.join(SCENARIOS)}")
-    report = _collect(args, SCENARIOS, run_scenario, runs_per_scenario=3, desc="bench")
+    if args.draft_tree != "off":
+        from dsi.engine.api import check_draft_tree
+
+        check_draft_tree("dsi", args.draft_tree)  # a shape DSI takes too, before anything runs
+    tree = None if args.draft_tree == "off" else args.draft_tree
+    report = _collect(args, SCENARIOS, lambda *a, **kw: run_scenario(*a, **kw, draft_tree=tree), runs_per_scenario=3,
+                      desc="bench")
     if report is None:
         return 0
     rows = report["results"]
@@ -87,6 +100,9 @@ def run(args: argparse.Namespace) -> int:
             r["acceptance_rate"], r["dsi_preempted_tasks"], "yes" if r["identical_outputs"] else "NO",
         ])
     print(format_table(headers, table))
+    if tree is not None:
+        print(f"SI and DSI with draft tree {tree} (side children that won in DSI: "
+              f"{', '.join(str(r['dsi_tree_side_accepts']) for r in rows)})")
     print(f"\n{args.tokens} new tokens, median of {args.repeats} runs per method; "
           "speedups are wall-time ratios (higher is better for DSI); DSI/ideal: lower is better, 1.0 = no overhead.")
     return 0

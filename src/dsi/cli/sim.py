@@ -455,6 +455,10 @@ def _register_plan(subparsers) -> None:
         type=input_file,
         help="JSON from dsi measure (latency or acceptance); repeatable",
     )
+    p.add_argument("--side-rescue", type=PROBABILITY, default=None, metavar="R",
+                   help="also compare draft trees with chains (SI and DSI): R is the chance that a rejected draft's "
+                        "correction is the drafter's second choice there (what a side child would rescue); "
+                        "the embedded pair's recordings give 0.46 on prose, 0.77 on code (docs/results.md section 15)")
     p.add_argument("--max-servers", type=COUNT, default=7, help="target servers available (default 7)")
     p.add_argument("--max-lookahead", type=COUNT, default=20, help="largest lookahead to consider (default 20)")
     p.add_argument("--tokens", type=COUNT, default=200, help="tokens per simulated request (default 200)")
@@ -483,6 +487,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         tokens=args.tokens,
         repeats=args.repeats,
         seed=args.seed,
+        side_rescue=args.side_rescue,
     )
     if args.json:
         print_json(plan.to_dict())
@@ -522,4 +527,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print("per number of target servers (fixed k: the best candidate with exactly that many servers):")
     print(format_table(["servers", "best k", "ms/token", "event-driven ms/token", "window", "fixed/event",
                         "better"], rows))  # fmt: skip
+    t = plan.trees
+    if t is not None:
+        print(f"\ndraft trees, with {t.side_rescue:.2f} of rejections rescued by a side child (forwards cost the same "
+              "whatever their tokens, as on a memory-bound GPU):")
+        print(format_table(["method", "chain ms/token", "tree ms/token", "chain/tree"], [
+            [f"SI (k={t.si_chain[0]} / tree \"2\" k={t.si_tree[0]})", t.si_chain[1], t.si_tree[1], f"{t.si_gain:.3f}"],
+            [f"DSI event-driven (SP={t.dsi_chain[0]} / SP={t.dsi_tree[0]})", t.dsi_chain[1], t.dsi_tree[1],
+             f"{t.dsi_gain:.3f}"]]))
     return 0

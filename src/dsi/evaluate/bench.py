@@ -154,9 +154,10 @@ def ideal_dsi_seconds(scenario: Scenario, tokens: int, ar_seconds: float, patter
 
 def run_scenario(
     scenario: Scenario, tokens: int = 100, repeats: int = 3, seed: int = 0,
-    progress: Callable[[], None] | None = None,
+    progress: Callable[[], None] | None = None, draft_tree: str | None = None,
 ) -> dict:
-    """Run non-SI, SI and DSI on ``scenario``; return medians, ratios and DSI/ideal."""
+    """Run non-SI, SI and DSI on ``scenario``; return medians, ratios and DSI/ideal. ``draft_tree``: SI
+    and DSI windows as draft trees of that shape (:mod:`dsi.trees`; the ideal stays the chain's)."""
     target, drafter = synthetic_pair(
         scenario.acceptance, vocab_size=64, seed=seed,
         target_tpot=scenario.target_ms / 1000, drafter_tpot=scenario.drafter_ms / 1000,
@@ -170,6 +171,7 @@ def run_scenario(
             out = generate(
                 target=target, drafter=drafter, prompt=prompt, method=method, max_new_tokens=tokens,
                 lookahead=scenario.lookahead, num_target_servers=scenario.servers,
+                draft_tree=None if method == "ar" else draft_tree,
             )
             walls[method].append(out.stats.wall_time_s)
             outputs[method] = out.tokens
@@ -196,6 +198,9 @@ def run_scenario(
         "dsi_preempted_tasks": dsi_stats.preempted_tasks,
         "dsi_wasted_target_s": dsi_stats.wasted_target_s,
         "dsi_target_utilisation": dsi_stats.target_utilisation,
+        "draft_tree": draft_tree or "off",
+        "dsi_tree_windows": dsi_stats.extra.get("tree_windows", 0),
+        "dsi_tree_side_accepts": dsi_stats.extra.get("tree_side_accepts", 0),
     }
 
 

@@ -108,6 +108,7 @@ class RunStats:
     queue_wait: float
     servers_used: int
     mean_window: float = 0.0  # drafts per verification window (zero-draft tasks excluded)
+    side_wins: int = 0  # draft trees (DSI): rejections a side child rescued
 
 
 @dataclass(frozen=True)
@@ -314,8 +315,10 @@ class _DSIRun:
         preempt_delay: float,
         max_window: int | None = None,
         noise: _Noise | None = None,
+        rescues: np.ndarray | None = None,
     ) -> None:
         self.matches = matches
+        self.rescues = rescues  # draft trees: a rejection at p whose correction is one of p's side children
         self.n = len(matches)
         self.k = k  # None: the event-driven policy
         self.max_window = max_window
@@ -351,6 +354,7 @@ class _DSIRun:
         self.queue_wait = 0.0
         self.window_count = 0  # verification windows sent (zero-draft tasks excluded)
         self.window_drafts = 0  # positions they verify, summed
+        self.side_wins = 0  # draft trees: rejections a side child rescued
         self.pacer = WindowPacer()  # the event-driven policy's estimates, fed as the engine feeds its own
 
     def push(self, time: float, priority: int, payload) -> None:
@@ -387,6 +391,7 @@ class _DSIRun:
             queue_wait=self.queue_wait,
             servers_used=len(self.servers),
             mean_window=self.window_drafts / self.window_count if self.window_count else 0.0,
+            side_wins=self.side_wins,
         )
 
     # -- epochs --
@@ -453,7 +458,7 @@ class _DSIRun:
             while True:
                 index = len(self.windows)
                 first, last = (index - 1) * k + 1, index * k
-                if self.drafts >= last:
+                if self.drafts >= last + self._tree_wait():
                     if first > self.n - 1 - self.base:
                         break  # it would decide only positions past the end (k = 1): not sent
                     self.submit(index, now, last)
@@ -472,7 +477,7 @@ class _DSIRun:
         while True:
             idle = self.unlimited or any(server.task is None for server in self.servers)
             last = window_end(
-                self.lasts[-1] + 1, self.drafts, horizon, idle_servers=int(idle),
+                self.lasts[-1] + 1, self.drafts - self._tree_wait(), horizon, idle_servers=int(idle),
                 min_window=self.pacer.min_window(servers), max_window=self.max_window,
                 drafter_done=self.drafter_done,
                 in_flight=sum(task.state in ("queued", "running") for task in self.windows.values()),
@@ -480,6 +485,11 @@ class _DSIRun:
             if last is None:
                 return  # every server busy (drafts pile up), or too few drafts yet
             self.submit(len(self.lasts), now, last, self.idle_server())
+
+    def _tree_wait(self) -> int:
+        """Draft trees: a window also carries its last position's side children, so it waits for that
+        position's draft too (1), unless the drafter is done (0); chains: 0."""
+        return int(self.rescues is not None and not self.drafter_done)
 
     def submit(self, index: int, now: float, last: int = 0, server: int | None = None) -> None:
         """Send window ``index`` (context = base + ``last`` drafts; 0: the zero-draft task)."""
@@ -572,7 +582,13 @@ class _DSIRun:
                 if self.committed >= self.n:
                     self.finished_at = now
                 continue
-            self.rejections += 1
+            if self.rescues is not None and r > 0 and self.rescues[position]:
+                # a side child won: the target's own token after it is in the same result (engine.dsi)
+                self.side_wins += 1
+                self.accepted += 1
+                self.committed = min(self.committed + 1, self.n)
+            else:
+                self.rejections += 1
             if self.committed >= self.n:
                 self.finished_at = now
                 return
@@ -588,8 +604,14 @@ def _si_run(
     drafter_ttft: float,
     drafter_tpot: float,
     noise: _Noise | None = None,
+    rescues: np.ndarray | None = None,
 ) -> RunStats:
+    """SI; with ``rescues``, each iteration's ``kk`` drafts are the tree ``"2"`` (two children at every depth,
+    :class:`dsi.trees.Widths`): ``ceil(kk / 2)`` main drafts (one drafter forward each), a side child beside
+    each of the first ``kk // 2``; a first rejection at a position with a side child that rescues it commits
+    the side child and the target's token after it (the walk ends on that leaf)."""
     n = len(matches)
+    side_wins = 0
     now = 0.0
     busy = 0.0
     i = 0
@@ -598,6 +620,9 @@ def _si_run(
     windows = window_drafts = 0
     while i < n:
         kk = min(k, n - 1 - i)
+        sides = kk // 2 if rescues is not None else 0  # depths 0 .. sides - 1 have a side child
+        if rescues is not None:
+            kk = (kk + 1) // 2  # the main path of the tree
         for _ in range(kk):
             now += drafter_tpot if drafter_warm else drafter_ttft
             drafter_warm = True
@@ -616,8 +641,13 @@ def _si_run(
         if misses.size:
             j = int(misses[0])
             accepted += j
-            rejections += 1
-            i += j + 1
+            if j < sides and rescues[i + j]:
+                side_wins += 1
+                accepted += 1
+                i += j + 2
+            else:
+                rejections += 1
+                i += j + 1
         else:
             accepted += kk
             full += kk == k
@@ -635,6 +665,7 @@ def _si_run(
         queue_wait=0.0,
         servers_used=1,
         mean_window=window_drafts / windows if windows else 0.0,
+        side_wins=side_wins,
     )
 
 
@@ -671,6 +702,7 @@ def simulate(
     preempt_delay: float = 0.0,
     max_window: int | None = None,
     latency_cv: float = 0.0,
+    rescues: Sequence[bool] | Sequence[Sequence[bool]] | np.ndarray | None = None,
 ) -> EventSimResult:
     """Simulate ``method`` ("dsi", "si" or "ar") in the model of time of this module.
 
@@ -685,6 +717,14 @@ def simulate(
     needs a ``k``, non-SI ignores it). ``latency_cv > 0`` multiplies every target forward by an
     independent lognormal factor of mean 1 and that coefficient of variation (per repeat, a
     generator spawned from ``np.random.default_rng(seed)``).
+
+    ``rescues`` (draft trees): patterns like ``matches`` (one per run),
+    ``rescues[p]`` True iff a rejection at ``p`` has a correction that is one of ``p``'s side children.
+    Such a rejection, unless at an epoch's first position (decided by the zero-draft task, which carries
+    no tree), commits the correction and the target's next token at once and then restarts; and every
+    window waits for its last position's draft (it carries that position's side children). SI spends its
+    ``k`` drafts as the tree ``"2"`` (see :func:`_si_run`). Side children cost nothing on the target (a
+    forward costs its TPOT whatever its tokens).
     """
     if method not in METHODS:
         raise ConfigError(f"method={method!r} must be one of {', '.join(METHODS)}")
@@ -719,16 +759,28 @@ def simulate(
         patterns = [np.ones(n, dtype=bool)] * repeats
     else:
         n, patterns = _patterns(tokens, acceptance, matches, repeats, seed)
+    side_patterns: list[np.ndarray | None] = [None] * len(patterns)
+    if rescues is not None:
+        if method == "ar":
+            raise ConfigError("rescues apply to methods 'dsi' and 'si' (draft trees), not 'ar'")
+        side_patterns = _as_patterns(rescues)
+        if len(side_patterns) == 1:
+            side_patterns = side_patterns * len(patterns)
+        if len(side_patterns) != len(patterns) or any(len(r) != n for r in side_patterns):
+            raise ConfigError(f"rescues must be one pattern of {n} positions or one per run ({len(patterns)}), "
+                              f"as matches are; got {len(side_patterns)} of lengths "
+                              f"{sorted({len(r) for r in side_patterns})}")
     noises: list[_Noise | None] = [None] * len(patterns)
     if cv > 0:
         noises = [_Noise(cv, rng) for rng in np.random.default_rng(seed).spawn(len(patterns))]
     runs = []
-    for pattern, noise in zip(patterns, noises, strict=True):
+    for pattern, noise, sides in zip(patterns, noises, side_patterns, strict=True):
         if method == "ar":
             runs.append(_ar_run(n, t_ttft, t_tpot, noise))
         elif method == "si":
-            runs.append(_si_run(pattern, k, t_ttft, t_tpot, d_ttft, d_tpot, noise))
+            runs.append(_si_run(pattern, k, t_ttft, t_tpot, d_ttft, d_tpot, noise, sides))
         else:
-            dsi = _DSIRun(pattern, k, num_servers, t_ttft, t_tpot, d_ttft, d_tpot, queue, delay, max_window, noise)
+            dsi = _DSIRun(pattern, k, num_servers, t_ttft, t_tpot, d_ttft, d_tpot, queue, delay, max_window, noise,
+                          sides)
             runs.append(dsi.run())
     return EventSimResult(method, n, AUTO if k is None else k, num_servers if method == "dsi" else 1, tuple(runs))

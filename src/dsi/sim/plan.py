@@ -95,6 +95,37 @@ class ServerComparison:
 
 
 @dataclass(frozen=True)
+class TreeComparison:
+    """Draft trees against chains for a rate ``side_rescue`` (the chance that a rejected draft's correction is
+    one of its position's side children: the drafter's second choice, for the tree ``"2"``). SI: the best k
+    with chains and with the tree ``"2"`` spending those k drafts; DSI: event-driven windows with each number
+    of servers, chains and trees (one side child at every position), the fastest of each."""
+
+    side_rescue: float
+    si_chain: tuple[int, float]  # (k, ms per token)
+    si_tree: tuple[int, float]
+    dsi_chain: tuple[int, float]  # (servers, ms per token)
+    dsi_tree: tuple[int, float]
+
+    @property
+    def si_gain(self) -> float:
+        """Chain time over tree time for SI (> 1: the tree is faster)."""
+        return self.si_chain[1] / self.si_tree[1]
+
+    @property
+    def dsi_gain(self) -> float:
+        return self.dsi_chain[1] / self.dsi_tree[1]
+
+    def to_dict(self) -> dict:
+        return {"side_rescue": self.side_rescue,
+                "si": {"chain": {"lookahead": self.si_chain[0], "ms_per_token": self.si_chain[1]},
+                       "tree": {"lookahead": self.si_tree[0], "ms_per_token": self.si_tree[1]}, "gain": self.si_gain},
+                "dsi": {"chain": {"num_servers": self.dsi_chain[0], "ms_per_token": self.dsi_chain[1]},
+                        "tree": {"num_servers": self.dsi_tree[0], "ms_per_token": self.dsi_tree[1]},
+                        "gain": self.dsi_gain}}
+
+
+@dataclass(frozen=True)
 class Plan:
     inputs: PlanInputs
     best: Candidate
@@ -108,6 +139,7 @@ class Plan:
     repeats: int
     seed: int
     auto_candidates: tuple[AutoCandidate, ...] = ()  # the event-driven policy with 1..max_servers servers
+    trees: TreeComparison | None = None  # with a side-child rescue rate: draft trees against chains
 
     @property
     def event_driven(self) -> AutoCandidate | None:
@@ -168,6 +200,7 @@ class Plan:
                 "better": self.event_driven_better,
             },
             "by_servers": [row.to_dict() for row in self.by_servers],
+            "trees": None if self.trees is None else self.trees.to_dict(),
         }
 
 
@@ -320,11 +353,16 @@ def make_plan(
     repeats: int = 30,
     seed: int = 0,
     event_driven: bool = True,
+    side_rescue: float | None = None,
 ) -> Plan:
     """Simulate every lookahead ``1..max_lookahead`` within the server budget; keep the fastest.
 
-    With ``event_driven`` also the event-driven policy with ``1..max_servers`` servers.
+    With ``event_driven`` also the event-driven policy with ``1..max_servers`` servers. With ``side_rescue``
+    (a probability) also draft trees against chains (:class:`TreeComparison`), the rescues drawn i.i.d. per
+    position from ``seed`` beside the acceptance patterns.
     """
+    if side_rescue is not None and not (isinstance(side_rescue, int | float) and 0.0 <= side_rescue <= 1.0):
+        raise ConfigError(f"side-rescue={side_rescue!r} must be a probability in [0, 1]")
     for name, value in (("max_servers", max_servers), ("max_lookahead", max_lookahead),
                         ("tokens", tokens), ("repeats", repeats)):  # fmt: skip
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -366,7 +404,26 @@ def make_plan(
                 utilisation=result.utilisation,
             )
         )
+    trees = None
+    if side_rescue is not None:
+        import numpy as np
+
+        rescues = np.random.default_rng([seed, 24]).random((repeats, tokens)) < side_rescue  # [repeats, tokens]
+
+        def per_token(method: str, **options) -> float:
+            return simulate(method, **lat, **options).mean / tokens
+
+        ks = range(1, max_lookahead + 1)
+        si_chain = min(((k, per_token("si", lookahead=k)) for k in ks), key=lambda kv: kv[1])
+        si_tree = min(((k, per_token("si", lookahead=k, rescues=rescues)) for k in ks), key=lambda kv: kv[1])
+        sps = range(1, max_servers + 1)
+        dsi_chain = min(((sp, per_token("dsi", lookahead="auto", num_servers=sp)) for sp in sps),
+                        key=lambda kv: kv[1])
+        dsi_tree = min(((sp, per_token("dsi", lookahead="auto", num_servers=sp, rescues=rescues)) for sp in sps),
+                       key=lambda kv: kv[1])
+        trees = TreeComparison(float(side_rescue), si_chain, si_tree, dsi_chain, dsi_tree)
     return Plan(
+        trees=trees,
         inputs=inputs,
         best=best,
         candidates=tuple(candidates),

@@ -36,3 +36,14 @@ def test_cli_bench_windows_json_and_its_errors(capsys, no_thread_leak):
     assert len(doc["results"][0]["median_wall_s"]) == 11  # k = 1..10 and auto
     assert main(["bench", "--scenario", "eq1-k5-wrong", "--repeats", "1"]) == 2
     assert "needs --windows" in capsys.readouterr().err
+
+
+def test_cli_bench_with_a_draft_tree_runs_si_and_dsi_as_trees(capsys, no_thread_leak):
+    code = main(["bench", "--scenario", "half-accept", "--repeats", "1", "--tokens", "12", "--draft-tree", "2",
+                 "--json"])
+    row = json.loads(capsys.readouterr().out)["results"][0]
+    assert code == 0 and row["identical_outputs"] and row["draft_tree"] == "2" and row["dsi_tree_windows"] > 0
+    assert main(["bench", "--windows", "--draft-tree", "auto"]) == 2
+    assert "use one or the other" in capsys.readouterr().err
+    assert main(["bench", "--scenario", "default", "--draft-tree", "3,2"]) == 2  # SI-only widths: refused for DSI
+    assert "DSI branches position by position" in capsys.readouterr().err

@@ -207,3 +207,18 @@ def test_errors(kwargs, message):
 def test_unknown_method():
     with pytest.raises(ConfigError, match="method='tree' must be one of dsi, si, ar"):
         simulate("tree", target_tpot=1.0, tokens=3)
+
+
+def test_rescues_are_dsi_patterns_shaped_like_matches():
+    with pytest.raises(ConfigError, match="rescues apply to methods 'dsi' and 'si'"):
+        simulate("ar", target_tpot=1.0, matches=[True, False], rescues=[True, True])
+    with pytest.raises(ConfigError, match="rescues must be one pattern of 3 positions"):
+        simulate("dsi", target_tpot=1.0, drafter_tpot=0.1, matches=[True, False, True], rescues=[True])
+    # the drafter right at 0, wrong at 1 (a side child right), right after: one side win instead of a rejection,
+    # and the zero-draft task's positions are never rescued
+    run = simulate("dsi", target_tpot=1.0, drafter_tpot=0.1, lookahead=2, num_servers=None,
+                   matches=[True, False, True, True, False, True], rescues=[True] * 6).runs[0]
+    chain = simulate("dsi", target_tpot=1.0, drafter_tpot=0.1, lookahead=2, num_servers=None,
+                     matches=[True, False, True, True, False, True]).runs[0]
+    assert (chain.rejections, chain.side_wins) == (2, 0)
+    assert (run.rejections, run.side_wins) == (0, 2) and run.latency < chain.latency

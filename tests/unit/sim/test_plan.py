@@ -93,3 +93,22 @@ def test_plan_is_the_fastest_candidate_within_the_budget():
     data = plan.to_dict()
     assert data["gpus"] == plan.best.num_servers + 1
     assert data["num_target_servers"] <= 4
+
+
+def test_the_plan_compares_draft_trees_with_chains_by_their_rescue_rate():
+    """No rescue: a tree only gives up main-path depth (SI: the best tree is at best the best chain) and makes
+    DSI's windows wait a drafter step; every rejection rescued: trees win in both. In between, SI gains more
+    than DSI, whose rejections still cost a restart (docs/results.md section 15)."""
+    inputs = resolve_inputs(target_tpot_ms=20.0, drafter_tpot_ms=2.0, acceptance=0.6)
+    common = dict(max_servers=3, max_lookahead=8, tokens=60, repeats=6, seed=1)
+    gains = {}
+    for rate in (0.0, 0.5, 1.0):
+        trees = make_plan(inputs, **common, side_rescue=rate).trees
+        assert trees.side_rescue == rate
+        gains[rate] = (trees.si_gain, trees.dsi_gain)
+    assert gains[0.0][0] <= 1.0 + 1e-9 and gains[0.0][1] <= 1.0 + 1e-9
+    assert gains[1.0][0] > gains[0.5][0] > 1.05 and gains[1.0][1] > gains[0.5][1] > 1.0
+    assert gains[0.5][0] > gains[0.5][1]
+    assert make_plan(inputs, **common).trees is None and "trees" in make_plan(inputs, **common).to_dict()
+    with pytest.raises(ConfigError, match="side-rescue=1.5 must be a probability"):
+        make_plan(inputs, **common, side_rescue=1.5)
