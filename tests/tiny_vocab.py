@@ -91,6 +91,39 @@ def multilingual_tokenizer():
     return _wrap(bpe, "<|im_end|>", "<|endoftext|>")
 
 
+WORD_LEVEL_WORDS = [f"w{i}" for i in range(97)]
+
+
+@lru_cache(maxsize=None)
+def word_level_tokenizer(seed: int | None = None):
+    """A ``WordLevel`` model with a ``Whitespace`` pre-tokenizer and no decoder (decode joins tokens with
+    spaces): ids 0-2 ``<unk>`` ``<s>`` ``</s>``, then the words ``w0``..``w96``, in order, or permuted
+    with ``seed`` (issue 24, item 6)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    order = list(WORD_LEVEL_WORDS)
+    if seed is not None:
+        order = [order[i] for i in np.random.default_rng(seed).permutation(len(order))]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: 3 + i for i, w in enumerate(order)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+@lru_cache(maxsize=None)
+def word_piece_tokenizer():
+    """A ``WordPiece`` model and decoder: ``##`` continuations join their word without a space."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["[UNK]", "[CLS]", "[SEP]", "play", "##ing", "##ed", "the", "cat", "##s", "sat", "on", "mat", ".", "a"]
+    tok = Tokenizer(models.WordPiece({p: i for i, p in enumerate(pieces)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="[CLS]", eos_token="[SEP]")
+
+
 TOKENIZERS: dict[str, Callable] = {
     "bytes": byte_tokenizer,
     "words": word_tokenizer,

@@ -14,7 +14,9 @@ the bytes of partial UTF-8 characters and leading spaces):
   (``token_bytes()``);
 - a Hugging Face fast tokenizer with a ``ByteLevel`` decoder (GPT-2, Llama 3, Qwen, SmolLM...)
   maps each character of a token string back to its byte; SentencePiece-style decoders
-  (``▁`` for a space, ``<0xNN>`` byte fallback) likewise; added tokens spell their content;
+  (``▁`` for a space, ``<0xNN>`` byte fallback) likewise; a decoder that joins tokens (``WordLevel``
+  or ``WordPiece`` models: words with a space between them, ``##`` continuations without) spells a
+  word as ``" word"``; added tokens spell their content;
 - anything else falls back to ``decode([id])`` of tokens that decode to whole characters.
 
 Nothing here decides tokens: a wrong or missing piece only costs drafts (the target verifies
@@ -290,7 +292,10 @@ def _decoder_kinds(decoder: dict | None) -> set[str]:
 
 
 def _hf_fast_pieces(tokenizer: Any, backend: Any) -> list[bytes | None] | None:
-    kinds = _decoder_kinds(json.loads(backend.to_str()).get("decoder"))
+    spec = json.loads(backend.to_str())
+    decoder = spec.get("decoder") or {}
+    kinds = _decoder_kinds(spec.get("decoder"))
+    model = (spec.get("model") or {}).get("type")
     size = len(tokenizer)
     strings = tokenizer.convert_ids_to_tokens(list(range(size)))
     added = {int(i): t.content for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()}
@@ -310,6 +315,17 @@ def _hf_fast_pieces(tokenizer: Any, backend: Any) -> list[bytes | None] | None:
                 except ValueError:
                     pass
             return s.replace("▁", " ").encode("utf-8")
+    elif "WordPiece" in kinds or (not kinds and model in ("WordLevel", "WordPiece")):
+        # decoders that join tokens: words with a space between them (a tokenizer without a decoder joins
+        # with spaces too), WordPiece's continuations ("##ing") without one; so a word spells " word", as
+        # in byte-level vocabularies, and the space before a text's first word is the tokenizer's own
+        # (Vocabulary._encode undoes it, as for SentencePiece's dummy prefix)
+        prefix = decoder.get("prefix", "##") if model == "WordPiece" or "WordPiece" in kinds else None
+
+        def piece(s: str) -> bytes | None:
+            if prefix and s.startswith(prefix):
+                return s[len(prefix):].encode("utf-8")
+            return b" " + s.encode("utf-8")
     else:
         return None
     out: list[bytes | None] = []

@@ -561,3 +561,38 @@ def test_draft_trees_branch_through_the_intersection_and_fall_back_to_chains_in_
     assert "tree_windows" not in greedy.stats.extra
     assert sampled.stats.extra["vocab_mode"] == "intersection" and sampled.stats.extra["draft_tree"] == tree
     assert sampled.stats.extra["tree_windows"] > 0
+
+
+@pytest.mark.parametrize("method", ["si", "dsi"])
+def test_a_word_level_drafter_in_string_mode_drafts_what_the_target_writes(method, no_thread_leak):
+    """Issue 24, item 6: a tiny Llama over a WordLevel tokenizer (decode joins words with spaces) and, as
+    drafter, the same weights over a permuted vocabulary under its own tokenizer: the same text, so string
+    mode must accept every draft (it accepted none when a word spelled "w5" instead of " w5")."""
+    needs_hf()
+    import torch
+    import transformers
+
+    from dsi.models.hf import HFModel
+
+    target_tok, drafter_tok = tiny_vocab.word_level_tokenizer(), tiny_vocab.word_level_tokenizer(seed=0)
+    perm = [drafter_tok.convert_tokens_to_ids(w) for w in tiny_vocab.WORD_LEVEL_WORDS]  # target word i's drafter id
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                      initializer_range=0.3, eos_token_id=2, bos_token_id=1)
+    target_raw, drafter_raw = transformers.LlamaForCausalLM(config).eval(), transformers.LlamaForCausalLM(config).eval()
+    drafter_raw.load_state_dict(target_raw.state_dict())
+    order = torch.empty(100, dtype=torch.long)  # drafter row j takes the target's row of the same word
+    order[:3] = torch.arange(3)
+    order[torch.tensor(perm)] = torch.arange(3, 100)
+    with torch.no_grad():
+        drafter_raw.model.embed_tokens.weight.copy_(target_raw.model.embed_tokens.weight[order])
+        drafter_raw.lm_head.weight.copy_(target_raw.lm_head.weight[order])
+    target, drafter = HFModel(target_raw, target_tok, name="words"), HFModel(drafter_raw, drafter_tok, name="permuted")
+    for text in ("w1 w5 w9", "w40 w2"):
+        prompt = target_tok.encode(text, add_special_tokens=False)
+        want = dsi.generate(target=target, prompt=prompt, method="ar", max_new_tokens=10).tokens
+        out = dsi.generate(target=target, drafter=drafter, prompt=prompt, method=method, lookahead=3,
+                           max_new_tokens=10, vocab_mode="string")
+        assert out.tokens == want and out.stats.extra["vocab_mode"] == "string"
+        assert out.stats.acceptance_rate == 1.0, text

@@ -82,6 +82,22 @@ def test_specials_spell_their_text_and_start_ids_are_empty_for_these_tokenizers(
 
 
 @pytest.mark.hf
+@pytest.mark.hf
+def test_tokenizers_whose_decoders_join_tokens_spell_words_with_the_space_between_them():
+    """WordLevel (no decoder: decode joins with spaces) and WordPiece (``##`` continuations join without):
+    a word spells " word", so the pieces of a text's tokens spell the decoded text (after the space the
+    tokenizer puts before its first word, which encoding undoes as for SentencePiece)."""
+    pytest.importorskip("tokenizers")
+    for tok, text in ((tiny_vocab.word_level_tokenizer(), "w1 w52 w7"),
+                      (tiny_vocab.word_piece_tokenizer(), "the cats sat on a mat playing")):
+        vocab = Vocabulary.from_tokenizer(tok, len(tok))
+        ids = tok.encode(text, add_special_tokens=False)
+        assert vocab.spelling(ids) == b" " + tok.decode(ids).encode()
+        assert vocab.spell((" " + text).encode()) == ids
+    wp = Vocabulary.from_tokenizer(tiny_vocab.word_piece_tokenizer(), 14)
+    assert wp.piece(4) == b"ing" and wp.piece(3) == b" play" and wp.piece(0) == b"[UNK]"
+
+
 def test_from_tokenizer_pads_or_cuts_to_the_model_s_rows():
     tok = hf_tokenizer("bytes")
     padded = Vocabulary.from_tokenizer(tok, len(tok) + 5)
