@@ -121,11 +121,16 @@ def entry(row: tuple[np.ndarray, float], token: int, top: int) -> TokenLogprob:
     """The :class:`TokenLogprob` of ``token`` in the log-probability row ``(values [V], lse)``, with its
     ``top`` most likely tokens (``top`` 0: none)."""
     values, lse = np.asarray(row[0]), row[1]
-    best: tuple[tuple[int, float], ...] = ()
-    if top > 0:
-        n = min(top, values.size)
-        kth = np.partition(values, values.size - n)[values.size - n]  # the n-th largest value
-        candidates = np.flatnonzero(values >= kth)  # every token tied with it too, then ids break ties
-        order = sorted((int(i) for i in candidates), key=lambda i: (-float(values[i]), i))[:n]
-        best = tuple((i, float(values[i]) - lse) for i in order)
+    best = tuple((i, float(values[i]) - lse) for i in top_ids(values, top))
     return TokenLogprob(int(token), float(values[token]) - lse, best)
+
+
+def top_ids(values: np.ndarray, n: int) -> list[int]:
+    """The ids of the ``n`` largest of ``values`` ``[V]``, largest first, ties in id order (also at the
+    n-th: every id tied with it is considered, the lower ids kept); ``n`` 0: none."""
+    n = min(n, values.size)
+    if n <= 0:
+        return []
+    kth = np.partition(values, values.size - n)[values.size - n]  # the n-th largest value
+    candidates = np.flatnonzero(values >= kth)  # every token tied with it too, then ids break ties
+    return sorted((int(i) for i in candidates), key=lambda i: (-float(values[i]), i))[:n]

@@ -40,7 +40,7 @@ from dsi.engine.drafter import Draft, DrafterFailed, DraftsDone, DraftWorker, re
 from dsi.engine.request import Output, Request, TokenCallback
 from dsi.engine.result import GenerationResult
 from dsi.engine.stats import GenerationStats
-from dsi.engine.trees import row_of, tree_unsupported
+from dsi.engine.trees import request_shape, row_of
 from dsi.errors import WorkerError
 from dsi.models.base import LanguageModel, check_sampling, counter_changes
 from dsi.sampling import bonus, decide, decide_greedy
@@ -150,13 +150,7 @@ class _DSIRun:
             method="dsi", lookahead=self.k, num_target_servers=self.pool.num_servers
         )
         self.out = Output(request, self.stats, on_tokens, abort)
-        self.tree = decoder.draft_tree
-        if self.tree is not None:
-            why_not = tree_unsupported(decoder._drafter_model, request.sampling)
-            self.stats.extra["draft_tree"] = self.tree.name if why_not is None else "chain"
-            if why_not is not None:
-                self.stats.extra["draft_tree_fallback"] = why_not
-                self.tree = None
+        self.tree = request_shape(decoder.draft_tree, decoder._drafter_model, request.sampling, self.stats)
         self._drafter_forwards_at_start = self.drafter.forwards
         self._drafter_busy_at_start = self.drafter.busy_s
         self._drafter_counters_at_start = self.drafter.counters()
@@ -330,7 +324,7 @@ class _DSIRun:
             self.stats.extra["tree_windows"] = self.stats.extra.get("tree_windows", 0) + 1
             self.stats.extra["tree_side_nodes"] = self.stats.extra.get("tree_side_nodes", 0) + len(window.side_rows)
             prefix = self.base + tuple(self.draft[:first])
-            self.pool.submit(self.request.verify_task(task_id, prefix, 1 + len(tree), tree))
+            self.pool.submit(self.request.tree_task(task_id, prefix, tree))
 
     def _window_tree(self, window: _Window) -> DraftTree | None:
         """The tree of a window (relative positions ``first..last``) after ``base + draft[:first]``: the

@@ -51,10 +51,13 @@ class Request:
     def verify_task(self, task_id: int, context: Sequence[int], num_rows: int,
                     tree: DraftTree | None = None) -> VerifyTask:
         """The task of scoring the last ``num_rows`` positions of ``context`` for this request (its
-        sampling, prompt length, stop ids and logprobs mode): what a target server, SI or non-SI runs.
-        With ``tree``: the tree task of that draft tree after ``context`` (``num_rows`` = 1 + its nodes)."""
+        sampling, prompt length, stop ids and logprobs mode): what a target server, SI or non-SI runs."""
         return VerifyTask(task_id, tuple(context), num_rows, self.sampling, len(self.prompt), self.eos_token_ids,
                           None if self.logprobs is None else self.logprobs_mode, tree)
+
+    def tree_task(self, task_id: int, prefix: Sequence[int], tree: DraftTree) -> VerifyTask:
+        """The task of scoring the draft ``tree`` after ``prefix`` (its ``1 + len(tree)`` rows) for this request."""
+        return self.verify_task(task_id, prefix, 1 + len(tree), tree)
 
     def prefix(self, tokens: Sequence[int]) -> Prefix:
         """What the logit processors see before a row that follows ``tokens`` (prompt included)."""

@@ -24,7 +24,7 @@ from dsi.engine.drafter import capped_drafts, request_info
 from dsi.engine.request import Output, Request, TokenCallback
 from dsi.engine.result import GenerationResult
 from dsi.engine.stats import GenerationStats
-from dsi.engine.trees import TreeDrafter, decide_tree, ended_on_leaf, parent_row, tree_unsupported
+from dsi.engine.trees import TreeDrafter, decide_tree, ended_on_leaf, parent_row, request_shape
 from dsi.errors import ContextLengthError, DraftUnavailable
 from dsi.models.base import (
     LanguageModel,
@@ -77,13 +77,7 @@ class SpeculativeDecoder:
 
     def _run(self, out: Output, request: Request, stats: GenerationStats) -> None:
         params = request.sampling
-        shape = self.draft_tree
-        if shape is not None:
-            why_not = tree_unsupported(self._drafter_model, params)
-            stats.extra["draft_tree"] = shape.name if why_not is None else "chain"
-            if why_not is not None:
-                stats.extra["draft_tree_fallback"] = why_not
-                shape = None
+        shape = request_shape(self.draft_tree, self._drafter_model, params, stats)
         while not out.finished:
             out.check_abort()
             base = tuple(out.tokens)
@@ -142,7 +136,7 @@ class SpeculativeDecoder:
         stats.drafted_tokens += len(tree)
         if drafter.context_limited:
             stats.extra["drafter_context_limited"] = stats.extra.get("drafter_context_limited", 0) + 1
-        result = self._verify(request.verify_task(0, base, 1 + len(tree), tree), stats)
+        result = self._verify(request.tree_task(0, base, tree), stats)
         stats.extra["tree_windows"] = stats.extra.get("tree_windows", 0) + 1
         walked = decide_tree(tree, result, drafter, request.sampling, len(base))
         logprobs = result.logprobs

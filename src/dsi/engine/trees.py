@@ -11,9 +11,9 @@ verified tree against its task's result.
   is decided as the chain decides its main child (:func:`dsi.sampling.decide`, the uniforms of the
   absolute position), so the committed tokens never depend on the tree; a walk that ends on a leaf
   takes the target's own token there (a bonus, as after a chain whose drafts were all accepted).
-- :func:`tree_unsupported` says when a drafter cannot branch (a drafter of another vocabulary in
-  string mode proposes one settled target token per position, with no law over alternatives): the
-  engines draft a chain there.
+- :func:`request_shape` is the shape a request drafts with: chains where the drafter cannot branch (a
+  drafter of another vocabulary in string mode proposes one settled target token per position, with no
+  law over alternatives).
 """
 
 from __future__ import annotations
@@ -23,28 +23,36 @@ from collections.abc import Sequence
 import numpy as np
 
 from dsi.engine.request import Request
+from dsi.engine.stats import GenerationStats
 from dsi.errors import ContextLengthError, DraftUnavailable
+from dsi.logprobs import top_ids
 from dsi.models.base import LanguageModel, ModelSession, forward_rows
 from dsi.sampling import Prefix, SamplingParams, bonus, decide, draft_from_logits, shape_logits
 from dsi.transport.base import TaskResult
-from dsi.trees import ROOT, DraftTree, Proposal, TreeWalk, walk
+from dsi.trees import ROOT, DraftTree, Proposal, TreeShape, TreeWalk, walk
 
 
-def tree_unsupported(model: LanguageModel, params: SamplingParams) -> str | None:
-    """Why ``model`` cannot draft trees for ``params`` (the engines draft a chain then), or None."""
+def request_shape(shape: TreeShape, model: LanguageModel, params: SamplingParams, stats: GenerationStats) -> TreeShape:
+    """The tree shape a request with ``params`` drafts with on the drafter ``model``: ``shape``, or None
+    (chains) where the drafter cannot branch (a drafter of another vocabulary in string mode); said in
+    ``stats.extra`` (``draft_tree``, and ``draft_tree_fallback`` with the reason)."""
+    if shape is None:
+        return None
     mode_for = getattr(model, "mode_for", None)
     if mode_for is not None and mode_for(params.greedy) == "string":
-        return ("a drafter of another vocabulary in string mode proposes one settled target token per "
-                "position and no law over alternatives, so it cannot branch")
-    return None
+        stats.extra["draft_tree"] = "chain"
+        stats.extra["draft_tree_fallback"] = ("a drafter of another vocabulary in string mode proposes one settled "
+                                              "target token per position and no law over alternatives, so it "
+                                              "cannot branch")
+        return None
+    stats.extra["draft_tree"] = shape.name
+    return shape
 
 
 def ranked(law: np.ndarray, count: int) -> list[tuple[int, float]]:
-    """The ``count`` most likely ids of ``law`` ``[V]`` (probabilities), most likely first (ties: lower id)."""
-    count = min(count, law.size)
-    best = np.argpartition(-law, count - 1)[:count]
-    order = sorted(best.tolist(), key=lambda i: (-law[i], i))
-    return [(int(i), float(law[i])) for i in order if law[i] > 0.0]
+    """The ``count`` most likely ids of ``law`` ``[V]`` (probabilities) with a positive probability, most
+    likely first (ties: lower id)."""
+    return [(i, float(law[i])) for i in top_ids(law, count) if law[i] > 0.0]
 
 
 def draft_with_alternatives(row: np.ndarray, params: SamplingParams, position: int, prefix: Prefix,
@@ -57,14 +65,12 @@ def draft_with_alternatives(row: np.ndarray, params: SamplingParams, position: i
     if q is not None:
         return main, q, ranked(q, count)
     shaped = shape_logits(row, params, prefix) if params.moves_argmax else np.asarray(row, dtype=np.float64)
-    count = min(count, shaped.size)
-    ids = np.argpartition(-shaped, count - 1)[:count]
+    ids = top_ids(shaped, count)
     finite = shaped[np.isfinite(shaped)]
     top = float(finite.max()) if finite.size else 0.0
     with np.errstate(under="ignore"):
         probs = np.exp(shaped[ids] - top) / float(np.exp(shaped - top).sum())
-    order = sorted(range(count), key=lambda j: (-probs[j], int(ids[j])))
-    return main, None, [(int(ids[j]), float(probs[j])) for j in order]
+    return main, None, [(i, float(p)) for i, p in zip(ids, probs, strict=True)]
 
 
 class TreeDrafter:

@@ -506,7 +506,6 @@ class HFSession:
             return path_tree_rows(self, prefix, tree, cancel, greedy=greedy, top=top)
         prefix = [int(t) for t in prefix]
         keep = min(common_prefix_length(self._tokens, prefix), len(prefix) - 1)  # the root row is computed
-        self.truncate(keep)
         fresh = prefix[keep:]
         new = fresh + [int(t) for t in tree.tokens]
         bad = [t for t in new if not 0 <= t < owner.vocab_size]
@@ -518,6 +517,7 @@ class HFSession:
                                      f"{owner.name}")
         if cancel is not None and cancel.is_set():
             raise TaskCancelled("forward cancelled before it started")
+        self.truncate(keep)  # checked: only now is the session changed
         q, n = len(new), len(tree)
         allowed = np.zeros((q, keep + q), dtype=bool)  # [q, kv]: query i may attend to key j
         allowed[:, :keep] = True

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from dsi.errors import ConfigError, ContextLengthError, ModelError, TaskCancelled
-from dsi.models.base import CancelFlag, encode_prompt
+from dsi.models.base import CancelFlag, common_prefix_length, encode_prompt, path_tree_rows
 from dsi.models.determinism import check_deterministic
 
 log = logging.getLogger(__name__)
@@ -342,8 +342,6 @@ class LlamaCppSession:
         ancestors. Afterwards sequences 1..P are removed: the cache keeps the prefix and the main path.
         Falls back to one extension per path in deterministic mode (one token a forward), for a tree of
         more than :data:`MAX_TREE_PATHS` paths, or one larger than a batch."""
-        from dsi.models.base import common_prefix_length, path_tree_rows
-
         paths = tree.paths()
         prefix = [int(t) for t in prefix]
         keep = min(common_prefix_length(self._tokens, prefix), len(prefix) - 1)

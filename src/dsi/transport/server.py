@@ -46,8 +46,12 @@ def _run_tree_task(session: ModelSession, task: VerifyTask, server_id: int, canc
     values = lse = None
     if task.logprobs_mode is not None:
         values, lse = np.empty(logits.shape, dtype=np.float32), np.empty(task.num_rows)
-    for path in tree.paths() or [[]]:  # each path read as the chain it is (shared rows read alike)
-        rows = [0] + [1 + node for node in path]
+    read = np.zeros(task.num_rows, dtype=bool)
+    for path in tree.paths() or [[]]:  # each path read as the chain it is, each row once
+        # the rows an earlier path read are this path's first ones (a node's path holds its ancestors), so
+        # the rest are the last rows of the chain of this path: read_rows reads them with their prefixes
+        rows = [r for r in [0] + [1 + node for node in path] if not read[r]]
+        read[rows] = True
         context = task.context + tuple(tree.tokens[node] for node in path)
         got_tokens, got_probs, got_logprobs = read_rows(logits[rows], task, context)
         tokens[rows] = got_tokens
