@@ -80,8 +80,8 @@ class LogprobRows:
         return self.values.astype(np.float64) - self.lse[:, None]
 
 
-def _normalised(values: np.ndarray) -> LogprobRows:
-    """Rows of logits ``[n, V]`` as :class:`LogprobRows` (log-softmax: lse = logsumexp)."""
+def raw_rows(values: np.ndarray) -> LogprobRows:
+    """Rows of logits ``[n, V]`` as :class:`LogprobRows` (log-softmax: lse = logsumexp): the raw mode."""
     x = np.asarray(values, dtype=np.float32)
     top = x.max(axis=-1)  # [n]
     if np.isposinf(top).any():  # the softmax's limit: the +inf logits share the mass
@@ -102,12 +102,12 @@ def logprob_rows(logits: np.ndarray, params: SamplingParams, tokens: Sequence[in
     ``[n, V]``, row j after ``tokens[: len(tokens) - n + 1 + j]``), in ``mode``. ``probs``: the
     processed rows if the caller has them (sampling), to save processing them again."""
     if mode == "raw":
-        return _normalised(logits)
+        return raw_rows(logits)
     if not params.greedy:
         law = probs if probs is not None else process_rows(logits, params, tokens, prompt_len, stop_ids)
         with np.errstate(divide="ignore"):
             return LogprobRows(np.log(np.asarray(law, dtype=np.float32)), np.zeros(len(law)))
-    return _normalised(shape_rows(logits, params, tokens, prompt_len, stop_ids))
+    return raw_rows(shape_rows(logits, params, tokens, prompt_len, stop_ids))
 
 
 def logprob_row(logits: np.ndarray, params: SamplingParams, prefix: Prefix, mode: str,

@@ -34,17 +34,20 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from dsi.engine.drafter import Draft, DrafterFailed, DraftsDone, DraftWorker, request_info
 from dsi.engine.request import Output, Request, TokenCallback
 from dsi.engine.result import GenerationResult
 from dsi.engine.stats import GenerationStats
 from dsi.engine.trees import request_shape, row_of
-from dsi.errors import WorkerError
+from dsi.errors import TaskCancelled, WorkerError
 from dsi.models.base import LanguageModel, check_sampling, counter_changes
-from dsi.sampling import bonus, decide, decide_greedy
-from dsi.transport.base import ServerDied, TargetPool, TaskAborted, TaskFailed, TaskResult
+from dsi.sampling import SamplingParams, bonus, decide, decide_greedy
+from dsi.transport.base import ServerDied, TargetPool, TaskAborted, TaskFailed, TaskResult, VerifyTask
 from dsi.transport.liveness import LivenessPolicy
 from dsi.trees import ROOT, DraftTree, Dynamic, TreeShape
 from dsi.windows import WindowPacer, window_end
@@ -121,6 +124,33 @@ class DSIDecoder:
         finally:
             run.stop()
         return GenerationResult(run.out.finalize(), run.stats, run.out.logprobs)
+
+    def score(self, tokens: Sequence[int], first: int, cancel: threading.Event | None = None) -> np.ndarray:
+        """The target's raw logits after ``tokens[:p]`` for p = ``first`` .. ``len(tokens)``
+        (``[len(tokens) - first + 1, V]`` float32), as one task on a target server, which reuses its
+        cache (``dsi serve``'s ``prompt_logprobs`` and ``echo`` with ``logprobs`` on a DSI slot).
+
+        Between requests, so the events of the queue are this task's or stale (a previous request's
+        late drafts and results, which are dropped as its own loop drops them)."""
+        task = VerifyTask(next(self._task_ids), tuple(int(t) for t in tokens), len(tokens) - first + 1,
+                          SamplingParams(temperature=0.0), logprobs_mode="raw")
+        self.pool.submit(task)
+        while True:
+            try:
+                event = self.events.get(timeout=_POLL_S)
+            except queue.Empty:
+                if cancel is not None and cancel.is_set():
+                    self.pool.cancel([task.task_id])
+                    raise TaskCancelled("prompt scoring cancelled") from None
+                if self.pool.alive_servers() == 0:
+                    raise WorkerError("no target server is alive") from None
+                continue
+            if isinstance(event, TaskResult) and event.task_id == task.task_id:
+                return event.logprobs.values  # the raw logits (float32): dsi.logprobs.logprob_rows, mode "raw"
+            if isinstance(event, TaskFailed) and event.task_id == task.task_id:
+                raise WorkerError(f"target server {event.server_id} failed: {event.error}") from event.exception
+            if isinstance(event, ServerDied) and self.pool.alive_servers() == 0:  # its task was re-queued
+                raise WorkerError(f"no target server is alive (server {event.server_id} died last: {event.error})")
 
     def healthy(self) -> bool:
         """Whether this decoder can serve another request: a failed request (a model error, a lost

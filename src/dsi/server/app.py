@@ -46,7 +46,7 @@ from dsi.server.codec import Codec, HFCodec
 from dsi.server.config import ServeConfig
 from dsi.server.jobs import Job, Outcome
 from dsi.server.limits import BodyLimit, check_json_content_type, content_length, read_body
-from dsi.server.logprobs import chat_logprobs, completion_logprobs
+from dsi.server.logprobs import chat_logprobs, completion_logprobs, echo_logprobs, joined_logprobs, token_id_name
 from dsi.server.metrics import CONTENT_TYPE, ServerMetrics
 from dsi.server.prepare import Prepared, Preparer
 from dsi.server.protocol import (
@@ -244,16 +244,8 @@ class ServerState:
     def submit(self, prepared: Prepared) -> Job:
         """Queue a prepared request (429 if the queue is full) and start it."""
         self._check_open()
-        scoring = None
-        if prepared.prompt_logprobs is not None:
-            method = self.choice.method if self.choice is not None else self.config.method
-            if method not in ("ar", "si"):
-                raise APIError(400, f"prompt_logprobs need a target session of a slot: serve with --method ar or si "
-                                    f"(this server runs {method})", param="prompt_logprobs",
-                               code="unsupported_parameter")
-            scoring = (prepared.prompt_logprobs, prepared.prompt_logprobs_from)
         job = Job(prepared.request, self.codec, self.metrics, stop=prepared.stop, stream=prepared.stream,
-                  prompt_logprobs=scoring)
+                  scoring=prepared.scoring)
         try:
             job.start(self.scheduler)
         except QueueFull as exc:
@@ -347,6 +339,11 @@ def create_app(
     def decode_one(token: int) -> str:
         """One token's text, as logprobs name it."""
         return state.codec.decode([token])
+
+    def token_namer(prepared: Prepared):
+        """How a request's logprobs name tokens: by their text, or (vLLM's ``return_tokens_as_token_ids``)
+        as ``token_id:{id}``, which a client without the tokenizer reads back exactly."""
+        return token_id_name if prepared.token_ids_as_names else decode_one
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -555,14 +552,19 @@ def create_app(
         prepared, jobs = await accept(request, state.preparer.completion)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         echo, n_prompt = prepared.echo, prepared.prompt_tokens
+        name = token_namer(prepared)
         # per choice, where the next token's text_offset starts: the echoed prompt, then its tokens' texts so far
         streamed = [len(echo)] * prepared.n
 
-        def choice(i: int, text: str, finish: str | None, entries: list | None = None) -> CompletionChoice:
+        def choice(i: int, text: str, finish: str | None, entries: list | None = None,
+                   echoed: list | None = None) -> CompletionChoice:
             logprobs = None
             if entries is not None:
-                logprobs = completion_logprobs(entries, decode_one, streamed[i])
-                streamed[i] += sum(len(piece) for piece in logprobs["tokens"])
+                logprobs = completion_logprobs(entries, name, streamed[i], decode_one)
+                streamed[i] += sum(len(decode_one(e.token)) for e in entries)
+                if echoed is not None:  # echo with logprobs: the prompt's tokens come first, as in vLLM
+                    prompt = prepared.request.prompt
+                    logprobs = joined_logprobs(echo_logprobs(prompt, echoed, name, decode_one), logprobs)
             return CompletionChoice(index=i, text=text, finish_reason=finish, logprobs=logprobs)
 
         def response(choices: list[CompletionChoice], outcomes: list[Outcome] | None = None) -> dict:
@@ -578,8 +580,8 @@ def create_app(
                           lambda outcomes: [response([], outcomes)])  # usage of all choices, dsi of choice 0
         outcomes = choice_outcomes(prepared, await finish_plain(request, jobs))
         count(request, 200)
-        answer = response([choice(i, echo + o.text, o.finish_reason, o.logprobs) for i, o in enumerate(outcomes)],
-                          outcomes)
+        answer = response([choice(i, echo + o.text, o.finish_reason, o.logprobs, o.echo_logprobs)
+                           for i, o in enumerate(outcomes)], outcomes)
         if outcomes[0].prompt_logprobs is not None:
             answer["choices"][0]["prompt_logprobs"] = outcomes[0].prompt_logprobs
         return JSONResponse(answer)
@@ -589,10 +591,11 @@ def create_app(
         prepared, jobs = await accept(request, state.preparer.chat)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         n_prompt = prepared.prompt_tokens
+        name = token_namer(prepared)
 
         def chunk(i: int | None, delta: ChatDelta | None, finish: str | None, outcomes: list[Outcome] | None = None,
                   entries: list | None = None) -> dict:
-            logprobs = None if entries is None else chat_logprobs(entries, decode_one)
+            logprobs = None if entries is None else chat_logprobs(entries, name)
             choices = [] if delta is None else [ChatChunkChoice(index=i, delta=delta, finish_reason=finish,
                                                                 logprobs=logprobs)]
             return dump(ChatCompletionChunk(
@@ -611,7 +614,7 @@ def create_app(
         return JSONResponse(dump(ChatCompletionResponse(
             id=rid, created=created, model=config.model_name,
             choices=[ChatChoice(index=i, message=AssistantMessage(content=o.text), finish_reason=o.finish_reason,
-                                logprobs=None if o.logprobs is None else chat_logprobs(o.logprobs, decode_one))
+                                logprobs=None if o.logprobs is None else chat_logprobs(o.logprobs, name))
                      for i, o in enumerate(outcomes)],
             usage=_usage(n_prompt, outcomes), dsi=_dsi_info(outcomes[0]),
         )))

@@ -22,11 +22,12 @@ from dataclasses import dataclass
 from dsi.engine.request import GenerationAborted, Request
 from dsi.engine.stats import GenerationStats
 from dsi.errors import TaskCancelled
-from dsi.logprobs import TokenLogprob, entry
+from dsi.logprobs import TokenLogprob, entry, raw_rows
 from dsi.sampling import bonus
 from dsi.server.codec import Codec
 from dsi.server.logprobs import prompt_logprobs
 from dsi.server.metrics import ServerMetrics
+from dsi.server.prepare import PromptScoring
 from dsi.server.scheduler import RequestCancelled, Scheduler, Slot
 from dsi.transport.server import read_rows
 from dsi.text import IncrementalDetokenizer
@@ -91,6 +92,7 @@ class Outcome:
     error: BaseException | None = None
     queue_time_s: float = 0.0
     prompt_logprobs: list | None = None  # vLLM's prompt_logprobs, when asked
+    echo_logprobs: list[TokenLogprob] | None = None  # echo with logprobs: prompt positions 1.. (0 has no row)
     logprobs: list[TokenLogprob] | None = None  # one per token of ``tokens``, when the request asked
     tail_logprobs: list[TokenLogprob] | None = None  # those of the tokens whose text is ``tail``
 
@@ -110,7 +112,7 @@ class Job:
         *,
         stop: Sequence[str] = (),
         stream: bool = False,
-        prompt_logprobs: tuple[int, int] | None = None,
+        scoring: PromptScoring | None = None,
     ) -> None:
         self.id = uuid.uuid4().hex[:12]  # names the job in the server log and in 500 answers
         self.request = request
@@ -118,7 +120,7 @@ class Job:
         self.metrics = metrics
         self.stop = tuple(stop)
         self.stream = stream
-        self.prompt_logprobs = prompt_logprobs  # (top N, first position) of vLLM's prompt_logprobs, or None
+        self.scoring = scoring  # what the prompt's own rows are asked for (None: nothing)
         self.abort = threading.Event()
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancel_reason: str | None = None
@@ -255,10 +257,10 @@ class Job:
         if self.abort.is_set():  # cancelled between getting the slot and starting
             return Outcome("cancelled", [])
         slot.served += 1
-        scored, stats, reason = None, None, None
+        scored = echoed = stats = reason = None
         try:
-            if self.prompt_logprobs is not None:
-                scored, stats, reason = self._score(slot)
+            if self.scoring is not None:
+                scored, echoed, stats, reason = self._score(slot, self.scoring)
             if reason is None:  # no prompt logprobs, or more than the one token their forward gives
                 result = slot.decoder.generate(self.request, self._on_tokens, self.abort)
                 stats = result.stats
@@ -288,21 +290,34 @@ class Job:
             logprobs = self._entries[: len(tokens)]
             tail_logprobs = logprobs[self._streamed:]
         return Outcome(reason, list(tokens), text=text, tail=tail, stats=stats, prompt_logprobs=scored,
-                       logprobs=logprobs, tail_logprobs=tail_logprobs)
+                       echo_logprobs=echoed, logprobs=logprobs, tail_logprobs=tail_logprobs)
 
-    def _score(self, slot: Slot) -> tuple[list, GenerationStats | None, str | None]:
-        """vLLM's ``prompt_logprobs`` from one forward on the slot's target session (its cache reused).
+    def _score(self, slot: Slot, scoring: PromptScoring
+               ) -> tuple[list | None, list[TokenLogprob] | None, GenerationStats | None, str | None]:
+        """vLLM's ``prompt_logprobs`` and the echoed prompt's logprobs, from one forward of the slot's
+        decoder over the prompt (its cache reused; on a DSI slot, one task on a target server).
 
         With ``max_tokens=1`` that forward's last row also gives the completion token, drawn as non-SI
         draws its first token (so nothing more runs); the reason is then "length" or "stop" (EOS).
-        Otherwise the reason is None and the request goes on to generate as usual."""
-        n, first = self.prompt_logprobs
+        With ``max_tokens=0`` (echo) nothing is generated: "length". Otherwise the reason is None and
+        the request goes on to generate as usual. Both lists hold raw log-probabilities, as vLLM's."""
+        if scoring.prompt_logprobs is None and scoring.echo_logprobs is None:  # echo, max_tokens=0: nothing to compute
+            return None, None, GenerationStats(method=slot.decoder.method), "length"
         prompt = self.request.prompt
+        first = scoring.from_position
         rows = slot.decoder.score(prompt, first, self.abort)  # [len(prompt) - first + 1, V]
-        decode = None if n == -1 else (lambda t: self.codec.decode([t]))
-        scored = prompt_logprobs(rows, prompt, first, n, decode)
+        scored = echoed = None
+        if scoring.prompt_logprobs is not None:
+            n = scoring.prompt_logprobs
+            decode = None if n == -1 else (lambda t: self.codec.decode([t]))
+            scored = prompt_logprobs(rows[scoring.first - first:], prompt, scoring.first, n, decode)
+        if scoring.echo_logprobs is not None:  # rows[p - 1] decides prompt[p]
+            raw = raw_rows(rows[:len(prompt) - 1])
+            echoed = [entry(raw[p - 1], prompt[p], scoring.echo_logprobs) for p in range(1, len(prompt))]
+        if not scoring.generate:
+            return scored, echoed, GenerationStats(method=slot.decoder.method), "length"
         if self.request.max_new_tokens != 1:
-            return scored, None, None
+            return scored, echoed, None, None
         # the last row decides the token as the decoder's own first row would (read_rows: the same numbers)
         tokens, probs, logprobs = read_rows(rows[-1:], self.request.verify_task(0, prompt, 1))
         token = int(tokens[0]) if probs is None else bonus(probs[0], self.request.sampling, len(prompt))
@@ -312,4 +327,4 @@ class Job:
             self._on_tokens([token])
         else:
             self._on_tokens([token], [entry(logprobs[0], token, self.request.logprobs)])
-        return scored, stats, "stop" if token in self.request.eos_token_ids else "length"
+        return scored, echoed, stats, "stop" if token in self.request.eos_token_ids else "length"

@@ -3,7 +3,9 @@
 - ``logprobs`` of generated tokens (from :class:`dsi.logprobs.TokenLogprob` entries):
   :func:`completion_logprobs` (the legacy completions object: ``tokens``, ``token_logprobs``,
   ``top_logprobs``, ``text_offset``) and :func:`chat_logprobs` (``content``: one object per token
-  with ``token``, ``logprob``, ``bytes``, ``top_logprobs``).
+  with ``token``, ``logprob``, ``bytes``, ``top_logprobs``); with ``echo``, the prompt's own tokens
+  first (:func:`echo_logprobs`). Tokens are named by their text, or with vLLM's
+  ``return_tokens_as_token_ids`` as ``token_id:{id}`` (:func:`token_id_name`).
 
 ``prompt_logprobs`` (vLLM's extension of ``/v1/completions``): for every prompt position p >= 1, the
 target's log-softmax after the first p tokens, as a dict token id -> ``{logprob, rank,
@@ -62,22 +64,47 @@ def _logprob(value: float) -> float:
     return max(value, FLOOR)
 
 
-def completion_logprobs(entries: Sequence[TokenLogprob], decode: Callable[[int], str], offset: int = 0) -> dict:
-    """The completions ``logprobs`` object of ``entries``; ``offset``: where the first token's text
-    starts (after an echoed prompt, or the tokens streamed before). Offsets add up each token's own
-    text, as vLLM's do: a token holding part of a UTF-8 character counts as its one U+FFFD."""
+def completion_logprobs(entries: Sequence[TokenLogprob], decode: Callable[[int], str], offset: int = 0,
+                        text: Callable[[int], str] | None = None) -> dict:
+    """The completions ``logprobs`` object of ``entries``, naming tokens by ``decode``; ``offset``:
+    where the first token's text starts (after an echoed prompt, or the tokens streamed before).
+    Offsets add up each token's own text (``text``, default ``decode``: they index the choice's
+    text also where tokens are named by id), as vLLM's do: a token holding part of a UTF-8
+    character counts as its one U+FFFD."""
+    text = text or decode
     tokens, offsets = [], []
     for e in entries:
         offsets.append(offset)
-        piece = decode(e.token)
-        tokens.append(piece)
-        offset += len(piece)
+        tokens.append(decode(e.token))
+        offset += len(text(e.token))
     return {
         "tokens": tokens,
         "token_logprobs": [_logprob(e.logprob) for e in entries],
         "top_logprobs": [{decode(i): _logprob(v) for i, v in e.top} for e in entries],
         "text_offset": offsets,
     }
+
+
+def echo_logprobs(prompt: Sequence[int], entries: Sequence[TokenLogprob], decode: Callable[[int], str],
+                  text: Callable[[int], str] | None = None) -> dict:
+    """The completions ``logprobs`` object of an echoed prompt (``echo`` with ``logprobs``): position 0
+    has no row before it, so its ``token_logprobs`` and ``top_logprobs`` are null, as in vLLM and
+    OpenAI; ``entries``: positions 1.. (raw log-probabilities, as prompt logprobs always are);
+    ``decode`` and ``text`` as in :func:`completion_logprobs`."""
+    head = decode(prompt[0])
+    rest = completion_logprobs(entries, decode, len((text or decode)(prompt[0])), text)
+    return {"tokens": [head, *rest["tokens"]], "token_logprobs": [None, *rest["token_logprobs"]],
+            "top_logprobs": [None, *rest["top_logprobs"]], "text_offset": [0, *rest["text_offset"]]}
+
+
+def joined_logprobs(first: dict, then: dict) -> dict:
+    """Two completions ``logprobs`` objects one after the other (the echoed prompt, then the completion)."""
+    return {key: first[key] + then[key] for key in first}
+
+
+def token_id_name(token: int) -> str:
+    """How vLLM's ``return_tokens_as_token_ids`` names a token in logprobs."""
+    return f"token_id:{token}"
 
 
 def chat_logprobs(entries: Sequence[TokenLogprob], decode: Callable[[int], str]) -> dict:

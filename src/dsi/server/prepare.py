@@ -52,6 +52,21 @@ _PROCESSING = ("presence_penalty", "frequency_penalty", "repetition_penalty", "l
 
 
 @dataclass(frozen=True)
+class PromptScoring:
+    """What a request asks of its prompt's own rows (one forward of the target over the prompt)."""
+
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: top N per position (-1: every token); None: not asked
+    first: int = 1  # the first position of prompt_logprobs computed (dsi's prompt_logprobs_from)
+    echo_logprobs: int | None = None  # echo with logprobs: the top N of each echoed prompt token; None: not asked
+    generate: bool = True  # False: max_tokens=0 with echo, the prompt is scored and nothing generated
+
+    @property
+    def from_position(self) -> int:
+        """The first prompt position whose row the forward must give (echo needs every one)."""
+        return 1 if self.echo_logprobs is not None else self.first
+
+
+@dataclass(frozen=True)
 class Prepared:
     """A request ready for the queue."""
 
@@ -60,8 +75,8 @@ class Prepared:
     stream: bool
     include_usage: bool
     echo: str = ""  # the prompt text to echo (completions with echo=true)
-    prompt_logprobs: int | None = None  # top N per prompt position (-1: every token); None: not asked
-    prompt_logprobs_from: int = 1  # the first position whose prompt logprobs are computed
+    scoring: PromptScoring | None = None  # prompt_logprobs, echo with logprobs, max_tokens=0; None: none asked
+    token_ids_as_names: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:{id}"
     n: int = 1  # choices: choice i samples with dsi.sampling.choice_seed(seed, i)
 
     def choice_requests(self) -> list[Request]:
@@ -106,16 +121,23 @@ class Preparer:
         else:
             ids = self._check_ids(prompt, room, max_tokens, param)
             echo = self.codec.decode(ids) if req.echo else ""  # only valid ids reach the decoder
-        prepared = self._prepared(req, ids, max_tokens, param, "prompt", echo)
-        if req.prompt_logprobs is None:
-            if req.prompt_logprobs_from is not None:
-                raise APIError(400, "prompt_logprobs_from needs prompt_logprobs", param="prompt_logprobs_from")
+        # max_tokens=0 (echo only) scores the prompt: the request itself is made for one token, never generated
+        prepared = self._prepared(req, ids, 1 if max_tokens == 0 else max_tokens, param, "prompt", echo)
+        if req.prompt_logprobs is None and req.prompt_logprobs_from is not None:
+            raise APIError(400, "prompt_logprobs_from needs prompt_logprobs", param="prompt_logprobs_from")
+        echo_logprobs = req.logprobs if req.echo else None
+        if req.prompt_logprobs is None and echo_logprobs is None and max_tokens != 0:
             return prepared
-        if prepared.n > 1:
-            raise APIError(400, "prompt_logprobs with n > 1 is not supported: ask them with n = 1", param="n",
+        asked = "prompt_logprobs" if req.prompt_logprobs is not None else "echo with logprobs"
+        if prepared.n > 1 and (req.prompt_logprobs is not None or echo_logprobs is not None):
+            raise APIError(400, f"{asked} with n > 1 is not supported: ask them with n = 1", param="n",
                            code="unsupported_parameter")
-        return replace(prepared, prompt_logprobs=self._check_prompt_logprobs(req, len(ids)),
-                       prompt_logprobs_from=req.prompt_logprobs_from or 1)
+        if req.stream and echo_logprobs is not None:
+            raise APIError(400, "echo with logprobs and stream=true is not supported: ask for the prompt's logprobs "
+                                "without streaming", param="stream", code="unsupported_parameter")
+        n = None if req.prompt_logprobs is None else self._check_prompt_logprobs(req, len(ids))
+        return replace(prepared, scoring=PromptScoring(n, req.prompt_logprobs_from or 1, echo_logprobs,
+                                                       generate=max_tokens != 0))
 
     def _check_prompt_logprobs(self, req: CompletionRequest, length: int) -> int:
         n, cap = req.prompt_logprobs, self.config.max_logprobs
@@ -246,4 +268,4 @@ class Preparer:
                 raise APIError(400, str(exc), param=option, code="invalid_value") from exc
             raise APIError(400, str(exc), param=prompt_param, code="invalid_prompt") from exc
         return Prepared(request, stop=req.stop_strings(), stream=req.stream, include_usage=req.include_usage(),
-                        echo=echo, n=req.n or 1)
+                        echo=echo, token_ids_as_names=req.return_tokens_as_token_ids, n=req.n or 1)

@@ -70,7 +70,7 @@ class _GenerationRequest(_Strict):
     """Fields shared by completions and chat completions. ``None`` means the server default."""
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: completions with echo only (scores the prompt)
     temperature: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(default=None, ge=-1)  # extension (vLLM): 0 or -1 disable it
@@ -89,6 +89,7 @@ class _GenerationRequest(_Strict):
     min_tokens: int | None = Field(default=None, ge=0)
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:{id}", not their text
     n: int | None = Field(default=None, ge=1)  # choices, each sampled independently (see unsupported_option)
 
     @field_validator("stop")
@@ -316,9 +317,13 @@ def unsupported_option(request: _GenerationRequest) -> APIError | None:
     checks: list[tuple[str, bool, str]] = [
         ("n", request.n is not None and request.n > MAX_CHOICES, f"n={request.n}: at most {MAX_CHOICES} choices "
          "per request"),
+        ("max_tokens", request.max_tokens == 0 and not getattr(request, "echo", False),
+         "max_tokens=0 is allowed only with echo=true on /v1/completions (it scores the prompt and generates nothing)"),
     ]
     if isinstance(request, CompletionRequest):
         checks += [
+            ("stream", request.max_tokens == 0 and request.stream, "max_tokens=0 (scoring the prompt) with stream=true "
+             "is not supported"),
             ("best_of", request.best_of not in (None, 1), "best_of > 1 is not supported"),
             ("suffix", request.suffix is not None, "suffix (insertion) is not supported"),
             ("prompt", request.batch_size() > 1, "batched prompts are not supported: send one prompt per request"),

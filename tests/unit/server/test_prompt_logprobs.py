@@ -132,12 +132,124 @@ def test_refusals_name_the_parameter(servers, body, param):
     assert str(body.get(param, "")) in error["message"] or param in error["message"]
 
 
-def test_a_server_without_a_target_session_refuses_prompt_logprobs(tiny_pair):
+@pytest.fixture(scope="module")
+def dsi_server(tiny_pair):
+    """A DSI server (two target servers, k = 2): it scores prompts as one task on a target server."""
     from dsi.server import ServeConfig, create_app
 
     target, drafter = tiny_pair
-    app = create_app(target, drafter, ServeConfig(method="dsi", lookahead=2, model_name=MODEL))
+    app = create_app(target, drafter, ServeConfig(method="dsi", lookahead=2, num_target_servers=2, model_name=MODEL))
     with running_server(app) as running:
-        r = post(running.url, prompt=[5, 6, 7], max_tokens=1, prompt_logprobs=1)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
-    assert "--method ar or si" in r.json()["error"]["message"]
+        yield running.url
+
+
+def test_a_dsi_server_scores_prompts_on_a_target_server(dsi_server, tiny_pair):
+    target, _ = tiny_pair
+    prompt = target.encode("def add(a, b):\n    return")
+    r = post(dsi_server, prompt=prompt, max_tokens=1, temperature=0, prompt_logprobs=2)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    local = local_logprobs(target, prompt)
+    for p in range(1, len(prompt)):
+        entry = {int(k): v["logprob"] for k, v in choice["prompt_logprobs"][p].items()}
+        for token, value in entry.items():
+            assert value == pytest.approx(local[p - 1, token], abs=1e-5)
+        assert max(entry, key=entry.get) == int(np.argmax(local[p - 1]))
+    assert choice["text"] == target.decode([int(np.argmax(local[-1]))])
+
+
+@pytest.mark.parametrize("where", ["ar", "dsi"])
+def test_echo_with_logprobs_puts_the_prompts_own_logprobs_first(servers, dsi_server, tiny_pair, where):
+    target, _ = tiny_pair
+    url = servers["full"][0] if where == "ar" else dsi_server
+    prompt = target.encode("for i in range(10):")
+    # tokens named by id: two of a row's top tokens may have the same text (a byte of a character)
+    plain = post(url, prompt=prompt, max_tokens=3, temperature=0, logprobs=2, return_tokens_as_token_ids=True)
+    echoed = post(url, prompt=prompt, max_tokens=3, temperature=0, logprobs=2, echo=True,
+                  return_tokens_as_token_ids=True)
+    assert plain.status_code == 200 and echoed.status_code == 200, echoed.text
+    generated, both = plain.json()["choices"][0], echoed.json()["choices"][0]
+    assert both["text"] == target.decode(prompt) + generated["text"]
+    lp = both["logprobs"]
+    n = len(prompt)
+    assert len(lp["tokens"]) == n + 3 and lp["tokens"][:n] == [f"token_id:{t}" for t in prompt]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None and lp["text_offset"][0] == 0
+    local = local_logprobs(target, prompt)
+    for p in range(1, n):  # raw log-probabilities of each prompt token after the ones before it
+        assert lp["token_logprobs"][p] == pytest.approx(local[p - 1, prompt[p]], abs=1e-5)
+        best = sorted(range(target.vocab_size), key=lambda t: (-local[p - 1, t], t))[:2]
+        assert list(lp["top_logprobs"][p]) == [f"token_id:{t}" for t in best]
+        assert list(lp["top_logprobs"][p].values()) == pytest.approx([local[p - 1, t] for t in best], abs=1e-5)
+    # then the completion's, as without echo (up to float noise: the rows were computed in other chunks)
+    assert lp["tokens"][n:] == generated["logprobs"]["tokens"]
+    assert lp["token_logprobs"][n:] == pytest.approx(generated["logprobs"]["token_logprobs"], abs=1e-5)
+    for ours, theirs in zip(lp["top_logprobs"][n:], generated["logprobs"]["top_logprobs"], strict=True):
+        assert list(ours) == list(theirs) and list(ours.values()) == pytest.approx(list(theirs.values()), abs=1e-5)
+    # offsets index the text (also with tokens named by id): the completion's start after the echoed prompt
+    shift = len(target.decode(prompt))
+    assert lp["text_offset"][n:] == [o + shift for o in generated["logprobs"]["text_offset"]]
+
+
+def test_echo_with_max_tokens_zero_scores_the_prompt_only(servers, tiny_pair):
+    target, _ = tiny_pair
+    url = servers["full"][0]
+    prompt = target.encode("import numpy as np")
+    r = post(url, prompt=prompt, max_tokens=0, echo=True, logprobs=1, return_tokens_as_token_ids=True)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    choice = body["choices"][0]
+    assert choice["text"] == target.decode(prompt) and choice["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 0 and body["usage"]["prompt_tokens"] == len(prompt)
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in prompt]  # vLLM's names: exact without a tokenizer
+    local = local_logprobs(target, prompt)
+    for p in range(1, len(prompt)):
+        [(name, value)] = lp["top_logprobs"][p].items()
+        assert name == f"token_id:{int(np.argmax(local[p - 1]))}"
+        assert value == pytest.approx(local[p - 1].max(), abs=1e-5)
+    # echo without logprobs and max_tokens=0: the prompt back, nothing run
+    r = post(url, prompt="hello there", max_tokens=0, echo=True)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "hello there"
+
+
+def test_streamed_logprobs_name_token_ids(servers, tiny_pair):
+    """What a dsi drafting on this server reads: each streamed token's id and its top N by id."""
+    target, _ = tiny_pair
+    url = servers["full"][0]
+    prompt = target.encode("def main():")
+    with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": prompt, "max_tokens": 5, "temperature": 0, "logprobs": 3, "stream": True,
+            "ignore_eos": True, "return_tokens_as_token_ids": True}) as r:
+        chunks = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+    import json
+
+    ids = []
+    for chunk in chunks[:-1]:
+        lp = json.loads(chunk)["choices"][0].get("logprobs")
+        if lp:
+            ids += [int(t.removeprefix("token_id:")) for t in lp["tokens"]]
+            assert all(all(k.startswith("token_id:") for k in top) and len(top) == 3 for top in lp["top_logprobs"])
+    assert chunks[-1] == "[DONE]"
+    context = list(prompt)
+    for token in ids:  # the greedy chain of the target
+        assert token == int(np.argmax(local_logprobs(target, context)[-1]))
+        context.append(token)
+    assert len(ids) == 5
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"max_tokens": 0}, "max_tokens"),  # only with echo
+    ({"max_tokens": 0, "echo": True, "stream": True}, "stream"),
+    ({"max_tokens": 2, "echo": True, "logprobs": 1, "stream": True}, "stream"),
+    ({"max_tokens": 2, "echo": True, "logprobs": 1, "n": 2, "temperature": 1.0}, "n"),
+])
+def test_echo_refusals_name_the_parameter(servers, body, param):
+    r = post(servers["full"][0], prompt=[5, 6, 7], **body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_chat_refuses_max_tokens_zero(servers):
+    r = httpx.post(servers["full"][0] + "/v1/chat/completions", timeout=60,
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
