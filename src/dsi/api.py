@@ -40,6 +40,7 @@ def build_decoder(
     deterministic: bool | None = None,
     target_servers: object = None,
     draft_tree: object = None,
+    drafter_server: str | None = None,
 ) -> Decoder:
     """A decoder that keeps its workers (threads, caches) across requests; ``close()`` it.
 
@@ -74,7 +75,11 @@ def build_decoder(
     ``draft_tree`` (SI and DSI): spend each window's drafts as a tree instead of a chain (:mod:`dsi.trees`):
     None or ``"off"`` (chains), ``"auto"`` (dynamic trees grown by the drafter's confidence) or widths per
     depth (``"3,2,1"``). The committed tokens are the chain's for the same seed (DSI), or the target's
-    law with the same guarantees (SI): a tree only changes how many tokens a verification commits."""
+    law with the same guarantees (SI): a tree only changes how many tokens a verification commits.
+
+    ``drafter_server``: the URL of an engine serving the drafter (vLLM or ``dsi serve``); its tokens are
+    streamed from there, and ``drafter`` is the local copy it is checked against and whose tokenizer
+    stays local (:mod:`dsi.models.engine_drafter`, docs/engines.md)."""
     require(method in METHODS, f"method={method!r} must be one of {', '.join(METHODS)}")
     if method == "auto" and draft_tree not in (None, "off"):
         raise ConfigError(f"draft_tree={draft_tree!r} with method='auto': the method choice does not measure trees "
@@ -84,6 +89,9 @@ def build_decoder(
                           "batching, which dsi does not control; drop deterministic or the target servers")
     if deterministic is not None:
         set_deterministic([target, drafter], deterministic)
+    if deterministic and drafter_server is not None:
+        raise ConfigError("deterministic=True cannot hold with drafter_server: an engine's rows depend on its "
+                          "own batching, which dsi does not control; drop deterministic or the drafter server")
     target, num_target_servers, transport, transport_options = engine.engine_placement(
         target, target_servers, num_target_servers, transport, transport_options)
     if method != "auto":
@@ -91,9 +99,10 @@ def build_decoder(
             target=target, drafter=drafter, method=method, lookahead=lookahead,
             num_target_servers=num_target_servers, transport=transport, transport_options=transport_options,
             max_window=max_window, vocab_mode=vocab_mode, target_tokenizer=target_tokenizer,
-            drafter_tokenizer=drafter_tokenizer, draft_tree=draft_tree,
+            drafter_tokenizer=drafter_tokenizer, draft_tree=draft_tree, drafter_server=drafter_server,
         )
     engine.check_lookahead(method, lookahead, max_window)
+    drafter = engine.drafter_placement(drafter, drafter_server, method)
     if drafter is not None:
         drafter = engine.bridge(target, drafter, vocab_mode, target_tokenizer, drafter_tokenizer)
     engine.check_placement(num_target_servers, transport)
@@ -140,6 +149,7 @@ def generate(
     logprobs: int | None = None,
     logprobs_mode: str = "raw",
     draft_tree: object = None,
+    drafter_server: str | None = None,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt`` with non-SI, SI, DSI or ``"auto"``.
 
@@ -152,14 +162,14 @@ def generate(
     to keep them across calls. ``logprobs`` (N >= 0): the result's ``logprobs`` hold each new
     token's log-probability and the N most likely tokens of the row that decided it, the numbers
     non-SI reports (``logprobs_mode`` ``"raw"``, vLLM's default, or ``"processed"``: :mod:`dsi.logprobs`);
-    ``on_tokens`` then also gets them. ``draft_tree``: see :func:`build_decoder`.
+    ``on_tokens`` then also gets them. ``draft_tree``, ``drafter_server``: see :func:`build_decoder`.
     """
     decoder = build_decoder(
         target=target, drafter=drafter, method=method, lookahead=lookahead, num_target_servers=num_target_servers,
         transport=transport, transport_options=transport_options, max_window=max_window,
         auto_options=auto_options, vocab_mode=vocab_mode, target_tokenizer=target_tokenizer,
         drafter_tokenizer=drafter_tokenizer, deterministic=deterministic, target_servers=target_servers,
-        draft_tree=draft_tree,
+        draft_tree=draft_tree, drafter_server=drafter_server,
     )
     return engine.run_once(decoder, prompt, max_new_tokens, vocab_size=target.vocab_size, sampling=sampling,
                            eos_token_id=eos_token_id, on_tokens=on_tokens, abort=abort, logprobs=logprobs,

@@ -35,45 +35,12 @@ import dsi  # noqa: E402
 from dsi.errors import ConfigError, WorkerError  # noqa: E402
 from dsi.models.engines import EngineTarget  # noqa: E402
 from dsi.sampling import SamplingParams, process_logits  # noqa: E402
+from tests.engine_models import PROMPTS, TOKENS, dirs, local, prompts, reference  # noqa: E402,F401
 from tests.engine_servers import start_dsi_serve, start_vllm, vllm_python  # noqa: E402
-from tests.tiny_hf import make_model_dir  # noqa: E402
 
 pytestmark = pytest.mark.hf
 
-PROMPTS = ["def add(a, b):", "for i in range(10):\n", "The quick brown fox"]
-TOKENS = 24
 FAST_LIVENESS = {"floor_s": 2.0, "factor": 5.0, "unmeasured_s": 10.0}
-
-
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("engines")
-    return {
-        "target": str(make_model_dir(root / "target", seed=0, layers=2, hidden=128)),
-        "drafter": str(make_model_dir(root / "drafter", seed=1, layers=1, hidden=64)),
-        "other": str(make_model_dir(root / "other", seed=7, layers=2, hidden=128)),  # same vocabulary, other weights
-    }
-
-
-@pytest.fixture(scope="module")
-def local(dirs):
-    from dsi.models.loading import load_model, load_pair
-
-    target, drafter = load_pair(dirs["target"], dirs["drafter"], dtype="fp32", progress=False, threads=1)
-    same = load_model(dirs["target"], role="drafter", dtype="fp32", progress=False, threads=1)  # accepts everything
-    return target, drafter, same
-
-
-@pytest.fixture(scope="module")
-def prompts(local):
-    return [local[0].encode(p) for p in PROMPTS]
-
-
-@pytest.fixture(scope="module")
-def reference(local, prompts):
-    """The local non-SI greedy output of each prompt."""
-    target = local[0]
-    return [dsi.generate(target=target, prompt=p, method="ar", max_new_tokens=TOKENS).tokens for p in prompts]
 
 
 def start_all(starters):

@@ -108,6 +108,21 @@ def draft_tree(text: str) -> str:
 DRAFT_TREE = draft_tree
 
 
+def engine_url(text: str) -> str:
+    """An engine's URL as OpenAI clients take it (``http://host:port/v1``: :func:`dsi.models.engines.check_url`),
+    checked while parsing; whether it answers is checked when the decoder connects."""
+    from dsi.errors import ConfigError
+    from dsi.models.engines import check_url
+
+    try:
+        return check_url(text, "engine")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc).replace("engine server URL ", "")) from None
+
+
+ENGINE_URL = engine_url
+
+
 def input_file(text: str) -> str:
     """A file that must exist and be readable."""
     source = Path(text).expanduser()

@@ -12,7 +12,8 @@ import time
 from dataclasses import dataclass, replace
 
 from dsi.cli.advice import what_dsi_needs
-from dsi.cli.args import COUNT, DRAFT_TREE, LOOKAHEAD, NATURAL, NON_NEGATIVE, POSITIVE, PROBABILITY, SEED, Number
+from dsi.cli.args import (COUNT, DRAFT_TREE, ENGINE_URL, LOOKAHEAD, NATURAL, NON_NEGATIVE, POSITIVE, PROBABILITY, SEED,
+                          Number)
 from dsi.cli.backend import add_backend_args, choose, describe, hf_dtype, max_model_len
 from dsi.errors import ConfigError
 from dsi.sampling import MAX_PENALTY
@@ -72,6 +73,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "'dsi serve --method ar', e.g. http://10.0.0.2:8000/v1,http://10.0.0.3:8000/v1); --target "
                         "is then the local copy they are checked against and whose tokenizer stays here; --sp "
                         "defaults to one server per URL (docs/engines.md)")
+    g.add_argument("--drafter-server", metavar="URL", type=ENGINE_URL,
+                   help="draft on an inference engine serving the drafter over HTTP (vLLM or 'dsi serve --method ar', "
+                        "e.g. http://10.0.0.4:8000/v1): its tokens are streamed, the stream closed on a rejection; "
+                        "--drafter is then the local copy it is checked against (docs/engines.md)")
 
 
 def target_servers(args: argparse.Namespace) -> list[str] | None:
@@ -92,6 +97,19 @@ def target_servers(args: argparse.Namespace) -> list[str] | None:
         raise ConfigError("--target-servers with --deterministic: an engine's rows depend on its own batching, "
                           "which dsi does not control; drop one of them")
     return urls
+
+
+def drafter_server(args: argparse.Namespace) -> str | None:
+    """``--drafter-server`` (checked when the decoder connects), or None."""
+    url = getattr(args, "drafter_server", None)
+    if url is None:
+        return None
+    if getattr(args, "method", None) == "ar":
+        raise ConfigError("--drafter-server with --method ar: non-SI drafts nothing; drop --drafter-server")
+    if getattr(args, "deterministic", None):
+        raise ConfigError("--drafter-server with --deterministic: an engine's rows depend on its own batching, "
+                          "which dsi does not control; drop one of them")
+    return url
 
 
 def server_count(args: argparse.Namespace) -> int:
@@ -397,6 +415,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
         check_mode_sampling(args.vocab_mode, sampling)  # before loading anything
     urls = target_servers(args)
+    drafter_url = drafter_server(args)
     servers = server_count(args)
     placement = transport_options(args)
     check_prompt_flags(args)
@@ -415,6 +434,7 @@ def run_generate(args: argparse.Namespace) -> int:
         target=target, drafter=drafter, method=args.method, lookahead=args.lookahead, max_window=args.max_window,
         num_target_servers=servers, transport=args.transport, transport_options=placement,
         auto_options=auto_options(args, quiet=args.json), target_servers=urls, draft_tree=args.draft_tree,
+        drafter_server=drafter_url,
     )
     if decoder.method == "ar" and drafter is not None:  # auto picked non-SI: decode with nothing else loaded
         release(drafter)

@@ -31,11 +31,11 @@ from typing import Any
 
 import numpy as np
 
-from dsi.cli.args import COUNT, Number, output_file
+from dsi.cli.args import COUNT, ENGINE_URL, Number, output_file
 from dsi.cli.backend import add_backend_args, choose, describe, hf_dtype, max_model_len
 from dsi.cli.output import dumps, format_table, print_json
 from dsi.errors import ConfigError
-from dsi.models.base import LanguageModel, greedy_guess
+from dsi.models.base import LanguageModel, extend_rows, greedy_guess
 
 PROMPT_SETS: dict[str, list[str]] = {
     "code": [
@@ -119,7 +119,9 @@ def greedy_timed(
     eos: Sequence[int] = (),
     clock: Clock = time.perf_counter,
 ) -> Timed:
-    """Greedy decoding with one session: prefill, then one ``extend`` per new token.
+    """Greedy decoding with one session: prefill, then one forward per new token, each asking only for
+    its last row's argmax (:func:`dsi.models.base.extend_rows`, as the engines ask: an engine then
+    returns one log-probability a row).
 
     Stops after ``max_new_tokens`` or after a token in ``eos`` (included in the output).
     """
@@ -130,11 +132,11 @@ def greedy_timed(
     session = model.new_session()
     try:
         start = clock()
-        token = int(np.argmax(session.extend(list(prompt))[-1]))
+        token = int(extend_rows(session, list(prompt), None, 1, greedy=True)[-1])
         ttft = clock() - start
         out = [token]
         while len(out) < max_new_tokens and token not in eos:
-            token = int(np.argmax(session.extend([token])[-1]))
+            token = int(extend_rows(session, [token], None, 1, greedy=True)[-1])
             out.append(token)
         total = clock() - start
     finally:
@@ -297,6 +299,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     lat.add_argument("--model", required=True, metavar="MODEL",
                      help="directory, .gguf file, hub id or embedded name (default-target, default-drafter)")
     lat.add_argument("--role", choices=["target", "drafter"], default=None, help="label the result for dsi plan")
+    lat.add_argument("--target-servers", metavar="URL",
+                     help="measure the engine at URL serving --model as DSI verifies on it (a scoring request per "
+                          "forward: docs/engines.md); --model is the local copy it is checked against")
+    lat.add_argument("--drafter-server", metavar="URL", type=ENGINE_URL,
+                     help="measure the engine at URL serving --model as DSI drafts on it (streamed tokens)")
     common(lat, 32)
     lat.set_defaults(func=run_latency)
 
@@ -310,6 +317,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="how a drafter of another vocabulary guesses: 'auto' (default) and 'string' through its "
                           "own greedy text re-tokenized for the target, 'intersection' through the tokens both "
                           "vocabularies share; 'shared' requires one vocabulary")
+    acc.add_argument("--target-servers", metavar="URL", help="the target's rows from the engine at URL (docs/engines.md)")
+    acc.add_argument("--drafter-server", metavar="URL", type=ENGINE_URL,
+                     help="the drafter's guesses streamed from the engine at URL")
     common(acc, 64)
     acc.set_defaults(func=run_acceptance)
 
@@ -358,6 +368,27 @@ def _load_options(args: argparse.Namespace, specs: list[str]) -> tuple[dict[str,
     return options, describe(choice.backend, args)
 
 
+def _over_engines(target: Any, drafter: Any, args: argparse.Namespace) -> tuple[Any, Any, dict[str, str]]:
+    """The models as the engines of ``--target-servers`` / ``--drafter-server`` serve them (the local
+    ones are their references), and the URLs for the result."""
+    engines: dict[str, str] = {}
+    url = getattr(args, "target_servers", None)
+    if url is not None:
+        from dsi.models.engines import EngineTarget
+
+        if "," in url:
+            raise ConfigError(f"--target-servers={url!r}: dsi measure measures one engine; name one URL")
+        target = EngineTarget([url], reference=target)
+        engines["target_server"] = target.urls[0]
+    url = getattr(args, "drafter_server", None)
+    if url is not None:
+        from dsi.models.engine_drafter import EngineDrafter
+
+        drafter = EngineDrafter(url, drafter)
+        engines["drafter_server"] = drafter.url
+    return target, drafter, engines
+
+
 def _emit(result: dict[str, Any], args: argparse.Namespace, headers: list[str], rows: list[list[Any]],
           summary: list[tuple[str, Any]]) -> None:
     if args.out:
@@ -378,11 +409,14 @@ def run_latency(args: argparse.Namespace) -> int:
     _check_common(args)
     options, label = _load_options(args, [args.model])
     threads = _setup_threads(args.threads, options["backend"])
+    if args.target_servers and args.drafter_server:
+        raise ConfigError("dsi measure latency measures one model: give --target-servers or --drafter-server")
     model = load_model(args.model, role=args.role, **options)
     prompts = _prompt_ids(model, args)
-    measured = measure_latency(model, prompts, args.max_new_tokens)
+    target, drafter, engines = _over_engines(model, model, args)
+    measured = measure_latency(target if args.target_servers else drafter, prompts, args.max_new_tokens)
     result = {
-        "kind": "latency", "model": args.model, "role": args.role,
+        "kind": "latency", "model": args.model, "role": args.role, **engines,
         "ttft_ms": measured["ttft_ms"], "tpot_ms": measured["tpot_ms"], "backend": options["backend"],
         "dtype": options["dtype"], "device": str(getattr(model, "device", "cpu")), "prompts": len(prompts),
         "threads": threads, "max_new_tokens": args.max_new_tokens, "per_prompt": measured["per_prompt"],
@@ -404,11 +438,13 @@ def run_acceptance(args: argparse.Namespace) -> int:
     from dsi.models.crossvocab import bridge_drafter
 
     target, drafter = load_pair(args.target, args.drafter, vocab_mode=args.vocab_mode, **options)
-    drafter = bridge_drafter(target, drafter, args.vocab_mode)  # guesses in the target's ids
     prompts = _prompt_ids(target, args)
-    measured = measure_acceptance(target, drafter, prompts, args.max_new_tokens, target.eos_token_ids)
+    eos = target.eos_token_ids
+    target, drafter, engines = _over_engines(target, drafter, args)
+    drafter = bridge_drafter(target, drafter, args.vocab_mode)  # guesses in the target's ids
+    measured = measure_acceptance(target, drafter, prompts, args.max_new_tokens, eos)
     result = {
-        "kind": "acceptance", "target": args.target, "drafter": args.drafter,
+        "kind": "acceptance", "target": args.target, "drafter": args.drafter, **engines,
         **{k: v for k, v in measured.items() if k != "per_prompt"},
         "backend": options["backend"], "dtype": options["dtype"], "device": str(getattr(target, "device", "cpu")),
         "prompts": len(prompts), "threads": threads,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dsi.cli.args import COUNT, NATURAL, POSITIVE, SEED, Number, input_file
+from dsi.cli.args import COUNT, ENGINE_URL, NATURAL, POSITIVE, SEED, Number, input_file
 from dsi.cli.backend import hf_dtype
 from dsi.cli.generate import _load, add_model_args, add_processing_args, processing_from_args, target_servers
 from dsi.errors import ConfigError
@@ -49,6 +49,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--target-servers", metavar="URL[,URL...]",
                    help="check SI and DSI verifying on these engines (vLLM or dsi serve) against the local "
                         "non-SI and the local target's exact law (docs/engines.md)")
+    p.add_argument("--drafter-server", metavar="URL", type=ENGINE_URL,
+                   help="check SI and DSI drafting on this engine serving the drafter (vLLM or dsi serve)")
     p.add_argument("--max-new-tokens", type=COUNT, default=24, help="greedy tokens per prompt (default 24)")
     p.add_argument("--positions", type=NATURAL, default=2,
                    help="prefixes of the chi-square test (default 2; 0: skip it)")
@@ -73,7 +75,7 @@ def run_selftest_command(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, positions=args.positions, samples=args.samples,
         temperature=args.temperature, top_k=args.top_k, alpha=args.alpha, seed=args.seed,
         target_servers=tuple(urls) if (urls := target_servers(args)) else None,
-        **processing_from_args(args),
+        drafter_server=args.drafter_server, **processing_from_args(args),
     )
     texts = read_prompts(args.prompts) if args.prompts else list(DEFAULT_PROMPTS)
     if not texts:

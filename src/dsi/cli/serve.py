@@ -25,6 +25,7 @@ from dsi.cli.generate import (
     add_model_args,
     add_sampling_args,
     auto_options,
+    drafter_server,
     server_count,
     target_servers,
     transport_options,
@@ -136,7 +137,7 @@ def run_serve(args: argparse.Namespace) -> int:
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         shutdown_grace_s=args.shutdown_timeout, vocab_mode=args.vocab_mode, max_logprobs=args.max_logprobs,
         logprobs_mode=args.logprobs_mode, draft_tree=args.draft_tree,
-        target_servers=tuple(urls) if (urls := target_servers(args)) else None,
+        target_servers=tuple(urls) if (urls := target_servers(args)) else None, drafter_server=drafter_server(args),
     )
     if not _is_loopback(args.host):
         log.warning("dsi serve: listening on %s, reachable from other machines%s", args.host,

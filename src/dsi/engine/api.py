@@ -132,6 +132,18 @@ def engine_placement(target: object, target_servers: object, num_target_servers:
     return engines, len(engines.urls) if num_target_servers is None else num_target_servers, "threads", options  # type: ignore[return-value]
 
 
+def drafter_placement(drafter: object, drafter_server: object, method: str) -> LanguageModel | None:
+    """Where the drafter runs: here (``drafter`` as given, without ``drafter_server``), or on the engine at
+    ``drafter_server`` (vLLM or ``dsi serve``, :mod:`dsi.models.engine_drafter`): ``drafter`` becomes an
+    :class:`~dsi.models.engine_drafter.EngineDrafter` whose reference it is."""
+    if drafter_server is None:
+        return drafter  # type: ignore[return-value]
+    require(method != "ar", f"drafter_server={drafter_server!r} with method='ar': non-SI drafts nothing; drop it")
+    from dsi.models.engine_drafter import drafter_engine  # network code: imported on use
+
+    return drafter_engine(drafter, drafter_server)  # type: ignore[arg-type]
+
+
 def bridge(target: object, drafter: object, vocab_mode: str, target_tokenizer: object = None,
            drafter_tokenizer: object = None) -> LanguageModel:
     """The drafter as the engine sees it, over the target's ids (:mod:`dsi.models.crossvocab`)."""
@@ -155,6 +167,7 @@ def build_decoder(
     drafter_tokenizer: object = None,
     target_servers: object = None,
     draft_tree: object = None,
+    drafter_server: str | None = None,
 ) -> Decoder:
     """A decoder of ``method`` (``"dsi"``, ``"si"`` or ``"ar"``) that keeps its workers (threads,
     caches) across requests; ``close()`` it. The arguments are those of :func:`dsi.build_decoder`,
@@ -166,6 +179,7 @@ def build_decoder(
     require(vocab_mode in VOCAB_MODES, f"vocab_mode={vocab_mode!r} must be one of {', '.join(VOCAB_MODES)}")
     check_lookahead(method, lookahead, max_window)
     shape = check_draft_tree(method, draft_tree)
+    drafter = drafter_placement(drafter, drafter_server, method)
     if drafter is not None and method != "ar":
         drafter = bridge(target, drafter, vocab_mode, target_tokenizer, drafter_tokenizer)
     check_placement(DEFAULT_TARGET_SERVERS if num_target_servers is None else num_target_servers, transport)

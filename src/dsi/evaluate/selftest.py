@@ -54,6 +54,7 @@ class SelftestConfig:
     alpha: float = 1e-4
     seed: int = 0  # the chi-square runs use seeds seed, seed + 1, ..., seed + samples - 1
     target_servers: tuple[str, ...] | None = None  # SI and DSI verify on these engines; non-SI and the law stay local
+    drafter_server: str | None = None  # SI and DSI draft on this engine
     # logit processors of every check (greedy and chi-square), as in dsi.SamplingParams
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -227,7 +228,7 @@ def run_selftest(
     decoders = {m: build_decoder(target=target, drafter=drafter, method=m, lookahead=config.lookahead,
                                  num_target_servers=config.num_target_servers, transport=config.transport,
                                  target_servers=list(config.target_servers) if config.target_servers and m != "ar"
-                                 else None)
+                                 else None, drafter_server=config.drafter_server if m != "ar" else None)
                 for m in ("ar", "si", "dsi")}
     try:
         outputs: dict[str, list[list[int]]] = {}

@@ -71,21 +71,22 @@ CANARY_LENGTH = 8
 CANARY_TOLERANCE = 0.25  # nats: the most a canary logprob may differ from the local model's
 
 
-def check_url(url: object) -> str:
-    """``url`` as OpenAI clients take it (``http://host:port/v1``), normalised without a trailing slash."""
+def check_url(url: object, role: str = "target") -> str:
+    """``url`` as OpenAI clients take it (``http://host:port/v1``), normalised without a trailing slash;
+    ``role`` names the server in errors ("target" or "drafter")."""
     if not isinstance(url, str) or not url.strip():
-        raise ConfigError(f"target server URL {url!r} must be a non-empty string like http://127.0.0.1:8000/v1")
+        raise ConfigError(f"{role} server URL {url!r} must be a non-empty string like http://127.0.0.1:8000/v1")
     parts = urlsplit(url.strip())
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"target server URL {url!r} must start with http:// or https:// and name a host "
+        raise ConfigError(f"{role} server URL {url!r} must start with http:// or https:// and name a host "
                           "(like http://127.0.0.1:8000/v1)")
     try:
         parts.port
     except ValueError:
-        raise ConfigError(f"target server URL {url!r} has an invalid port") from None
+        raise ConfigError(f"{role} server URL {url!r} has an invalid port") from None
     path = parts.path.rstrip("/")
     if not path.endswith("/v1"):
-        raise ConfigError(f"target server URL {url!r} must end in /v1, as OpenAI clients take it "
+        raise ConfigError(f"{role} server URL {url!r} must end in /v1, as OpenAI clients take it "
                           f"(e.g. {parts.scheme}://{parts.netloc}{path}/v1)")
     return f"{parts.scheme}://{parts.netloc}{path}"
 
@@ -98,8 +99,10 @@ class Connection:
     :class:`TaskCancelled`. Not for concurrent use: one session, one connection.
     """
 
-    def __init__(self, url: str, connect_timeout: float = CONNECT_TIMEOUT_S, read_timeout: float = READ_TIMEOUT_S):
+    def __init__(self, url: str, connect_timeout: float = CONNECT_TIMEOUT_S, read_timeout: float = READ_TIMEOUT_S,
+                 role: str = "target"):
         self.url = url
+        self.role = role  # names the server in errors
         parts = urlsplit(url)
         self._host, self._port, self._https = parts.hostname, parts.port, parts.scheme == "https"
         self._base = parts.path
@@ -174,16 +177,16 @@ class Connection:
         try:
             status, data = future.result()
         except (OSError, http.client.HTTPException) as exc:  # refused, reset, timed out (TimeoutError is an OSError)
-            raise ServerLost(f"target server {self.url}: {type(exc).__name__}: {exc}") from exc
+            raise ServerLost(f"{self.role} server {self.url}: {type(exc).__name__}: {exc}") from exc
         try:
             answer = json.loads(data)
         except ValueError:
-            raise ServerLost(f"target server {self.url} answered {status} with a body that is not JSON: "
+            raise ServerLost(f"{self.role} server {self.url} answered {status} with a body that is not JSON: "
                              f"{data[:120]!r}") from None
         if status >= 500:
-            raise ServerLost(f"target server {self.url} answered {status}: {_message(answer)}")
+            raise ServerLost(f"{self.role} server {self.url} answered {status}: {_message(answer)}")
         if status >= 400:
-            raise EngineRefused(status, f"target server {self.url} answered {status}: {_message(answer)}")
+            raise EngineRefused(status, f"{self.role} server {self.url} answered {status}: {_message(answer)}")
         return answer
 
     def close(self) -> None:
@@ -226,14 +229,14 @@ class EngineInfo:
 
 
 def parse_rows(answer: Any, url: str, model: str, context_length: int, first: int, count: int, vocab_size: int,
-               ) -> list[dict[int, float]]:
+               role: str = "target") -> list[dict[int, float]]:
     """Rows ``first .. first + count - 1`` of an answer's ``prompt_logprobs``: token id -> logprob.
 
     Position p holds the distribution after the first p tokens of a prompt of ``context_length``
     tokens. Anything inconsistent (another model, the wrong length, ids outside the vocabulary, a
     value that is not a log-probability) is a :class:`ServerLost`."""
     def lost(what: str) -> ServerLost:
-        return ServerLost(f"target server {url} answered inconsistently: {what}")
+        return ServerLost(f"{role} server {url} answered inconsistently: {what}")
 
     if not isinstance(answer, dict):
         raise lost("the answer is not a JSON object")
@@ -269,7 +272,19 @@ def parse_rows(answer: Any, url: str, model: str, context_length: int, first: in
     return out
 
 
-class EngineTarget:
+class LocalText:
+    """A model served elsewhere whose text side (``encode``, ``decode``, ``eos_token_ids``) is its local
+    ``reference``'s: the tokenizer stays local."""
+
+    reference: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        if name in TEXT_ATTRIBUTES and self.__dict__.get("reference") is not None:
+            return getattr(self.__dict__["reference"], name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+
+class EngineTarget(LocalText):
     """The target model as served by the engines at ``urls`` (see the module doc).
 
     ``reference``: the local copy of the target (or None): its ``vocab_size`` is the vocabulary
@@ -282,10 +297,12 @@ class EngineTarget:
 
     def __init__(self, urls: Sequence[str], reference: LanguageModel | None = None, *, vocab_size: int | None = None,
                  model: str | None = None, canary_tolerance: float = CANARY_TOLERANCE,
-                 connect_timeout: float = CONNECT_TIMEOUT_S, read_timeout: float = READ_TIMEOUT_S) -> None:
+                 connect_timeout: float = CONNECT_TIMEOUT_S, read_timeout: float = READ_TIMEOUT_S,
+                 role: str = "target") -> None:
+        self.role = role  # names the servers in errors: "target", or "drafter" (dsi.models.engine_drafter)
         if isinstance(urls, str) or not urls:
             raise ConfigError(f"target_servers={urls!r} must be a non-empty list of URLs like http://127.0.0.1:8000/v1")
-        self.urls = tuple(check_url(u) for u in urls)
+        self.urls = tuple(check_url(u, role) for u in urls)
         if len(set(self.urls)) != len(self.urls):
             raise ConfigError(f"target_servers={list(urls)!r} names one URL twice")
         if reference is None and vocab_size is None:
@@ -305,31 +322,25 @@ class EngineTarget:
         limits = [n - 2 for n in lens] + ([local] if isinstance(local, int) else [])
         self.max_context = min(limits) if limits else None
 
-    def __getattr__(self, name: str) -> Any:
-        """The local reference's text side (``encode``, ``decode``, ``eos_token_ids``): the tokenizer stays local."""
-        if name in TEXT_ATTRIBUTES and self.__dict__.get("reference") is not None:
-            return getattr(self.__dict__["reference"], name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
     def __repr__(self) -> str:  # also what method="auto" caches its choice under
         served = ", ".join(f"{e.url} ({e.model})" for e in self.engines.values()) if hasattr(self, "engines") else ""
         return f"EngineTarget({served or ', '.join(self.urls)}; reference {self.reference!r})"
 
     # ---- start-up checks ---------------------------------------------------------------------
     def _describe(self, url: str) -> EngineInfo:
-        conn = Connection(url, self.connect_timeout, self.read_timeout)
+        conn = Connection(url, self.connect_timeout, self.read_timeout, self.role)
         try:
             try:
                 listing = conn.request("GET", "/models")
             except (ServerLost, EngineRefused) as exc:
-                raise ConfigError(f"target server {url} cannot be used: {exc}") from None
+                raise ConfigError(f"{self.role} server {url} cannot be used: {exc}") from None
             cards = listing.get("data") if isinstance(listing, dict) else None
             if not isinstance(cards, list) or not cards or not isinstance(cards[0], dict) or "id" not in cards[0]:
-                raise ConfigError(f"target server {url} lists no model at {url}/models (is it an OpenAI server?)")
+                raise ConfigError(f"{self.role} server {url} lists no model at {url}/models (is it an OpenAI server?)")
             names = [str(c.get("id")) for c in cards if isinstance(c, dict)]
             name = self._model_name or names[0]
             if name not in names:
-                raise ConfigError(f"target server {url} serves {names}, not {name!r}")
+                raise ConfigError(f"{self.role} server {url} serves {names}, not {name!r}")
             card = cards[names.index(name)]
             kind = "dsi" if isinstance(card.get("dsi"), dict) else "openai"
             max_len = card.get("max_model_len")
@@ -345,27 +356,27 @@ class EngineTarget:
             answer = conn.request("POST", "/completions", self._payload(name, prompt, -1, 1, kind))
         except EngineRefused as exc:
             full = False
-            log.info("target server %s gives no whole-vocabulary rows (%s); sampling then needs top_k", url, exc)
+            log.info("%s server %s gives no whole-vocabulary rows (%s); sampling then needs top_k", self.role, url, exc)
             try:
                 answer = conn.request("POST", "/completions", self._payload(name, prompt, 1, 1, kind))
             except (ServerLost, EngineRefused) as exc2:
-                raise ConfigError(f"target server {url} cannot score a prompt: {exc2}") from None
+                raise ConfigError(f"{self.role} server {url} cannot score a prompt: {exc2}") from None
         except ServerLost as exc:
-            raise ConfigError(f"target server {url} cannot be used: {exc}") from None
+            raise ConfigError(f"{self.role} server {url} cannot be used: {exc}") from None
         context = len(prompt) + 1
         try:
-            rows = parse_rows(answer, url, name, context, 1, len(prompt), 1 << 62)
+            rows = parse_rows(answer, url, name, context, 1, len(prompt), 1 << 62, self.role)
         except ServerLost as exc:
-            raise ConfigError(f"target server {url} is not an engine dsi can verify with: {exc}") from None
+            raise ConfigError(f"{self.role} server {url} is not an engine dsi can verify with: {exc}") from None
         vocab = len(rows[0]) if full else None
         if full and any(len(r) != vocab for r in rows):
-            raise ConfigError(f"target server {url} gave rows of {sorted({len(r) for r in rows})} entries")
+            raise ConfigError(f"{self.role} server {url} gave rows of {sorted({len(r) for r in rows})} entries")
         if vocab is not None and vocab != self.vocab_size:
-            raise ConfigError(f"target server {url} serves {name!r} with a vocabulary of {vocab} tokens; the local "
-                              f"target has {self.vocab_size}: it is another model")
+            raise ConfigError(f"{self.role} server {url} serves {name!r} with a vocabulary of {vocab} tokens; the local "
+                              f"{self.role} has {self.vocab_size}: it is another model")
         seen = max(max(r) for r in rows)
         if seen >= self.vocab_size:
-            raise ConfigError(f"target server {url} names token {seen}, outside the local target's vocabulary "
+            raise ConfigError(f"{self.role} server {url} names token {seen}, outside the local {self.role}'s vocabulary "
                               f"of {self.vocab_size}: it is another model")
         difference = None
         if self.reference is not None:
@@ -382,10 +393,10 @@ class EngineTarget:
                 difference = max(difference, float(np.abs(local[i, ids] - values).max()))
                 theirs, ours = int(ids[np.argmax(values)]), int(np.argmax(local[i]))
                 if theirs != ours and local[i, ours] - local[i, theirs] > self.canary_tolerance:  # not a near-tie
-                    raise ConfigError(f"target server {url}: {name!r} does not compute the local target's "
-                                      f"rows (canary position {i}: argmax {theirs}, the local target's {ours})")
+                    raise ConfigError(f"{self.role} server {url}: {name!r} does not compute the local {self.role}'s "
+                                      f"rows (canary position {i}: argmax {theirs}, the local {self.role}'s {ours})")
             if difference > self.canary_tolerance:
-                raise ConfigError(f"target server {url}: {name!r} does not compute the local target's rows (canary "
+                raise ConfigError(f"{self.role} server {url}: {name!r} does not compute the local {self.role}'s rows (canary "
                                   f"logprobs differ by up to {difference:.3g} nats, more than {self.canary_tolerance})")
         return EngineInfo(url, name, kind, max_len, vocab, full, None if full else 1, difference)
 
@@ -534,5 +545,5 @@ def wait_until_serving(url: str, timeout: float = 120.0, process: Any = None) ->
     raise ModelError(f"{url} did not serve within {timeout:.0f} s ({last})")
 
 
-__all__ = ["EngineTarget", "EngineSession", "EngineInfo", "Connection", "check_url", "parse_rows",
+__all__ = ["EngineTarget", "LocalText", "EngineSession", "EngineInfo", "Connection", "check_url", "parse_rows",
            "wait_until_serving"]

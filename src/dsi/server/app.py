@@ -98,6 +98,10 @@ class ServerState:
             from dsi.models.engines import EngineTarget
 
             self.verifier = EngineTarget(config.target_servers, reference=target)
+        if drafter is not None and config.method != "ar" and config.drafter_server:  # every slot streams from it
+            from dsi.models.engine_drafter import drafter_engine
+
+            drafter = drafter_engine(drafter, config.drafter_server)
         if drafter is not None and config.method != "ar":  # one translation shared by every slot's decoder
             drafter = bridge_drafter(target, drafter, config.vocab_mode)
         self.drafter = drafter
@@ -528,6 +532,7 @@ def create_app(
         return ModelCard(id=config.model_name, created=state.created, max_model_len=state.max_context, dsi={
             **running_method(), "transport": config.transport, "max_concurrent": config.max_concurrent,
             **({"target_servers": list(config.target_servers)} if config.target_servers else {}),
+            **({"drafter_server": config.drafter_server} if config.drafter_server else {}),
         })
 
     @app.get("/v1/models")

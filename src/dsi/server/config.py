@@ -64,6 +64,7 @@ class ServeConfig:
     shutdown_grace_s: float = 5.0  # at shutdown, how long running requests may take to stop
     vocab_mode: str = "auto"  # how the drafter's tokens reach the target (dsi.models.crossvocab)
     target_servers: tuple[str, ...] | None = None  # engines (URLs) that verify instead of local servers
+    drafter_server: str | None = None  # an engine (URL) serving the drafter, whose tokens are streamed
     max_logprobs: int = 20  # the most (prompt_)logprobs per position a request may ask (-1: the whole vocabulary)
     logprobs_mode: str = "raw"  # the distribution of generated tokens' logprobs: "raw" (vLLM's default) or "processed"
     draft_tree: str | None = None  # spend each window's drafts as a tree (dsi.trees): None / "off", "auto", "3,2,1"
@@ -97,4 +98,6 @@ class ServeConfig:
         require(isinstance(self.max_logprobs, int) and not isinstance(self.max_logprobs, bool)
                 and self.max_logprobs >= -1,
                 f"max_logprobs={self.max_logprobs!r} must be an integer >= 0, or -1 (the whole vocabulary)")
+        require(self.drafter_server is None or self.method != "ar",
+                "drafter_server with method='ar': non-SI drafts nothing; drop the drafter server")
         require(positive_int(self.retry_after_s), f"retry_after_s={self.retry_after_s!r} must be an integer >= 1")

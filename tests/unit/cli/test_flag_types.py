@@ -16,7 +16,7 @@ import pathlib
 
 import pytest
 
-from dsi.cli.args import DRAFT_TREE, LOOKAHEAD, Number, flag_message, input_file, output_dir, output_file
+from dsi.cli.args import DRAFT_TREE, ENGINE_URL, LOOKAHEAD, Number, flag_message, input_file, output_dir, output_file
 from dsi.cli.main import build_parser
 
 PATH_TYPES = (input_file, output_file, output_dir)
@@ -115,7 +115,8 @@ def _refused(capsys, parser, argv) -> str:
 
 def test_every_flag_with_a_value_is_typed_or_a_choice_or_listed():
     unchecked = sorted({f"{' '.join(path)} {_flag(a)}" for path, _, a in FLAGS
-                        if not (isinstance(a.type, Number) or a.type in (*PATH_TYPES, LOOKAHEAD, DRAFT_TREE) or a.choices)
+                        if not (isinstance(a.type, Number) or a.type in (*PATH_TYPES, LOOKAHEAD, DRAFT_TREE, ENGINE_URL)
+                                or a.choices)
                         and _flag(a) not in TEXT_FLAGS})
     assert not unchecked, f"flags without a checked type (use dsi.cli.args): {unchecked}"
     assert len(NUMBERS) > 80  # the walk reaches every sub-command (measure's too)
@@ -162,6 +163,18 @@ def test_draft_tree_flags_take_off_auto_or_widths(capsys, command):
         assert f"--draft-tree={_shown(text)} must be off, auto, or widths per depth" in err, err
     for text, canonical in (("AUTO", "auto"), (" 3, 2,1", "3,2,1"), ("chain", "off")):
         assert vars(root.parse_args([*base, "--draft-tree", text]))["draft_tree"] == canonical
+
+
+@pytest.mark.parametrize("command", sorted({p for p, _, a in FLAGS if a.type is ENGINE_URL}), ids=" ".join)
+def test_engine_url_flags_are_checked_while_parsing(capsys, command):
+    root = build_parser()
+    parser, action = next((parser, a) for p, parser, a in FLAGS if p == command and a.type is ENGINE_URL)
+    base, flag = _base(parser, command, action), _flag(action)
+    for text, says in (("ftp://h:8000/v1", "must start with http:// or https://"), ("http://h:99999/v1", "invalid port"),
+                       ("http://h:8000", "must end in /v1"), ("", "must be a non-empty string")):
+        err = _refused(capsys, root, [*base, f"{flag}={text}"])
+        assert f"{flag}={text!r}" in err and says in err, err
+    assert vars(root.parse_args([*base, flag, "http://10.0.0.4:8002/v1/"]))[action.dest] == "http://10.0.0.4:8002/v1"
 
 
 PATHS = [(p, parser, a) for p, parser, a in FLAGS if a.type in PATH_TYPES]

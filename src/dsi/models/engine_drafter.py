@@ -1,0 +1,382 @@
+"""A drafter served by an inference engine over HTTP (vLLM's OpenAI server, or a ``dsi serve``).
+
+:class:`EngineDrafter` is a :class:`~dsi.models.base.LanguageModel` whose sessions draft from one
+*streamed* completion: the engine decodes greedily after the session's context and streams each token
+with its top-N log-probabilities (``logprobs: N``, ``return_tokens_as_token_ids``, ``ignore_eos``), so
+the drafter runs at the engine's own decoding speed, with no round trip per token. A session answers
+"the row after this context" from the stream as long as the context is the stream's start plus the
+tokens it streamed; any other context (a rejection's correction, a sampled draft other than the
+engine's greedy token, a tree's side branch) closes the stream, which vLLM and ``dsi serve`` take as
+the client gone and abort, and opens a new one there. A stream that ends (its ``max_tokens``) is
+followed by a new one from where it ended. Forwards of several rows (rare for a drafter) are one
+prompt-logprobs request, as :class:`~dsi.models.engines.EngineTarget` computes them.
+
+What a row holds, and why the output stays exact:
+
+- greedy drafting on raw rows asks for argmax ids only: the streamed token itself (N = 1);
+- otherwise a row holds the engine's top ``top`` log-probabilities (default 20, vLLM's default
+  ``--max-logprobs``) and ``-inf`` elsewhere. The drafter samples its draft from that row's processed
+  law q with dsi's own counter-based uniforms, and verification uses exactly that q, so the output
+  has exactly the target's law whatever q is (speculative sampling is lossless for any drafter law
+  the drafts are drawn from). With ``top_k <= top`` (and the processors that only shift logits),
+  q is exactly the drafter's own processed law; otherwise it is that law restricted to its top
+  ``top`` tokens, which changes how often drafts are accepted, never the output.
+
+Determinism. A draft is a function of the drafter's rows and the seed, as with a local drafter, so a
+seed gives the same tokens for any SP, window policy and timing as long as the engine computes the
+drafter's rows bit for bit the same each time. An engine batching other requests may not (vLLM's
+rows depend on its batch unless ``VLLM_BATCH_INVARIANT``); a row that moves can then change a
+sampled draft at a near-tie, and so, rarely, a sampled output (never its law; greedy output is the
+target's whatever the drafts are).
+
+Faults. A stream that cannot start or breaks (refused, reset, 5xx, malformed lines) raises
+:class:`~dsi.errors.ServerLost` from the forward: the request ends with a clear error naming the
+URL (DSI: "the drafter failed"), and the session opens a new stream at its next forward. A frozen
+engine is a forward that does not return: DSI's liveness deadline for the drafter ends the request
+(docs/engines.md); a stream silent for ``stall_s`` (60 s) raises :class:`~dsi.errors.ServerLost` (SI,
+which drafts in the request's thread, has no other deadline). The session's cancel flag abandons a
+wait within ``CANCEL_POLL_S``.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from dsi.errors import ConfigError, ContextLengthError, ServerLost, TaskCancelled
+from dsi.models.base import CancelFlag, LanguageModel
+from dsi.models.engines import (
+    CANCEL_POLL_S,
+    CONNECT_TIMEOUT_S,
+    READ_TIMEOUT_S,
+    EngineTarget,
+    LocalText,
+    check_url,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TOP = 20  # log-probabilities per drafted row (vLLM's default --max-logprobs)
+DEFAULT_HORIZON = 64  # tokens a stream asks for; one that ends is followed by a new one
+STALL_S = 60.0  # a stream that sends nothing for this long while a forward waits is a frozen engine
+
+
+class EngineDrafter(LocalText):
+    """The drafter as served by the engine at ``url`` (see the module doc).
+
+    ``reference``: the local copy of the drafter: its vocabulary, tokenizer and context limit, and the
+    model a canary forward on the engine is compared with at start (as for target engines). ``top``:
+    log-probabilities per row when rows are needed (sampling, penalties, trees). ``horizon``: the
+    tokens one stream asks for. ``stall_s``: how long a forward waits for a stream that sends nothing
+    before it takes the engine for frozen (:class:`~dsi.errors.ServerLost`): SI drafts in the request's
+    own thread, with no liveness deadline of its own; DSI's deadline is usually shorter.
+    """
+
+    deterministic = False  # an engine's rows depend on its own batching: nothing here can promise bits
+
+    def __init__(self, url: str, reference: LanguageModel, *, top: int = DEFAULT_TOP, horizon: int = DEFAULT_HORIZON,
+                 model: str | None = None, connect_timeout: float = CONNECT_TIMEOUT_S,
+                 read_timeout: float = READ_TIMEOUT_S, stall_s: float = STALL_S) -> None:
+        if not isinstance(top, int) or isinstance(top, bool) or top < 1:
+            raise ConfigError(f"top={top!r} must be an integer >= 1 (log-probabilities per drafted row)")
+        if not isinstance(horizon, int) or isinstance(horizon, bool) or horizon < 1:
+            raise ConfigError(f"horizon={horizon!r} must be an integer >= 1 (tokens one stream asks for)")
+        self.url = check_url(url, "drafter")
+        # the start-up checks (models listed, a canary forward against the reference) and the scorer of
+        # forwards of several rows
+        self.scorer = EngineTarget([self.url], reference, model=model, connect_timeout=connect_timeout,
+                                   read_timeout=read_timeout, role="drafter")
+        self.engine = self.scorer.engines[self.url]
+        self.reference = reference
+        self.vocab_size = int(reference.vocab_size)
+        self.tokenizer = getattr(reference, "tokenizer", None)
+        self.top = min(top, self.vocab_size)
+        self.horizon = horizon
+        self.stall_s = float(stall_s)
+        self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
+        # a stream's context and the one token it generates must fit the engine's max_model_len
+        limits = [n - 1 for n in (self.engine.max_model_len,) if n]
+        local = getattr(reference, "max_context", None)
+        limits += [local] if isinstance(local, int) else []
+        self.max_context = min(limits) if limits else None
+
+    def __repr__(self) -> str:  # also what method="auto" caches its choice under
+        return f"EngineDrafter({self.url} ({self.engine.model}); reference {self.reference!r})"
+
+    def new_session(self) -> StreamingSession:
+        return StreamingSession(self)
+
+
+class _Stream:
+    """One streamed completion after ``start``: the tokens and rows it sent so far, read by a thread."""
+
+    def __init__(self, drafter: EngineDrafter, start: tuple[int, ...], n: int, max_tokens: int) -> None:
+        self.start, self.n = start, n  # n: log-probabilities per row (1: the ids only)
+        self.tokens: list[int] = []
+        self.rows: list[dict[int, float]] = []
+        self.ended = False  # the engine finished it (its max_tokens): nothing more comes
+        self.error: BaseException | None = None
+        self._progress_at = time.monotonic()  # when the stream last sent a token (or was opened)
+        self._cond = threading.Condition()
+        self._drafter = drafter
+        self._closed = False
+        parts = urlsplit(drafter.url)
+        cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        self._conn = cls(parts.hostname, parts.port, timeout=drafter.connect_timeout)
+        payload = {"model": drafter.engine.model, "prompt": list(start), "max_tokens": max_tokens,
+                   "temperature": 0.0, "stream": True, "logprobs": n, "return_tokens_as_token_ids": True,
+                   "ignore_eos": True}
+        self._body = json.dumps(payload).encode()
+        self._path = parts.path + "/completions"
+        self._thread = threading.Thread(target=self._read, name="dsi-drafter-stream", daemon=True)
+        self._thread.start()
+
+    def _fail(self, what: str) -> ServerLost:
+        return ServerLost(f"drafter server {self._drafter.url}: {what}")
+
+    def _read(self) -> None:
+        try:
+            self._conn.connect()
+            self._conn.sock.settimeout(self._drafter.read_timeout)
+            self._conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._conn.request("POST", self._path, body=self._body, headers={"Content-Type": "application/json"})
+            response = self._conn.getresponse()
+            if response.status != 200:
+                raise self._fail(f"answered {response.status}: {response.read(300)!r}")
+            for raw in response:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                self._add(self._parse(data))
+        except BaseException as exc:  # noqa: BLE001 - handed to the reader of the rows
+            with self._cond:
+                if not self._closed:
+                    self.error = exc if isinstance(exc, ServerLost) else self._fail(f"{type(exc).__name__}: {exc}")
+                self._cond.notify_all()
+            return
+        finally:
+            with self._cond:
+                self.ended = True
+                self._cond.notify_all()
+
+    def _parse(self, data: bytes) -> list[tuple[int, dict[int, float]]]:
+        """The (token, row) pairs of one streamed chunk."""
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            raise self._fail(f"streamed a line that is not JSON: {data[:120]!r}") from None
+        if isinstance(chunk, dict) and "error" in chunk:
+            raise self._fail(f"streamed an error: {str(chunk['error'])[:300]}")
+        try:
+            choices = chunk.get("choices") or []  # a usage chunk has none
+            logprobs = choices[0].get("logprobs") if choices else None
+            if not logprobs:
+                return []
+            names, tops = logprobs["tokens"], logprobs["top_logprobs"]
+            out = []
+            for name, top in zip(names, tops, strict=True):
+                token = int(str(name).removeprefix("token_id:"))
+                row = {int(str(k).removeprefix("token_id:")): float(v) for k, v in top.items()}
+                if not 0 <= token < self._drafter.vocab_size or any(
+                        not 0 <= t < self._drafter.vocab_size for t in row):
+                    raise ValueError(f"token ids outside the vocabulary [0, {self._drafter.vocab_size})")
+                if not row or any(np.isnan(v) or v > 1e-4 for v in row.values()):
+                    raise ValueError(f"the row of token {token} is not one of log-probabilities")
+                out.append((token, row))
+            return out
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+            raise self._fail(f"streamed an inconsistent chunk ({exc}): {data[:160]!r}") from None
+
+    def _add(self, items: list[tuple[int, dict[int, float]]]) -> None:
+        if not items:
+            return
+        with self._cond:
+            for token, row in items:
+                self.tokens.append(token)
+                self.rows.append(row)
+            self._progress_at = time.monotonic()
+            self._cond.notify_all()
+
+    def _wait(self, cancel: CancelFlag | None) -> None:
+        """Wait (holding the condition) for the stream to move, within the cancel poll and the stall limit."""
+        if cancel is not None and cancel.is_set():
+            raise TaskCancelled("drafter stream wait abandoned")
+        silent = time.monotonic() - self._progress_at
+        if silent > self._drafter.stall_s:
+            raise self._fail(f"sent no token for {silent:.0f} s (frozen?)")
+        self._cond.wait(CANCEL_POLL_S if cancel is not None else min(1.0, self._drafter.stall_s))
+
+    def row(self, j: int, cancel: CancelFlag | None) -> tuple[int, dict[int, float]] | None:
+        """Token j of the stream and its row (waiting for it), or None if the stream ended before it."""
+        with self._cond:
+            while len(self.tokens) <= j and not self.ended and self.error is None:
+                self._wait(cancel)
+            if len(self.tokens) > j:
+                return self.tokens[j], self.rows[j]
+            if self.error is not None:
+                raise self.error
+            return None
+
+    def follows(self, context: tuple[int, ...], cancel: CancelFlag | None) -> int | None:
+        """Where ``context`` is on this stream (the index of the token after it), or None if it is not.
+
+        A context longer than what has arrived (the engine has not streamed its last tokens yet, e.g. a
+        bonus token the target committed) waits for them while every token that arrived matches."""
+        j = len(context) - len(self.start)
+        if j < 0 or context[:len(self.start)] != self.start:
+            return None
+        tail = context[len(self.start):]
+        checked = 0
+        with self._cond:
+            while True:
+                have = min(len(self.tokens), j)
+                if tuple(self.tokens[checked:have]) != tail[checked:have]:
+                    return None
+                checked = have
+                if checked == j:
+                    return j
+                if self.ended or self.error is not None:
+                    return None
+                self._wait(cancel)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+        sock = self._conn.sock
+        if sock is not None:
+            try:  # the engine sees the client gone and aborts the request; the reader wakes
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._conn.close()
+
+
+class StreamingSession:
+    """One token sequence whose rows come from the drafter engine's streams (see the module doc)."""
+
+    def __init__(self, drafter: EngineDrafter) -> None:
+        self._drafter = drafter
+        self._tokens: tuple[int, ...] = ()
+        self._stream: _Stream | None = None
+        self._scoring = None  # an EngineSession for forwards of several rows, made on first use
+        # streams opened, and rows read from them (a request's stats carry the changes)
+        self.counters = {"drafter_streams": 0, "drafter_stream_tokens": 0}
+
+    def __repr__(self) -> str:
+        return f"StreamingSession({self._drafter.url}, {len(self._tokens)} tokens)"
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return self._tokens
+
+    def extend(self, tokens: Sequence[int], cancel: CancelFlag | None = None) -> np.ndarray:
+        return self.extend_rows(tokens, cancel, len(tokens), False)
+
+    def extend_rows(self, tokens: Sequence[int], cancel: CancelFlag | None, num_rows: int, greedy: bool
+                    ) -> np.ndarray:
+        """The last ``num_rows`` rows after ``self.tokens + tokens``: argmax ids with ``greedy``, else
+        rows holding the engine's top log-probabilities (``-inf`` elsewhere)."""
+        context = self._tokens + tuple(int(t) for t in tokens)
+        drafter = self._drafter
+        limit = drafter.max_context
+        if limit is not None and len(context) > limit:
+            raise ContextLengthError(f"{len(context)} tokens exceed the context of {limit} tokens that drafter "
+                                     f"server {drafter.url} leaves")
+        if cancel is not None and cancel.is_set():
+            raise TaskCancelled()
+        if num_rows > 1:
+            out = self._score(context, cancel, num_rows, greedy)
+        else:
+            token, row = self._next(context, cancel, greedy)
+            if greedy:
+                out = np.array([token], dtype=np.int64)
+            else:
+                out = np.full((1, drafter.vocab_size), -np.inf)
+                out[0, np.fromiter(row, np.int64, len(row))] = np.fromiter(row.values(), np.float64, len(row))
+        self._tokens = context
+        return out
+
+    def _next(self, context: tuple[int, ...], cancel: CancelFlag | None, greedy: bool
+              ) -> tuple[int, dict[int, float]]:
+        """The engine's greedy token after ``context`` and its row, from the open stream if ``context``
+        is on it, else from a new stream started there. A stream that failed is closed (the next
+        forward opens a new one)."""
+        try:
+            return self._from_stream(context, cancel, greedy)
+        except ServerLost:
+            self._close_stream()
+            raise
+
+    def _from_stream(self, context: tuple[int, ...], cancel: CancelFlag | None, greedy: bool
+                     ) -> tuple[int, dict[int, float]]:
+        stream = self._stream
+        needed = 1 if greedy else self._drafter.top
+        if stream is not None:
+            j = stream.follows(context, cancel) if stream.n >= needed else None
+            if j is not None:
+                got = stream.row(j, cancel)
+                if got is not None:
+                    self.counters["drafter_stream_tokens"] += 1
+                    return got
+            self._close_stream()  # off the stream (or it ended there): a new one from this context
+        limit = self._drafter.max_context
+        room = self._drafter.horizon if limit is None else min(self._drafter.horizon, limit + 1 - len(context))
+        if room < 1:
+            raise ContextLengthError(f"the drafter server {self._drafter.url} has no room after {len(context)} tokens")
+        self._stream = stream = _Stream(self._drafter, context, needed, room)
+        self.counters["drafter_streams"] += 1
+        got = stream.row(0, cancel)
+        if got is None:
+            raise ServerLost(f"drafter server {self._drafter.url} ended a stream before its first token")
+        self.counters["drafter_stream_tokens"] += 1
+        return got
+
+    def _score(self, context: tuple[int, ...], cancel: CancelFlag | None, num_rows: int, greedy: bool) -> np.ndarray:
+        if self._scoring is None:
+            self._scoring = self._drafter.scorer.new_session()
+        self._scoring.truncate(0)
+        if greedy:
+            return self._scoring.extend_rows(context, cancel, num_rows, True)
+        return self._scoring.extend_rows(context, cancel, num_rows, False, top=self._drafter.top)
+
+    def _close_stream(self) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.close()
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= len(self._tokens):
+            raise ConfigError(f"truncate({length}) outside [0, {len(self._tokens)}]")
+        self._tokens = self._tokens[:length]  # the stream stays open: a context on it still reads it
+
+    def close(self) -> None:
+        self._close_stream()
+        if self._scoring is not None:
+            self._scoring.close()
+
+
+def drafter_engine(drafter: LanguageModel | None, url: object, **options: Any) -> EngineDrafter:
+    """``drafter`` (the local reference) served by the engine at ``url`` (``--drafter-server``)."""
+    if drafter is None:
+        raise ConfigError(f"drafter_server={url!r} needs the local drafter too (drafter=, --drafter): its "
+                          "tokenizer and vocabulary, and the reference the engine is checked against")
+    if isinstance(drafter, EngineDrafter):
+        raise ConfigError(f"the drafter is already served by {drafter.url}; drop drafter_server={url!r}")
+    if not isinstance(url, str):
+        raise ConfigError(f"drafter_server={url!r} must be one URL like http://127.0.0.1:8000/v1")
+    return EngineDrafter(url, drafter, **options)
+
+
+__all__ = ["EngineDrafter", "StreamingSession", "drafter_engine", "DEFAULT_TOP", "DEFAULT_HORIZON"]
