@@ -7,6 +7,7 @@ servers as threads of this process and as HTTP engines:
 
 - DSI wall time against the ideal (``dsi.evaluate.bench.ideal_dsi_seconds``: no engine overhead);
 - DSI/SI on each placement (SI verifying on the first engine);
+- DSI with the drafter as an engine too (a ``dsi serve`` of the synthetic drafter, its tokens streamed);
 - the overhead of one verification over HTTP: the round trip of a 6-token verification on an engine
   whose forwards take no time, next to what docs/transports.md measured for threads, processes and Ray.
 
@@ -32,22 +33,6 @@ VOCAB = 64
 PROMPT = [1, 2, 3, 4]
 
 
-class IdsCodec:
-    """What ``dsi serve`` needs of a tokenizer, for a model that has none: ids in, ids out."""
-
-    def __init__(self, vocab_size: int) -> None:
-        self.vocab_size, self.eos_token_ids, self.max_context = vocab_size, (), None
-
-    def encode(self, text, limit=None):
-        return [int(t) for t in text.split(",")]
-
-    def encode_chat(self, messages, limit=None):
-        return self.encode(messages[-1]["content"], limit)
-
-    def decode(self, ids):
-        return ",".join(str(int(t)) for t in ids)
-
-
 def pair(scenario, seed: int = 0):
     from dsi.models.synthetic import synthetic_pair
 
@@ -61,11 +46,13 @@ def serve(args: argparse.Namespace) -> int:
 
     from dsi.evaluate.bench import SCENARIOS, Scenario
     from dsi.server import ServeConfig, create_app
+    from dsi.server.codec import IdsCodec
     from dsi.server.runner import make_server
 
     scenario = SCENARIOS[args.scenario] if args.scenario != "zero" else Scenario("zero", 0.0, 0.0, 1.0, 1, 1)
-    target, _ = pair(scenario)
-    app = create_app(target, None, ServeConfig(method="ar", model_name="synthetic", max_logprobs=-1),
+    target, drafter = pair(scenario)
+    model = drafter if args.role == "drafter" else target
+    app = create_app(model, None, ServeConfig(method="ar", model_name="synthetic", max_logprobs=-1),
                      codec=IdsCodec(VOCAB))
     # IPPROTO_TCP named explicitly: asyncio sets TCP_NODELAY only on sockets that say so, and without
     # it every answer on a kept-alive connection waits 40 ms for the client's delayed ACK (Nagle)
@@ -77,13 +64,14 @@ def serve(args: argparse.Namespace) -> int:
 
 
 class Engine:
-    def __init__(self, scenario: str) -> None:
+    def __init__(self, scenario: str, role: str = "target") -> None:
         from dsi.models.engines import wait_until_serving
         from tests.engine_servers import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
-        self.proc = subprocess.Popen([sys.executable, __file__, "serve", scenario, "--port", str(self.port)],
+        self.proc = subprocess.Popen([sys.executable, __file__, "serve", scenario, "--port", str(self.port),
+                                      "--role", role],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         wait_until_serving(self.url, 60, self.proc)
 
@@ -118,9 +106,11 @@ def run(scenario_name: str, tokens: int, repeats: int) -> dict:
     scenario = SCENARIOS[scenario_name]
     target, drafter = pair(scenario)
     engines = [Engine(scenario_name) for _ in range(scenario.servers)]
+    drafting = Engine(scenario_name, "drafter")  # the drafter as an engine too: its tokens streamed
     urls = [e.url for e in engines]
     try:
-        walls: dict[str, list[float]] = {k: [] for k in ("ar", "si threads", "dsi threads", "si http", "dsi http")}
+        walls: dict[str, list[float]] = {k: [] for k in ("ar", "si threads", "dsi threads", "si http", "dsi http",
+                                                         "dsi http+drafter")}
         outputs = {}
         tasks = {}
         for _ in range(repeats):
@@ -128,14 +118,16 @@ def run(scenario_name: str, tokens: int, repeats: int) -> dict:
                 method, _, placement = label.partition(" ")
                 kwargs = dict(target=target, drafter=drafter, prompt=PROMPT, method=method, max_new_tokens=tokens,
                               lookahead=scenario.lookahead, num_target_servers=scenario.servers)
-                if placement == "http":
+                if placement.startswith("http"):
                     kwargs.update(target_servers=urls if method == "dsi" else urls[:1], num_target_servers=None)
+                if placement == "http+drafter":
+                    kwargs.update(drafter_server=drafting.url)
                 out = dsi.generate(**kwargs)
                 walls[label].append(out.stats.wall_time_s)
                 outputs[label] = out.tokens
                 tasks[label] = out.stats.verify_tasks
     finally:
-        for e in engines:
+        for e in [*engines, drafting]:
             e.stop()
     med = {k: statistics.median(v) for k, v in walls.items()}
     pattern = record_decisions(drafter, PROMPT, outputs["ar"]).accept_pattern
@@ -145,6 +137,7 @@ def run(scenario_name: str, tokens: int, repeats: int) -> dict:
         "median_wall_s": med, "ideal_dsi_s": ideal,
         "dsi_over_ideal_threads": med["dsi threads"] / ideal if ideal else None,
         "dsi_over_ideal_http": med["dsi http"] / ideal if ideal else None,
+        "dsi_over_ideal_http_drafter": med["dsi http+drafter"] / ideal if ideal else None,
         "dsi_over_si_threads": med["dsi threads"] / med["si threads"],
         "dsi_over_si_http": med["dsi http"] / med["si http"],
         "verify_tasks": tasks,
@@ -158,6 +151,7 @@ def main() -> int:
         parser.add_argument("mode")
         parser.add_argument("scenario")
         parser.add_argument("--port", type=int, required=True)
+        parser.add_argument("--role", choices=["target", "drafter"], default="target")
         return serve(parser.parse_args())
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenarios", nargs="+", default=DEFAULT_SCENARIOS)
@@ -182,13 +176,15 @@ def main() -> int:
     print(f"HTTP verification round trip (6 tokens, a target that takes no time): {overhead:.2f} ms (median of "
           f"{args.calls})")
     print(f"{args.tokens} tokens, median of {args.repeats}; DSI over ideal and DSI/SI wall time, threads vs HTTP engines")
-    print("| scenario | SP | DSI/ideal threads | DSI/ideal HTTP | DSI/SI threads | DSI/SI HTTP | same tokens |")
-    print("|---|---|---|---|---|---|---|")
+    print("| scenario | SP | DSI/ideal threads | DSI/ideal HTTP | DSI/ideal HTTP, drafter too | DSI/SI threads "
+          "| DSI/SI HTTP | same tokens |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         def f(x):
             return "-" if x is None else f"{x:.3f}"
         print(f"| {r['scenario']} | {r['servers']} | {f(r['dsi_over_ideal_threads'])} | {f(r['dsi_over_ideal_http'])} | "
-              f"{f(r['dsi_over_si_threads'])} | {f(r['dsi_over_si_http'])} | {r['identical_outputs']} |")
+              f"{f(r['dsi_over_ideal_http_drafter'])} | {f(r['dsi_over_si_threads'])} | {f(r['dsi_over_si_http'])} | "
+              f"{r['identical_outputs']} |")
     emit_record({"round_trip_ms": overhead, "rows": rows}, args.out)
     return 0
 

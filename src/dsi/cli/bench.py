@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dsi.cli.args import COUNT, DRAFT_TREE, Number, output_file
+from dsi.cli.args import COUNT, DRAFT_TREE, ENGINE_URL, Number, output_file
 from dsi.errors import ConfigError
 
 
@@ -31,6 +31,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="SI and DSI with their windows as draft trees of this shape (auto, or one width for every "
                         "position such as 2; not with --windows). The synthetic drafter's second choices are random, "
                         "so this measures what a tree costs where its side children rarely win (default off)")
+    p.add_argument("--target-servers", metavar="URL[,URL...]",
+                   help="run the one --scenario with its target servers as these HTTP engines, each a 'dsi serve "
+                        "--synthetic SCENARIO' (on other machines, to measure what the network costs); SP = their "
+                        "number; DSI/ideal then includes the engines' and the network's cost (docs/engines.md)")
+    p.add_argument("--drafter-server", metavar="URL", type=ENGINE_URL,
+                   help="and draft on this engine, a 'dsi serve --synthetic SCENARIO --synthetic-role drafter'")
     p.add_argument("--tokens", type=Number(int, 2), default=100, help="new tokens per generation (default 100)")
     p.add_argument("--repeats", type=COUNT, default=3, help="runs per method; medians are reported (default 3)")
     p.add_argument("--out", type=output_file, metavar="FILE", help="also write the JSON report to this file")
@@ -83,8 +89,10 @@ def run(args: argparse.Namespace) -> int:
 
         check_draft_tree("dsi", args.draft_tree)  # a shape DSI takes too, before anything runs
     tree = None if args.draft_tree == "off" else args.draft_tree
-    report = _collect(args, SCENARIOS, lambda *a, **kw: run_scenario(*a, **kw, draft_tree=tree), runs_per_scenario=3,
-                      desc="bench")
+    urls, drafter_url = synthetic_engines(args)
+    report = _collect(args, SCENARIOS, lambda *a, **kw: run_scenario(*a, **kw, draft_tree=tree, target_servers=urls,
+                                                                        drafter_server=drafter_url),
+                      runs_per_scenario=3, desc="bench")
     if report is None:
         return 0
     rows = report["results"]
@@ -106,6 +114,40 @@ def run(args: argparse.Namespace) -> int:
     print(f"\n{args.tokens} new tokens, median of {args.repeats} runs per method; "
           "speedups are wall-time ratios (higher is better for DSI); DSI/ideal: lower is better, 1.0 = no overhead.")
     return 0
+
+
+def synthetic_engines(args: argparse.Namespace) -> tuple[list[str] | None, str | None]:
+    """``--target-servers`` and ``--drafter-server``, each engine checked to serve the scenario's synthetic
+    model in its role (its model card's ``dsi.synthetic``), before anything runs."""
+    from dsi.cli.generate import target_servers
+    from dsi.models.engines import Connection, check_url
+
+    urls = target_servers(args)
+    if urls is None and args.drafter_server is None:
+        return None, None
+    if args.windows:
+        raise ConfigError("--target-servers / --drafter-server run one scenario's methods over engines; "
+                          "drop --windows")
+    if not args.scenario or len(args.scenario) != 1:
+        raise ConfigError("--target-servers / --drafter-server need one --scenario: the one the engines serve "
+                          "('dsi serve --synthetic SCENARIO')")
+    scenario = args.scenario[0]
+    for url, role in [*((u, "target") for u in urls or []), *([(args.drafter_server, "drafter")]
+                                                              if args.drafter_server else [])]:
+        conn = Connection(check_url(url, role), role=role)
+        try:
+            listing = conn.request("GET", "/models")
+        except Exception as exc:  # noqa: BLE001 - any failure: not an engine dsi bench can use
+            raise ConfigError(f"{role} server {url} cannot be used: {exc}") from None
+        finally:
+            conn.close()
+        cards = listing.get("data") if isinstance(listing, dict) else None
+        served = ((cards or [{}])[0].get("dsi") or {}).get("synthetic") if isinstance(cards, list) else None
+        if served != {"scenario": scenario, "role": role}:
+            raise ConfigError(f"{role} server {url} serves {served or 'no synthetic model'}, not scenario "
+                              f"{scenario!r}'s {role}: start it with 'dsi serve --synthetic {scenario}"
+                              f"{' --synthetic-role drafter' if role == 'drafter' else ''}'")
+    return urls, args.drafter_server
 
 
 def run_windows(args: argparse.Namespace) -> int:

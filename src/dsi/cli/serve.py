@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from dsi.evaluate.bench import SCENARIOS
+
     p = subparsers.add_parser(
         "serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, Prometheus metrics)",
         description="Serve a target/drafter pair over HTTP with the OpenAI API (/v1/completions, "
@@ -77,6 +79,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--max-logprobs", type=Number(int, -1), default=20,
                    help="the most logprobs / prompt_logprobs per token a request may ask (default 20, as vLLM; -1: the "
                         "whole vocabulary, which another dsi needs to sample over this server without top_k)")
+    g.add_argument("--synthetic", choices=sorted(SCENARIOS), metavar="SCENARIO", default=None,
+                   help="serve a dsi bench scenario's synthetic model instead of --target (its emulated latency; "
+                        "prompts as comma-separated token ids), as an engine for 'dsi bench --target-servers' "
+                        f"(with --method ar): one of {', '.join(SCENARIOS)}")
+    g.add_argument("--synthetic-role", choices=("target", "drafter"), default="target",
+                   help="with --synthetic: serve the scenario's target (default) or its drafter")
     g.add_argument("--shutdown-timeout", type=NON_NEGATIVE, default=10.0,
                    help="on SIGINT/SIGTERM, seconds running requests may take before they are cancelled (default 10)")
     p.set_defaults(func=run_serve)
@@ -128,21 +136,34 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise ConfigError(f"--served-model-name={args.served_model_name!r} must name the model (clients send it)")
     limits = {} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}
+    if args.synthetic is not None and args.method != "ar":
+        raise ConfigError(f"--synthetic serves one model as an engine: add --method ar (not --method {args.method})")
+    synthetic = (args.synthetic, args.synthetic_role) if args.synthetic is not None else None
+    default_name = (served_name(args.target) if synthetic is None
+                    else f"synthetic-{args.synthetic}-{args.synthetic_role}")
     config = ServeConfig(
         method=args.method, lookahead=args.lookahead, max_window=args.max_window, num_target_servers=server_count(args),
         transport=args.transport, auto_options=auto_options(args),
         transport_options=transport_options(args), max_concurrent=args.max_concurrent, max_queue=args.max_queue,
         api_key=args.api_key, **limits,
-        model_name=args.served_model_name or served_name(args.target), max_tokens=args.max_new_tokens,
+        model_name=args.served_model_name or default_name, max_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         shutdown_grace_s=args.shutdown_timeout, vocab_mode=args.vocab_mode, max_logprobs=args.max_logprobs,
         logprobs_mode=args.logprobs_mode, draft_tree=args.draft_tree,
         target_servers=tuple(urls) if (urls := target_servers(args)) else None, drafter_server=drafter_server(args),
+        synthetic=synthetic,
     )
     if not _is_loopback(args.host):
         log.warning("dsi serve: listening on %s, reachable from other machines%s", args.host,
                     "" if args.api_key else "; consider --api-key")
-    app = create_app(*_load(args, need_drafter=args.method != "ar"), config, free_unused_drafter=True)
+    if synthetic is not None:
+        from dsi.evaluate.bench import SCENARIOS, SYNTHETIC_VOCAB, scenario_pair
+        from dsi.server.codec import IdsCodec
+
+        model = scenario_pair(SCENARIOS[args.synthetic])[0 if args.synthetic_role == "target" else 1]
+        app = create_app(model, None, config, codec=IdsCodec(SYNTHETIC_VOCAB))
+    else:
+        app = create_app(*_load(args, need_drafter=args.method != "ar"), config, free_unused_drafter=True)
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host

@@ -22,7 +22,7 @@ import math
 import platform
 import statistics
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from dsi.engine.api import build_decoder, run_once
 from dsi.models.replay import record_decisions
@@ -89,11 +89,8 @@ def run_window_policies(
 ) -> dict:
     """DSI with every fixed lookahead and with event-driven windows on ``scenario``: median wall
     times, the best fixed k, ratios, and the event-driven run over its simulated ideal."""
-    target, drafter = synthetic_pair(
-        scenario.acceptance, vocab_size=64, seed=seed, target_tpot=scenario.target_ms / 1000,
-        drafter_tpot=scenario.drafter_ms / 1000, target_cv=scenario.target_cv,
-    )
-    prompt = [1, 2, 3, 4]
+    target, drafter = scenario_pair(scenario, seed)
+    prompt = SYNTHETIC_PROMPT
     walls: dict = {}
     outputs: dict = {}
     windows: dict = {}
@@ -152,26 +149,48 @@ def ideal_dsi_seconds(scenario: Scenario, tokens: int, ar_seconds: float, patter
     return float(result.mean)
 
 
+SYNTHETIC_VOCAB = 64  # the vocabulary of every scenario's synthetic pair
+SYNTHETIC_PROMPT = [1, 2, 3, 4]
+
+
+def scenario_pair(scenario: Scenario, seed: int = 0):
+    """The synthetic ``(target, drafter)`` of ``scenario``, with its latencies (what ``dsi bench`` runs, and
+    what ``dsi serve --synthetic`` serves)."""
+    return synthetic_pair(scenario.acceptance, vocab_size=SYNTHETIC_VOCAB, seed=seed,
+                          target_tpot=scenario.target_ms / 1000, drafter_tpot=scenario.drafter_ms / 1000,
+                          target_cv=scenario.target_cv)
+
+
 def run_scenario(
     scenario: Scenario, tokens: int = 100, repeats: int = 3, seed: int = 0,
     progress: Callable[[], None] | None = None, draft_tree: str | None = None,
+    target_servers: list[str] | None = None, drafter_server: str | None = None,
 ) -> dict:
     """Run non-SI, SI and DSI on ``scenario``; return medians, ratios and DSI/ideal. ``draft_tree``: SI
-    and DSI windows as draft trees of that shape (:mod:`dsi.trees`; the ideal stays the chain's)."""
-    target, drafter = synthetic_pair(
-        scenario.acceptance, vocab_size=64, seed=seed,
-        target_tpot=scenario.target_ms / 1000, drafter_tpot=scenario.drafter_ms / 1000,
-    )
-    prompt = [1, 2, 3, 4]
+    and DSI windows as draft trees of that shape (:mod:`dsi.trees`; the ideal stays the chain's).
+
+    ``target_servers``: engines serving the scenario's target (``dsi serve --synthetic``): non-SI and SI
+    run on the first, DSI on all of them (SP = their number), over HTTP; ``drafter_server``: SI and DSI
+    draft on that engine serving the scenario's drafter. The ideal stays the engine-free one, so
+    DSI/ideal then includes what the network and the engines cost."""
+    if target_servers:
+        scenario = replace(scenario, servers=len(target_servers))
+    target, drafter = scenario_pair(scenario, seed)
+    prompt = SYNTHETIC_PROMPT
     walls: dict[str, list[float]] = {"ar": [], "si": [], "dsi": []}
     outputs: dict[str, list[int]] = {}
     last_stats = {}
     for _ in range(repeats):
         for method in walls:
+            remote = {}
+            if target_servers:
+                remote["target_servers"] = list(target_servers) if method == "dsi" else list(target_servers[:1])
+            if drafter_server and method != "ar":
+                remote["drafter_server"] = drafter_server
             out = generate(
                 target=target, drafter=drafter, prompt=prompt, method=method, max_new_tokens=tokens,
-                lookahead=scenario.lookahead, num_target_servers=scenario.servers,
-                draft_tree=None if method == "ar" else draft_tree,
+                lookahead=scenario.lookahead, num_target_servers=scenario.servers if method == "dsi" else None,
+                draft_tree=None if method == "ar" else draft_tree, **remote,
             )
             walls[method].append(out.stats.wall_time_s)
             outputs[method] = out.tokens

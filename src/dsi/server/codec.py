@@ -123,3 +123,29 @@ class HFCodec:
     def decode(self, ids: Sequence[int]) -> str:
         with self._lock:
             return self._model.decode(ids)
+
+
+class IdsCodec:
+    """The text side of a model with no tokenizer (the synthetic models of ``dsi serve --synthetic``):
+    a prompt is its token ids, comma-separated (``"1,2,3"``), and ids decode to the same form."""
+
+    def __init__(self, vocab_size: int, eos_token_ids: Sequence[int] = (), max_context: int | None = None) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.max_context = max_context
+
+    def encode(self, text: str, limit: int | None = None) -> list[int]:
+        try:
+            ids = [int(part) for part in text.split(",") if part.strip()]
+        except ValueError:
+            raise ConfigError(f"this model has no tokenizer: a prompt is comma-separated token ids, not {text[:40]!r}"
+                              ) from None
+        if limit is not None and len(ids) > limit:
+            raise PromptTooLong(len(ids), limit, True)
+        return ids
+
+    def encode_chat(self, messages: list[dict[str, str]], limit: int | None = None) -> list[int]:
+        raise ConfigError("this model has no tokenizer and no chat template; use /v1/completions with token ids")
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return ",".join(str(int(t)) for t in ids)

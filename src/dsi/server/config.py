@@ -65,6 +65,7 @@ class ServeConfig:
     vocab_mode: str = "auto"  # how the drafter's tokens reach the target (dsi.models.crossvocab)
     target_servers: tuple[str, ...] | None = None  # engines (URLs) that verify instead of local servers
     drafter_server: str | None = None  # an engine (URL) serving the drafter, whose tokens are streamed
+    synthetic: tuple[str, str] | None = None  # (scenario, role) of a synthetic model served (dsi serve --synthetic)
     max_logprobs: int = 20  # the most (prompt_)logprobs per position a request may ask (-1: the whole vocabulary)
     logprobs_mode: str = "raw"  # the distribution of generated tokens' logprobs: "raw" (vLLM's default) or "processed"
     draft_tree: str | None = None  # spend each window's drafts as a tree (dsi.trees): None / "off", "auto", "3,2,1"

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from dsi.logprobs import TokenLogprob, log_softmax
+from dsi.logprobs import TokenLogprob, log_softmax, raw_rows, top_ids
 
 FLOOR = -9999.0  # what a log-probability of -inf is sent as
 
@@ -29,24 +29,28 @@ FLOOR = -9999.0  # what a log-probability of -inf is sent as
 def position_entry(logits: np.ndarray, actual: int | None, n: int,
                    decode: Callable[[int], str] | None) -> dict[str, dict]:
     """One position: the top ``n`` tokens of ``logits`` (all with -1) and ``actual``, by token id."""
-    lp = log_softmax(logits)
-    vocab = lp.shape[0]
+    vocab = np.shape(logits)[-1]
     if n == -1 or n >= vocab:
+        lp = log_softmax(logits)
         order = np.argsort(-lp, kind="stable")
         ranks = np.empty(vocab, np.int64)
         ranks[order] = np.arange(1, vocab + 1)
         values = np.maximum(lp, FLOOR).tolist()
         ranks_list = ranks.tolist()
         return {str(i): {"logprob": values[i], "rank": ranks_list[i], "decoded_token": None} for i in range(vocab)}
-    ids = [] if n == 0 else np.argpartition(-lp, n - 1)[:n]
-    ids = sorted((int(i) for i in ids), key=lambda i: (-lp[i], i))
-    if actual is not None and actual not in ids:
-        ids.append(int(actual))
+    # a few entries of a row: its normaliser once (float32 values, float64 sum), no [V] log-softmax
+    row, lse = raw_rows(np.asarray(logits)[None])[0]
+    ids = top_ids(row, n)  # most likely first, ties in id order
+    values = [float(row[i]) - lse for i in ids]
     out = {}
-    for i in ids:
-        rank = int((lp > lp[i]).sum()) + 1
-        out[str(i)] = {"logprob": max(float(lp[i]), FLOOR), "rank": rank,
+    for j, i in enumerate(ids):  # anything more likely than a top token is itself among the ones before it
+        rank = 1 + sum(1 for v in values[:j] if v > values[j])
+        out[str(i)] = {"logprob": max(values[j], FLOOR), "rank": rank,
                        "decoded_token": decode(i) if decode is not None else None}
+    if actual is not None and str(actual) not in out:
+        out[str(actual)] = {"logprob": max(float(row[actual]) - lse, FLOOR),
+                            "rank": int((row > row[actual]).sum()) + 1,
+                            "decoded_token": decode(actual) if decode is not None else None}
     return out
 
 

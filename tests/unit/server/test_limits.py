@@ -376,6 +376,38 @@ def test_tokenising_does_not_block_the_event_loop(tiny_tokenizer):
     assert len(latencies) >= 10 and max(latencies) < 0.75, f"/health took up to {max(latencies):.2f} s"
 
 
+def test_a_small_token_id_completion_is_prepared_on_the_loop_and_text_on_the_threads(tiny_tokenizer):
+    """What a dsi verifying on this server sends skips the preparation threads' hand-offs; a text prompt,
+    a chat, a large body and a body that is not JSON still go there."""
+    app = make_app(tiny_tokenizer)
+    with running_server(app) as running:
+        pool = app.state.dsi._prepare_pool
+        submitted = []
+        original = pool.submit
+
+        def counting(fn, *args, **kwargs):
+            submitted.append(fn)
+            return original(fn, *args, **kwargs)
+
+        pool.submit = counting
+        try:
+            assert post(running.url, json={"prompt": [5, 6, 7], "max_tokens": 2}).status_code == 200
+            assert post(running.url, json={"prompt": [[5, 6, 7]], "max_tokens": 2}).status_code == 200
+            assert submitted == []
+            assert post(running.url, json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+            assert len(submitted) == 1
+            assert post(running.url, json={"prompt": [5] * 3000, "max_tokens": 2}).status_code in (200, 400)
+            assert len(submitted) == 2
+            assert post(running.url, content=b'{"prompt": [5, 6', headers={"content-type": "application/json"}
+                        ).status_code == 400
+            assert len(submitted) == 3
+            assert post(running.url, "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                                  "max_tokens": 2}).status_code == 200
+            assert len(submitted) == 4, submitted
+        finally:
+            del pool.submit
+
+
 def test_requests_being_prepared_count_against_the_queue_bound(tiny_tokenizer):
     """max_queue=0 and one slot: one request may be in preparation; a second one gets 429 at once."""
     app = make_app(tiny_tokenizer, codec=Slow(tiny_tokenizer, delay=1.0), max_queue=0, max_concurrent=1)
