@@ -74,7 +74,9 @@ def test_greedy_dsi_and_si_equal_transformers_generate(build, no_thread_leak):
 
 @pytest.mark.parametrize("lookahead, processing", [
     pytest.param(1, {}, marks=pytest.mark.slow),  # the plain law: also tests/stats (synthetic, GGUF) by default
-    ("auto", dict(presence_penalty=0.6, repetition_penalty=1.4, logit_bias={2: 0.8}, min_p=0.02)),
+    # CI's slow run (the default run's time): the processed law is tested on synthetic and GGUF rows by default
+    pytest.param("auto", dict(presence_penalty=0.6, repetition_penalty=1.4, logit_bias={2: 0.8}, min_p=0.02),
+                 marks=pytest.mark.slow),
 ], ids=["k1", "auto-processed"])
 def test_dsi_sampling_matches_the_exact_law_of_a_tiny_vocabulary_model(lookahead, processing, no_thread_leak):
     """The second token's row counts the first as output (penalties); every row is biased."""

@@ -40,7 +40,8 @@ def batched(pair):
     target.deterministic = drafter.deterministic = True
 
 
-@pytest.mark.parametrize("method, lookahead, servers", [("si", 4, 1), ("dsi", "auto", 1)])
+@pytest.mark.parametrize("method, lookahead, servers", [pytest.param("si", 4, 1, marks=pytest.mark.slow),
+                                                       ("dsi", "auto", 1)])
 def test_without_the_mode_si_and_dsi_equal_non_si_up_to_near_ties(batched, method, lookahead, servers,
                                                                    no_thread_leak):
     target, drafter = batched

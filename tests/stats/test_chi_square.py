@@ -34,12 +34,14 @@ def sample_counts(decoder, params_for_seed, law, eos=None):
 
 
 def _law_cases():
-    """Every configuration with both processings; the plain-temperature DSI cases on fewer than 3 servers
-    run in CI's slow run (the same configurations are tested with top-k / top-p in the default one)."""
+    """Every configuration with both processings; the plain-temperature DSI cases on fewer than 3 servers, and
+    event-driven DSI on 3 servers with top-k / top-p, run in CI's slow run (each of those configurations is
+    tested with the other processing in the default one)."""
     for processing in (dict(temperature=1.0), dict(temperature=0.8, top_k=2, top_p=0.9)):
         for method, lookahead, servers in (("dsi", 1, 2), ("dsi", 2, 3), ("dsi", "auto", 1), ("dsi", "auto", 3),
                                            ("si", 2, 1), ("si", 3, 1)):
             slow = method == "dsi" and servers < 3 and "top_k" not in processing
+            slow = slow or (method, lookahead, servers) == ("dsi", "auto", 3) and "top_k" in processing
             yield pytest.param(method, lookahead, servers, processing, marks=[SLOW] if slow else [])
 
 

@@ -126,12 +126,14 @@ def test_read_prompts(tmp_path):
 PROCESSING = ["--presence-penalty", "1.5", "--repetition-penalty", "1.3", "--logit-bias", "5=0.05,9=-0.05"]
 
 
+@pytest.mark.slow  # 13 s each: CI's slow run (selftest's own law check runs by default)
 def test_selftest_checks_the_processed_law_with_penalties_and_bias(capsys, pair):
     code, doc = selftest(capsys, pair, *PROCESSING)
     assert code == 0 and doc["passed"], doc["failures"]
     assert doc["config"]["presence_penalty"] == 1.5 and doc["config"]["logit_bias"] == [[5, 0.05], [9, -0.05]]
 
 
+@pytest.mark.slow  # 13 s each: CI's slow run (selftest's own law check runs by default)
 def test_selftest_fails_when_verification_rows_ignore_the_penalties(capsys, pair, monkeypatch):
     import dsi.transport.server as server
 
