@@ -68,6 +68,23 @@ class EngineProcess:
         self.log.close()
 
 
+FAST_LIVENESS = {"floor_s": 2.0, "factor": 5.0, "unmeasured_s": 10.0}  # a frozen engine is caught in seconds
+
+
+class Strike:
+    """A token callback (``on_tokens``) that sends ``sig`` to ``engine``'s process group once, when the
+    first tokens are committed: a fault mid-request. ``done`` says whether it struck."""
+
+    def __init__(self, engine: EngineProcess, sig: int) -> None:
+        self.engine, self.sig = engine, sig
+        self.done = threading.Event()
+
+    def __call__(self, tokens, *rest) -> None:
+        if not self.done.is_set():
+            self.done.set()
+            self.engine.signal(self.sig)
+
+
 def start_dsi_serve(model_dir: str, *extra: str, name: str = "tiny") -> EngineProcess:
     """``dsi serve --method ar`` on a tiny hf model (fp32, one thread), as a target server."""
     port = free_port()

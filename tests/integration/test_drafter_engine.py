@@ -32,12 +32,12 @@ from dsi.engine.api import make_request  # noqa: E402
 from dsi.errors import ConfigError, WorkerError  # noqa: E402
 from dsi.sampling import SamplingParams  # noqa: E402
 from tests.engine_models import PROMPTS, TOKENS, dirs, local, prompts, reference  # noqa: E402,F401
-from tests.engine_servers import free_port, start_dsi_serve, start_vllm, vllm_python  # noqa: E402
+from tests.engine_servers import (FAST_LIVENESS, Strike, free_port, start_dsi_serve, start_vllm,  # noqa: E402
+                                  vllm_python)
 from tests.unit.server.conftest import running_server  # noqa: E402
 
 pytestmark = pytest.mark.hf
 
-FAST_LIVENESS = {"floor_s": 2.0, "factor": 5.0, "unmeasured_s": 10.0}
 
 
 def serve_ar(model, name="tiny"):
@@ -243,13 +243,7 @@ def test_a_drafter_engine_lost_mid_request_ends_it_clearly_and_the_decoder_recov
                                                                                     fault):
     target, drafter, _ = local
     engine = start_dsi_serve(dirs["drafter"])
-    struck = threading.Event()
-
-    def strike(tokens):
-        if not struck.is_set():
-            struck.set()
-            engine.signal(signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
-
+    strike = Strike(engine, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
     try:
         decoder = dsi.build_decoder(target=target, drafter=drafter, method="dsi", lookahead=2,
                                     drafter_server=engine.url, transport_options={"liveness": FAST_LIVENESS})
@@ -258,7 +252,7 @@ def test_a_drafter_engine_lost_mid_request_ends_it_clearly_and_the_decoder_recov
             expected = "the drafter is frozen" if fault == "stop" else f"drafter server {engine.url}"
             with pytest.raises(WorkerError, match=expected.replace(".", r"\.")):
                 decoder.generate(make_request(prompts[0], 200, SamplingParams(), None, target.vocab_size), strike)
-            assert time.monotonic() - start < 60 and struck.is_set()
+            assert time.monotonic() - start < 60 and strike.done.is_set()
             if fault == "stop":
                 engine.signal(signal.SIGCONT)  # back: the decoder's next request gets a new drafter thread
                 again = decoder.generate(make_request(prompts[1], TOKENS, SamplingParams(), None, target.vocab_size))
@@ -302,13 +296,7 @@ def test_a_frozen_drafter_engine_ends_an_si_request_within_its_stall_limit(dirs,
 
     target, drafter, _ = local
     engine = start_dsi_serve(dirs["drafter"])
-    struck = threading.Event()
-
-    def strike(tokens):
-        if not struck.is_set():
-            struck.set()
-            engine.signal(signal.SIGSTOP)
-
+    strike = Strike(engine, signal.SIGSTOP)
     try:
         remote = EngineDrafter(engine.url, drafter, stall_s=3.0)
         decoder = dsi.build_decoder(target=target, drafter=remote, method="si", lookahead=3)

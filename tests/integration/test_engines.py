@@ -36,11 +36,10 @@ from dsi.errors import ConfigError, WorkerError  # noqa: E402
 from dsi.models.engines import EngineTarget  # noqa: E402
 from dsi.sampling import SamplingParams, process_logits  # noqa: E402
 from tests.engine_models import PROMPTS, TOKENS, dirs, local, prompts, reference  # noqa: E402,F401
-from tests.engine_servers import start_dsi_serve, start_vllm, vllm_python  # noqa: E402
+from tests.engine_servers import FAST_LIVENESS, Strike, start_dsi_serve, start_vllm, vllm_python  # noqa: E402
 
 pytestmark = pytest.mark.hf
 
-FAST_LIVENESS = {"floor_s": 2.0, "factor": 5.0, "unmeasured_s": 10.0}
 
 
 def start_all(starters):
@@ -243,14 +242,7 @@ def connections_to(ports) -> list:
 def test_an_engine_lost_mid_request_leaves_the_request_correct_on_the_other(dirs, local, prompts, reference, fault):
     target, drafter, _ = local
     engines = start_all([lambda: start_dsi_serve(dirs["target"]) for _ in range(2)])
-    victim = engines[1]
-    done = threading.Event()
-
-    def strike(tokens):
-        if not done.is_set():
-            done.set()
-            victim.signal(signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
-
+    strike = Strike(engines[1], signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
     try:
         decoder = dsi.build_decoder(target=target, drafter=drafter, method="dsi", lookahead=2,
                                     target_servers=[e.url for e in engines],
@@ -261,7 +253,7 @@ def test_an_engine_lost_mid_request_leaves_the_request_correct_on_the_other(dirs
                                                                   target.vocab_size), strike)
             assert result.tokens == reference[0]
             assert time.monotonic() - start < 60
-            assert done.is_set()
+            assert strike.done.is_set()
             again = decoder.generate(dsi.engine.api.make_request(prompts[1], TOKENS, SamplingParams(), None,
                                                                  target.vocab_size))
             assert again.tokens == reference[1]  # the decoder serves on with the engine left

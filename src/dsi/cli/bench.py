@@ -120,7 +120,7 @@ def synthetic_engines(args: argparse.Namespace) -> tuple[list[str] | None, str |
     """``--target-servers`` and ``--drafter-server``, each engine checked to serve the scenario's synthetic
     model in its role (its model card's ``dsi.synthetic``), before anything runs."""
     from dsi.cli.generate import target_servers
-    from dsi.models.engines import Connection, check_url
+    from dsi.models.engines import Connection, check_url, model_cards
 
     urls = target_servers(args)
     if urls is None and args.drafter_server is None:
@@ -136,13 +136,9 @@ def synthetic_engines(args: argparse.Namespace) -> tuple[list[str] | None, str |
                                                               if args.drafter_server else [])]:
         conn = Connection(check_url(url, role), role=role)
         try:
-            listing = conn.request("GET", "/models")
-        except Exception as exc:  # noqa: BLE001 - any failure: not an engine dsi bench can use
-            raise ConfigError(f"{role} server {url} cannot be used: {exc}") from None
+            served = (model_cards(conn, url, role)[0].get("dsi") or {}).get("synthetic")
         finally:
             conn.close()
-        cards = listing.get("data") if isinstance(listing, dict) else None
-        served = ((cards or [{}])[0].get("dsi") or {}).get("synthetic") if isinstance(cards, list) else None
         if served != {"scenario": scenario, "role": role}:
             raise ConfigError(f"{role} server {url} serves {served or 'no synthetic model'}, not scenario "
                               f"{scenario!r}'s {role}: start it with 'dsi serve --synthetic {scenario}"

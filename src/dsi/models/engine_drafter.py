@@ -61,6 +61,8 @@ from dsi.models.engines import (
     EngineTarget,
     LocalText,
     check_url,
+    dense_rows,
+    read_row,
 )
 
 log = logging.getLogger(__name__)
@@ -185,16 +187,15 @@ class _Stream:
             if not logprobs:
                 return []
             names, tops = logprobs["tokens"], logprobs["top_logprobs"]
+            vocab = self._drafter.vocab_size
             out = []
             for name, top in zip(names, tops, strict=True):
                 token = int(str(name).removeprefix("token_id:"))
-                row = {int(str(k).removeprefix("token_id:")): float(v) for k, v in top.items()}
-                if not 0 <= token < self._drafter.vocab_size or any(
-                        not 0 <= t < self._drafter.vocab_size for t in row):
-                    raise ValueError(f"token ids outside the vocabulary [0, {self._drafter.vocab_size})")
-                if not row or any(np.isnan(v) or v > 1e-4 for v in row.values()):
-                    raise ValueError(f"the row of token {token} is not one of log-probabilities")
-                out.append((token, row))
+                if not 0 <= token < vocab:
+                    raise ValueError(f"token {token} is outside the vocabulary [0, {vocab})")
+                if not top:
+                    raise ValueError(f"token {token} comes with no log-probabilities")
+                out.append((token, read_row(top, vocab)))
             return out
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
             raise self._fail(f"streamed an inconsistent chunk ({exc}): {data[:160]!r}") from None
@@ -300,11 +301,7 @@ class StreamingSession:
             out = self._score(context, cancel, num_rows, greedy)
         else:
             token, row = self._next(context, cancel, greedy)
-            if greedy:
-                out = np.array([token], dtype=np.int64)
-            else:
-                out = np.full((1, drafter.vocab_size), -np.inf)
-                out[0, np.fromiter(row, np.int64, len(row))] = np.fromiter(row.values(), np.float64, len(row))
+            out = np.array([token], dtype=np.int64) if greedy else dense_rows([row], drafter.vocab_size)
         self._tokens = context
         return out
 

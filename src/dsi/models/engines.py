@@ -228,6 +228,19 @@ class EngineInfo:
     canary_difference: float | None  # largest |logprob difference| against the local reference
 
 
+def model_cards(conn: Connection, url: str, role: str = "target") -> list[dict]:
+    """The model cards an engine lists at ``GET /v1/models`` (the first one a card with an ``id``);
+    :class:`~dsi.errors.ConfigError` naming the URL where it cannot be asked or lists none."""
+    try:
+        listing = conn.request("GET", "/models")
+    except (ServerLost, EngineRefused) as exc:
+        raise ConfigError(f"{role} server {url} cannot be used: {exc}") from None
+    cards = listing.get("data") if isinstance(listing, dict) else None
+    if not isinstance(cards, list) or not cards or not isinstance(cards[0], dict) or "id" not in cards[0]:
+        raise ConfigError(f"{role} server {url} lists no model at {url}/models (is it an OpenAI server?)")
+    return cards
+
+
 def parse_rows(answer: Any, url: str, model: str, context_length: int, first: int, count: int, vocab_size: int,
                role: str = "target") -> list[dict[int, float]]:
     """Rows ``first .. first + count - 1`` of an answer's ``prompt_logprobs``: token id -> logprob.
@@ -256,19 +269,39 @@ def parse_rows(answer: Any, url: str, model: str, context_length: int, first: in
         entry = rows[p]
         if not isinstance(entry, dict) or not entry:
             raise lost(f"prompt_logprobs[{p}] is {type(entry).__name__}, not a non-empty object")
-        row: dict[int, float] = {}
-        for key, value in entry.items():
-            try:
-                token = int(str(key).removeprefix("token_id:"))
-                logprob = float(value["logprob"] if isinstance(value, dict) else value)
-            except (TypeError, ValueError, KeyError):
-                raise lost(f"prompt_logprobs[{p}] holds {key!r}: {value!r}") from None
-            if not 0 <= token < vocab_size:
-                raise lost(f"prompt_logprobs[{p}] names token {token}, outside the vocabulary [0, {vocab_size})")
-            if np.isnan(logprob) or logprob > 1e-4:
-                raise lost(f"prompt_logprobs[{p}][{token}] = {logprob} is not a log-probability")
-            row[token] = logprob
-        out.append(row)
+        try:
+            out.append(read_row(entry, vocab_size))
+        except ValueError as exc:
+            raise lost(f"prompt_logprobs[{p}] {exc}") from None
+    return out
+
+
+def read_row(entry: dict, vocab_size: int) -> dict[int, float]:
+    """A logprobs object of one position as token id -> log-probability. Keys are ids or vLLM's
+    ``token_id:N``; values are numbers or vLLM's ``{"logprob": ...}``. ``ValueError`` names the entry
+    that is not an id of the vocabulary with a log-probability (an engine's answers are never believed
+    past one)."""
+    row: dict[int, float] = {}
+    for key, value in entry.items():
+        try:
+            token = int(str(key).removeprefix("token_id:"))
+            logprob = float(value["logprob"] if isinstance(value, dict) else value)
+        except (TypeError, ValueError, KeyError):
+            raise ValueError(f"holds {key!r}: {value!r}") from None
+        if not 0 <= token < vocab_size:
+            raise ValueError(f"names token {token}, outside the vocabulary [0, {vocab_size})")
+        if np.isnan(logprob) or logprob > 1e-4:
+            raise ValueError(f"gives token {token} {logprob}, which is not a log-probability")
+        row[token] = logprob
+    return row
+
+
+def dense_rows(rows: Sequence[dict[int, float]], vocab_size: int) -> np.ndarray:
+    """Rows of token id -> log-probability as logit rows ``[len(rows), vocab_size]``, ``-inf`` where a
+    row names no value (the processed law of a row's top entries is the law of the whole row's top)."""
+    out = np.full((len(rows), vocab_size), -np.inf)
+    for i, row in enumerate(rows):
+        out[i, np.fromiter(row, np.int64, len(row))] = np.fromiter(row.values(), np.float64, len(row))
     return out
 
 
@@ -330,13 +363,7 @@ class EngineTarget(LocalText):
     def _describe(self, url: str) -> EngineInfo:
         conn = Connection(url, self.connect_timeout, self.read_timeout, self.role)
         try:
-            try:
-                listing = conn.request("GET", "/models")
-            except (ServerLost, EngineRefused) as exc:
-                raise ConfigError(f"{self.role} server {url} cannot be used: {exc}") from None
-            cards = listing.get("data") if isinstance(listing, dict) else None
-            if not isinstance(cards, list) or not cards or not isinstance(cards[0], dict) or "id" not in cards[0]:
-                raise ConfigError(f"{self.role} server {url} lists no model at {url}/models (is it an OpenAI server?)")
+            cards = model_cards(conn, url, self.role)
             names = [str(c.get("id")) for c in cards if isinstance(c, dict)]
             name = self._model_name or names[0]
             if name not in names:
@@ -372,12 +399,12 @@ class EngineTarget(LocalText):
         if full and any(len(r) != vocab for r in rows):
             raise ConfigError(f"{self.role} server {url} gave rows of {sorted({len(r) for r in rows})} entries")
         if vocab is not None and vocab != self.vocab_size:
-            raise ConfigError(f"{self.role} server {url} serves {name!r} with a vocabulary of {vocab} tokens; the local "
-                              f"{self.role} has {self.vocab_size}: it is another model")
+            raise ConfigError(f"{self.role} server {url} serves {name!r} with a vocabulary of {vocab} tokens; "
+                              f"the local {self.role} has {self.vocab_size}: it is another model")
         seen = max(max(r) for r in rows)
         if seen >= self.vocab_size:
-            raise ConfigError(f"{self.role} server {url} names token {seen}, outside the local {self.role}'s vocabulary "
-                              f"of {self.vocab_size}: it is another model")
+            raise ConfigError(f"{self.role} server {url} names token {seen}, outside the local {self.role}'s "
+                              f"vocabulary of {self.vocab_size}: it is another model")
         difference = None
         if self.reference is not None:
             session = self.reference.new_session()
@@ -396,8 +423,9 @@ class EngineTarget(LocalText):
                     raise ConfigError(f"{self.role} server {url}: {name!r} does not compute the local {self.role}'s "
                                       f"rows (canary position {i}: argmax {theirs}, the local {self.role}'s {ours})")
             if difference > self.canary_tolerance:
-                raise ConfigError(f"{self.role} server {url}: {name!r} does not compute the local {self.role}'s rows (canary "
-                                  f"logprobs differ by up to {difference:.3g} nats, more than {self.canary_tolerance})")
+                raise ConfigError(f"{self.role} server {url}: {name!r} does not compute the local {self.role}'s "
+                                  f"rows (canary logprobs differ by up to {difference:.3g} nats, more than "
+                                  f"{self.canary_tolerance})")
         return EngineInfo(url, name, kind, max_len, vocab, full, None if full else 1, difference)
 
     @staticmethod
@@ -478,8 +506,8 @@ class EngineSession:
         context = self._tokens + tuple(int(t) for t in tokens)
         limit = self._target.max_context
         if limit is not None and len(context) > limit:
-            raise ContextLengthError(f"{len(context)} tokens exceed the context of {limit} tokens that target "
-                                     f"server {self.engine.url} leaves (its max_model_len minus 2)")
+            raise ContextLengthError(f"{len(context)} tokens exceed the context of {limit} tokens that "
+                                     f"{self._target.role} server {self.engine.url} leaves (its max_model_len minus 2)")
         vocab = self._target.vocab_size
         if greedy:
             n = 1
@@ -487,8 +515,8 @@ class EngineSession:
             n = top  # an engine whose limit is lower refuses it (a 4xx: the task fails, naming the limit)
         else:
             if not self.engine.full_rows:
-                raise ModelError(f"target server {self.engine.url} gives no whole-vocabulary rows; this request "
-                                 "needs them (set top_k, or start it with --max-logprobs -1)")
+                raise ModelError(f"{self._target.role} server {self.engine.url} gives no whole-vocabulary rows; "
+                                 "this request needs them (set top_k, or start it with --max-logprobs -1)")
             n = -1
         first = len(context) - num_rows + 1  # position p: the distribution after the first p tokens
         payload = EngineTarget._payload(self.engine.model, context, n, first, self.engine.kind)
@@ -496,18 +524,16 @@ class EngineSession:
             raise TaskCancelled()
         self.counters["engine_requests"] += 1
         answer = self._conn.request("POST", "/completions", payload, cancel)
-        rows = parse_rows(answer, self.engine.url, self.engine.model, len(context) + 1, first, num_rows, vocab)
+        role = self._target.role
+        rows = parse_rows(answer, self.engine.url, self.engine.model, len(context) + 1, first, num_rows, vocab, role)
         self._tokens = context
         if greedy:
             return np.array([_argmax(row) for row in rows], dtype=np.int64)
-        out = np.full((num_rows, vocab), -np.inf)
-        for i, row in enumerate(rows):
-            ids = np.fromiter(row, np.int64, len(row))
-            out[i, ids] = np.fromiter(row.values(), np.float64, len(row))
-            if n == -1 and len(row) != vocab:
-                raise ServerLost(f"target server {self.engine.url} answered inconsistently: a whole-vocabulary "
-                                 f"row of {len(row)} entries, not {vocab}")
-        return out
+        short = next((len(row) for row in rows if len(row) != vocab), None) if n == -1 else None
+        if short is not None:
+            raise ServerLost(f"{role} server {self.engine.url} answered inconsistently: a whole-vocabulary "
+                             f"row of {short} entries, not {vocab}")
+        return dense_rows(rows, vocab)
 
     def truncate(self, length: int) -> None:
         if not 0 <= length <= len(self._tokens):
@@ -545,5 +571,5 @@ def wait_until_serving(url: str, timeout: float = 120.0, process: Any = None) ->
     raise ModelError(f"{url} did not serve within {timeout:.0f} s ({last})")
 
 
-__all__ = ["EngineTarget", "LocalText", "EngineSession", "EngineInfo", "Connection", "check_url", "parse_rows",
-           "wait_until_serving"]
+__all__ = ["EngineTarget", "LocalText", "dense_rows", "model_cards", "read_row", "EngineSession", "EngineInfo",
+           "Connection", "check_url", "parse_rows", "wait_until_serving"]
