@@ -65,6 +65,7 @@ def record(target, drafter, prompts: list[str], tokens: int) -> list[tuple[list[
 def main() -> int:
     from dsi.cli.measure import PROMPT_SETS
     from dsi.evaluate.bench import emit_record
+    from dsi.models.crossvocab import bridge_drafter, shares_vocabulary
     from dsi.models.loading import load_pair
     from dsi.sim.trees import replay_greedy
     from dsi.trees import Widths
@@ -77,6 +78,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     target, drafter = load_pair(args.target, args.drafter, backend="llama.cpp", progress=False)
+    if not shares_vocabulary(target, drafter):  # another tokenizer: greedy string mode cannot branch, so the
+        drafter = bridge_drafter(target, drafter, "intersection")  # token intersection (its law over target ids)
     results = []
     for name in ("code", "prose"):
         recordings = record(target, drafter, PROMPT_SETS[name][: args.prompts], args.tokens)

@@ -18,8 +18,10 @@ the algorithm whatever it is. Both are wrapped in ``WithLatency``:
   what they compute); the drafter 2 ms.
 
 **Runs**: non-SI; SI k = 5, chain and tree ``2,2,1``/``auto``; DSI with event-driven windows on SP = 2
-and 4 target servers, chain and trees ``2`` and ``auto``. Median wall time over repeats, one run per
-prompt and configuration in turn; every output is checked against the recording.
+and 4 target servers, chain and trees ``2`` and ``auto``; and what ``method="auto"`` picks (up to SP = 4,
+calibrated on the set's first prompt, chains and trees weighed), against the fastest chain of the table.
+Median wall time over repeats, one run per prompt and configuration in turn; every output is checked
+against the recording.
 
     python benchmarks/tree_walltime.py --out docs/data/tree_walltime-2026-12-01.json
 
@@ -112,17 +114,26 @@ class Recorded:
         return row if row is not None else np.zeros(self.vocab)
 
 
+AUTO = "method=auto"
+
+
 def run_set(recorded: Recorded, cost: dict, repeats: int) -> dict:
+    import tempfile
+
     import dsi
+    from dsi.evaluate.autotune import choose_method
     from dsi.models import CallableLM, WithLatency
 
     target = WithLatency(CallableLM(recorded.target_logits, recorded.vocab, name="recorded target"), **cost["target"])
     drafter = WithLatency(CallableLM(recorded.drafter_logits, recorded.vocab, name="recorded drafter"),
                           **cost["drafter"])
-    walls: dict[str, list[float]] = {label: [] for label, *_ in CONFIGS}
-    stats: dict[str, dict] = {label: {"accepted": 0, "side": 0, "forwards": 0, "tokens": 0} for label, *_ in CONFIGS}
+    with tempfile.TemporaryDirectory() as cache:
+        choice = choose_method(target, drafter, max_servers=4, prompt=recorded.prompts[0], cache_dir=cache)
+    configs = CONFIGS + [(AUTO, choice.method, choice.lookahead, choice.num_target_servers, choice.draft_tree)]
+    walls: dict[str, list[float]] = {label: [] for label, *_ in configs}
+    stats: dict[str, dict] = {label: {"accepted": 0, "side": 0, "forwards": 0, "tokens": 0} for label, *_ in configs}
     for _ in range(repeats):
-        for label, method, k, servers, tree in CONFIGS:
+        for label, method, k, servers, tree in configs:
             total = 0.0
             for prompt, want in zip(recorded.prompts, recorded.outputs, strict=True):
                 out = dsi.generate(target=target, drafter=None if method == "ar" else drafter, prompt=prompt,
@@ -138,12 +149,14 @@ def run_set(recorded: Recorded, cost: dict, repeats: int) -> dict:
                 s["tokens"] += len(want)
             walls[label].append(total)
     med = {label: statistics.median(v) for label, v in walls.items()}
-    return {"median_s": med, "walls": walls, "counts": stats}
+    return {"median_s": med, "walls": walls, "counts": stats,
+            "auto": {"picked": choice.label, "reason": choice.reason, "calibration_s": choice.calibration_s}}
 
 
 def main() -> int:
     from dsi.cli.measure import PROMPT_SETS
     from dsi.evaluate.bench import emit_record
+    from dsi.models.crossvocab import bridge_drafter, shares_vocabulary
     from dsi.models.loading import load_pair
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -156,6 +169,8 @@ def main() -> int:
     args = parser.parse_args()
     start = time.perf_counter()
     target, drafter = load_pair(args.target, args.drafter, backend="llama.cpp", progress=False)
+    if not shares_vocabulary(target, drafter):  # another tokenizer: greedy string mode cannot branch, so the
+        drafter = bridge_drafter(target, drafter, "intersection")  # token intersection (its law over target ids)
     sets = {name: Recorded(record(target, drafter, PROMPT_SETS[name][: args.prompts], args.tokens))
             for name in ("code", "prose")}
     results = []
@@ -171,11 +186,15 @@ def main() -> int:
             print(f"\n{cost_name}, {set_name} (drafter top-1 agreement {agreement:.2f}), median of {args.repeats}:")
             print("| configuration | wall s | vs non-SI | vs its chain | tokens / target forward | side wins |")
             print("|---|---|---|---|---|---|")
-            for label, *_ in CONFIGS:
-                chain = label.split(" tree=")[0]
+            chains = [label for label, method, *_, tree in CONFIGS if tree is None]
+            fastest_chain = min(chains, key=med.get)
+            for label, *_ in [*CONFIGS, (AUTO,)]:
+                chain = label.split(" tree=")[0] if label != AUTO else fastest_chain
                 c = got["counts"][label]
                 print(f"| {label} | {med[label]:.3f} | {med['non-SI'] / med[label]:.2f}x | "
                       f"{med[chain] / med[label]:.3f} | {c['tokens'] / max(c['forwards'], 1):.2f} | {c['side']} |")
+            print(f"{AUTO} picked {got['auto']['picked']} (its 'vs its chain' is against the fastest chain, "
+                  f"{fastest_chain}): {got['auto']['reason']}")
     print(f"\n{args.target} / {args.drafter} recordings (llama.cpp, greedy), {args.prompts} prompts x {args.tokens} "
           f"tokens per set; {time.perf_counter() - start:.0f} s in all", file=sys.stderr)
     emit_record({"benchmark": "tree_walltime", "target": args.target, "drafter": args.drafter, "tokens": args.tokens,

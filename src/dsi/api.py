@@ -82,8 +82,9 @@ def build_decoder(
     stays local (:mod:`dsi.models.engine_drafter`, docs/engines.md)."""
     require(method in METHODS, f"method={method!r} must be one of {', '.join(METHODS)}")
     if method == "auto" and draft_tree not in (None, "off"):
-        raise ConfigError(f"draft_tree={draft_tree!r} with method='auto': the method choice does not measure trees "
-                          "yet; pick method 'si' or 'dsi' (--method) with the tree, or leave it off")
+        raise ConfigError(f"draft_tree={draft_tree!r} with method='auto': the method choice weighs draft trees itself "
+                          "(chains and the trees '2' and 'auto', and picks one); pick method 'si' or 'dsi' "
+                          "(--method) to choose the tree yourself")
     if deterministic and target_servers is not None:
         raise ConfigError("deterministic=True cannot hold with target_servers: an engine's rows depend on its own "
                           "batching, which dsi does not control; drop deterministic or the target servers")

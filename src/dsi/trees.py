@@ -242,15 +242,20 @@ def parse_shape(text: str | None) -> TreeShape:
     return Widths(widths)
 
 
-def grow(shape: TreeShape, budget: int, propose: Callable[[list[int]], Proposal | None]) -> DraftTree:
+def grow(shape: TreeShape, budget: int, propose: Callable[[list[int]], Proposal | None],
+         propose_many: Callable[[list[list[int]]], list[Proposal | None]] | None = None) -> DraftTree:
     """A tree of at most ``budget`` nodes in ``shape`` (None: a chain of ``budget``), from the drafter
     oracle ``propose(path tokens) -> (main token, [(token, probability), ...] most likely first)``,
     called once per node that gets children (the root's path is ``[]``). ``propose`` returns None where
-    the drafter has nothing after that path (an EOS, the end of its context): that node stays a leaf."""
+    the drafter has nothing after that path (an EOS, the end of its context): that node stays a leaf.
+
+    A :class:`Dynamic` tree is grown in rounds, each asking for every node it expands at once through
+    ``propose_many(paths) -> proposals`` (default: ``propose`` path by path): a drafter that can compute
+    several paths' rows in one forward then drafts a round in one (:func:`_grow_dynamic`)."""
     if not isinstance(budget, int) or budget < 1:
         raise ConfigError(f"budget={budget!r} must be an integer >= 1 (draft tokens per window)")
     if isinstance(shape, Dynamic):
-        return _grow_dynamic(shape, budget, propose)
+        return _grow_dynamic(shape, budget, propose_many or (lambda paths: [propose(p) for p in paths]))
     widths = (1,) * budget if shape is None else shape.widths * (budget if len(shape.widths) == 1 else 1)
     tokens: list[int] = []
     parents: list[int] = []
@@ -270,38 +275,56 @@ def grow(shape: TreeShape, budget: int, propose: Callable[[list[int]], Proposal 
     return DraftTree(tuple(tokens), tuple(parents))
 
 
-def _grow_dynamic(shape: Dynamic, budget: int, propose: Callable[[list[int]], Proposal | None]) -> DraftTree:
-    # candidates: (-priority, order, parent, token, cumulative probability); each node's first child is
-    # its main one
+def _grow_dynamic(shape: Dynamic, budget: int,
+                  propose_many: Callable[[list[list[int]]], list[Proposal | None]]) -> DraftTree:
+    """EAGLE-2-style best-first growth, in rounds: the tree is the ``budget`` candidates of highest
+    priority (a candidate's cumulative drafter probability; a main child takes its best sibling's, so
+    it comes first), and a round expands, in one ``propose_many`` call, every candidate of the current
+    best ``budget`` not expanded yet whose children could still enter them (their priorities are at most
+    its cumulative probability, so one at or below the budget-th priority cannot gain a child there).
+    Priorities never grow along a path, so the best ``budget`` always form a tree, and the rounds end
+    with the tree a one-node-at-a-time best-first growth gives (ties aside: earlier candidates first):
+    one drafter forward per round instead of one per node."""
+    # candidate i: parents[i] (a candidate index or ROOT), tokens[i], cumulative[i], priority[i]
     tokens: list[int] = []
     parents: list[int] = []
-    heap: list[tuple[float, int, int, int, float]] = []
-    order = 0
+    cumulative: list[float] = []
+    priority: list[float] = []
+    expanded: set[int] = set()
 
-    def expand(node: int, mass: float) -> None:
-        nonlocal order
-        proposal = propose([tokens[i] for i in _path(parents, node)])
+    def path_of(node: int) -> list[int]:
+        return [tokens[i] for i in _path(parents, node)]
+
+    def add_children(node: int, proposal: Proposal | None) -> None:
         if proposal is None:
             return
+        mass = 1.0 if node == ROOT else cumulative[node]
         main, ranked = proposal
         prob = dict((int(t), float(p)) for t, p in ranked)
         kids = [int(main)] + _sides(main, ranked, shape.top - 1)
         best = max(prob.get(t, 0.0) for t in kids)
         for rank, token in enumerate(kids):
-            cumulative = mass * prob.get(token, 0.0)
-            # the main child takes the best sibling's priority, so it is taken first (greedy: it is the best)
-            priority = cumulative if rank else mass * best
-            heapq.heappush(heap, (-priority, order, node, token, cumulative))
-            order += 1
+            tokens.append(token)
+            parents.append(node)
+            cumulative.append(mass * prob.get(token, 0.0))
+            priority.append(cumulative[-1] if rank else mass * best)
 
-    expand(ROOT, 1.0)
-    while heap and len(tokens) < budget:
-        _, _, parent, token, cumulative = heapq.heappop(heap)
-        tokens.append(token)
-        parents.append(parent)
-        if len(tokens) < budget:
-            expand(len(tokens) - 1, cumulative)
-    return _canonical(tokens, parents)
+    def best() -> list[int]:
+        return heapq.nsmallest(budget, range(len(tokens)), key=lambda i: (-priority[i], i))
+
+    add_children(ROOT, propose_many([[]])[0])
+    while True:
+        chosen = best()
+        floor = priority[chosen[-1]] if len(chosen) == budget else -1.0
+        todo = [i for i in chosen if i not in expanded and cumulative[i] > floor and len(_path(parents, i)) < budget]
+        if not todo:
+            break
+        expanded.update(todo)
+        for node, proposal in zip(todo, propose_many([path_of(i) for i in todo]), strict=True):
+            add_children(node, proposal)
+    keep = sorted(best())  # creation order: parents before children, siblings in the order they came
+    index = {old: new for new, old in enumerate(keep)}
+    return _canonical([tokens[i] for i in keep], [ROOT if parents[i] == ROOT else index[parents[i]] for i in keep])
 
 
 def _canonical(tokens: list[int], parents: list[int]) -> DraftTree:

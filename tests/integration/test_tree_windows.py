@@ -117,7 +117,7 @@ def test_logprobs_with_trees_equal_non_si(method, tree, no_thread_leak):
 @pytest.mark.parametrize("kwargs, fragment", [
     (dict(method="dsi", draft_tree="3,2"), "DSI branches position by position"),
     (dict(method="ar", draft_tree="2"), "applies to method 'si' or 'dsi'"),
-    (dict(method="auto", draft_tree="auto"), "does not measure trees"),
+    (dict(method="auto", draft_tree="auto"), "weighs draft trees itself"),
     (dict(method="si", draft_tree=3), "must be None, 'off', 'auto', widths"),
     (dict(method="si", draft_tree="wide"), "must be off, auto, or widths"),
 ])
@@ -133,7 +133,7 @@ def test_the_event_simulator_takes_the_engines_tree_decisions(method, tree, look
     """The event simulator with rescues (a rejection whose correction is one of its position's side
     children, read off the models) makes the engine's decisions: the same accepted drafts, rejections and
     side wins, which depend on the tokens only (SI: the tree "2", and the same number of verifications)."""
-    from dsi.engine.trees import draft_with_alternatives
+    from dsi.engine.trees import draft_with_alternatives, tree_pattern
     from dsi.sim.events import simulate
     from dsi.trees import parse_shape
 
@@ -141,13 +141,16 @@ def test_the_event_simulator_takes_the_engines_tree_decisions(method, tree, look
     out = reference(target, 60).tokens
     shape = parse_shape(tree)
     greedy = dsi.SamplingParams()
-    matches, rescues = [], []
+    matches, rescues, sides = [], [], []
     for p, token in enumerate(out):
         context = PROMPT + out[:p]
         main, _, ranked = draft_with_alternatives(np.asarray(drafter.next_logits(tuple(context))), greedy,
                                                   len(context), None, 3)
         matches.append(main == token)
-        rescues.append(token in shape.sides(main, ranked))
+        rescues.append(main != token and token in shape.sides(main, ranked))
+        sides.append(len(shape.sides(main, ranked)))
+    pattern = tree_pattern(drafter, PROMPT, out, shape)  # what method="auto" reads, from one forward
+    assert (list(pattern.matches), list(pattern.rescues), list(pattern.sides)) == (matches, rescues, sides)
     engine = dsi.generate(target=target, drafter=drafter, prompt=PROMPT, method=method, max_new_tokens=60,
                           lookahead=lookahead, num_target_servers=2 if method == "dsi" else None,
                           draft_tree=tree).stats
@@ -160,3 +163,96 @@ def test_the_event_simulator_takes_the_engines_tree_decisions(method, tree, look
     chain = simulate(method, target_tpot=1.0, drafter_tpot=0.1, lookahead=lookahead, num_servers=2,
                      matches=matches).runs[0]
     assert chain.rejections > sim.rejections and chain.side_wins == 0
+
+
+def test_a_tree_pattern_has_no_draft_past_the_drafters_context_and_none_through_text():
+    from dsi.engine.trees import tree_pattern
+    from dsi.models import CallableLM
+    from dsi.trees import parse_shape
+
+    target, drafter = noisy_pair(seed=6)
+    out = reference(target, 12).tokens
+    full = tree_pattern(drafter, PROMPT, out, parse_shape("2"))
+    short_drafter = CallableLM(drafter.next_logits, VOCAB, max_context=len(PROMPT) + 5)
+    short = tree_pattern(short_drafter, PROMPT, out, parse_shape("2"))
+    assert short.matches[:6] == full.matches[:6] and short.rescues[:6] == full.rescues[:6]
+    assert not any(short.matches[6:]) and not any(short.rescues[6:]) and short.sides[6:] == (0,) * 6
+    assert full.sides == (1,) * 12  # the tree "2": one side child at every position
+
+    class ThroughText(CallableLM):
+        def mode_for(self, greedy):
+            return "string"
+
+    with pytest.raises(ConfigError, match="cannot branch"):
+        tree_pattern(ThroughText(drafter.next_logits, VOCAB), PROMPT, out, parse_shape("2"))
+
+
+class _NoTreeForward:
+    """The drafter ``model`` without its sessions' one-forward trees (``tree_rows``): drafted path by path."""
+
+    def __init__(self, model):
+        self.model = model
+
+    @property
+    def vocab_size(self):
+        return self.model.vocab_size
+
+    def new_session(self):
+        inner = self.model.new_session()
+
+        class Session:
+            tokens = property(lambda self: inner.tokens)
+            extend = staticmethod(inner.extend)
+            truncate = staticmethod(inner.truncate)
+            close = staticmethod(inner.close)
+
+        return Session()
+
+
+def test_a_dynamic_tree_drafts_each_round_in_one_drafter_forward_and_the_same_tree():
+    """SI with ``auto`` trees on a drafter whose sessions compute a tree in one forward (the latency model):
+    a round of the tree's growth is one drafter forward, so fewer forwards than path by path, for the same
+    trees (the same verifications, side wins and tokens: non-SI's)."""
+    from dsi.models import WithLatency
+
+    target, drafter = noisy_pair(seed=3, noise=2.5)
+    expected = reference(target, 60).tokens
+    runs = {}
+    for name, model in (("batched", WithLatency(drafter, 0.0, 0.0)), ("path by path", _NoTreeForward(drafter))):
+        out = dsi.generate(target=target, drafter=model, prompt=PROMPT, method="si", max_new_tokens=60, lookahead=8,
+                           draft_tree="auto")
+        assert out.tokens == expected, name
+        s = out.stats
+        runs[name] = (s.drafter_forwards, (s.verify_tasks, s.accepted_tokens, s.rejections, s.drafted_tokens,
+                                           s.extra["tree_side_accepts"]))
+    assert runs["batched"][1] == runs["path by path"][1]
+    assert runs["batched"][0] < 0.8 * runs["path by path"][0], runs
+
+
+def test_hf_drafts_a_dynamic_tree_round_in_one_model_forward(no_thread_leak):
+    """The hf backend: a round of several paths is one model forward of the drafter (a 4D tree mask), greedy
+    SI with ``auto`` trees stays non-SI's tokens, and drafts the same trees as path by path (fp32)."""
+    pytest.importorskip("transformers")
+    from dsi.models.hf import HFModel
+    from tests.unit.models.test_hf import tiny_llama
+
+    target = HFModel(tiny_llama(seed=0))
+    raw = tiny_llama(seed=1)
+    drafter = HFModel(raw)
+    prompt = [3, 17, 42, 5]
+    expected = dsi.generate(target=target, prompt=prompt, method="ar", max_new_tokens=24).tokens
+    calls = []
+    hook = raw.register_forward_pre_hook(lambda module, args: calls.append(1))
+    runs = {}
+    try:
+        for name, model in (("batched", drafter), ("path by path", _NoTreeForward(drafter))):
+            calls.clear()
+            out = dsi.generate(target=target, drafter=model, prompt=prompt, method="si", max_new_tokens=24,
+                               lookahead=6, draft_tree="auto")
+            assert out.tokens == expected, name
+            s = out.stats
+            runs[name] = (len(calls), (s.verify_tasks, s.accepted_tokens, s.rejections, s.drafted_tokens))
+    finally:
+        hook.remove()
+    assert runs["batched"][1] == runs["path by path"][1]
+    assert runs["batched"][0] < runs["path by path"][0], runs

@@ -104,6 +104,76 @@ def test_dynamic_trees_spend_the_budget_where_the_drafter_is_unsure():
         assert not kids or wide.tokens[kids[0]] == 0
 
 
+def _best_first_one_node_at_a_time(shape, budget, propose):
+    """The reference growth: pop the best candidate, expand it with one drafter call, repeat."""
+    import heapq
+
+    from dsi.trees import _canonical, _path, _sides
+
+    tokens, parents, heap, order = [], [], [], 0
+
+    def expand(node, mass):
+        nonlocal order
+        proposal = propose([tokens[i] for i in _path(parents, node)])
+        if proposal is None:
+            return
+        main, ranked = proposal
+        prob = dict(ranked)
+        kids = [main] + _sides(main, ranked, shape.top - 1)
+        best = max(prob.get(t, 0.0) for t in kids)
+        for rank, token in enumerate(kids):
+            heapq.heappush(heap, (-(mass * prob.get(token, 0.0) if rank else mass * best), order, node, token,
+                                  mass * prob.get(token, 0.0)))
+            order += 1
+
+    expand(ROOT, 1.0)
+    while heap and len(tokens) < budget:
+        _, _, parent, token, mass = heapq.heappop(heap)
+        tokens.append(token)
+        parents.append(parent)
+        if len(tokens) < budget:
+            expand(len(tokens) - 1, mass)
+    return _canonical(tokens, parents)
+
+
+def _random_oracle(seed, vocab, sampled, stop_after=None):
+    def propose(path):
+        if stop_after is not None and len(path) >= stop_after:
+            return None  # the end of the drafter's context
+        rng = np.random.default_rng([seed, len(path), *path])
+        law = rng.dirichlet(np.full(vocab, 0.3))
+        main = int(rng.choice(vocab, p=law)) if sampled else int(np.argmax(law))
+        return main, _ranked(law)
+
+    return propose
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_dynamic_trees_grown_in_rounds_are_the_best_first_trees_with_fewer_drafter_calls(sampled):
+    """The rounds (every expansion a round needs in one drafter call) give the tree that growing one node
+    at a time gives, on random drafters (greedy: the main child is the argmax; sampled: any token), for
+    every budget and width; and they ask the drafter in fewer calls where it is unsure."""
+    fewer = 0
+    for seed in range(40):
+        for budget in (1, 2, 4, 7, 12):
+            for top in (2, 3, 4):
+                shape = Dynamic(top=top)
+                oracle = _random_oracle(seed, 6, sampled, stop_after=None if seed % 5 else 3)
+                calls = []
+
+                def many(paths, oracle=oracle, calls=calls):
+                    calls.append(len(paths))
+                    return [oracle(p) for p in paths]
+
+                single = []
+                want = _best_first_one_node_at_a_time(shape, budget, lambda p, o=oracle: single.append(1) or o(p))
+                got = grow(shape, budget, oracle, propose_many=many)
+                assert got == want, (seed, budget, top)
+                assert len(calls) <= len(single)
+                fewer += len(calls) < len(single)
+    assert fewer > 100  # most unsure trees take fewer rounds than nodes
+
+
 # ---- exact enumeration -------------------------------------------------------------------------
 VOCAB = 3
 PROMPT = (0, 1)

@@ -538,7 +538,7 @@ def run_demo(args: argparse.Namespace) -> int:
         dsi = choice.method == "dsi"
         picked = MethodConfig(choice.method, choice.lookahead, choice.num_target_servers,
                               threads=dsi_threads(choice.num_target_servers) if dsi else whole,
-                              transport_options=placement if dsi else ())
+                              transport_options=placement if dsi else (), draft_tree=choice.draft_tree)
         if picked.label not in {c.label for c in configs}:
             configs.append(picked)
     bar = tqdm(total=len(configs) * len(prompts) * args.repeats, desc="demo", unit="run",

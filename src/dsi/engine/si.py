@@ -130,7 +130,7 @@ class SpeculativeDecoder:
         start = time.perf_counter()
         drafter = TreeDrafter(self._drafter, request, base, shape.top if isinstance(shape, Dynamic) else
                               max(shape.widths) - 1)
-        tree = grow(shape, count, drafter.propose)
+        tree = grow(shape, count, drafter.propose, drafter.propose_many)
         stats.drafter_forwards += drafter.forwards
         stats.drafter_busy_s += time.perf_counter() - start
         stats.drafted_tokens += len(tree)

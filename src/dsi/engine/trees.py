@@ -1,12 +1,14 @@
 """Tree windows in the engines (issue 24): a drafter that proposes tree nodes, and the decision of a
 verified tree against its task's result.
 
-- :class:`TreeDrafter` is the oracle :func:`dsi.trees.grow` calls, on one drafter session: one
-  drafter forward per node that gets children, reusing the session's cache along the path (a side
-  path truncates back to where it branches). Its main token is the chain's own draft at that
-  position (the argmax of the processed row, or the DRAFT-uniform sample of the processed law ``q``),
-  so the main path is exactly what a chain would draft; the side tokens are the next most likely
-  under the drafter's processed law (greedy: the softmax of its processed logits).
+- :class:`TreeDrafter` is the oracle :func:`dsi.trees.grow` calls, on one drafter session. Its main
+  token is the chain's own draft at that position (the argmax of the processed row, or the
+  DRAFT-uniform sample of the processed law ``q``), so the main path is what a chain would draft; the
+  side tokens are the next most likely under the drafter's processed law (greedy: the softmax of its
+  processed logits). A fixed shape expands only its main path: one drafter forward a level, reusing
+  the session's cache. A dynamic tree expands several nodes a round (:func:`dsi.trees.grow`), and a
+  drafter session that computes a draft tree in one forward (``tree_rows``: hf, llama.cpp, the latency
+  model) computes a round's paths in one: every path below their common ancestor, as one tree.
 - :func:`decide_tree` walks a tree task's result (:func:`dsi.trees.walk`): each node with children
   is decided as the chain decides its main child (:func:`dsi.sampling.decide`, the uniforms of the
   absolute position), so the committed tokens never depend on the tree; a walk that ends on a leaf
@@ -14,22 +16,34 @@ verified tree against its task's result.
 - :func:`request_shape` is the shape a request drafts with: chains where the drafter cannot branch (a
   drafter of another vocabulary in string mode proposes one settled target token per position, with no
   law over alternatives).
+- :func:`tree_pattern` reads, from one drafter forward along a greedy output, what the event simulator
+  needs to time tree windows (:func:`dsi.sim.events.simulate`'s ``rescues``): where the main draft is
+  the target's token, where a side child would rescue a rejection, and how many side children each
+  position gets (``method="auto"`` weighs trees with it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from dsi.engine.request import Request
 from dsi.engine.stats import GenerationStats
-from dsi.errors import ContextLengthError, DraftUnavailable
+from dsi.errors import ConfigError, ContextLengthError, DraftUnavailable
 from dsi.logprobs import top_ids
-from dsi.models.base import LanguageModel, ModelSession, forward_rows
+from dsi.models.base import LanguageModel, ModelSession, context_limit, forward_rows, tree_rows
 from dsi.sampling import Prefix, SamplingParams, bonus, decide, draft_from_logits, shape_logits
 from dsi.transport.base import TaskResult
-from dsi.trees import ROOT, DraftTree, Proposal, TreeShape, TreeWalk, walk
+from dsi.trees import ROOT, DraftTree, Dynamic, Proposal, TreeShape, TreeWalk, walk
+
+
+def can_branch(model: LanguageModel, greedy: bool) -> bool:
+    """Whether the drafter ``model`` can draft trees for a request (greedy or not): not a drafter of another
+    vocabulary in string mode."""
+    mode_for = getattr(model, "mode_for", None)
+    return mode_for is None or mode_for(greedy) != "string"
 
 
 def request_shape(shape: TreeShape, model: LanguageModel, params: SamplingParams, stats: GenerationStats) -> TreeShape:
@@ -38,8 +52,7 @@ def request_shape(shape: TreeShape, model: LanguageModel, params: SamplingParams
     ``stats.extra`` (``draft_tree``, and ``draft_tree_fallback`` with the reason)."""
     if shape is None:
         return None
-    mode_for = getattr(model, "mode_for", None)
-    if mode_for is not None and mode_for(params.greedy) == "string":
+    if not can_branch(model, params.greedy):
         stats.extra["draft_tree"] = "chain"
         stats.extra["draft_tree_fallback"] = ("a drafter of another vocabulary in string mode proposes one settled "
                                               "target token per position and no law over alternatives, so it "
@@ -105,9 +118,70 @@ class TreeDrafter:
         self._laws[tuple(path)] = q
         return main, alternatives
 
+    def propose_many(self, paths: list[list[int]]) -> list[Proposal | None]:
+        """:meth:`propose` for several paths (one round of a dynamic tree), in one drafter forward where the
+        session computes a draft tree in one (``tree_rows``): the paths below their longest common prefix
+        form a tree after ``base`` + that prefix (held in the cache: the session keeps a tree's main path).
+        Its rows are the batch's, which on llama.cpp or bf16 may differ in the last bits from one-token
+        rows (docs/results.md section 11): a near-tie may then draft another main token than a chain's,
+        which changes what is drafted, never the output's law (the verified law is the row's own)."""
+        own = getattr(self.session, "tree_rows", None)
+        live = [p for p in paths if not (p and p[-1] in self.request.eos_token_ids)]
+        if own is None or len(live) < 2:
+            return [self.propose(p) for p in paths]
+        common = _common_prefix(live)
+        tree, ends = _suffix_tree([p[len(common):] for p in live])
+        context = self.base + tuple(common)
+        try:
+            rows = np.asarray(tree_rows(self.session, context, tree))  # [1 + n, V]
+        except ContextLengthError:  # a path past the drafter's context: path by path, each as it can
+            return [self.propose(p) for p in paths]
+        self.forwards += 1
+        out: list[Proposal | None] = []
+        for path in paths:
+            if path not in live:
+                out.append(None)  # nothing is drafted after an EOS
+                continue
+            position = len(self.base) + len(path)
+            main, q, alternatives = draft_with_alternatives(rows[1 + ends[tuple(path[len(common):])]],
+                                                            self.request.sampling, position,
+                                                            self.request.prefix(self.base + tuple(path)),
+                                                            self.top + 1)
+            self._laws[tuple(path)] = q
+            out.append((main, alternatives))
+        return out
+
     def main_law(self, tree: DraftTree, node: int) -> np.ndarray | None:
         """The drafter's processed law at the position after ``node`` (:data:`ROOT`: after ``base``)."""
         return self._laws[() if node == ROOT else tuple(tree.path_tokens(node))]
+
+
+def _common_prefix(paths: list[list[int]]) -> list[int]:
+    """The longest list every path starts with, short of each whole path (every path keeps a token below)."""
+    common: list[int] = []
+    for column in zip(*paths, strict=False):
+        if len(set(column)) != 1 or any(len(p) <= len(common) + 1 for p in paths):
+            break
+        common.append(column[0])
+    return common
+
+
+def _suffix_tree(suffixes: list[list[int]]) -> tuple[DraftTree, dict[tuple[int, ...], int]]:
+    """The draft tree holding every suffix as a root-to-node path (shared heads once, in the order they
+    come), and the node each suffix ends on."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    node_of: dict[tuple[int, ...], int] = {}
+    for suffix in suffixes:
+        parent = ROOT
+        for depth in range(1, len(suffix) + 1):
+            key = tuple(suffix[:depth])
+            if key not in node_of:
+                node_of[key] = len(tokens)
+                tokens.append(int(suffix[depth - 1]))
+                parents.append(parent)
+            parent = node_of[key]
+    return DraftTree(tuple(tokens), tuple(parents)), {tuple(s): node_of[tuple(s)] for s in suffixes}
 
 
 def row_of(node: int) -> int:
@@ -142,3 +216,66 @@ def parent_row(walked: TreeWalk, index: int) -> int:
 def ended_on_leaf(tree: DraftTree, walked: TreeWalk) -> bool:
     """Whether the walk accepted down to a leaf (its last token is then a bonus, not a correction)."""
     return not tree.children(walked.accepted[-1] if walked.accepted else ROOT)
+
+
+def side_count(shape: TreeShape) -> int:
+    """The most side children a position gets in ``shape`` (DSI's per-position branching; SI's fixed widths
+    take their widest level): the number of alternatives a :class:`TreeDrafter` ranks beyond the main draft."""
+    if shape is None:
+        return 0
+    if isinstance(shape, Dynamic):
+        return shape.top - 1
+    return max(shape.widths) - 1
+
+
+@dataclass(frozen=True)
+class TreePattern:
+    """Greedy drafting along a target's output, position by position: ``matches[p]``, the drafter's main
+    draft is the target's token; ``rescues[p]``, the target's token is one of the side children ``shape``
+    gives position p (what decides a rejection there in a tree window); ``sides[p]``, how many it gives."""
+
+    matches: tuple[bool, ...]
+    rescues: tuple[bool, ...]
+    sides: tuple[int, ...]
+
+    @property
+    def mean_sides(self) -> float:
+        return sum(self.sides) / len(self.sides) if self.sides else 0.0
+
+
+def tree_pattern(drafter: LanguageModel, prompt: Sequence[int], output: Sequence[int], shape: TreeShape) -> TreePattern:
+    """The :class:`TreePattern` of ``shape`` (widths of one level, or :class:`~dsi.trees.Dynamic`, branched
+    position by position as DSI branches) for the greedy ``output`` after ``prompt``, from one drafter
+    forward over ``prompt + output[:-1]``. Each position's ranking is the one a greedy :class:`TreeDrafter`
+    makes (:func:`draft_with_alternatives`). Past the drafter's declared context there is no draft: no match,
+    no side child (the engines commit the target's own token there)."""
+    prompt, output = [int(t) for t in prompt], [int(t) for t in output]
+    if not prompt or not output:
+        raise ConfigError("a tree pattern needs a non-empty prompt and a non-empty output")
+    if not can_branch(drafter, True):
+        raise ConfigError(f"{getattr(drafter, 'name', drafter)!r} drafts greedy requests through text (a drafter "
+                          "of another vocabulary in string mode), so it cannot branch: no tree pattern")
+    limit = context_limit(drafter)
+    count = len(output) if limit is None else max(min(len(output), limit - len(prompt) + 1), 0)
+    greedy = SamplingParams()
+    matches, rescues, sides = [], [], []
+    rows = np.zeros((0, 0))
+    if count:
+        session = drafter.new_session()
+        try:
+            rows = np.asarray(forward_rows(session, prompt + output[: count - 1], count))
+        finally:
+            session.close()
+    for p, token in enumerate(output):
+        if p >= count:
+            matches.append(False)
+            rescues.append(False)
+            sides.append(0)
+            continue
+        main, _, alternatives = draft_with_alternatives(rows[p], greedy, len(prompt) + p, None,
+                                                        side_count(shape) + 1)
+        children = shape.sides(main, alternatives) if shape is not None else []
+        matches.append(main == token)
+        rescues.append(main != token and token in children)
+        sides.append(len(children))
+    return TreePattern(tuple(matches), tuple(rescues), tuple(sides))

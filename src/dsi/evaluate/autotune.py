@@ -1,10 +1,12 @@
 """``method="auto"``: the fastest lossless method for this pair, on this hardware, with this placement.
 
 The candidates are non-SI, SI with k = 1..10, and DSI with SP = 1..``max_servers`` target servers
-and k = 1..10 or event-driven windows. Which wins depends on the pair, the engine and above all on
-where the workers run: on a shared CPU DSI's drafter and servers slow each other down, on separate
-devices they do not. So the choice is made from measurements taken where the workers will run,
-*while they run as each method would run them*:
+and k = 1..10 or event-driven windows; each SI and DSI candidate also with its windows spent as draft
+trees (:mod:`dsi.trees`: SI the tree ``"2"``, DSI ``"2"`` and ``"auto"``) where the drafter can branch.
+Which wins depends on the pair, the engine and above all on where the workers run: on a shared CPU
+DSI's drafter and servers slow each other down, on separate devices they do not. So the choice is
+made from measurements taken where the workers will run, *while they run as each method would run
+them*:
 
 1. **Calibration runs** on one prompt (``tokens`` new tokens, greedy, after a short warm-up):
    non-SI; SI with k = 4; and DSI with event-driven windows for each SP considered, on the real
@@ -15,15 +17,24 @@ devices they do not. So the choice is made from measurements taken where the wor
    non-SI's output (one drafter forward), i.e. exactly which drafts the target accepts (none past
    the drafter's declared context: :func:`dsi.models.replay.accept_pattern`). If it accepts
    nothing, non-SI is the choice without further runs: speculation then waits a whole target
-   forward per token as non-SI does, and could only add work.
+   forward per token as non-SI does, and could only add work. From the same forward's rankings,
+   the **rescue pattern** of each tree shape (:func:`dsi.engine.trees.tree_pattern`): where a
+   rejected draft's correction is one of that position's side children, and how many side children
+   each position gets.
 3. **Prediction**: the event simulator (:mod:`dsi.sim.events`) replays that pattern for every
    candidate with the latencies of the calibration run of its own placement; a verification over
    n tokens costs the one-token forward plus n - 1 times a per-token slope measured from SI's
-   verifications (flat on a GPU, steep on a CPU). Each method's prediction is then scaled by its
-   calibration run's measured / simulated time, which carries the engine's own overheads.
-4. **Check**: if the best candidate is not one that was run, it is run once and kept only if it
-   beats the best calibration run. A faster method must win by ``margin`` (3%) to displace a
-   simpler one (non-SI before SI before DSI): the measurements are noisy.
+   verifications (flat on a GPU, steep on a CPU), a tree window's n counting its side children.
+   Each method's prediction is then scaled by its calibration run's measured / simulated time,
+   which carries the engine's own overheads (a tree candidate takes its chain's scale).
+4. **Check**: if the best candidate is not one that was run, it is run once (twice at most, if the
+   next best is not run either) and kept only if it beats the calibration runs. A faster method
+   must win by ``margin`` (3%) to displace a simpler one (non-SI before SI before DSI, a chain
+   before a tree of the same method): the measurements are noisy.
+
+Trees are weighed on greedy calibration, as everything here is: a sampled request's side children
+win less often than greedy ones (docs/results.md section 15), so a tree picked for greedy decoding
+may gain less when sampling; it never changes the output (:mod:`dsi.trees`).
 
 The choice, with its evidence (latencies, acceptance, measured and predicted seconds of every
 candidate), is cached as JSON under ``<cache dir>/autotune/`` per (pair, dtypes, devices, threads,
@@ -50,9 +61,12 @@ from dsi.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: trees are candidates (a choice cached before did not weigh them)
 LOOKAHEADS = tuple(range(1, 11))
 SI_CALIBRATION_K = 4
+SI_TREES = ("2",)  # the shapes the event simulator times for SI (its tree "2": dsi.sim.events._si_run)
+DSI_TREES = ("2", "auto")  # DSI branches position by position (dsi.trees: Widths.sides, Dynamic.sides)
+MAX_CHECKS = 2  # predicted-only candidates run to check them, at most
 _SIMPLER = {"ar": 0, "si": 1, "dsi": 2}
 
 
@@ -63,16 +77,34 @@ class Candidate:
     servers: int
     predicted_s: float  # for the calibration tokens
     measured_s: float | None = None  # when this exact configuration was run
+    draft_tree: str | None = None  # the windows as draft trees of this shape (dsi.trees); None: chains
 
     @property
     def label(self) -> str:
         from dsi.evaluate.compare import method_label
 
-        return method_label(self.method, self.lookahead, self.servers)
+        tree = f" tree={self.draft_tree}" if self.draft_tree is not None else ""
+        return method_label(self.method, self.lookahead, self.servers) + tree
 
     @property
     def seconds(self) -> float:
         return self.measured_s if self.measured_s is not None else self.predicted_s
+
+    @property
+    def family(self) -> tuple:
+        """Candidates of one family differ only in their lookahead: the ranking keeps each family's best."""
+        return self.method, self.servers, self.draft_tree
+
+    @property
+    def kind(self) -> tuple:
+        """Candidates whose predictions share one model of cost: the method on that many servers, with
+        chains or with trees (a check run of one rescales the predictions of its kind)."""
+        return self.method, self.servers, self.draft_tree is not None
+
+    @property
+    def simplicity(self) -> tuple[int, int]:
+        """Lower is simpler: non-SI, SI, DSI; a chain before a tree."""
+        return _SIMPLER[self.method], int(self.draft_tree is not None)
 
 
 @dataclass(frozen=True)
@@ -83,7 +115,7 @@ class AutoChoice:
     lookahead: int | str
     num_target_servers: int
     reason: str
-    candidates: tuple[Candidate, ...]  # the best of each (method, SP), fastest first
+    candidates: tuple[Candidate, ...]  # the pick, then the best of each (method, SP, tree), fastest first
     measured: dict  # per calibration run: wall seconds and forward latencies as they ran
     acceptance: float  # of the calibration pattern
     tokens: int
@@ -93,11 +125,12 @@ class AutoChoice:
     cache_file: str | None = None
     calibration_s: float = 0.0  # what measuring cost (0 when read from the cache)
     extra: dict = field(default_factory=dict)
+    draft_tree: str | None = None  # the picked windows' tree shape (dsi.trees); None: chains
 
     @property
     def label(self) -> str:
         return Candidate(self.method, None if self.method == "ar" else self.lookahead, self.num_target_servers,
-                         0.0).label
+                         0.0, draft_tree=self.draft_tree).label
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -108,6 +141,7 @@ class AutoChoice:
     def summary(self) -> dict:
         """The short form shown in stats: the pick, the reason and each family's best."""
         return {"picked": self.label, "reason": self.reason, "cached": self.cached,
+                "draft_tree": self.draft_tree or "off",
                 "candidates": {c.label: round(c.seconds, 4) for c in self.candidates[:6]}}
 
     @classmethod
@@ -131,12 +165,12 @@ def model_identity(model: object) -> str:
 
 
 def tuning_key(target, drafter, transport: str, transport_options: dict | None, max_servers: int,
-               prompt: Sequence[int] | None = None, tokens: int = 32) -> str:
+               prompt: Sequence[int] | None = None, tokens: int = 32, trees: bool = True) -> str:
     options = {k: v for k, v in (transport_options or {}).items() if k not in ("recipe",)}
     identity = {
         "target": model_identity(target), "drafter": model_identity(drafter), "transport": transport,
         "options": repr(sorted(options.items())), "max_servers": max_servers,
-        "calibration": [list(prompt) if prompt is not None else None, tokens],
+        "calibration": [list(prompt) if prompt is not None else None, tokens], "trees": trees,
         "machine": [platform.node(), platform.machine(), os.cpu_count()], "version": CACHE_VERSION,
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
@@ -186,15 +220,19 @@ def choose_method(
     refresh: bool = False,
     margin: float = 0.03,
     progress: Callable[[str], None] | None = None,
+    trees: bool = True,
 ) -> AutoChoice:
-    """Measure, predict and pick (see the module docstring); cached unless ``refresh``."""
+    """Measure, predict and pick (see the module docstring); cached unless ``refresh``. ``trees=False``
+    weighs chains only."""
     if drafter is None:
         raise ConfigError("method='auto' needs a drafter (it compares non-SI with SI and DSI)")
     if not isinstance(max_servers, int) or isinstance(max_servers, bool) or max_servers < 1:
         raise ConfigError(f"max_servers={max_servers!r} must be an integer >= 1")
     if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 8:
         raise ConfigError(f"tokens={tokens!r} must be an integer >= 8 (calibration tokens)")
-    key = tuning_key(target, drafter, transport, transport_options, max_servers, prompt, tokens)
+    if not isinstance(trees, bool):
+        raise ConfigError(f"trees={trees!r} must be True (weigh draft trees too) or False (chains only)")
+    key = tuning_key(target, drafter, transport, transport_options, max_servers, prompt, tokens, trees)
     folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     path = folder / f"{key}.json"
     say = progress or (lambda message: None)
@@ -208,7 +246,7 @@ def choose_method(
             log.warning("ignoring unreadable autotune cache %s: %s", path, exc)
     choice = _measure_and_choose(target, drafter, transport, dict(transport_options or {}), max_servers,
                                  list(prompt) if prompt is not None else _default_prompt(target), tokens,
-                                 margin, progress, key)
+                                 margin, progress, key, trees)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
@@ -230,7 +268,7 @@ def _default_prompt(target) -> list[int]:
 
 
 def _measure_and_choose(target, drafter, transport, options, max_servers, prompt, tokens, margin, progress,
-                        key) -> AutoChoice:
+                        key, weigh_trees=True) -> AutoChoice:
     from dsi.sim.events import simulate
 
     began = time.perf_counter()
@@ -265,6 +303,7 @@ def _measure_and_choose(target, drafter, transport, options, max_servers, prompt
             tokens=tokens, key=key, created=time.strftime("%Y-%m-%dT%H:%M:%S"),
             calibration_s=time.perf_counter() - began,
         )
+    trees = _tree_patterns(drafter, prompt, reference) if weigh_trees else {}
     calibrate(f"SI k={SI_CALIBRATION_K}", method="si", lookahead=SI_CALIBRATION_K)
     server_counts = _server_counts(max_servers)
     for sp in server_counts:
@@ -275,22 +314,30 @@ def _measure_and_choose(target, drafter, transport, options, max_servers, prompt
     si = measured[f"SI k={SI_CALIBRATION_K}"]
     slope = max(0.0, (si["target_forward_s"] - t1) / SI_CALIBRATION_K) if si["target_forward_s"] else 0.0
 
-    def simulated(method: str, lookahead, servers: int, one_token_s: float, drafter_s: float, rows: float) -> float:
-        """The event simulator's time on the calibration pattern; a forward costs what one over
-        ``rows`` tokens costs on this placement (its one-token time plus the slope per extra row)."""
+    def simulated(method: str, lookahead, servers: int, one_token_s: float, drafter_s: float, rows: float,
+                  tree: str | None = None) -> float:
+        """The event simulator's time on the calibration pattern (with ``tree``: that shape's rescues); a
+        forward costs what one over ``rows`` tokens costs on this placement (its one-token time plus the
+        slope per extra row)."""
         tpot = one_token_s + (rows - 1) * slope
         result = simulate(method, target_tpot=tpot, drafter_tpot=max(drafter_s, 1e-9), lookahead=lookahead,
-                          num_servers=servers, matches=pattern)
+                          num_servers=servers, matches=pattern,
+                          rescues=None if tree is None else list(trees[tree].rescues))
         return float(result.mean)
 
     candidates: list[Candidate] = [Candidate("ar", None, 1, non_si, non_si)]
-    # SI: each prediction scaled by the calibration run's measured / simulated time
+    # SI: each prediction scaled by the calibration run's measured / simulated time; a tree "2" of k nodes
+    # verifies k rows as the chain does
     si_d = si["drafter_step_s"] or t1
     si_fit = si["wall_s"] / simulated("si", SI_CALIBRATION_K, 1, t1, si_d, SI_CALIBRATION_K + 1)
     for k in LOOKAHEADS:
         candidates.append(Candidate("si", k, 1, si_fit * simulated("si", k, 1, t1, si_d, k + 1),
                                     si["wall_s"] if k == SI_CALIBRATION_K else None))
-    # DSI: this placement's forwards as they ran next to each other
+        for tree in (t for t in SI_TREES if t in trees and k >= 2):
+            candidates.append(Candidate("si", k, 1, si_fit * simulated("si", k, 1, t1, si_d, k + 1, tree),
+                                        draft_tree=tree))
+    # DSI: this placement's forwards as they ran next to each other; a tree window's rows: its drafts and
+    # their side children
     for sp in server_counts:
         run = measured[f"DSI auto SP={sp}"]
         window = max(1.0, run["mean_window"] or 1.0)
@@ -300,41 +347,92 @@ def _measure_and_choose(target, drafter, transport, options, max_servers, prompt
         candidates.append(Candidate("dsi", "auto", sp, run["wall_s"], run["wall_s"]))
         for k in LOOKAHEADS:
             candidates.append(Candidate("dsi", k, sp, fit * simulated("dsi", k, sp, one_token, d_sp, k + 1)))
+        for tree in (t for t in DSI_TREES if t in trees):
+            grow = 1.0 + trees[tree].mean_sides
+            candidates.append(Candidate("dsi", "auto", sp, fit * simulated("dsi", "auto", sp, one_token, d_sp,
+                                                                           window * grow + 1, tree), draft_tree=tree))
+            for k in LOOKAHEADS:
+                candidates.append(Candidate("dsi", k, sp, fit * simulated("dsi", k, sp, one_token, d_sp,
+                                                                          k * grow + 1, tree), draft_tree=tree))
 
     def ranking() -> list[Candidate]:
         best_of: dict[tuple, Candidate] = {}
         for c in candidates:
-            family = (c.method, c.servers)
-            if family not in best_of or c.seconds < best_of[family].seconds:
-                best_of[family] = c
+            if c.family not in best_of or c.seconds < best_of[c.family].seconds:
+                best_of[c.family] = c
         return sorted(best_of.values(), key=lambda c: c.seconds)
 
     ranked = ranking()
-    pick = ranked[0]
-    if pick.measured_s is None:  # predicted only: run it once, keep it only if it really wins
-        label = pick.label
-        calibrate(label, method=pick.method, lookahead=pick.lookahead, num_target_servers=pick.servers)
-        candidates[candidates.index(pick)] = Candidate(pick.method, pick.lookahead, pick.servers, pick.predicted_s,
-                                                       measured[label]["wall_s"])
+    for _ in range(MAX_CHECKS):  # predicted only: run it, keep it only if it really wins
+        top = ranked[0]
+        if top.measured_s is not None:
+            break
+        label = top.label
+        calibrate(label, method=top.method, lookahead=top.lookahead, num_target_servers=top.servers,
+                  **({"draft_tree": top.draft_tree} if top.draft_tree is not None else {}))
+        wall = measured[label]["wall_s"]
+        # the check calibrates its kind (the method on that many servers, with chains or with trees): its
+        # other predictions are off by as much
+        scale = wall / top.predicted_s if top.predicted_s > 0 else 1.0
+        candidates = [replace(c, measured_s=wall) if c is top else
+                      replace(c, predicted_s=c.predicted_s * scale) if c.kind == top.kind and c.measured_s is None
+                      else c for c in candidates]
         ranked = ranking()
-        pick = ranked[0]
-    for c in ranked[1:]:  # prefer a simpler method unless the pick wins by the margin
-        if _SIMPLER[c.method] < _SIMPLER[pick.method] and c.seconds <= pick.seconds * (1 + margin):
+    runs = sorted((c for c in candidates if c.measured_s is not None), key=lambda c: c.seconds)
+    pick = runs[0]  # never a prediction that was not run
+    for c in runs:  # prefer a simpler method unless the pick wins by the margin
+        if c.simplicity < pick.simplicity and c.seconds <= pick.seconds * (1 + margin):
             pick = c
-    runner_up = next((c for c in ranked if c is not pick), None)
-    reason = f"{pick.label}: {pick.seconds:.3f} s for {tokens} tokens" + (
-        f", {runner_up.seconds / pick.seconds:.2f}x faster than {runner_up.label}" if runner_up else "")
+    ranked = [c for c in ranked if c.family != pick.family]
+    # the runner-up: a run, or a prediction no faster than the pick (one the checks did not get to is no rival)
+    rivals = [c for c in ranked if c.measured_s is not None or c.seconds >= pick.seconds]
+    runner_up = rivals[0] if rivals else None
+    reason = f"{pick.label}: {pick.seconds:.3f} s for {tokens} tokens"
+    if runner_up is not None and runner_up.seconds < pick.seconds:
+        reason += (f"; {runner_up.label} took {runner_up.seconds:.3f} s, within the {margin:.0%} margin, so the "
+                   "simpler method stays")
+    elif runner_up is not None:
+        reason += f", {runner_up.seconds / pick.seconds:.2f}x faster than {runner_up.label}"
     if pick.method != "dsi":
         best_dsi = min((c for c in ranked if c.method == "dsi"), key=lambda c: c.seconds, default=None)
         if best_dsi is not None and best_dsi.seconds > pick.seconds:
             reason += (f"; DSI's best here ({best_dsi.label}) is {best_dsi.seconds / pick.seconds:.2f}x slower: "
                        + _why_dsi_loses(measured, best_dsi.servers, acceptance, t1))
+    if trees:
+        reason += "; " + _tree_verdict(rivals, pick, trees)
     return AutoChoice(
         method=pick.method, lookahead=pick.lookahead if pick.lookahead is not None else 1,
-        num_target_servers=pick.servers, reason=reason, candidates=tuple(ranked), measured=measured,
+        num_target_servers=pick.servers, reason=reason, candidates=(pick, *ranked), measured=measured,
         acceptance=acceptance, tokens=tokens, key=key, created=time.strftime("%Y-%m-%dT%H:%M:%S"),
-        calibration_s=time.perf_counter() - began,
+        calibration_s=time.perf_counter() - began, draft_tree=pick.draft_tree,
     )
+
+
+def _tree_patterns(drafter, prompt: list[int], reference: list[int]) -> dict:
+    """Each tree shape's :class:`~dsi.engine.trees.TreePattern` on the calibration output, for the shapes
+    whose side children rescue at least one rejection there ({} where the drafter cannot branch)."""
+    from dsi.engine.trees import can_branch, tree_pattern
+    from dsi.trees import parse_shape
+
+    if not can_branch(drafter, True):
+        return {}
+    patterns = {name: tree_pattern(drafter, prompt, reference, parse_shape(name))
+                for name in dict.fromkeys(SI_TREES + DSI_TREES)}
+    return {name: p for name, p in patterns.items() if any(p.rescues)}
+
+
+def _tree_verdict(ranked: list[Candidate], pick: Candidate, trees: dict) -> str:
+    """Trees against chains in words: the rescues seen, and the best tree against the best chain."""
+    rescued = ", ".join(f"{sum(p.rescues)} with tree={name}" for name, p in trees.items())
+    rivals = [c for c in ranked if c is not pick and c.method != "ar"
+              and (c.draft_tree is None) == (pick.draft_tree is not None)]
+    if not rivals:
+        return f"side children would rescue rejections ({rescued})"
+    rival = rivals[0]
+    seconds = f"{rival.seconds:.3f} s" + (" predicted" if rival.measured_s is None else "")
+    if pick.draft_tree is not None:
+        return f"side children rescue rejections ({rescued}); the best chain, {rival.label}, takes {seconds}"
+    return f"side children would rescue rejections ({rescued}), but the best tree, {rival.label}, takes {seconds}"
 
 
 def _why_dsi_loses(measured: dict, servers: int, acceptance: float, target_alone_s: float) -> str:
@@ -433,5 +531,6 @@ def decoder_for_choice(choice: AutoChoice, *, target, drafter, transport="thread
     inner = build_decoder(target=target, drafter=drafter if choice.method != "ar" else None, method=choice.method,
                           lookahead=choice.lookahead if choice.method != "ar" else 5,
                           num_target_servers=choice.num_target_servers, transport=transport,
-                          transport_options=transport_options if choice.method == "dsi" else None)
+                          transport_options=transport_options if choice.method == "dsi" else None,
+                          draft_tree=choice.draft_tree if choice.method != "ar" else None)
     return AutoDecoder(inner, choice)

@@ -548,7 +548,7 @@ def create_app(
                     "num_target_servers": config.num_target_servers, "draft_tree": config.draft_tree or "off"}
         return {"method": choice.method, "lookahead": None if choice.method == "ar" else choice.lookahead,
                 "num_target_servers": choice.num_target_servers if choice.method == "dsi" else 1,
-                "auto": {"picked": choice.label, "reason": choice.reason}}
+                "draft_tree": choice.draft_tree or "off", "auto": {"picked": choice.label, "reason": choice.reason}}
 
     def model_card() -> ModelCard:
         return ModelCard(id=config.model_name, created=state.created, max_model_len=state.max_context, dsi={

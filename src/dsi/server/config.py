@@ -78,8 +78,9 @@ class ServeConfig:
         check_lookahead(self.method, self.lookahead, self.max_window)
         check_draft_tree(self.method, self.draft_tree)
         if self.method == "auto" and self.draft_tree not in (None, "off"):
-            raise ConfigError(f"draft_tree={self.draft_tree!r} with method='auto': the method choice does not measure "
-                              "trees yet; serve with method 'si' or 'dsi' (--method) and the tree, or no tree")
+            raise ConfigError(f"draft_tree={self.draft_tree!r} with method='auto': the method choice weighs draft trees "
+                              "itself (chains and the trees '2' and 'auto', and picks one); serve with method 'si' "
+                              "or 'dsi' (--method) to choose the tree yourself")
         require(positive_int(self.num_target_servers), f"num_target_servers={self.num_target_servers!r} must be >= 1")
         require(positive_int(self.max_concurrent), f"max_concurrent={self.max_concurrent!r} must be an integer >= 1")
         require(isinstance(self.max_queue, int) and self.max_queue >= 0,

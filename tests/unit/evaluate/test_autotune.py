@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 
+import numpy as np
 import pytest
 
 import dsi
@@ -257,3 +258,84 @@ def test_a_cached_choice_builds_the_same_workers_as_the_method_by_hand(tmp_path,
                              num_target_servers=choice.num_target_servers)
     assert _dsi_threads() == auto_threads
     hand.close()
+
+
+def hedging_pair(right: float, *, target_s: float, token_s: float = 0.0, drafter_s: float = 0.001, seed: int = 4):
+    """A random target and a drafter whose first choice is the target's token at a fraction ``right`` of
+    contexts (seeded per context) and whose second choice is it everywhere else: the pair draft trees are
+    made for (every rejection has its correction among the side children)."""
+    from dsi.models import CallableLM, WithLatency
+    from tests.conftest import random_lm
+
+    vocab = 16
+    target = random_lm(vocab, seed, sharpness=2.0)
+
+    def drafter_logits(tokens):
+        best = int(np.argmax(target.next_logits(tuple(tokens))))
+        rng = np.random.default_rng([seed, len(tokens), *tokens])
+        logits = rng.normal(0.0, 0.1, vocab)
+        other = (best + 1 + int(rng.integers(vocab - 1))) % vocab
+        first, second = (best, other) if rng.random() < right else (other, best)
+        logits[first], logits[second] = 3.0, 2.5
+        return logits
+
+    drafter = CallableLM(drafter_logits, vocab, name=f"hedging(right={right})")
+    return (WithLatency(target, target_s, target_s, token_s=token_s),
+            WithLatency(drafter, drafter_s, drafter_s))
+
+
+def test_trees_are_picked_where_the_drafters_second_choice_rescues_its_rejections(tmp_path, no_thread_leak):
+    """A drafter right half the time, with the target's token second otherwise, and target forwards that
+    cost the same whatever their tokens (a GPU-like server): a tree commits a side child and the token
+    after it where a chain stops, so a tree wins, as measured (not only predicted) and without changing
+    a token."""
+    target, drafter = hedging_pair(0.5, target_s=0.020)
+    choice = choose_method(target, drafter, max_servers=1, cache_dir=tmp_path)
+    assert choice.draft_tree in ("2", "auto"), choice.reason
+    assert f"tree={choice.draft_tree}" in choice.label and choice.label in choice.measured  # run, not predicted
+    best_chain = min(c.seconds for c in choice.candidates if c.draft_tree is None and c.method != "ar")
+    assert choice.measured[choice.label]["wall_s"] < best_chain
+    assert "side children rescue" in choice.reason and "the best chain" in choice.reason
+    reference = dsi.generate(target=target, prompt=[5, 6], method="ar", max_new_tokens=30).tokens
+    out = dsi.generate(target=target, drafter=drafter, prompt=[5, 6], method="auto", max_new_tokens=30,
+                       auto_options={"cache_dir": tmp_path})  # the cached choice
+    assert out.tokens == reference
+    assert out.stats.extra["draft_tree"] == choice.draft_tree and out.stats.extra["tree_side_accepts"] > 0
+    assert out.stats.to_dict()["auto"]["draft_tree"] == choice.draft_tree
+
+
+def test_a_chain_is_picked_where_trees_lose_and_trees_can_be_left_out(tmp_path, no_thread_leak):
+    """A drafter right 95% of the time (its second choice right otherwise) and target forwards whose time
+    grows with their tokens (a CPU-like server): a tree's side children are rows the target pays for and
+    depth the chain keeps, so a chain is picked, and the trees it weighed are in the evidence."""
+    target, drafter = hedging_pair(0.95, target_s=0.010, token_s=0.002)
+    choice = choose_method(target, drafter, max_servers=1, cache_dir=tmp_path)
+    assert choice.draft_tree is None and choice.method in ("si", "dsi"), choice.reason
+    assert choice.candidates[0].label == choice.label
+    trees = [c for c in choice.candidates if c.draft_tree is not None]
+    assert {c.draft_tree for c in trees} == {"2", "auto"} and all(c.seconds > choice.candidates[0].seconds
+                                                                    for c in trees), choice.candidates
+    assert "but the best tree" in choice.reason
+    chains_only = choose_method(target, drafter, max_servers=1, cache_dir=tmp_path, trees=False)
+    assert not chains_only.cached and chains_only.key != choice.key  # another key: measured again
+    assert all(c.draft_tree is None for c in chains_only.candidates) and "tree" not in chains_only.reason
+    with pytest.raises(ConfigError, match="trees="):
+        choose_method(target, drafter, cache_dir=tmp_path, trees="yes")
+
+
+def test_a_drafter_that_cannot_branch_is_weighed_with_chains_only(tmp_path, no_thread_leak):
+    target, drafter = hedging_pair(0.5, target_s=0.010)
+
+    class ThroughText:  # a drafter of another vocabulary whose greedy requests draft through text
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def mode_for(self, greedy):
+            return "string"
+
+    out = dsi.generate(target=target, prompt=[5, 6], method="ar", max_new_tokens=16).tokens
+    assert set(autotune._tree_patterns(drafter, [5, 6], out)) == {"2", "auto"}
+    assert autotune._tree_patterns(ThroughText(drafter), [5, 6], out) == {}

@@ -499,6 +499,30 @@ def test_with_method_auto_every_slot_runs_the_pick_and_a_non_si_pick_lets_the_dr
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
 
 
+def test_a_tree_auto_picked_is_what_every_slot_runs_and_what_the_model_card_says(tiny_pair, monkeypatch):
+    import dsi.evaluate.autotune as autotune
+    from dsi.engine.si import SpeculativeDecoder
+    from dsi.server import ServeConfig, create_app
+    from dsi.trees import Widths
+
+    target, drafter = tiny_pair
+    choice = autotune.AutoChoice("si", 3, 1, "SI k=3 tree=2 by test", (), {}, 0.5, 32, "k", "now", draft_tree="2")
+    monkeypatch.setattr(autotune, "choose_method", lambda *a, **k: choice)
+    plain = ServeConfig(method="ar", model_name="tiny", max_tokens=10)
+    body = {"model": "tiny", "prompt": "ab", "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    with running_server(create_app(target, drafter, plain)) as running:
+        want = httpx.post(f"{running.url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    app = create_app(target, drafter, ServeConfig(method="auto", max_concurrent=2, model_name="tiny"))
+    with running_server(app) as running:
+        slots = app.state.dsi.scheduler.slots
+        assert all(type(s.decoder.inner) is SpeculativeDecoder and s.decoder.inner.draft_tree == Widths((2,))
+                   for s in slots)
+        card = httpx.get(running.url + "/v1/models", timeout=10).json()["data"][0]
+        got = httpx.post(f"{running.url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    assert card["dsi"]["draft_tree"] == "2" and card["dsi"]["auto"]["picked"] == "SI k=3 tree=2"
+    assert got == want
+
+
 def test_a_server_not_given_the_drafter_keeps_it_alive_for_its_owner(tiny_pair, monkeypatch):
     import dsi.evaluate.autotune as autotune
     import dsi.server.app as app_module
