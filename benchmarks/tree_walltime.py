@@ -17,7 +17,9 @@ the algorithm whatever it is. Both are wrapped in ``WithLatency``:
 - CPU-like: a target forward costs 8 ms + 3 ms per token it computes (a tree's side children cost
   what they compute); the drafter 2 ms.
 
-**Runs**: non-SI; SI k = 5, chain and tree ``2,2,1``/``auto``; DSI with event-driven windows on SP = 2
+**Runs**: non-SI; SI k = 5, chain and tree ``2,2,1``/``auto`` (``auto`` also with a drafter that computes
+a round of the tree path by path instead of in one forward: its "vs its chain" is against the batched
+one); DSI with event-driven windows on SP = 2
 and 4 target servers, chain and trees ``2`` and ``auto``; and what ``method="auto"`` picks (up to SP = 4,
 calibrated on the set's first prompt, chains and trees weighed), against the fastest chain of the table.
 Median wall time over repeats, one run per prompt and configuration in turn; every output is checked
@@ -51,6 +53,7 @@ CONFIGS = [  # (label, method, lookahead, servers, draft tree)
     ("SI k=5", "si", 5, 1, None),
     ("SI k=5 tree=2,2,1", "si", 5, 1, "2,2,1"),
     ("SI k=5 tree=auto", "si", 5, 1, "auto"),
+    ("SI k=5 tree=auto, path by path", "si", 5, 1, "auto"),  # a drafter without one-forward trees
     ("DSI auto SP=2", "dsi", "auto", 2, None),
     ("DSI auto SP=2 tree=2", "dsi", "auto", 2, "2"),
     ("DSI auto SP=2 tree=auto", "dsi", "auto", 2, "auto"),
@@ -130,13 +133,16 @@ def run_set(recorded: Recorded, cost: dict, repeats: int) -> dict:
     with tempfile.TemporaryDirectory() as cache:
         choice = choose_method(target, drafter, max_servers=4, prompt=recorded.prompts[0], cache_dir=cache)
     configs = CONFIGS + [(AUTO, choice.method, choice.lookahead, choice.num_target_servers, choice.draft_tree)]
+    by_path = WithLatency(CallableLM(recorded.drafter_logits, recorded.vocab, name="recorded drafter"),
+                          **cost["drafter"], one_forward_trees=False)
     walls: dict[str, list[float]] = {label: [] for label, *_ in configs}
     stats: dict[str, dict] = {label: {"accepted": 0, "side": 0, "forwards": 0, "tokens": 0} for label, *_ in configs}
     for _ in range(repeats):
         for label, method, k, servers, tree in configs:
             total = 0.0
             for prompt, want in zip(recorded.prompts, recorded.outputs, strict=True):
-                out = dsi.generate(target=target, drafter=None if method == "ar" else drafter, prompt=prompt,
+                model = by_path if label.endswith("path by path") else drafter
+                out = dsi.generate(target=target, drafter=None if method == "ar" else model, prompt=prompt,
                                    method=method, lookahead=k, num_target_servers=servers, draft_tree=tree,
                                    max_new_tokens=len(want))
                 if out.tokens != want:
@@ -146,11 +152,16 @@ def run_set(recorded: Recorded, cost: dict, repeats: int) -> dict:
                 s["accepted"] += out.stats.accepted_tokens
                 s["side"] += out.stats.extra.get("tree_side_accepts", 0)
                 s["forwards"] += out.stats.completed_target_forwards
+                s["drafter_forwards"] = s.get("drafter_forwards", 0) + out.stats.drafter_forwards
                 s["tokens"] += len(want)
             walls[label].append(total)
     med = {label: statistics.median(v) for label, v in walls.items()}
     return {"median_s": med, "walls": walls, "counts": stats,
             "auto": {"picked": choice.label, "reason": choice.reason, "calibration_s": choice.calibration_s}}
+
+
+def repeats_of(got: dict) -> int:
+    return max(len(next(iter(got["walls"].values()))), 1)
 
 
 def main() -> int:
@@ -184,15 +195,19 @@ def main() -> int:
                             "drafter_agreement": float(agreement), **got})
             med = got["median_s"]
             print(f"\n{cost_name}, {set_name} (drafter top-1 agreement {agreement:.2f}), median of {args.repeats}:")
-            print("| configuration | wall s | vs non-SI | vs its chain | tokens / target forward | side wins |")
-            print("|---|---|---|---|---|---|")
+            print("| configuration | wall s | vs non-SI | vs its chain | tokens / target forward | side wins "
+                  "| drafter forwards |")
+            print("|---|---|---|---|---|---|---|")
             chains = [label for label, method, *_, tree in CONFIGS if tree is None]
             fastest_chain = min(chains, key=med.get)
             for label, *_ in [*CONFIGS, (AUTO,)]:
                 chain = label.split(" tree=")[0] if label != AUTO else fastest_chain
+                if label.endswith("path by path"):
+                    chain = label.split(",")[0]  # against the batched drafting of the same tree
                 c = got["counts"][label]
                 print(f"| {label} | {med[label]:.3f} | {med['non-SI'] / med[label]:.2f}x | "
-                      f"{med[chain] / med[label]:.3f} | {c['tokens'] / max(c['forwards'], 1):.2f} | {c['side']} |")
+                      f"{med[chain] / med[label]:.3f} | {c['tokens'] / max(c['forwards'], 1):.2f} | {c['side']} | "
+                      f"{c.get('drafter_forwards', 0) // repeats_of(got)} |")
             print(f"{AUTO} picked {got['auto']['picked']} (its 'vs its chain' is against the fastest chain, "
                   f"{fastest_chain}): {got['auto']['reason']}")
     print(f"\n{args.target} / {args.drafter} recordings (llama.cpp, greedy), {args.prompts} prompts x {args.tokens} "

@@ -211,14 +211,15 @@ class _NoTreeForward:
 
 def test_a_dynamic_tree_drafts_each_round_in_one_drafter_forward_and_the_same_tree():
     """SI with ``auto`` trees on a drafter whose sessions compute a tree in one forward (the latency model):
-    a round of the tree's growth is one drafter forward, so fewer forwards than path by path, for the same
-    trees (the same verifications, side wins and tokens: non-SI's)."""
+    a round of the tree's growth is one drafter forward, so fewer forwards than on one without the kernel
+    (path by path), for the same trees (the same verifications, side wins and tokens: non-SI's)."""
     from dsi.models import WithLatency
 
     target, drafter = noisy_pair(seed=3, noise=2.5)
     expected = reference(target, 60).tokens
     runs = {}
-    for name, model in (("batched", WithLatency(drafter, 0.0, 0.0)), ("path by path", _NoTreeForward(drafter))):
+    for name, model in (("batched", WithLatency(drafter, 0.0, 0.0)),
+                        ("path by path", WithLatency(drafter, 0.0, 0.0, one_forward_trees=False))):
         out = dsi.generate(target=target, drafter=model, prompt=PROMPT, method="si", max_new_tokens=60, lookahead=8,
                            draft_tree="auto")
         assert out.tokens == expected, name

@@ -120,14 +120,15 @@ class TreeDrafter:
 
     def propose_many(self, paths: list[list[int]]) -> list[Proposal | None]:
         """:meth:`propose` for several paths (one round of a dynamic tree), in one drafter forward where the
-        session computes a draft tree in one (``tree_rows``): the paths below their longest common prefix
+        session computes a draft tree in one (``tree_rows``, unless its ``one_forward_trees`` is False): the
+        paths below their longest common prefix
         form a tree after ``base`` + that prefix (held in the cache: the session keeps a tree's main path).
         Its rows are the batch's, which on llama.cpp or bf16 may differ in the last bits from one-token
         rows (docs/results.md section 11): a near-tie may then draft another main token than a chain's,
         which changes what is drafted, never the output's law (the verified law is the row's own)."""
-        own = getattr(self.session, "tree_rows", None)
+        one_forward = hasattr(self.session, "tree_rows") and getattr(self.session, "one_forward_trees", True)
         live = [p for p in paths if not (p and p[-1] in self.request.eos_token_ids)]
-        if own is None or len(live) < 2:
+        if not one_forward or len(live) < 2:
             return [self.propose(p) for p in paths]
         common = _common_prefix(live)
         tree, ends = _suffix_tree([p[len(common):] for p in live])

@@ -449,6 +449,11 @@ class HFSession:
         return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
 
     @property
+    def one_forward_trees(self) -> bool:
+        """Whether :meth:`tree_rows` computes a tree in one forward (:attr:`HFModel.one_forward_trees`)."""
+        return self._owner.one_forward_trees
+
+    @property
     def tokens(self) -> tuple[int, ...]:
         return tuple(self._tokens)
 

@@ -64,8 +64,12 @@ class WithLatency:
     (times a random lognormal factor of mean 1 when ``cv > 0``)."""
 
     def __init__(self, model: LanguageModel, ttft: float, tpot: float, cv: float = 0.0, seed: int = 0,
-                 token_s: float = 0.0) -> None:
+                 token_s: float = 0.0, one_forward_trees: bool = True) -> None:
+        if not isinstance(one_forward_trees, bool):
+            raise ConfigError(f"one_forward_trees={one_forward_trees!r} must be True (a tree costs one forward) "
+                              "or False (one forward per root-to-leaf path)")
         self.model = model
+        self.one_forward_trees = one_forward_trees
         self.ttft = _check_latency("ttft", ttft)
         self.tpot = _check_latency("tpot", tpot)
         self.cv = _check_latency("cv", cv)
@@ -95,7 +99,8 @@ class WithLatency:
 
             with self._lock:
                 rng = np.random.default_rng([self.seed, next(self._sessions)])
-        return LatencySession(self.model.new_session(), self.ttft, self.tpot, self.cv, rng, self.token_s)
+        return LatencySession(self.model.new_session(), self.ttft, self.tpot, self.cv, rng, self.token_s,
+                              self.one_forward_trees)
 
     def __getstate__(self) -> dict:  # picklable for process and Ray servers (locks are not)
         state = dict(self.__dict__)
@@ -110,13 +115,15 @@ class WithLatency:
     def __repr__(self) -> str:
         noise = f", cv={self.cv}, seed={self.seed}" if self.cv else ""
         per_token = f", token_s={self.token_s}" if self.token_s else ""
-        return f"WithLatency({self.model!r}, ttft={self.ttft}, tpot={self.tpot}{noise}{per_token})"
+        paths = "" if self.one_forward_trees else ", one_forward_trees=False"
+        return f"WithLatency({self.model!r}, ttft={self.ttft}, tpot={self.tpot}{noise}{per_token}{paths})"
 
 
 class LatencySession:
     def __init__(self, inner: ModelSession, ttft: float, tpot: float, cv: float = 0.0, rng=None,
-                 token_s: float = 0.0) -> None:
+                 token_s: float = 0.0, one_forward_trees: bool = True) -> None:
         self._inner = inner
+        self.one_forward_trees = one_forward_trees  # False: a tree costs one forward per root-to-leaf path
         self._ttft = ttft
         self._tpot = tpot
         self._token_s = token_s
@@ -138,7 +145,10 @@ class LatencySession:
     def tree_rows(self, prefix: Sequence[int], tree, cancel: CancelFlag | None = None, *, greedy: bool = False,
                   top: int | None = None) -> np.ndarray:
         """A draft tree's rows (:func:`dsi.models.base.tree_rows`) in one forward's time, as a tree
-        attention mask gives them: a tree of n nodes costs what a chain of n tokens costs."""
+        attention mask gives them: a tree of n nodes costs what a chain of n tokens costs. With
+        ``one_forward_trees=False``, one timed forward per root-to-leaf path (a backend without the kernel)."""
+        if not self.one_forward_trees:
+            return path_tree_rows(self, prefix, tree, cancel, greedy=greedy, top=top)
         computed = len(prefix) - min(common_prefix_length(self._inner.tokens, prefix), len(prefix) - 1) + len(tree)
         return self._timed(lambda: path_tree_rows(self._inner, prefix, tree, cancel, greedy=greedy, top=top), cancel,
                            computed)

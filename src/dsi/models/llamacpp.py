@@ -258,6 +258,11 @@ class LlamaCppSession:
             return True
 
     @property
+    def one_forward_trees(self) -> bool:
+        """Whether :meth:`tree_rows` computes a tree in one ``llama_decode`` (not in deterministic mode)."""
+        return not self._owner.deterministic
+
+    @property
     def tokens(self) -> tuple[int, ...]:
         return tuple(self._tokens)
 

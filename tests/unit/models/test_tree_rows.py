@@ -128,6 +128,16 @@ def test_a_latency_model_charges_a_tree_as_one_forward_and_a_cpu_like_one_per_to
     forward_rows(session, PREFIX + [2, 6, 3, 1, 1], 1)  # 2 new tokens after the main path the tree left
     assert 2 * 0.05 <= time.perf_counter() - start < 5 * 0.05
 
+    paths = WithLatency(CallableLM(_next_logits, VOCAB), ttft=0.0, tpot=0.1, one_forward_trees=False)
+    session = paths.new_session()
+    assert not session.one_forward_trees and "one_forward_trees=False" in repr(paths)
+    forward_rows(session, PREFIX, 1)
+    start = time.perf_counter()
+    np.testing.assert_array_equal(tree_rows(session, PREFIX, TREE), rows)
+    assert time.perf_counter() - start >= 4 * 0.1  # a backend without the kernel: one forward per path
+    with pytest.raises(ConfigError, match="one_forward_trees="):
+        WithLatency(CallableLM(_next_logits, VOCAB), ttft=0.0, tpot=0.1, one_forward_trees="no")
+
 
 @pytest.mark.parametrize("family, attention", [("llama", "sdpa"), ("llama", "eager"), ("gpt2", "sdpa")])
 def test_hf_verifies_a_tree_in_one_forward_and_keeps_exactly_the_main_path(family, attention):
@@ -148,6 +158,8 @@ def test_hf_verifies_a_tree_in_one_forward_and_keeps_exactly_the_main_path(famil
     model = HFModel(raw)
     assert model.one_forward_trees
     assert not HFModel(raw, deterministic=True).one_forward_trees  # the canonical cut: one token a forward
+    assert model.new_session().one_forward_trees
+    assert not HFModel(raw, deterministic=True).new_session().one_forward_trees
     calls = []
     hook = raw.register_forward_pre_hook(lambda module, args: calls.append(1))
     session = model.new_session()
@@ -238,7 +250,9 @@ def test_llamacpp_verifies_a_tree_in_one_decode_with_a_sequence_per_path(tmp_pat
         assert session.tokens == tuple(PREFIX[:-1])
         np.testing.assert_allclose(forward_rows(session, PREFIX, 1)[0], forward_rows(gguf.new_session(), PREFIX, 1)[0],
                                    atol=1e-3)
+        assert gguf.new_session().one_forward_trees
         gguf.deterministic = True  # the canonical cut (path by path, one token a forward): bitwise a fresh run's rows
+        assert not gguf.new_session().one_forward_trees
         rows = tree_rows(gguf.new_session(), PREFIX, TREE)
         for node in range(len(TREE)):
             np.testing.assert_array_equal(rows[1 + node],
