@@ -28,9 +28,10 @@ them*:
    Each method's prediction is then scaled by its calibration run's measured / simulated time,
    which carries the engine's own overheads (a tree candidate takes its chain's scale).
 4. **Check**: if the best candidate is not one that was run, it is run once (twice at most, if the
-   next best is not run either) and kept only if it beats the calibration runs. A faster method
-   must win by ``margin`` (3%) to displace a simpler one (non-SI before SI before DSI, a chain
-   before a tree of the same method): the measurements are noisy.
+   next best is not run either) and kept only if it beats the calibration runs. A faster run must
+   win by ``margin`` (3%) to displace a simpler one (non-SI before SI before DSI, a chain before a
+   tree): of the runs within the margin of the fastest, the simplest is picked (the faster of equally
+   simple ones), as the measurements are noisy.
 
 Trees are weighed on greedy calibration, as everything here is: a sampled request's side children
 win less often than greedy ones (docs/results.md section 15), so a tree picked for greedy decoding
@@ -103,7 +104,8 @@ class Candidate:
 
     @property
     def simplicity(self) -> tuple[int, int]:
-        """Lower is simpler: non-SI, SI, DSI; a chain before a tree."""
+        """Lower is simpler: non-SI, SI, DSI; a chain before a tree. (Not fewer target servers: DSI with more
+        is never slower in theory, and the calibration shows where they contend.)"""
         return _SIMPLER[self.method], int(self.draft_tree is not None)
 
 
@@ -378,11 +380,7 @@ def _measure_and_choose(target, drafter, transport, options, max_servers, prompt
                       replace(c, predicted_s=c.predicted_s * scale) if c.kind == top.kind and c.measured_s is None
                       else c for c in candidates]
         ranked = ranking()
-    runs = sorted((c for c in candidates if c.measured_s is not None), key=lambda c: c.seconds)
-    pick = runs[0]  # never a prediction that was not run
-    for c in runs:  # prefer a simpler method unless the pick wins by the margin
-        if c.simplicity < pick.simplicity and c.seconds <= pick.seconds * (1 + margin):
-            pick = c
+    pick = pick_run(candidates, margin)
     ranked = [c for c in ranked if c.family != pick.family]
     # the runner-up: a run, or a prediction no faster than the pick (one the checks did not get to is no rival)
     rivals = [c for c in ranked if c.measured_s is not None or c.seconds >= pick.seconds]
@@ -390,7 +388,7 @@ def _measure_and_choose(target, drafter, transport, options, max_servers, prompt
     reason = f"{pick.label}: {pick.seconds:.3f} s for {tokens} tokens"
     if runner_up is not None and runner_up.seconds < pick.seconds:
         reason += (f"; {runner_up.label} took {runner_up.seconds:.3f} s, within the {margin:.0%} margin, so the "
-                   "simpler method stays")
+                   "simpler configuration stays")
     elif runner_up is not None:
         reason += f", {runner_up.seconds / pick.seconds:.2f}x faster than {runner_up.label}"
     if pick.method != "dsi":
@@ -406,6 +404,14 @@ def _measure_and_choose(target, drafter, transport, options, max_servers, prompt
         acceptance=acceptance, tokens=tokens, key=key, created=time.strftime("%Y-%m-%dT%H:%M:%S"),
         calibration_s=time.perf_counter() - began, draft_tree=pick.draft_tree,
     )
+
+
+def pick_run(candidates: Sequence[Candidate], margin: float) -> Candidate:
+    """Never a prediction that was not run: of the runs within ``margin`` of the fastest run, the simplest
+    (:attr:`Candidate.simplicity`), the faster of equally simple ones."""
+    runs = [c for c in candidates if c.measured_s is not None]
+    fastest = min(c.seconds for c in runs)
+    return min((c for c in runs if c.seconds <= fastest * (1 + margin)), key=lambda c: (c.simplicity, c.seconds))
 
 
 def _tree_patterns(drafter, prompt: list[int], reference: list[int]) -> dict:

@@ -339,3 +339,17 @@ def test_a_drafter_that_cannot_branch_is_weighed_with_chains_only(tmp_path, no_t
     out = dsi.generate(target=target, prompt=[5, 6], method="ar", max_new_tokens=16).tokens
     assert set(autotune._tree_patterns(drafter, [5, 6], out)) == {"2", "auto"}
     assert autotune._tree_patterns(ThroughText(drafter), [5, 6], out) == {}
+
+
+def test_of_the_runs_within_the_margin_the_simplest_is_picked_and_never_a_prediction():
+    C = autotune.Candidate
+    runs = [C("dsi", "auto", 4, 1.00, 1.00), C("dsi", "auto", 2, 1.02, 1.02), C("dsi", 3, 1, 0.50),  # predicted
+            C("si", 4, 1, 1.10, 1.10), C("si", 4, 1, 1.01, 1.025, draft_tree="2")]
+    pick = autotune.pick_run(runs, 0.03)
+    assert (pick.method, pick.servers, pick.draft_tree) == ("si", 1, "2")  # SI before DSI, within 3%
+    pick = autotune.pick_run(runs[:3], 0.03)
+    assert pick.servers == 4  # equally simple: the faster run; the faster prediction was never run
+    assert autotune.pick_run(runs[1:3], 0.03).servers == 2  # the only run
+    chain_and_tree = [C("si", 4, 1, 1.0, 1.03), C("si", 4, 1, 1.0, 1.0, draft_tree="2")]
+    assert autotune.pick_run(chain_and_tree, 0.03).draft_tree is None  # a chain before a tree
+    assert autotune.pick_run([C("ar", None, 1, 1.05, 1.05), *chain_and_tree], 0.03).method == "si"  # 5% > 3%
