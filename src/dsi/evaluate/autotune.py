@@ -395,7 +395,7 @@ def _measure_and_choose(target, drafter, transport, options, max_servers, prompt
         best_dsi = min((c for c in ranked if c.method == "dsi"), key=lambda c: c.seconds, default=None)
         if best_dsi is not None and best_dsi.seconds > pick.seconds:
             reason += (f"; DSI's best here ({best_dsi.label}) is {best_dsi.seconds / pick.seconds:.2f}x slower: "
-                       + _why_dsi_loses(measured, best_dsi.servers, acceptance, t1))
+                       + _why_dsi_loses(measured, best_dsi.servers, acceptance, t1, slope))
     if trees:
         reason += "; " + _tree_verdict(rivals, pick, trees)
     return AutoChoice(
@@ -441,15 +441,19 @@ def _tree_verdict(ranked: list[Candidate], pick: Candidate, trees: dict) -> str:
     return f"side children would rescue rejections ({rescued}), but the best tree, {rival.label}, takes {seconds}"
 
 
-def _why_dsi_loses(measured: dict, servers: int, acceptance: float, target_alone_s: float) -> str:
-    """The likeliest reason, from the calibration runs: contention, a poor drafter, a slow drafter."""
+def _why_dsi_loses(measured: dict, servers: int, acceptance: float, target_alone_s: float,
+                   slope: float = 0.0) -> str:
+    """The likeliest reason, from the calibration runs: contention, a poor drafter, a slow drafter. A DSI
+    forward is compared with what one over its mean window costs alone (the one-token forward plus
+    ``slope`` per extra row, as the predictions take it), so long windows are not mistaken for contention."""
     run = measured.get(f"DSI auto SP={servers}", {})
     together = run.get("target_forward_s") or 0.0
     drafter_step = run.get("drafter_step_s") or 0.0
     si_step = measured.get(f"SI k={SI_CALIBRATION_K}", {}).get("drafter_step_s") or 0.0
-    if target_alone_s > 0 and (together > 1.2 * target_alone_s or (si_step and drafter_step > 1.2 * si_step)):
+    alone = target_alone_s + max(run.get("mean_window") or 0.0, 0.0) * slope
+    if target_alone_s > 0 and (together > 1.2 * alone or (si_step and drafter_step > 1.2 * si_step)):
         return (f"its workers slow each other down on this placement (a target forward "
-                f"{together * 1e3:.1f} ms next to the drafter vs {target_alone_s * 1e3:.1f} ms alone; a drafter "
+                f"{together * 1e3:.1f} ms next to the drafter vs {alone * 1e3:.1f} ms alone; a drafter "
                 f"step {drafter_step * 1e3:.1f} vs {si_step * 1e3:.1f} ms)")
     if acceptance < 0.5:
         return f"the drafter is right only {acceptance:.0%} of the time"

@@ -353,3 +353,13 @@ def test_of_the_runs_within_the_margin_the_simplest_is_picked_and_never_a_predic
     chain_and_tree = [C("si", 4, 1, 1.0, 1.03), C("si", 4, 1, 1.0, 1.0, draft_tree="2")]
     assert autotune.pick_run(chain_and_tree, 0.03).draft_tree is None  # a chain before a tree
     assert autotune.pick_run([C("ar", None, 1, 1.05, 1.05), *chain_and_tree], 0.03).method == "si"  # 5% > 3%
+
+
+def test_long_windows_are_not_mistaken_for_workers_slowing_each_other_down():
+    """A DSI forward over a window of 8 drafts is longer than a one-token forward because of its rows (a slope
+    of 2 ms a row here), not because of contention; the same forward with no rows to explain it is."""
+    measured = {"DSI auto SP=1": {"target_forward_s": 0.027, "drafter_step_s": 0.001, "mean_window": 8.0},
+                f"SI k={autotune.SI_CALIBRATION_K}": {"drafter_step_s": 0.001}}
+    assert "slow each other down" not in autotune._why_dsi_loses(measured, 1, 0.4, 0.010, slope=0.002)
+    assert "right only 40%" in autotune._why_dsi_loses(measured, 1, 0.4, 0.010, slope=0.002)
+    assert "slow each other down" in autotune._why_dsi_loses(measured, 1, 0.4, 0.010, slope=0.0)
