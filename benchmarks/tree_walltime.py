@@ -160,10 +160,6 @@ def run_set(recorded: Recorded, cost: dict, repeats: int) -> dict:
             "auto": {"picked": choice.label, "reason": choice.reason, "calibration_s": choice.calibration_s}}
 
 
-def repeats_of(got: dict) -> int:
-    return max(len(next(iter(got["walls"].values()))), 1)
-
-
 def main() -> int:
     from dsi.cli.measure import PROMPT_SETS
     from dsi.evaluate.bench import emit_record
@@ -207,7 +203,7 @@ def main() -> int:
                 c = got["counts"][label]
                 print(f"| {label} | {med[label]:.3f} | {med['non-SI'] / med[label]:.2f}x | "
                       f"{med[chain] / med[label]:.3f} | {c['tokens'] / max(c['forwards'], 1):.2f} | {c['side']} | "
-                      f"{c.get('drafter_forwards', 0) // repeats_of(got)} |")
+                      f"{c.get('drafter_forwards', 0) // args.repeats} |")
             print(f"{AUTO} picked {got['auto']['picked']} (its 'vs its chain' is against the fastest chain, "
                   f"{fastest_chain}): {got['auto']['reason']}")
     print(f"\n{args.target} / {args.drafter} recordings (llama.cpp, greedy), {args.prompts} prompts x {args.tokens} "

@@ -322,7 +322,7 @@ def _grow_dynamic(shape: Dynamic, budget: int,
         expanded.update(todo)
         for node, proposal in zip(todo, propose_many([path_of(i) for i in todo]), strict=True):
             add_children(node, proposal)
-    keep = sorted(best())  # creation order: parents before children, siblings in the order they came
+    keep = sorted(chosen)  # creation order: parents before children, siblings in the order they came
     index = {old: new for new, old in enumerate(keep)}
     return _canonical([tokens[i] for i in keep], [ROOT if parents[i] == ROOT else index[parents[i]] for i in keep])
 

@@ -133,7 +133,7 @@ def test_the_event_simulator_takes_the_engines_tree_decisions(method, tree, look
     """The event simulator with rescues (a rejection whose correction is one of its position's side
     children, read off the models) makes the engine's decisions: the same accepted drafts, rejections and
     side wins, which depend on the tokens only (SI: the tree "2", and the same number of verifications)."""
-    from dsi.engine.trees import draft_with_alternatives, tree_pattern
+    from dsi.engine.trees import draft_with_alternatives, tree_patterns
     from dsi.sim.events import simulate
     from dsi.trees import parse_shape
 
@@ -149,7 +149,7 @@ def test_the_event_simulator_takes_the_engines_tree_decisions(method, tree, look
         matches.append(main == token)
         rescues.append(main != token and token in shape.sides(main, ranked))
         sides.append(len(shape.sides(main, ranked)))
-    pattern = tree_pattern(drafter, PROMPT, out, shape)  # what method="auto" reads, from one forward
+    pattern = tree_patterns(drafter, PROMPT, out, [shape])[0]  # what method="auto" reads, from one forward
     assert (list(pattern.matches), list(pattern.rescues), list(pattern.sides)) == (matches, rescues, sides)
     engine = dsi.generate(target=target, drafter=drafter, prompt=PROMPT, method=method, max_new_tokens=60,
                           lookahead=lookahead, num_target_servers=2 if method == "dsi" else None,
@@ -166,25 +166,26 @@ def test_the_event_simulator_takes_the_engines_tree_decisions(method, tree, look
 
 
 def test_a_tree_pattern_has_no_draft_past_the_drafters_context_and_none_through_text():
-    from dsi.engine.trees import tree_pattern
+    from dsi.engine.trees import tree_patterns
     from dsi.models import CallableLM
     from dsi.trees import parse_shape
 
     target, drafter = noisy_pair(seed=6)
     out = reference(target, 12).tokens
-    full = tree_pattern(drafter, PROMPT, out, parse_shape("2"))
+    full, chain = tree_patterns(drafter, PROMPT, out, [parse_shape("2"), None])
     short_drafter = CallableLM(drafter.next_logits, VOCAB, max_context=len(PROMPT) + 5)
-    short = tree_pattern(short_drafter, PROMPT, out, parse_shape("2"))
+    (short,) = tree_patterns(short_drafter, PROMPT, out, [parse_shape("2")])
     assert short.matches[:6] == full.matches[:6] and short.rescues[:6] == full.rescues[:6]
     assert not any(short.matches[6:]) and not any(short.rescues[6:]) and short.sides[6:] == (0,) * 6
     assert full.sides == (1,) * 12  # the tree "2": one side child at every position
+    assert chain.matches == full.matches and chain.sides == (0,) * 12 and not any(chain.rescues)
 
     class ThroughText(CallableLM):
         def mode_for(self, greedy):
             return "string"
 
     with pytest.raises(ConfigError, match="cannot branch"):
-        tree_pattern(ThroughText(drafter.next_logits, VOCAB), PROMPT, out, parse_shape("2"))
+        tree_patterns(ThroughText(drafter.next_logits, VOCAB), PROMPT, out, [parse_shape("2")])
 
 
 class _NoTreeForward:

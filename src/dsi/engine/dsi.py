@@ -43,13 +43,13 @@ from dsi.engine.drafter import Draft, DrafterFailed, DraftsDone, DraftWorker, re
 from dsi.engine.request import Output, Request, TokenCallback
 from dsi.engine.result import GenerationResult
 from dsi.engine.stats import GenerationStats
-from dsi.engine.trees import request_shape, row_of
+from dsi.engine.trees import request_shape, row_of, side_count
 from dsi.errors import TaskCancelled, WorkerError
 from dsi.models.base import LanguageModel, check_sampling, counter_changes
 from dsi.sampling import SamplingParams, bonus, decide, decide_greedy
 from dsi.transport.base import ServerDied, TargetPool, TaskAborted, TaskFailed, TaskResult, VerifyTask
 from dsi.transport.liveness import LivenessPolicy
-from dsi.trees import ROOT, DraftTree, Dynamic, TreeShape
+from dsi.trees import ROOT, DraftTree, TreeShape
 from dsi.windows import WindowPacer, window_end
 
 log = logging.getLogger(__name__)
@@ -326,9 +326,7 @@ class _DSIRun:
 
     def _alternatives(self) -> int:
         """How many likeliest tokens the drafter reports with each draft (what the tree's sides need)."""
-        if self.tree is None:
-            return 0
-        return self.tree.top if isinstance(self.tree, Dynamic) else self.tree.widths[0]
+        return 0 if self.tree is None else side_count(self.tree) + 1
 
     def _count_context_limited(self) -> None:
         """Count an epoch whose drafts the drafter's context cut short (``drafter_context_limited``)."""

@@ -16,8 +16,8 @@ verified tree against its task's result.
 - :func:`request_shape` is the shape a request drafts with: chains where the drafter cannot branch (a
   drafter of another vocabulary in string mode proposes one settled target token per position, with no
   law over alternatives).
-- :func:`tree_pattern` reads, from one drafter forward along a greedy output, what the event simulator
-  needs to time tree windows (:func:`dsi.sim.events.simulate`'s ``rescues``): where the main draft is
+- :func:`tree_patterns` reads, from one drafter forward along a greedy output, what the event simulator
+  needs to time tree windows of each shape (:func:`dsi.sim.events.simulate`'s ``rescues``): where the main draft is
   the target's token, where a side child would rescue a rejection, and how many side children each
   position gets (``method="auto"`` weighs trees with it).
 """
@@ -33,7 +33,7 @@ from dsi.engine.request import Request
 from dsi.engine.stats import GenerationStats
 from dsi.errors import ConfigError, ContextLengthError, DraftUnavailable
 from dsi.logprobs import top_ids
-from dsi.models.base import LanguageModel, ModelSession, context_limit, forward_rows, tree_rows
+from dsi.models.base import LanguageModel, ModelSession, forward_rows, guessable_positions, tree_rows
 from dsi.sampling import Prefix, SamplingParams, bonus, decide, draft_from_logits, shape_logits
 from dsi.transport.base import TaskResult
 from dsi.trees import ROOT, DraftTree, Dynamic, Proposal, TreeShape, TreeWalk, walk
@@ -244,22 +244,21 @@ class TreePattern:
         return sum(self.sides) / len(self.sides) if self.sides else 0.0
 
 
-def tree_pattern(drafter: LanguageModel, prompt: Sequence[int], output: Sequence[int], shape: TreeShape) -> TreePattern:
-    """The :class:`TreePattern` of ``shape`` (widths of one level, or :class:`~dsi.trees.Dynamic`, branched
-    position by position as DSI branches) for the greedy ``output`` after ``prompt``, from one drafter
-    forward over ``prompt + output[:-1]``. Each position's ranking is the one a greedy :class:`TreeDrafter`
-    makes (:func:`draft_with_alternatives`). Past the drafter's declared context there is no draft: no match,
-    no side child (the engines commit the target's own token there)."""
+def tree_patterns(drafter: LanguageModel, prompt: Sequence[int], output: Sequence[int],
+                  shapes: Sequence[TreeShape]) -> list[TreePattern]:
+    """The :class:`TreePattern` of each shape (widths of one level, or :class:`~dsi.trees.Dynamic`, branched
+    position by position as DSI branches) for the greedy ``output`` after ``prompt``, all from one drafter
+    forward over ``prompt + output[:-1]``. Each position's ranking is the one a greedy DSI drafter makes
+    (:func:`draft_with_alternatives`); the patterns' ``matches`` are the accept pattern
+    (:func:`dsi.models.replay.accept_pattern`). Past the drafter's declared context there is no draft: no
+    match, no side child (the engines commit the target's own token there)."""
     prompt, output = [int(t) for t in prompt], [int(t) for t in output]
     if not prompt or not output:
         raise ConfigError("a tree pattern needs a non-empty prompt and a non-empty output")
     if not can_branch(drafter, True):
         raise ConfigError(f"{getattr(drafter, 'name', drafter)!r} drafts greedy requests through text (a drafter "
                           "of another vocabulary in string mode), so it cannot branch: no tree pattern")
-    limit = context_limit(drafter)
-    count = len(output) if limit is None else max(min(len(output), limit - len(prompt) + 1), 0)
-    greedy = SamplingParams()
-    matches, rescues, sides = [], [], []
+    count = guessable_positions(drafter, len(prompt), len(output))
     rows = np.zeros((0, 0))
     if count:
         session = drafter.new_session()
@@ -267,16 +266,22 @@ def tree_pattern(drafter: LanguageModel, prompt: Sequence[int], output: Sequence
             rows = np.asarray(forward_rows(session, prompt + output[: count - 1], count))
         finally:
             session.close()
-    for p, token in enumerate(output):
-        if p >= count:
-            matches.append(False)
-            rescues.append(False)
-            sides.append(0)
-            continue
-        main, _, alternatives = draft_with_alternatives(rows[p], greedy, len(prompt) + p, None,
-                                                        side_count(shape) + 1)
-        children = shape.sides(main, alternatives) if shape is not None else []
-        matches.append(main == token)
-        rescues.append(main != token and token in children)
-        sides.append(len(children))
-    return TreePattern(tuple(matches), tuple(rescues), tuple(sides))
+    greedy = SamplingParams()
+    most = max((side_count(shape) for shape in shapes), default=0) + 1
+    ranked = [draft_with_alternatives(rows[p], greedy, len(prompt) + p, None, most) for p in range(count)]
+    patterns = []
+    for shape in shapes:
+        matches, rescues, sides = [], [], []
+        for p, token in enumerate(output):
+            if p >= count:
+                matches.append(False)
+                rescues.append(False)
+                sides.append(0)
+                continue
+            main, _, alternatives = ranked[p]
+            children = shape.sides(main, alternatives) if shape is not None else []
+            matches.append(main == token)
+            rescues.append(main != token and token in children)
+            sides.append(len(children))
+        patterns.append(TreePattern(tuple(matches), tuple(rescues), tuple(sides)))
+    return patterns

@@ -18,7 +18,7 @@ them*:
    the drafter's declared context: :func:`dsi.models.replay.accept_pattern`). If it accepts
    nothing, non-SI is the choice without further runs: speculation then waits a whole target
    forward per token as non-SI does, and could only add work. From the same forward's rankings,
-   the **rescue pattern** of each tree shape (:func:`dsi.engine.trees.tree_pattern`): where a
+   the **rescue pattern** of each tree shape (:func:`dsi.engine.trees.tree_patterns`): where a
    rejected draft's correction is one of that position's side children, and how many side children
    each position gets.
 3. **Prediction**: the event simulator (:mod:`dsi.sim.events`) replays that pattern for every
@@ -293,7 +293,7 @@ def _measure_and_choose(target, drafter, transport, options, max_servers, prompt
         return out
 
     reference = calibrate("non-SI", method="ar")
-    pattern = accept_pattern(drafter, prompt, reference)  # False past the drafter's context
+    pattern, trees = _patterns(drafter, prompt, reference, weigh_trees)  # False past the drafter's context
     acceptance = sum(pattern) / len(pattern)
     non_si = measured["non-SI"]["wall_s"]
     if not any(pattern):  # no draft accepted: SI and DSI wait a whole target forward per token too
@@ -305,7 +305,6 @@ def _measure_and_choose(target, drafter, transport, options, max_servers, prompt
             tokens=tokens, key=key, created=time.strftime("%Y-%m-%dT%H:%M:%S"),
             calibration_s=time.perf_counter() - began,
         )
-    trees = _tree_patterns(drafter, prompt, reference) if weigh_trees else {}
     calibrate(f"SI k={SI_CALIBRATION_K}", method="si", lookahead=SI_CALIBRATION_K)
     server_counts = _server_counts(max_servers)
     for sp in server_counts:
@@ -414,17 +413,18 @@ def pick_run(candidates: Sequence[Candidate], margin: float) -> Candidate:
     return min((c for c in runs if c.seconds <= fastest * (1 + margin)), key=lambda c: (c.simplicity, c.seconds))
 
 
-def _tree_patterns(drafter, prompt: list[int], reference: list[int]) -> dict:
-    """Each tree shape's :class:`~dsi.engine.trees.TreePattern` on the calibration output, for the shapes
-    whose side children rescue at least one rejection there ({} where the drafter cannot branch)."""
-    from dsi.engine.trees import can_branch, tree_pattern
+def _patterns(drafter, prompt: list[int], reference: list[int], weigh_trees: bool) -> tuple[list[bool], dict]:
+    """The accept pattern on the calibration output, and each tree shape's
+    :class:`~dsi.engine.trees.TreePattern` for the shapes whose side children rescue at least one rejection
+    there ({} without trees, or where the drafter cannot branch): one drafter forward for all of them."""
+    from dsi.engine.trees import can_branch, tree_patterns
     from dsi.trees import parse_shape
 
-    if not can_branch(drafter, True):
-        return {}
-    patterns = {name: tree_pattern(drafter, prompt, reference, parse_shape(name))
-                for name in dict.fromkeys(SI_TREES + DSI_TREES)}
-    return {name: p for name, p in patterns.items() if any(p.rescues)}
+    if not weigh_trees or not can_branch(drafter, True):
+        return accept_pattern(drafter, prompt, reference), {}
+    names = list(dict.fromkeys(SI_TREES + DSI_TREES))
+    patterns = tree_patterns(drafter, prompt, reference, [parse_shape(name) for name in names])
+    return list(patterns[0].matches), {name: p for name, p in zip(names, patterns, strict=True) if any(p.rescues)}
 
 
 def _tree_verdict(ranked: list[Candidate], pick: Candidate, trees: dict) -> str:

@@ -128,6 +128,13 @@ def context_limit(model: object) -> int | None:
     return limit
 
 
+def guessable_positions(model: object, prompt_len: int, output_len: int) -> int:
+    """How many positions of an output of ``output_len`` tokens after a prompt of ``prompt_len`` a model can
+    guess within its declared context (its guess at position i needs ``prompt_len + i`` tokens held)."""
+    limit = context_limit(model)
+    return output_len if limit is None else max(min(output_len, limit - prompt_len + 1), 0)
+
+
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the longest common prefix of two token sequences."""
     n = min(len(a), len(b))

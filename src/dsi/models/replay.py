@@ -31,7 +31,15 @@ from typing import Any
 import numpy as np
 
 from dsi.errors import ConfigError, ContextLengthError
-from dsi.models.base import CancelFlag, LanguageModel, ModelSession, context_limit, extend_rows, greedy_guess
+from dsi.models.base import (
+    CancelFlag,
+    LanguageModel,
+    ModelSession,
+    context_limit,
+    extend_rows,
+    greedy_guess,
+    guessable_positions,
+)
 
 RECORDING_VERSION = 1
 
@@ -55,8 +63,7 @@ def _drafter_guesses(drafter: LanguageModel, prompt: list[int], output: list[int
     declared context reaches (all of them without a limit), from one forward."""
     if not prompt or not output:
         raise ConfigError("a recording needs a non-empty prompt and a non-empty target output")
-    limit = context_limit(drafter)
-    count = len(output) if limit is None else max(min(len(output), limit - len(prompt) + 1), 0)
+    count = guessable_positions(drafter, len(prompt), len(output))
     if count == 0:
         return []
     session = drafter.new_session()

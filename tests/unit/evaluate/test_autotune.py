@@ -13,6 +13,7 @@ import dsi.evaluate.autotune as autotune
 from dsi.evaluate.autotune import AutoChoice, choose_method
 from dsi.errors import ConfigError
 from dsi.models import synthetic_pair
+from dsi.models.replay import accept_pattern
 
 
 class OneCore:
@@ -337,8 +338,11 @@ def test_a_drafter_that_cannot_branch_is_weighed_with_chains_only(tmp_path, no_t
             return "string"
 
     out = dsi.generate(target=target, prompt=[5, 6], method="ar", max_new_tokens=16).tokens
-    assert set(autotune._tree_patterns(drafter, [5, 6], out)) == {"2", "auto"}
-    assert autotune._tree_patterns(ThroughText(drafter), [5, 6], out) == {}
+    matches, trees = autotune._patterns(drafter, [5, 6], out, True)
+    assert set(trees) == {"2", "auto"}
+    assert matches == accept_pattern(drafter, [5, 6], out)  # the same forward gives the accept pattern
+    assert autotune._patterns(ThroughText(drafter), [5, 6], out, True) == (matches, {})
+    assert autotune._patterns(drafter, [5, 6], out, False) == (matches, {})
 
 
 def test_of_the_runs_within_the_margin_the_simplest_is_picked_and_never_a_prediction():
