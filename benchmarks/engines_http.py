@@ -6,12 +6,16 @@ runs here. For each scenario of ``dsi bench``, the same pair runs, alternating, 
 servers as threads of this process and as HTTP engines:
 
 - DSI wall time against the ideal (``dsi.evaluate.bench.ideal_dsi_seconds``: no engine overhead);
-- DSI/SI on each placement (SI verifying on the first engine);
-- DSI with the drafter as an engine too (a ``dsi serve`` of the synthetic drafter, its tokens streamed);
-- the overhead of one verification over HTTP: the round trip of a 6-token verification on an engine
-  whose forwards take no time, next to what docs/transports.md measured for threads, processes and Ray.
+- DSI/SI on each placement (SI verifying on the first engine): the engines verifying through
+  ``/v1/completions`` ("http") and through their scoring channel ("channel",
+  :mod:`dsi.models.scoring_channel`, what a dsi uses by default on a ``dsi serve``);
+- DSI with the drafter as an engine too (a ``dsi serve`` of the synthetic drafter, its tokens streamed;
+  the targets on their channel);
+- the overhead of one verification: the round trip of a 6-token verification on an engine whose
+  forwards take no time, over HTTP and over the channel, next to what docs/transports.md measured
+  for threads, processes and Ray.
 
-    python benchmarks/engines_http.py --out docs/data/engines_http-2026-12-01.json
+    python benchmarks/engines_http.py --out docs/data/engines_http-channel-2026-12-02.json
 
 Prints a table, then one JSON line.
 """
@@ -48,12 +52,13 @@ def serve(args: argparse.Namespace) -> int:
     from dsi.server import ServeConfig, create_app
     from dsi.server.codec import IdsCodec
     from dsi.server.runner import make_server
+    from dsi.server.scoring import bind
 
     scenario = SCENARIOS[args.scenario] if args.scenario != "zero" else Scenario("zero", 0.0, 0.0, 1.0, 1, 1)
     target, drafter = pair(scenario)
     model = drafter if args.role == "drafter" else target
     app = create_app(model, None, ServeConfig(method="ar", model_name="synthetic", max_logprobs=-1),
-                     codec=IdsCodec(VOCAB))
+                     codec=IdsCodec(VOCAB), scoring_socket=bind("127.0.0.1", 0))
     # IPPROTO_TCP named explicitly: asyncio sets TCP_NODELAY only on sockets that say so, and without
     # it every answer on a kept-alive connection waits 40 ms for the client's delayed ACK (Nagle)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -80,12 +85,14 @@ class Engine:
         self.proc.wait(20)
 
 
-def round_trip_ms(url: str, target, calls: int) -> float:
-    """Median ms of a 6-token verification on an engine whose forwards take no time."""
+def round_trip_ms(url: str, target, calls: int, channel: bool) -> float:
+    """Median ms of a 6-token verification on an engine whose forwards take no time, on its scoring
+    channel or over HTTP."""
     from dsi.models.engines import EngineTarget
 
-    engines = EngineTarget([url], reference=target)
+    engines = EngineTarget([url], reference=target, scoring_channel=channel)
     session = engines.new_session()
+    assert (session.channel is not None) == channel, session
     context = list(range(1, 41))
     session.extend_rows(context, None, 1, True)
     times = []
@@ -101,6 +108,7 @@ def round_trip_ms(url: str, target, calls: int) -> float:
 def run(scenario_name: str, tokens: int, repeats: int) -> dict:
     import dsi
     from dsi.evaluate.bench import SCENARIOS, ideal_dsi_seconds
+    from dsi.models.engines import EngineTarget
     from dsi.models.replay import record_decisions
 
     scenario = SCENARIOS[scenario_name]
@@ -110,7 +118,10 @@ def run(scenario_name: str, tokens: int, repeats: int) -> dict:
     urls = [e.url for e in engines]
     try:
         walls: dict[str, list[float]] = {k: [] for k in ("ar", "si threads", "dsi threads", "si http", "dsi http",
-                                                         "dsi http+drafter")}
+                                                         "si channel", "dsi channel", "dsi channel+drafter")}
+        over = {(placement, method): EngineTarget(urls if method == "dsi" else urls[:1], reference=target,
+                                                  scoring_channel=placement != "http")
+                for placement in ("http", "channel", "channel+drafter") for method in ("si", "dsi")}
         outputs = {}
         tasks = {}
         for _ in range(repeats):
@@ -118,9 +129,9 @@ def run(scenario_name: str, tokens: int, repeats: int) -> dict:
                 method, _, placement = label.partition(" ")
                 kwargs = dict(target=target, drafter=drafter, prompt=PROMPT, method=method, max_new_tokens=tokens,
                               lookahead=scenario.lookahead, num_target_servers=scenario.servers)
-                if placement.startswith("http"):
-                    kwargs.update(target_servers=urls if method == "dsi" else urls[:1], num_target_servers=None)
-                if placement == "http+drafter":
+                if placement in ("http", "channel", "channel+drafter"):
+                    kwargs.update(target=over[placement, method], target_servers=True, num_target_servers=None)
+                if placement == "channel+drafter":
                     kwargs.update(drafter_server=drafting.url)
                 out = dsi.generate(**kwargs)
                 walls[label].append(out.stats.wall_time_s)
@@ -137,9 +148,11 @@ def run(scenario_name: str, tokens: int, repeats: int) -> dict:
         "median_wall_s": med, "ideal_dsi_s": ideal,
         "dsi_over_ideal_threads": med["dsi threads"] / ideal if ideal else None,
         "dsi_over_ideal_http": med["dsi http"] / ideal if ideal else None,
-        "dsi_over_ideal_http_drafter": med["dsi http+drafter"] / ideal if ideal else None,
+        "dsi_over_ideal_channel": med["dsi channel"] / ideal if ideal else None,
+        "dsi_over_ideal_channel_drafter": med["dsi channel+drafter"] / ideal if ideal else None,
         "dsi_over_si_threads": med["dsi threads"] / med["si threads"],
         "dsi_over_si_http": med["dsi http"] / med["si http"],
+        "dsi_over_si_channel": med["dsi channel"] / med["si channel"],
         "verify_tasks": tasks,
         "identical_outputs": len({tuple(v) for v in outputs.values()}) == 1,
     }
@@ -169,21 +182,23 @@ def main() -> int:
     zero_target, _ = pair(Scenario("zero", 0.0, 0.0, 1.0, 1, 1))
     zero = Engine("zero")
     try:
-        overhead = round_trip_ms(zero.url, zero_target, args.calls)
+        overhead = {"http": round_trip_ms(zero.url, zero_target, args.calls, False),
+                    "channel": round_trip_ms(zero.url, zero_target, args.calls, True)}
     finally:
         zero.stop()
     rows = [run(s, args.tokens, args.repeats) for s in args.scenarios]
-    print(f"HTTP verification round trip (6 tokens, a target that takes no time): {overhead:.2f} ms (median of "
-          f"{args.calls})")
-    print(f"{args.tokens} tokens, median of {args.repeats}; DSI over ideal and DSI/SI wall time, threads vs HTTP engines")
-    print("| scenario | SP | DSI/ideal threads | DSI/ideal HTTP | DSI/ideal HTTP, drafter too | DSI/SI threads "
-          "| DSI/SI HTTP | same tokens |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"verification round trip (6 tokens, a target that takes no time, median of {args.calls}): "
+          f"HTTP {overhead['http']:.2f} ms, scoring channel {overhead['channel']:.2f} ms")
+    print(f"{args.tokens} tokens, median of {args.repeats}; DSI over ideal and DSI/SI wall time, threads vs engines")
+    print("| scenario | SP | DSI/ideal threads | DSI/ideal HTTP | DSI/ideal channel | DSI/ideal channel, drafter too "
+          "| DSI/SI threads | DSI/SI HTTP | DSI/SI channel | same tokens |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         def f(x):
             return "-" if x is None else f"{x:.3f}"
         print(f"| {r['scenario']} | {r['servers']} | {f(r['dsi_over_ideal_threads'])} | {f(r['dsi_over_ideal_http'])} | "
-              f"{f(r['dsi_over_ideal_http_drafter'])} | {f(r['dsi_over_si_threads'])} | {f(r['dsi_over_si_http'])} | "
+              f"{f(r['dsi_over_ideal_channel'])} | {f(r['dsi_over_ideal_channel_drafter'])} | "
+              f"{f(r['dsi_over_si_threads'])} | {f(r['dsi_over_si_http'])} | {f(r['dsi_over_si_channel'])} | "
               f"{r['identical_outputs']} |")
     emit_record({"round_trip_ms": overhead, "rows": rows}, args.out)
     return 0

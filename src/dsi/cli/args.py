@@ -123,6 +123,24 @@ def engine_url(text: str) -> str:
 ENGINE_URL = engine_url
 
 
+def scoring_port(text: str) -> int | None:
+    """``dsi serve --scoring-port``: a port in [1, 65535], ``auto`` (0: the OS picks a free one) or
+    ``off`` (None: no scoring channel)."""
+    word = text.strip().lower()
+    if word in ("off", "auto"):
+        return None if word == "off" else 0
+    try:
+        port = int(word)
+    except ValueError:
+        port = -1
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a port in [1, 65535], 'auto' or 'off'") from None
+    return port
+
+
+SCORING_PORT = scoring_port
+
+
 def input_file(text: str) -> str:
     """A file that must exist and be readable."""
     source = Path(text).expanduser()

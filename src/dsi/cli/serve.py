@@ -18,7 +18,7 @@ import socket
 import sys
 from pathlib import Path
 
-from dsi.cli.args import COUNT, NATURAL, NON_NEGATIVE, Number
+from dsi.cli.args import COUNT, NATURAL, NON_NEGATIVE, SCORING_PORT, Number
 from dsi.cli.generate import (
     _load,
     add_engine_args,
@@ -62,6 +62,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     g.add_argument("--port", type=Number(int, 0, 65535), default=8000,
                    help="TCP port (default 8000; 0 picks a free one)")
+    g.add_argument("--scoring-port", type=SCORING_PORT, default=0, metavar="PORT|auto|off",
+                   help="TCP port of the scoring channel, the fast path of another dsi verifying on this server "
+                        "outside HTTP (advertised in the model card; default auto: a free port on --host; off: none, "
+                        "such a dsi then verifies through /v1/completions)")
     g.add_argument("--max-concurrent", type=COUNT, default=1,
                    help="engine slots: requests generated at once, each on its own decoder (default 1)")
     g.add_argument("--max-queue", type=NATURAL, default=64,
@@ -115,16 +119,9 @@ def _is_loopback(host: str) -> bool:
 
 def _bind(host: str, port: int) -> socket.socket:
     """A listening socket on (host, port); port 0 picks a free port."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, kind, proto)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(2048)
-    except OSError as exc:
-        raise ConfigError(f"cannot listen on --host {host} --port {port}: {exc}") from exc
-    sock.set_inheritable(True)
-    return sock
+    from dsi.server.runner import listen
+
+    return listen(host, port, 2048, f"--host {host} --port {port}")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -156,25 +153,45 @@ def run_serve(args: argparse.Namespace) -> int:
     if not _is_loopback(args.host):
         log.warning("dsi serve: listening on %s, reachable from other machines%s", args.host,
                     "" if args.api_key else "; consider --api-key")
-    if synthetic is not None:
-        from dsi.evaluate.bench import SCENARIOS, SYNTHETIC_VOCAB, scenario_pair
-        from dsi.server.codec import IdsCodec
-
-        model = scenario_pair(SCENARIOS[args.synthetic])[0 if args.synthetic_role == "target" else 1]
-        app = create_app(model, None, config, codec=IdsCodec(SYNTHETIC_VOCAB))
-    else:
-        app = create_app(*_load(args, need_drafter=args.method != "ar"), config, free_unused_drafter=True)
     sock = _bind(args.host, args.port)
+    scoring = None
+    if args.scoring_port is not None:
+        from dsi.server.scoring import bind
+
+        try:
+            scoring = bind(args.host, args.scoring_port)
+        except ConfigError:
+            sock.close()
+            raise
+    try:
+        if synthetic is not None:
+            from dsi.evaluate.bench import SCENARIOS, SYNTHETIC_VOCAB, scenario_pair
+            from dsi.server.codec import IdsCodec
+
+            model = scenario_pair(SCENARIOS[args.synthetic])[0 if args.synthetic_role == "target" else 1]
+            app = create_app(model, None, config, codec=IdsCodec(SYNTHETIC_VOCAB), scoring_socket=scoring)
+        else:
+            app = create_app(*_load(args, need_drafter=args.method != "ar"), config, free_unused_drafter=True,
+                             scoring_socket=scoring)
+    except BaseException:
+        sock.close()
+        if scoring is not None:
+            scoring.close()
+        raise
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     server = make_server(app, graceful_s=args.shutdown_timeout, log_level="info" if args.verbose else "warning",
                          access_log=bool(args.verbose))
     print(f"dsi serve: {config.model_name!r} ({config.method}, k={config.lookahead}, SP={config.num_target_servers}, "
-          f"{config.max_concurrent} slot(s)) on http://{shown}:{port}/v1", file=sys.stderr, flush=True)
+          f"{config.max_concurrent} slot(s)) on http://{shown}:{port}/v1"
+          + (f", scoring channel on port {scoring.getsockname()[1]}" if scoring is not None else ""),
+          file=sys.stderr, flush=True)
     try:
         server.run(sockets=[sock])
     finally:
         sock.close()
+        if scoring is not None:
+            scoring.close()
     if not server.started:
         print("dsi serve: the server did not start (see the log above)", file=sys.stderr)
         return 2

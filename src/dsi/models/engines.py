@@ -27,7 +27,10 @@ What a response determines, and so what stays exact:
 ``dsi serve`` also takes ``prompt_logprobs_from`` (the first position whose logprobs are wanted): it
 then computes only the rows asked for, on a slot whose KV cache is reused across requests. vLLM reads
 no prefix cache for a request with prompt logprobs, so every verification there recomputes its
-whole context (docs/engines.md).
+whole context (docs/engines.md). Where a ``dsi serve``'s model card advertises a scoring port
+(``dsi.scoring_port``) and a plain ``http://`` URL reaches it, a session verifies through that
+channel instead (:mod:`dsi.models.scoring_channel`: the same rows, as raw logits, without HTTP's
+path through the server); where it cannot connect, it says so once and uses ``/v1/completions``.
 
 Checks at start (:meth:`EngineTarget.__init__`): each URL answers ``GET /v1/models``; a canary
 forward gives the engine's vocabulary size (the number of entries of a full row) and, with a local
@@ -50,7 +53,7 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -58,6 +61,16 @@ import numpy as np
 
 from dsi.errors import ConfigError, ContextLengthError, ModelError, ServerLost, TaskCancelled
 from dsi.models.base import CancelFlag, LanguageModel
+from dsi.models.scoring_channel import (
+    BUSY,
+    MODE_ARGMAX,
+    MODE_TOP,
+    MODE_WHOLE,
+    REFUSED,
+    ChannelRefused,
+    ScoringChannel,
+    advertised_port,
+)
 
 log = logging.getLogger(__name__)
 
@@ -226,6 +239,7 @@ class EngineInfo:
     # engine's own lower limit shows when a request exceeds it (a 4xx: that request fails)
     max_logprobs: int | None
     canary_difference: float | None  # largest |logprob difference| against the local reference
+    scoring_port: int | None = None  # a dsi serve's scoring channel, as its card advertised it at start
 
 
 def model_cards(conn: Connection, url: str, role: str = "target") -> list[dict]:
@@ -331,8 +345,10 @@ class EngineTarget(LocalText):
     def __init__(self, urls: Sequence[str], reference: LanguageModel | None = None, *, vocab_size: int | None = None,
                  model: str | None = None, canary_tolerance: float = CANARY_TOLERANCE,
                  connect_timeout: float = CONNECT_TIMEOUT_S, read_timeout: float = READ_TIMEOUT_S,
-                 role: str = "target") -> None:
-        self.role = role  # names the servers in errors: "target", or "drafter" (dsi.models.engine_drafter)
+                 role: str = "target", scoring_channel: bool = True) -> None:
+        self.role = role
+        self.scoring_channel = scoring_channel  # verify on a dsi serve's scoring port where it advertises one
+        self._channel_warned: set[str] = set()  # names the servers in errors: "target", or "drafter" (dsi.models.engine_drafter)
         if isinstance(urls, str) or not urls:
             raise ConfigError(f"target_servers={urls!r} must be a non-empty list of URLs like http://127.0.0.1:8000/v1")
         self.urls = tuple(check_url(u, role) for u in urls)
@@ -372,7 +388,7 @@ class EngineTarget(LocalText):
             kind = "dsi" if isinstance(card.get("dsi"), dict) else "openai"
             max_len = card.get("max_model_len")
             max_len = max_len if isinstance(max_len, int) and max_len > 2 else None
-            return self._canary(conn, url, name, kind, max_len)
+            return replace(self._canary(conn, url, name, kind, max_len), scoring_port=advertised_port(card))
         finally:
             conn.close()
 
@@ -481,16 +497,46 @@ class EngineSession:
         self._tokens: tuple[int, ...] = ()
         probe = Connection(engine.url, target.connect_timeout, min(target.read_timeout, PROBE_TIMEOUT_S))
         try:  # a server restarted by its pool must answer before it takes tasks (a dead one then stays down)
-            probe.request("GET", "/models")
+            listing = probe.request("GET", "/models")
         except EngineRefused as exc:
             raise ServerLost(str(exc)) from None
         finally:
             probe.close()
         self._conn = Connection(engine.url, target.connect_timeout, target.read_timeout)
         self.counters = {"engine_requests": 0}
+        # the card as it is now: a restarted dsi serve may listen on another scoring port
+        self.channel = self._open_channel(listing) if target.scoring_channel else None
 
     def __repr__(self) -> str:
-        return f"EngineSession({self.engine.url}, {len(self._tokens)} tokens)"
+        via = f", scoring port {self.channel.port}" if self.channel is not None else ""
+        return f"EngineSession({self.engine.url}{via}, {len(self._tokens)} tokens)"
+
+    def _open_channel(self, listing: Any) -> ScoringChannel | None:
+        """The scoring channel of the engine's card in ``listing`` (``GET /v1/models``), connected; None
+        where it advertises none, the URL is not plain http, or the port cannot be reached (said once
+        per engine: the session then verifies over HTTP)."""
+        cards = listing.get("data") if isinstance(listing, dict) else None
+        card = next((c for c in cards if isinstance(c, dict) and c.get("id") == self.engine.model), None) \
+            if isinstance(cards, list) else None
+        port = advertised_port(card)
+        parts = urlsplit(self.engine.url)
+        if port is None or parts.scheme != "http":
+            return None
+        target = self._target
+        channel = ScoringChannel(self.engine.url, parts.hostname, port, target.vocab_size, role=target.role,
+                                 connect_timeout=min(target.connect_timeout, PROBE_TIMEOUT_S),
+                                 read_timeout=target.read_timeout)
+        try:
+            channel.connect()
+        except (ServerLost, ConfigError) as exc:
+            with target._lock:
+                first = self.engine.url not in target._channel_warned
+                target._channel_warned.add(self.engine.url)
+            if first:
+                log.warning("%s server %s advertises a scoring channel on port %d that this dsi cannot use (%s); "
+                            "verifying through /v1/completions instead", target.role, self.engine.url, port, exc)
+            return None
+        return channel
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -518,11 +564,15 @@ class EngineSession:
                 raise ModelError(f"{self._target.role} server {self.engine.url} gives no whole-vocabulary rows; "
                                  "this request needs them (set top_k, or start it with --max-logprobs -1)")
             n = -1
-        first = len(context) - num_rows + 1  # position p: the distribution after the first p tokens
-        payload = EngineTarget._payload(self.engine.model, context, n, first, self.engine.kind)
         if cancel is not None and cancel.is_set():
             raise TaskCancelled()
         self.counters["engine_requests"] += 1
+        if self.channel is not None:
+            rows = self._score_on_channel(context, num_rows, greedy, n, cancel)
+            self._tokens = context
+            return rows
+        first = len(context) - num_rows + 1  # position p: the distribution after the first p tokens
+        payload = EngineTarget._payload(self.engine.model, context, n, first, self.engine.kind)
         answer = self._conn.request("POST", "/completions", payload, cancel)
         role = self._target.role
         rows = parse_rows(answer, self.engine.url, self.engine.model, len(context) + 1, first, num_rows, vocab, role)
@@ -535,6 +585,17 @@ class EngineSession:
                              f"row of {short} entries, not {vocab}")
         return dense_rows(rows, vocab)
 
+    def _score_on_channel(self, context: tuple[int, ...], num_rows: int, greedy: bool, n: int,
+                          cancel: CancelFlag | None) -> np.ndarray:
+        mode = MODE_ARGMAX if greedy else MODE_WHOLE if n == -1 else MODE_TOP
+        try:
+            return self.channel.score(context, num_rows, mode, n, cancel)
+        except ChannelRefused as exc:
+            message = f"{self._target.role} server {self.engine.url} (scoring channel): {exc}"
+            if exc.status in (REFUSED, BUSY):  # this request's fault, or a full queue: as a 4xx, the task fails
+                raise EngineRefused(400 if exc.status == REFUSED else 429, message) from None
+            raise ServerLost(message) from None  # shutting down, or its forward failed: as a 5xx
+
     def truncate(self, length: int) -> None:
         if not 0 <= length <= len(self._tokens):
             raise ConfigError(f"truncate({length}) outside [0, {len(self._tokens)}]")
@@ -542,6 +603,8 @@ class EngineSession:
 
     def close(self) -> None:
         self._conn.close()
+        if self.channel is not None:
+            self.channel.close()
 
 
 def _argmax(row: dict[int, float]) -> int:

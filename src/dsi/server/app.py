@@ -25,6 +25,7 @@ import contextlib
 import hmac
 import json
 import logging
+import socket
 import sys
 import time
 import uuid
@@ -66,6 +67,7 @@ from dsi.server.protocol import (
     dump,
 )
 from dsi.server.scheduler import QueueFull, Scheduler, Slot
+from dsi.server.scoring import ScoringListener
 
 __all__ = ["ServeConfig", "create_app"]
 
@@ -106,7 +108,7 @@ class ServerState:
     """Everything one app owns: slots, live jobs, metrics, the preparation threads."""
 
     def __init__(self, target: LanguageModel, drafter: LanguageModel | None, config: ServeConfig, codec: Codec,
-                 free_unused_drafter: bool = False) -> None:
+                 free_unused_drafter: bool = False, scoring_socket: socket.socket | None = None) -> None:
         if config.method != "ar" and drafter is None:
             raise ConfigError(f"method={config.method!r} needs a drafter model")
         self.target = target  # the local model: tokenizer, context, and what the engines are checked against
@@ -137,6 +139,8 @@ class ServerState:
         self._prepare_pool: ThreadPoolExecutor | None = None
         self.closing = False
         self.created = int(time.time())
+        # the scoring channel (dsi.server.scoring): a dsi verifying here runs its forwards outside HTTP
+        self.scoring = ScoringListener(scoring_socket, self) if scoring_socket is not None else None
 
     def _new_decoder(self) -> object:
         c = self.config
@@ -185,6 +189,8 @@ class ServerState:
         self.scheduler = Scheduler(slots, self.config.max_queue, on_change)
         self._prepare_pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="dsi-serve-prepare")
         self.metrics.slots.set(len(slots))
+        if self.scoring is not None:
+            self.scoring.start(asyncio.get_running_loop())
         if self.choice is not None:  # the banner said "auto": say what it picked, where the banner went
             print(f"dsi serve: method auto picked {self.choice.label}: {self.choice.reason}", file=sys.stderr,
                   flush=True)
@@ -208,6 +214,8 @@ class ServerState:
         self.closing = True
         if self._prepare_pool is not None:
             self._prepare_pool.shutdown(wait=False, cancel_futures=True)
+        if self.scoring is not None:  # its forwards stop (their cancel flags), its threads end
+            await asyncio.to_thread(self.scoring.close)
         if self.scheduler is None:
             return
         jobs = list(self.jobs)
@@ -351,6 +359,7 @@ def create_app(
     *,
     codec: Codec | None = None,
     free_unused_drafter: bool = False,
+    scoring_socket: socket.socket | None = None,
 ) -> FastAPI:
     """An app serving ``target`` (with ``drafter`` unless ``method='ar'``) as ``config.model_name``.
 
@@ -358,8 +367,12 @@ def create_app(
     Hugging Face tokenizer (:class:`HFCodec`). With ``method="auto"`` every slot runs the method it
     picked; when that is non-SI the app lets go of the drafter, and ``free_unused_drafter`` frees its
     weights too (:func:`dsi.models.loading.release`: for a caller that hands the drafter over).
+    ``scoring_socket`` (a listening socket, :func:`dsi.server.scoring.bind`): serve the scoring channel
+    on it, the fast path of a dsi verifying here (:mod:`dsi.models.scoring_channel`); the model card
+    advertises its port.
     """
-    state = ServerState(target, drafter, config, codec if codec is not None else HFCodec(target), free_unused_drafter)
+    state = ServerState(target, drafter, config, codec if codec is not None else HFCodec(target), free_unused_drafter,
+                        scoring_socket)
     metrics = state.metrics
 
     def decode_one(token: int) -> str:
@@ -555,6 +568,7 @@ def create_app(
             **running_method(), "transport": config.transport, "max_concurrent": config.max_concurrent,
             **({"target_servers": list(config.target_servers)} if config.target_servers else {}),
             **({"drafter_server": config.drafter_server} if config.drafter_server else {}),
+            **({"scoring_port": state.scoring.port} if state.scoring is not None else {}),
             **({"synthetic": dict(zip(("scenario", "role"), config.synthetic, strict=True))}
                if config.synthetic else {}),
         })

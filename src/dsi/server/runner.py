@@ -12,12 +12,30 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
+
+from dsi.errors import ConfigError
+
+
+def listen(host: str, port: int, backlog: int, what: str) -> socket.socket:
+    """A listening TCP socket on (``host``, ``port``) (port 0 picks a free one), inheritable; a
+    :class:`ConfigError` saying ``cannot listen on {what}`` where it cannot be had."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(backlog)
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on {what}: {exc}") from exc
+    sock.set_inheritable(True)
+    return sock
 
 
 class DSIServer(uvicorn.Server):

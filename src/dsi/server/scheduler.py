@@ -86,11 +86,16 @@ class Scheduler:
         if self._on_change is not None:
             self._on_change(self.queued, self.running)
 
-    def reserve(self) -> asyncio.Future:
-        """A future that resolves to a slot (at once if one is free); :class:`QueueFull` if full."""
+    def reserve(self, prefer: Slot | None = None) -> asyncio.Future:
+        """A future that resolves to a slot (at once if one is free: ``prefer`` if it is, whose cache
+        may hold the caller's context); :class:`QueueFull` if full."""
         future = asyncio.get_running_loop().create_future()
         if self._free and not self._waiting:
-            self._grant(future, self._free.popleft())
+            if prefer is not None and prefer in self._free:
+                self._free.remove(prefer)
+                self._grant(future, prefer)
+            else:
+                self._grant(future, self._free.popleft())
         elif len(self._waiting) >= self.max_queue:
             raise QueueFull(f"all {len(self.slots)} engine slots are busy and {self.queued} requests are waiting")
         else:

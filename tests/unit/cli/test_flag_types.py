@@ -16,7 +16,7 @@ import pathlib
 
 import pytest
 
-from dsi.cli.args import DRAFT_TREE, ENGINE_URL, LOOKAHEAD, Number, flag_message, input_file, output_dir, output_file
+from dsi.cli.args import DRAFT_TREE, ENGINE_URL, LOOKAHEAD, SCORING_PORT, Number, flag_message, input_file, output_dir, output_file
 from dsi.cli.main import build_parser
 
 PATH_TYPES = (input_file, output_file, output_dir)
@@ -115,7 +115,7 @@ def _refused(capsys, parser, argv) -> str:
 
 def test_every_flag_with_a_value_is_typed_or_a_choice_or_listed():
     unchecked = sorted({f"{' '.join(path)} {_flag(a)}" for path, _, a in FLAGS
-                        if not (isinstance(a.type, Number) or a.type in (*PATH_TYPES, LOOKAHEAD, DRAFT_TREE, ENGINE_URL)
+                        if not (isinstance(a.type, Number) or a.type in (*PATH_TYPES, LOOKAHEAD, DRAFT_TREE, ENGINE_URL, SCORING_PORT)
                                 or a.choices)
                         and _flag(a) not in TEXT_FLAGS})
     assert not unchecked, f"flags without a checked type (use dsi.cli.args): {unchecked}"
@@ -175,6 +175,16 @@ def test_engine_url_flags_are_checked_while_parsing(capsys, command):
         err = _refused(capsys, root, [*base, f"{flag}={text}"])
         assert f"{flag}={text!r}" in err and says in err, err
     assert vars(root.parse_args([*base, flag, "http://10.0.0.4:8002/v1/"]))[action.dest] == "http://10.0.0.4:8002/v1"
+
+
+def test_the_scoring_port_is_a_port_auto_or_off(capsys):
+    root = build_parser()
+    for text in ("0", "65536", "-1", "8001.5", "on"):
+        err = _refused(capsys, root, ["serve", f"--scoring-port={text}"])
+        assert f"--scoring-port={_shown(text)} must be a port in [1, 65535], 'auto' or 'off'" in err, err
+    for text, port in (("auto", 0), ("OFF", None), ("8001", 8001)):
+        assert root.parse_args(["serve", "--scoring-port", text]).scoring_port == port
+    assert root.parse_args(["serve"]).scoring_port == 0
 
 
 PATHS = [(p, parser, a) for p, parser, a in FLAGS if a.type in PATH_TYPES]

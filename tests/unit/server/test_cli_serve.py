@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -61,6 +62,9 @@ def test_serve_process_binds_loopback_serves_and_exits_cleanly_on_sigterm(tiny_d
         # and so do /v1/models, /health and the start-up output: what runs, not "auto"
         card = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["dsi"]
         assert card["method"] == r.dsi["method"] and card["auto"]["picked"] == picked
+        # the scoring channel (--scoring-port auto): on a free port of the same host, printed and in the card
+        assert any(f"scoring channel on port {card['scoring_port']}" in line for line in lines), "".join(lines)
+        socket.create_connection(("127.0.0.1", card["scoring_port"]), timeout=10).close()
         assert httpx.get(url + "/health", timeout=10).json()["method"] == r.dsi["method"]
         assert any(f"method auto picked {picked}" in line for line in lines), "".join(lines)
         stream = client.completions.create(model="tiny", prompt="x", max_tokens=200, temperature=0, stream=True)
@@ -129,9 +133,10 @@ def test_serve_shows_a_name_not_the_model_path_and_answers_without_paths(tiny_di
     from dsi.cli.main import main
 
     assert main(["serve", "--target", target_dir, "--drafter", drafter_dir, "--method", "si", "-k", "2",
-                 "--port", "0", "--max-body-bytes", "4096"]) == 0
+                 "--port", "0", "--max-body-bytes", "4096", "--scoring-port", "off"]) == 0
     [app] = apps
     assert app.state.dsi.config.model_name == "target" and app.state.dsi.config.max_body_bytes == 4096
+    assert app.state.dsi.scoring is None  # --scoring-port off: no channel (nor a port in the card below)
     with TestClient(app) as client:
         answers = [client.get("/health"), client.get("/v1/models"),
                    client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "temperature": 0}),
