@@ -155,15 +155,11 @@ def run_serve(args: argparse.Namespace) -> int:
                     "" if args.api_key else "; consider --api-key")
     sock = _bind(args.host, args.port)
     scoring = None
-    if args.scoring_port is not None:
-        from dsi.server.scoring import bind
-
-        try:
-            scoring = bind(args.host, args.scoring_port)
-        except ConfigError:
-            sock.close()
-            raise
     try:
+        if args.scoring_port is not None:
+            from dsi.server.scoring import bind
+
+            scoring = bind(args.host, args.scoring_port)
         if synthetic is not None:
             from dsi.evaluate.bench import SCENARIOS, SYNTHETIC_VOCAB, scenario_pair
             from dsi.server.codec import IdsCodec

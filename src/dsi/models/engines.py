@@ -346,9 +346,9 @@ class EngineTarget(LocalText):
                  model: str | None = None, canary_tolerance: float = CANARY_TOLERANCE,
                  connect_timeout: float = CONNECT_TIMEOUT_S, read_timeout: float = READ_TIMEOUT_S,
                  role: str = "target", scoring_channel: bool = True) -> None:
-        self.role = role
+        self.role = role  # names the servers in errors: "target", or "drafter" (dsi.models.engine_drafter)
         self.scoring_channel = scoring_channel  # verify on a dsi serve's scoring port where it advertises one
-        self._channel_warned: set[str] = set()  # names the servers in errors: "target", or "drafter" (dsi.models.engine_drafter)
+        self._channel_warned: set[str] = set()  # engines whose unusable scoring port was said (once each)
         if isinstance(urls, str) or not urls:
             raise ConfigError(f"target_servers={urls!r} must be a non-empty list of URLs like http://127.0.0.1:8000/v1")
         self.urls = tuple(check_url(u, role) for u in urls)

@@ -173,6 +173,43 @@ def parse_answer(body: bytes, mode: int, rows: int, n: int, vocab_size: int) -> 
     return out
 
 
+def read_frame(sock: socket.socket, limit: int, cancel: CancelFlag | None = None,
+               deadline: float | None = None) -> bytes:
+    """One frame's body from ``sock`` (both ends read frames with it). With a ``deadline``
+    (``time.monotonic()``) the socket's timeout is a poll interval: each time it passes, a set
+    ``cancel`` raises :class:`~dsi.errors.TaskCancelled` and a passed deadline ``TimeoutError``;
+    without one the socket's own timeout applies. ``EOFError`` if the peer closed before the frame
+    began, ``ValueError`` if it announces more than ``limit`` bytes or is cut short."""
+    (size,) = LENGTH.unpack(_read_exact(sock, LENGTH.size, cancel, deadline, at_start=True))
+    if size > limit:
+        raise ValueError(f"a frame of {size} bytes announced, more than the {limit} allowed")
+    return bytes(_read_exact(sock, size, cancel, deadline, at_start=False))
+
+
+def _read_exact(sock: socket.socket, size: int, cancel: CancelFlag | None, deadline: float | None,
+                at_start: bool) -> bytearray:
+    buf = bytearray(size)
+    view = memoryview(buf)
+    got = 0
+    while got < size:
+        try:
+            n = sock.recv_into(view[got:])
+        except TimeoutError:
+            if deadline is None:
+                raise
+            if cancel is not None and cancel.is_set():
+                raise TaskCancelled() from None
+            if time.monotonic() > deadline:
+                raise
+            continue
+        if n == 0:
+            if at_start and got == 0:
+                raise EOFError("the peer closed the connection")
+            raise ValueError(f"the connection closed {got} bytes into a {size}-byte read")
+        got += n
+    return buf
+
+
 def _check_ids(ids: np.ndarray, vocab_size: int) -> None:
     if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
         raise ValueError(f"names a token outside the vocabulary [0, {vocab_size})")
@@ -214,13 +251,13 @@ class ScoringChannel:
         except OSError as exc:
             raise self._lost(f"cannot connect: {exc}") from exc
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(POLL_S)  # reads wake this often to look at their cancel flag and deadline
         self._sock = sock
         self.connects += 1
         try:
             sock.sendall(frame(hello_body(self._api_key)))
-            body = self._read_frame(None, time.monotonic() + self._connect_timeout, MAX_HELLO_BYTES)
-            reply = json.loads(body)
-        except (OSError, ValueError) as exc:
+            reply = json.loads(read_frame(sock, MAX_HELLO_BYTES, None, time.monotonic() + self._connect_timeout))
+        except (OSError, ValueError, EOFError) as exc:
             self.close()
             raise self._lost(f"no hello answer ({type(exc).__name__}: {exc})") from exc
         if not isinstance(reply, dict) or reply.get("ok") is not True:
@@ -240,11 +277,14 @@ class ScoringChannel:
         deadline = time.monotonic() + self._read_timeout
         try:
             self._sock.sendall(frame(request_body(context, rows, mode, n)))
-            body = self._read_frame(cancel, deadline, MAX_ANSWER_BYTES)
+            body = read_frame(self._sock, MAX_ANSWER_BYTES, cancel, deadline)
         except TaskCancelled:
             self.close()
             raise
-        except (OSError, ValueError) as exc:
+        except TimeoutError as exc:
+            self.close()
+            raise self._lost(f"no answer within {self._read_timeout:g} s") from exc
+        except (OSError, ValueError, EOFError) as exc:
             self.close()
             raise self._lost(f"{type(exc).__name__}: {exc}") from exc
         try:
@@ -252,33 +292,6 @@ class ScoringChannel:
         except ValueError as exc:
             self.close()  # out of step, or not to be believed: a new connection next time
             raise self._lost(f"answered inconsistently: {exc}") from None
-
-    def _read_frame(self, cancel: CancelFlag | None, deadline: float, limit: int) -> bytes:
-        head = self._read_exact(LENGTH.size, cancel, deadline)
-        (size,) = LENGTH.unpack(head)
-        if size > limit:
-            raise ValueError(f"a frame of {size} bytes announced, more than {limit}")
-        return bytes(self._read_exact(size, cancel, deadline))
-
-    def _read_exact(self, size: int, cancel: CancelFlag | None, deadline: float) -> bytearray:
-        buf = bytearray(size)
-        view = memoryview(buf)
-        got = 0
-        sock = self._sock
-        sock.settimeout(POLL_S)
-        while got < size:
-            try:
-                n = sock.recv_into(view[got:])
-            except TimeoutError:
-                if cancel is not None and cancel.is_set():
-                    raise TaskCancelled() from None
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"no answer within {self._read_timeout:g} s") from None
-                continue
-            if n == 0:
-                raise ConnectionResetError("the server closed the connection")
-            got += n
-        return buf
 
     def close(self) -> None:
         sock, self._sock = self._sock, None

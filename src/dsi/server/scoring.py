@@ -31,7 +31,6 @@ from dsi.errors import ConfigError, TaskCancelled
 from dsi.models.scoring_channel import (
     BUSY,
     FAILED,
-    LENGTH,
     MAX_HELLO_BYTES,
     MAX_TOKENS,
     MODE_ARGMAX,
@@ -45,6 +44,7 @@ from dsi.models.scoring_channel import (
     frame,
     parse_hello,
     parse_request,
+    read_frame,
 )
 from dsi.server.runner import listen
 from dsi.server.scheduler import QueueFull, RequestCancelled
@@ -134,7 +134,7 @@ class ScoringListener:
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
             if self._greet(conn):
                 self._serve_requests(conn)
-        except (OSError, ValueError) as exc:  # the client went, or sent what does not parse
+        except (OSError, ValueError, EOFError) as exc:  # the client went, or sent what does not parse
             log.debug("scoring connection closed: %s", exc)
         except Exception:  # noqa: BLE001 - one connection's failure never ends the listener
             log.exception("scoring connection failed")
@@ -303,26 +303,3 @@ class ScoringListener:
         if self._accepter is not None:
             self._accepter.join(max(0.0, deadline - time.monotonic()))
 
-
-def read_frame(conn: socket.socket, limit: int) -> bytes:
-    """One frame's body; ``EOFError`` if the peer closed before a frame began, ``ValueError`` if the
-    frame is larger than ``limit`` or cut short."""
-    head = _read_exact(conn, LENGTH.size, at_start=True)
-    (size,) = LENGTH.unpack(head)
-    if size > limit:
-        raise ValueError(f"a frame of {size} bytes, more than the {limit} allowed")
-    return bytes(_read_exact(conn, size, at_start=False))
-
-
-def _read_exact(conn: socket.socket, size: int, at_start: bool) -> bytearray:
-    buf = bytearray(size)
-    view = memoryview(buf)
-    got = 0
-    while got < size:
-        n = conn.recv_into(view[got:])
-        if n == 0:
-            if at_start and got == 0:
-                raise EOFError()
-            raise ValueError(f"the connection closed {got} bytes into a {size}-byte read")
-        got += n
-    return buf
