@@ -14,3 +14,18 @@
 # Together they are about two thirds of the compile (measured in docs/results.md, section 10).
 set(LLAVA_BUILD OFF)
 set(LLAMA_BUILD_COMMON OFF)
+#
+# - No AMX kernels on x86: with GGML_NATIVE (the default) a CPU with AMX (Intel Sapphire Rapids and
+#   later) gets ggml's AMX backend, which repacks Q4_K/Q6_K/Q8_0 weights into AMX buffers and then
+#   segfaults in ggml_backend_amx_mul_mat on the first forward of the embedded Q4_K_M pair (seen on this
+#   project's machine on 2026-12-02, and upstream: ggml-org/llama.cpp issue 20824). The AMX code is
+#   compiled only when the compiler targets AMX-INT8, so -mno-amx-* removes it and leaves every other
+#   native instruction (AVX-512, VNNI) and the CPU repacking in place. dsi also refuses AMX buffers at
+#   run time in a build that has them (dsi.models.llamacpp).
+if(CMAKE_SYSTEM_PROCESSOR MATCHES "^(x86_64|AMD64|amd64|i[3-6]86)$")
+    include(CheckCXXCompilerFlag)
+    check_cxx_compiler_flag("-mno-amx-int8" DSI_HAS_NO_AMX_FLAG)
+    if(DSI_HAS_NO_AMX_FLAG)
+        add_compile_options(-mno-amx-tile -mno-amx-int8 -mno-amx-bf16)
+    endif()
+endif()

@@ -84,6 +84,39 @@ def binding() -> Any:
     return ll
 
 
+def extra_buffers_safe(system_info: str, environ: Any = os.environ) -> bool:
+    """Whether weights may go to llama.cpp's extra buffer types (``use_extra_bufts``: the CPU repacking,
+    and AMX where the build has it), from the build's ``llama_print_system_info()``.
+
+    Not in a build with ggml's AMX kernels (``AMX_INT8 = 1``) unless ``DSI_LLAMA_AMX=1``: they repack
+    Q4_K / Q6_K / Q8_0 weights into AMX buffers and then segfault in ``ggml_backend_amx_mul_mat`` on the
+    first forward of the embedded Q4_K_M pair (an Intel Sapphire Rapids machine, 2026-12-02; upstream:
+    ggml-org/llama.cpp issue 20824). Without extra buffers such a build computes on the plain CPU kernels
+    (slower, but a crash is worse); ``packaging/llama-cpp-minimal.cmake`` compiles llama-cpp-python
+    without the AMX kernels, which keeps the repacking (docs/models.md)."""
+    amx = "AMX_INT8 = 1" in system_info
+    return not amx or environ.get("DSI_LLAMA_AMX") == "1"
+
+
+_amx_warned = False
+
+
+def _model_params(ll: Any) -> Any:
+    global _amx_warned
+    params = ll.llama_model_default_params()
+    params.n_gpu_layers = 0
+    info = ll.llama_print_system_info().decode("utf-8", "replace")
+    if not extra_buffers_safe(info):
+        params.use_extra_bufts = False
+        if not _amx_warned:
+            _amx_warned = True
+            log.warning("this llama-cpp-python was built with ggml's AMX kernels, which crash on the embedded "
+                        "models: running without extra buffer types (no weight repacking, slower). Rebuild it "
+                        "with packaging/llama-cpp-minimal.cmake (docs/models.md), or set DSI_LLAMA_AMX=1 to "
+                        "use AMX anyway")
+    return params
+
+
 def _check_threads(threads: object) -> None:
     if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
         raise ConfigError(f"threads={threads!r} must be an integer >= 1 (or None for llama.cpp's default)")
@@ -109,8 +142,7 @@ class LlamaCppModel:
         self.deterministic = deterministic  # checked by the setter
         ll = binding()
         self._ll = ll
-        params = ll.llama_model_default_params()
-        params.n_gpu_layers = 0
+        params = _model_params(ll)
         model = ll.llama_model_load_from_file(os.fsencode(path), params)
         if not model:
             raise ModelError(f"llama.cpp could not load {str(path)!r} (not a GGUF model it supports?); set "

@@ -268,3 +268,29 @@ def test_release_frees_a_llama_cpp_model_and_the_one_a_cross_vocabulary_drafter_
     with pytest.raises(ModelError, match="was closed"):
         wrapped.new_session()
     release(object())  # any other model: left to the garbage collector, nothing raised
+
+
+def test_amx_builds_load_weights_without_extra_buffers_unless_asked():
+    """ggml's AMX kernels segfault on the embedded Q4_K_M pair (docs/models.md): a build that has them
+    loads weights without extra buffer types, unless DSI_LLAMA_AMX=1; any other build keeps them."""
+    from dsi.models.llamacpp import extra_buffers_safe
+
+    amx = "CPU : SSE3 = 1 | AVX2 = 1 | AVX512 = 1 | AVX512_VNNI = 1 | AMX_INT8 = 1 | REPACK = 1 | "
+    plain = "CPU : SSE3 = 1 | AVX2 = 1 | AVX512 = 1 | AVX512_VNNI = 1 | REPACK = 1 | "
+    assert extra_buffers_safe(plain, {}) is True
+    assert extra_buffers_safe(amx, {}) is False
+    assert extra_buffers_safe(amx, {"DSI_LLAMA_AMX": "1"}) is True
+    assert extra_buffers_safe(amx, {"DSI_LLAMA_AMX": "0"}) is False
+
+
+def test_the_loaded_model_s_params_follow_the_build(tiny, monkeypatch):
+    """What the loader asks llama.cpp for, with this machine's real binding: extra buffers exactly when the
+    build's system info allows them."""
+    import dsi.models.llamacpp as backend
+
+    ll = backend.binding()
+    info = ll.llama_print_system_info().decode()
+    monkeypatch.delenv("DSI_LLAMA_AMX", raising=False)
+    assert bool(backend._model_params(ll).use_extra_bufts) == ("AMX_INT8 = 1" not in info)
+    monkeypatch.setenv("DSI_LLAMA_AMX", "1")
+    assert bool(backend._model_params(ll).use_extra_bufts) is True
