@@ -17,9 +17,13 @@ alternating order over ``--repeats`` rounds:
   table says whether it was) and the ratio is the cost of processing and logprobs alone.
 
 Every request sets ``ignore_eos``, so each one generates exactly ``--tokens`` tokens and the kinds do
-the same amount of decoding. Reported per kind: the median over rounds of the summed wall time of the
+the same amount of decoding. Within a round the kinds take turns prompt by prompt (each prompt sends
+every kind, the order reversed on every other prompt and round), so a slow spell of the machine
+falls on all of them alike. Reported per kind: the median over rounds of the summed wall time of the
 prompts (the server's own ``dsi.wall_time_s``, which leaves out HTTP), its ratio to ``plain`` of the
-same round, and the acceptance rate (accepted / decided drafts). The processed outputs differ from
+same round (the median, and a 90% bootstrap interval of the mean of the rounds' ratios), and the
+acceptance rate (accepted / decided drafts). ``--methods`` and ``--kinds`` run a subset (``plain`` is
+always run: it is what the ratios divide by). The processed outputs differ from
 the plain ones (the penalties change them), so their acceptance may differ too: it says whether the
 drafter, processed alike, keeps up.
 
@@ -49,6 +53,19 @@ KINDS["processed + logprobs"] = {**KINDS["processed"], "logprobs": 5}
 KINDS["tiny processing + logprobs"] = {"presence_penalty": 1e-4, "logit_bias": {"13": 1e-4}, "logprobs": 5}
 METHODS = {"si k=4": dict(method="si", lookahead=4), "dsi auto SP=1": dict(method="dsi", lookahead="auto",
                                                                           num_target_servers=1)}
+METHOD_NAMES = {"si": "si k=4", "dsi": "dsi auto SP=1"}
+
+
+def bootstrap_interval(values: list[float], level: float = 0.9, resamples: int = 4000) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean of ``values`` (seeded: the same values, the same interval)."""
+    import numpy as np
+
+    data = np.asarray(values, dtype=np.float64)
+    if len(data) < 2:
+        return float(data.mean()), float(data.mean())
+    means = np.random.default_rng(0).choice(data, size=(resamples, len(data))).mean(axis=1)
+    tail = (1 - level) / 2
+    return float(np.quantile(means, tail)), float(np.quantile(means, 1 - tail))
 
 
 def position_costs(target, prompt: str, repeats: int = 50) -> dict[str, float]:
@@ -108,45 +125,51 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--methods", nargs="+", choices=sorted(METHOD_NAMES), default=sorted(METHOD_NAMES))
+    parser.add_argument("--kinds", nargs="+", choices=list(KINDS), default=list(KINDS))
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    kinds = ["plain", *[k for k in args.kinds if k != "plain"]]
     target, drafter = load_pair(args.target, args.drafter, backend="llama.cpp", progress=False)
     prompts = CODE_PROMPTS[: args.prompts]
     per_position = position_costs(target, prompts[0])
     rows = []
-    for label, method in METHODS.items():
-        config = ServeConfig(model_name="m", max_tokens=args.tokens, max_concurrent=1, **method)
-        seconds: dict[str, list[float]] = {k: [] for k in KINDS}
-        ratios: dict[str, list[float]] = {k: [] for k in KINDS}
-        accepted = {k: [0, 0] for k in KINDS}
-        texts: dict[str, dict[str, str]] = {k: {} for k in KINDS}
+    for label in [METHOD_NAMES[m] for m in sorted(args.methods, reverse=True)]:
+        config = ServeConfig(model_name="m", max_tokens=args.tokens, max_concurrent=1, **METHODS[label])
+        seconds: dict[str, list[float]] = {k: [] for k in kinds}
+        ratios: dict[str, list[float]] = {k: [] for k in kinds}
+        accepted = {k: [0, 0] for k in kinds}
+        texts: dict[str, dict[str, str]] = {k: {} for k in kinds}
         with running_server(create_app(target, drafter, config)) as server:
             client = httpx.Client(base_url=server.url, timeout=600)
             warm = {"prompt": prompts[0], "max_tokens": 4, "temperature": 0}
             client.post("/v1/completions", json=warm).raise_for_status()
             for rep in range(args.repeats):
-                order = list(KINDS) if rep % 2 == 0 else list(reversed(KINDS))
-                for kind in order:
-                    total = 0.0
-                    for prompt in prompts:
+                totals = dict.fromkeys(kinds, 0.0)
+                for i, prompt in enumerate(prompts):
+                    order = kinds if (rep + i) % 2 == 0 else list(reversed(kinds))
+                    for kind in order:
                         body = {"prompt": prompt, "max_tokens": args.tokens, "temperature": 0, "ignore_eos": True,
                                 **KINDS[kind]}
                         answer = client.post("/v1/completions", json=body)
                         answer.raise_for_status()
                         info = answer.json()["dsi"]
                         texts[kind][prompt] = answer.json()["choices"][0]["text"]
-                        total += info["wall_time_s"]
+                        totals[kind] += info["wall_time_s"]
                         accepted[kind][0] += info["accepted_tokens"]
                         accepted[kind][1] += info["accepted_tokens"] + info["rejections"]
-                    seconds[kind].append(total)
-                    print(f"{label} round {rep + 1} {kind}: {total:.2f} s", file=sys.stderr, flush=True)
-                for kind in KINDS:
-                    ratios[kind].append(seconds[kind][-1] / seconds["plain"][-1])
+                for kind in kinds:
+                    seconds[kind].append(totals[kind])
+                    ratios[kind].append(totals[kind] / totals["plain"])
+                print(f"{label} round {rep + 1}: " + ", ".join(f"{k} {totals[k]:.2f} s" for k in kinds),
+                      file=sys.stderr, flush=True)
             client.close()
-        for kind in KINDS:
+        for kind in kinds:
             done, decided = accepted[kind]
+            low, high = bootstrap_interval(ratios[kind])
             rows.append({"method": label, "kind": kind, "seconds": statistics.median(seconds[kind]),
-                         "ratio_to_plain": statistics.median(ratios[kind]),
+                         "ratio_to_plain": statistics.median(ratios[kind]), "round_ratios": ratios[kind],
+                         "mean_ratio_90": [low, high],
                          "acceptance": done / decided if decided else None,
                          "same_output_as_plain": texts[kind] == texts["plain"]})
     forward = per_position.pop("target one-token forward")
@@ -158,11 +181,13 @@ def main() -> int:
     print()
     print(f"{args.target} / {args.drafter}, llama.cpp, dsi serve in-process, greedy, {len(prompts)} prompts x "
           f"{args.tokens} tokens, median of {args.repeats} rounds")
-    print("| method | request | s (sum of prompts) | / plain | acceptance | plain's output |")
-    print("|---|---|---|---|---|---|")
+    print("| method | request | s (sum of prompts) | / plain (median) | mean / plain, 90% interval | acceptance "
+          "| plain's output |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
+        low, high = r["mean_ratio_90"]
         print(f"| {r['method']} | {r['kind']} | {r['seconds']:.2f} | {r['ratio_to_plain']:.3f} | "
-              f"{r['acceptance']:.3f} | {'yes' if r['same_output_as_plain'] else 'no'} |")
+              f"{low:.3f}-{high:.3f} | {r['acceptance']:.3f} | {'yes' if r['same_output_as_plain'] else 'no'} |")
     emit_record({"benchmark": "request_surface_cost", "target": args.target, "drafter": args.drafter,
                  "prompts": len(prompts), "tokens": args.tokens, "repeats": args.repeats,
                  "target_forward_ms": forward, "per_position_ms": per_position, "rows": rows}, args.out)
