@@ -266,7 +266,9 @@ def test_an_engine_lost_mid_request_leaves_the_request_correct_on_the_other(dirs
 
 
 class GarbageAfter:
-    """A real engine behind a proxy that, after ``good`` completions, answers rows of the wrong length."""
+    """A real engine behind an HTTP proxy that, after ``good`` completions, answers rows of the wrong length.
+    The proxy relays HTTP only, so the model cards it relays do not advertise the engine's scoring channel
+    (a dsi would verify there, past the proxy): every verification goes through it."""
 
     def __init__(self, upstream: str, good: int) -> None:
         self.upstream, self.good, self.answered = upstream, good, 0
@@ -293,7 +295,10 @@ class GarbageAfter:
                 self.wfile.write(data)
 
             def do_GET(self):
-                self._send(self._relay("GET"))
+                answer = self._relay("GET")
+                for card in answer.get("data", []):
+                    (card.get("dsi") or {}).pop("scoring_port", None)
+                self._send(answer)
 
             def do_POST(self):
                 body = self.rfile.read(int(self.headers["Content-Length"]))
