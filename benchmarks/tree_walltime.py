@@ -10,7 +10,10 @@ the target's row after ``prompt + output[:i]`` has its maximum at ``output[i]``;
 there gives the recorded tokens their recorded probabilities. Greedy verification only walks along the
 target's output, and every side child that wins is the target's token, so every decision the engine
 takes is the real pair's; what a model says off the recording (after a rejected draft) is discarded by
-the algorithm whatever it is. Both are wrapped in ``WithLatency``:
+the algorithm whatever it is; except the shape of SI's dynamic (``auto``) tree, which follows the
+drafter's rows off the target's path, where the replayed drafter's law is flat: its best-first growth
+then never spends budget below a wrong draft, which makes those runs optimistic (``--budgets`` and
+``--exact-si`` measure them with the real drafter). Both are wrapped in ``WithLatency``:
 
 - GPU-like: every forward costs the same (target 20 ms, drafter 2 ms), a tree of n nodes what a
   chain of n tokens costs (the memory-bound regime the paper simulates);
@@ -26,6 +29,17 @@ Median wall time over repeats, one run per prompt and configuration in turn; eve
 against the recording.
 
     python benchmarks/tree_walltime.py --out docs/data/tree_walltime-2026-12-01.json
+
+With ``--budgets B [B ...]`` it measures instead, at each draft budget B, the tokens SI commits per target
+verification with the chain (k = B) and with the ``auto`` tree of B nodes (issue 24's first benchmark,
+for dynamic trees), with no emulated latency: the real drafter drafts (llama.cpp), since a dynamic tree's
+shape follows its rows off the target's path, which the recordings do not hold (the replayed drafter
+above gives every such row a flat law, so its dynamic trees never spend budget below a wrong draft);
+the target is the recording (its greedy decisions are all a greedy walk reads).
+
+With ``--exact-si`` it times SI k = 5 with its chain against its ``auto`` tree on both cost models with
+the real drafter's rows (:class:`MemoDrafter`: computed once per context, then served from memory at the
+emulated cost), the correction of the replayed runs above for SI's dynamic trees.
 
 Prints one table per cost model and prompt set, then one JSON line.
 """
@@ -160,6 +174,125 @@ def run_set(recorded: Recorded, cost: dict, repeats: int) -> dict:
             "auto": {"picked": choice.label, "reason": choice.reason, "calibration_s": choice.calibration_s}}
 
 
+def budgets_set(recordings: list[dict], vocab: int, drafter, budgets: list[int]) -> list[dict]:
+    """Per budget: tokens per target verification of SI's chain and of its ``auto`` tree of that many nodes,
+    the real ``drafter`` drafting (a dynamic tree's shape follows the drafter's rows off the target's path
+    too, which a recording does not hold) against the recorded target (its greedy token at every context
+    on its path: exactly the decisions the real target takes, and the only rows a greedy walk reads)."""
+    import dsi
+    from dsi.models import CallableLM
+
+    following = {tuple(r["prompt"] + r["output"][:i]): token for r in recordings for i, token in enumerate(r["output"])}
+
+    def target_logits(context) -> np.ndarray:
+        row = np.zeros(vocab)
+        row[following.get(tuple(context), 0)] = 10.0
+        return row
+
+    target = CallableLM(target_logits, vocab, name="recorded target")
+    rows = []
+    for budget in budgets:
+        row = {"budget": budget}
+        for name, tree in (("chain", None), ("tree", "auto")):
+            tokens = forwards = sides = drafter_forwards = 0
+            for r in recordings:
+                out = dsi.generate(target=target, drafter=drafter, prompt=r["prompt"], method="si", lookahead=budget,
+                                   draft_tree=tree, max_new_tokens=len(r["output"]))
+                if out.tokens != r["output"]:
+                    raise SystemExit(f"SI k={budget} {name}: output departs from the recording")
+                tokens += len(r["output"])
+                forwards += out.stats.completed_target_forwards
+                sides += out.stats.extra.get("tree_side_accepts", 0)
+                drafter_forwards += out.stats.drafter_forwards
+            row[name] = tokens / forwards
+            row[f"{name}_side_wins"] = sides
+            row[f"{name}_drafter_forwards"] = drafter_forwards
+        row["tree_over_chain"] = row["tree"] / row["chain"]
+        rows.append(row)
+        print(f"B={budget}: chain {row['chain']:.2f}, tree {row['tree']:.2f}", file=sys.stderr, flush=True)
+    return rows
+
+
+class MemoDrafter:
+    """The real drafter's row at any context, computed once (a llama.cpp session reused along shared
+    prefixes) and then served from memory: SI's drafting visits the same contexts on every run (greedy),
+    so after one pass that fills the memory, latency-emulated runs are the real drafter's decisions at
+    the emulated cost. ``misses`` counts rows computed (none may happen in a timed run)."""
+
+    def __init__(self, drafter) -> None:
+        self.session = drafter.new_session()
+        self.rows: dict[tuple[int, ...], np.ndarray] = {}
+        self.misses = 0
+
+    def logits(self, context) -> np.ndarray:
+        from dsi.models.base import forward_rows
+
+        key = tuple(int(t) for t in context)
+        row = self.rows.get(key)
+        if row is None:
+            self.misses += 1
+            row = self.rows[key] = np.asarray(forward_rows(self.session, key, 1)[0], dtype=np.float32)
+        return row
+
+
+def si_walltime_exact(recordings: list[dict], vocab: int, drafter, repeats: int, k: int = 5) -> dict:
+    """SI's chain against its ``auto`` tree (k = ``k``) in wall time on both cost models, the drafter's rows
+    the real drafter's (:class:`MemoDrafter`) and the target the recording (as in :func:`budgets_set`)."""
+    import dsi
+    from dsi.models import CallableLM, WithLatency
+
+    following = {tuple(r["prompt"] + r["output"][:i]): token for r in recordings for i, token in enumerate(r["output"])}
+
+    def target_logits(context) -> np.ndarray:
+        row = np.zeros(vocab, dtype=np.float32)
+        row[following.get(tuple(context), 0)] = 10.0
+        return row
+
+    memo = MemoDrafter(drafter)
+    plain = CallableLM(memo.logits, vocab, name="real drafter, memoised")
+    configs = {"SI chain": None, "SI tree=auto": "auto"}
+
+    def run(target, drafter_model, tree) -> tuple[float, int, int]:
+        wall = forwards = tokens = 0
+        for r in recordings:
+            out = dsi.generate(target=target, drafter=drafter_model, prompt=r["prompt"], method="si", lookahead=k,
+                               draft_tree=tree, max_new_tokens=len(r["output"]))
+            if out.tokens != r["output"]:
+                raise SystemExit(f"SI k={k} tree={tree}: output departs from the recording")
+            wall += out.stats.wall_time_s
+            forwards += out.stats.completed_target_forwards
+            tokens += len(r["output"])
+        return wall, forwards, tokens
+
+    flat = CallableLM(target_logits, vocab, name="recorded target")
+    for tree in configs.values():  # fill the memory: every context SI's drafting visits
+        run(flat, plain, tree)
+    result = {}
+    for cost_name, cost in COST_MODELS.items():
+        target = WithLatency(flat, **cost["target"])
+        drafter_model = WithLatency(plain, **cost["drafter"])
+        walls = {label: [] for label in configs}
+        counts = {}
+        for _ in range(repeats):
+            for label, tree in configs.items():
+                before = memo.misses
+                wall, forwards, tokens = run(target, drafter_model, tree)
+                if memo.misses != before:
+                    raise SystemExit(f"{label}: the timed run visited contexts the first pass did not")
+                walls[label].append(wall)
+                counts[label] = tokens / forwards
+        med = {label: statistics.median(v) for label, v in walls.items()}
+        result[cost_name] = {"median_s": med, "walls": walls, "tokens_per_verification": counts,
+                             "tree_speedup": med["SI chain"] / med["SI tree=auto"]}
+        print(f"{cost_name}: SI k={k} chain {med['SI chain']:.3f} s ({counts['SI chain']:.2f} tokens / verification), "
+              f"tree=auto {med['SI tree=auto']:.3f} s ({counts['SI tree=auto']:.2f}): "
+              f"{result[cost_name]['tree_speedup']:.3f}x", file=sys.stderr, flush=True)
+    session = memo.session
+    session.close()
+    result["drafter_rows"] = len(memo.rows)
+    return result
+
+
 def main() -> int:
     from dsi.cli.measure import PROMPT_SETS
     from dsi.evaluate.bench import emit_record
@@ -172,14 +305,51 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--prompts", type=int, default=3, help="prompts per set")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--budgets", type=int, nargs="+", help="tokens per verification at these draft budgets "
+                        "instead of wall time (SI, chain against the auto tree)")
+    parser.add_argument("--exact-si", action="store_true", help="SI's chain against its auto tree in wall time with "
+                        "the real drafter's rows (memoised) instead of the replayed drafter")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     start = time.perf_counter()
     target, drafter = load_pair(args.target, args.drafter, backend="llama.cpp", progress=False)
     if not shares_vocabulary(target, drafter):  # another tokenizer: greedy string mode cannot branch, so the
         drafter = bridge_drafter(target, drafter, "intersection")  # token intersection (its law over target ids)
-    sets = {name: Recorded(record(target, drafter, PROMPT_SETS[name][: args.prompts], args.tokens))
-            for name in ("code", "prose")}
+    recordings = {name: record(target, drafter, PROMPT_SETS[name][: args.prompts], args.tokens)
+                  for name in ("code", "prose")}
+    sets = {name: Recorded(recs) for name, recs in recordings.items()}
+    if args.exact_si:
+        results = []
+        print("| cost model | prompts | SI k=5 chain: s (tokens / verification) | SI k=5 tree=auto | tree / chain |")
+        print("|---|---|---|---|---|")
+        for set_name, recs in recordings.items():
+            got = si_walltime_exact(recs, target.vocab_size, drafter, args.repeats)
+            for cost_name in COST_MODELS:
+                g = got[cost_name]
+                med, tpv = g["median_s"], g["tokens_per_verification"]
+                results.append({"cost_model": cost_name, "prompts": set_name, **g})
+                print(f"| {cost_name} | {set_name} | {med['SI chain']:.3f} ({tpv['SI chain']:.2f}) | "
+                      f"{med['SI tree=auto']:.3f} ({tpv['SI tree=auto']:.2f}) | {g['tree_speedup']:.3f} |")
+        emit_record({"benchmark": "tree_walltime_exact_si", "target": args.target, "drafter": args.drafter,
+                     "tokens": args.tokens, "prompts_per_set": args.prompts, "repeats": args.repeats,
+                     "results": results}, args.out)
+        return 0
+    if args.budgets:
+        results = []
+        print("| prompts | drafter top-1 agreement | B | chain: tokens / verification | auto tree | side wins "
+              "| tree / chain |")
+        print("|---|---|---|---|---|---|---|")
+        for set_name, recorded in sets.items():
+            agreement = np.mean([r == recorded.drafter_row[tuple(p + o[:i])].argmax()
+                                 for p, o in zip(recorded.prompts, recorded.outputs, strict=True)
+                                 for i, r in enumerate(o)])
+            for row in budgets_set(recordings[set_name], target.vocab_size, drafter, args.budgets):
+                results.append({"prompts": set_name, "drafter_agreement": float(agreement), **row})
+                print(f"| {set_name} | {agreement:.2f} | {row['budget']} | {row['chain']:.2f} | {row['tree']:.2f} | "
+                      f"{row['tree_side_wins']} | {row['tree_over_chain']:.3f} |")
+        emit_record({"benchmark": "tree_budgets", "target": args.target, "drafter": args.drafter,
+                     "tokens": args.tokens, "prompts_per_set": args.prompts, "results": results}, args.out)
+        return 0
     results = []
     for cost_name, cost in COST_MODELS.items():
         for set_name, recorded in sets.items():
