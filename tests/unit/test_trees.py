@@ -356,3 +356,31 @@ def test_greedy_windows_that_take_the_leaf_token_still_give_the_targets_greedy_o
         tokens += outcome.tokens(tree)
         windows += 1
     assert tokens[:len(want)] == want and windows < 10
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_greedy_draft_s_alternatives_are_the_softmax_of_its_row_in_its_own_dtype(dtype):
+    """The likeliest tokens a greedy draft reports (what a tree's growth ranks) and their probabilities:
+    the float64 softmax of the row, whether it comes as float32 (as sessions give it, not copied) or
+    float64, with masked (-inf) logits, ties in id order, and a processed row (a penalty moves the argmax)."""
+    from dsi.engine.trees import draft_with_alternatives
+
+    rng = np.random.default_rng(7)
+    row = (rng.standard_normal(5000) * 3).astype(dtype)
+    row[[10, 20]] = row.max() + 1.0  # a tie on top: the lower id first
+    row[rng.choice(5000, 300, replace=False)] = -np.inf
+    row[[10, 20]] = row[np.isfinite(row)].max() + 1.0
+    exact = np.exp(row.astype(np.float64) - row.max())
+    exact /= exact.sum()
+    main, q, ranked = draft_with_alternatives(row, SamplingParams(), 0, Prefix([], 0), 4)
+    assert q is None and main == 10
+    assert [t for t, _ in ranked] == [int(i) for i in np.lexsort((np.arange(5000), -exact))[:4]]
+    assert ranked[0][0] == 10 and ranked[1][0] == 20
+    np.testing.assert_allclose([p for _, p in ranked], exact[[t for t, _ in ranked]], rtol=1e-6)
+    penalised = SamplingParams(presence_penalty=2.0)  # token 10 already generated: it drops below 20
+    main, _, ranked = draft_with_alternatives(row, penalised, 1, Prefix([10], 0), 2)
+    assert main == 20 and ranked[0][0] == 20
+    shaped = row.astype(np.float64)
+    shaped[10] -= 2.0
+    expected = np.exp(shaped - shaped.max()) / np.exp(shaped - shaped.max()).sum()
+    np.testing.assert_allclose(ranked[0][1], expected[20], rtol=1e-6)

@@ -24,6 +24,8 @@ verified tree against its task's result.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -77,12 +79,17 @@ def draft_with_alternatives(row: np.ndarray, params: SamplingParams, position: i
     main, q = draft_from_logits(row, params, position, prefix)
     if q is not None:
         return main, q, ranked(q, count)
-    shaped = shape_logits(row, params, prefix) if params.moves_argmax else np.asarray(row, dtype=np.float64)
+    # the row in its own dtype (a float32 row is not copied to float64: this runs for every node of a tree,
+    # over the whole vocabulary); the normaliser is summed in float64
+    shaped = shape_logits(row, params, prefix) if params.moves_argmax else np.asarray(row)
     ids = top_ids(shaped, count)
-    finite = shaped[np.isfinite(shaped)]
-    top = float(finite.max()) if finite.size else 0.0
-    with np.errstate(under="ignore"):
-        probs = np.exp(shaped[ids] - top) / float(np.exp(shaped - top).sum())
+    top = float(shaped[ids[0]]) if ids else 0.0
+    if not math.isfinite(top):  # no finite logit on top (a row the processors emptied): the finite ones
+        finite = shaped[np.isfinite(shaped)]
+        top = float(finite.max()) if finite.size else 0.0
+    with np.errstate(under="ignore", invalid="ignore"):
+        total = float(np.exp(shaped - shaped.dtype.type(top)).sum(dtype=np.float64))
+        probs = np.exp(shaped[ids].astype(np.float64) - top) / total
     return main, None, [(i, float(p)) for i, p in zip(ids, probs, strict=True)]
 
 

@@ -70,6 +70,8 @@ def test_vocabulary_mismatch():
     [
         (lambda ctx: np.zeros(5), r"shape \(5,\); expected \(8,\)"),
         (lambda ctx: np.full(8, np.nan), "NaN logits"),
+        (lambda ctx: np.array([0.0, 1.0, np.nan, 3.0, np.inf, 5.0, 6.0, -np.inf]), "NaN logits"),
+        (lambda ctx: np.array([0.0, 1.0, 2.0, np.inf, 4.0, 5.0, 6.0, -np.inf]), r"\+inf logits"),
     ],
 )
 def test_bad_next_logits_fail_the_call(method, bad_logits, message, no_thread_leak):
