@@ -25,7 +25,6 @@ verified tree against its task's result.
 from __future__ import annotations
 
 import math
-
 from collections.abc import Sequence
 from dataclasses import dataclass
 
