@@ -121,6 +121,11 @@ class Recorded:
                 row[[self.index[t] for t in r["ranked"][i]]] = np.log(probs)
                 self.drafter_row[context] = row
 
+    def agreement(self) -> float:
+        """How often the drafter's top token is the target's, over every recorded position."""
+        return float(np.mean([token == self.drafter_row[tuple(p + o[:i])].argmax()
+                              for p, o in zip(self.prompts, self.outputs, strict=True) for i, token in enumerate(o)]))
+
     def target_logits(self, context) -> np.ndarray:
         row = np.zeros(self.vocab)
         row[self.target_next.get(tuple(context), self.vocab - 1)] = 10.0
@@ -174,39 +179,53 @@ def run_set(recorded: Recorded, cost: dict, repeats: int) -> dict:
             "auto": {"picked": choice.label, "reason": choice.reason, "calibration_s": choice.calibration_s}}
 
 
-def budgets_set(recordings: list[dict], vocab: int, drafter, budgets: list[int]) -> list[dict]:
-    """Per budget: tokens per target verification of SI's chain and of its ``auto`` tree of that many nodes,
-    the real ``drafter`` drafting (a dynamic tree's shape follows the drafter's rows off the target's path
-    too, which a recording does not hold) against the recorded target (its greedy token at every context
-    on its path: exactly the decisions the real target takes, and the only rows a greedy walk reads)."""
-    import dsi
+def recorded_target(recordings: list[dict], vocab: int):
+    """The recorded target over the real vocabulary: its greedy token at every context on its path (exactly
+    the decisions the real target takes, and the only rows a greedy walk reads)."""
     from dsi.models import CallableLM
 
     following = {tuple(r["prompt"] + r["output"][:i]): token for r in recordings for i, token in enumerate(r["output"])}
 
     def target_logits(context) -> np.ndarray:
-        row = np.zeros(vocab)
+        row = np.zeros(vocab, dtype=np.float32)
         row[following.get(tuple(context), 0)] = 10.0
         return row
 
-    target = CallableLM(target_logits, vocab, name="recorded target")
+    return CallableLM(target_logits, vocab, name="recorded target")
+
+
+def si_over_recordings(target, drafter, recordings: list[dict], k: int, tree: str | None) -> dict[str, float]:
+    """SI k = ``k`` (``tree``: its draft tree) over every recording's prompt, each output checked against the
+    recording; the sums of wall time, verifications, tokens, side wins and drafter forwards."""
+    import dsi
+
+    sums = dict.fromkeys(("wall_s", "forwards", "tokens", "side_wins", "drafter_forwards"), 0)
+    for r in recordings:
+        out = dsi.generate(target=target, drafter=drafter, prompt=r["prompt"], method="si", lookahead=k,
+                           draft_tree=tree, max_new_tokens=len(r["output"]))
+        if out.tokens != r["output"]:
+            raise SystemExit(f"SI k={k} tree={tree}: output departs from the recording")
+        sums["wall_s"] += out.stats.wall_time_s
+        sums["forwards"] += out.stats.completed_target_forwards
+        sums["tokens"] += len(r["output"])
+        sums["side_wins"] += out.stats.extra.get("tree_side_accepts", 0)
+        sums["drafter_forwards"] += out.stats.drafter_forwards
+    return sums
+
+
+def budgets_set(recordings: list[dict], vocab: int, drafter, budgets: list[int]) -> list[dict]:
+    """Per budget: tokens per target verification of SI's chain and of its ``auto`` tree of that many nodes,
+    the real ``drafter`` drafting (a dynamic tree's shape follows the drafter's rows off the target's path
+    too, which a recording does not hold) against :func:`recorded_target`."""
+    target = recorded_target(recordings, vocab)
     rows = []
     for budget in budgets:
         row = {"budget": budget}
         for name, tree in (("chain", None), ("tree", "auto")):
-            tokens = forwards = sides = drafter_forwards = 0
-            for r in recordings:
-                out = dsi.generate(target=target, drafter=drafter, prompt=r["prompt"], method="si", lookahead=budget,
-                                   draft_tree=tree, max_new_tokens=len(r["output"]))
-                if out.tokens != r["output"]:
-                    raise SystemExit(f"SI k={budget} {name}: output departs from the recording")
-                tokens += len(r["output"])
-                forwards += out.stats.completed_target_forwards
-                sides += out.stats.extra.get("tree_side_accepts", 0)
-                drafter_forwards += out.stats.drafter_forwards
-            row[name] = tokens / forwards
-            row[f"{name}_side_wins"] = sides
-            row[f"{name}_drafter_forwards"] = drafter_forwards
+            sums = si_over_recordings(target, drafter, recordings, budget, tree)
+            row[name] = sums["tokens"] / sums["forwards"]
+            row[f"{name}_side_wins"] = sums["side_wins"]
+            row[f"{name}_drafter_forwards"] = sums["drafter_forwards"]
         row["tree_over_chain"] = row["tree"] / row["chain"]
         rows.append(row)
         print(f"B={budget}: chain {row['chain']:.2f}, tree {row['tree']:.2f}", file=sys.stderr, flush=True)
@@ -238,35 +257,15 @@ class MemoDrafter:
 def si_walltime_exact(recordings: list[dict], vocab: int, drafter, repeats: int, k: int = 5) -> dict:
     """SI's chain against its ``auto`` tree (k = ``k``) in wall time on both cost models, the drafter's rows
     the real drafter's (:class:`MemoDrafter`) and the target the recording (as in :func:`budgets_set`)."""
-    import dsi
     from dsi.models import CallableLM, WithLatency
-
-    following = {tuple(r["prompt"] + r["output"][:i]): token for r in recordings for i, token in enumerate(r["output"])}
-
-    def target_logits(context) -> np.ndarray:
-        row = np.zeros(vocab, dtype=np.float32)
-        row[following.get(tuple(context), 0)] = 10.0
-        return row
 
     memo = MemoDrafter(drafter)
     plain = CallableLM(memo.logits, vocab, name="real drafter, memoised")
     configs = {"SI chain": None, "SI tree=auto": "auto"}
 
-    def run(target, drafter_model, tree) -> tuple[float, int, int]:
-        wall = forwards = tokens = 0
-        for r in recordings:
-            out = dsi.generate(target=target, drafter=drafter_model, prompt=r["prompt"], method="si", lookahead=k,
-                               draft_tree=tree, max_new_tokens=len(r["output"]))
-            if out.tokens != r["output"]:
-                raise SystemExit(f"SI k={k} tree={tree}: output departs from the recording")
-            wall += out.stats.wall_time_s
-            forwards += out.stats.completed_target_forwards
-            tokens += len(r["output"])
-        return wall, forwards, tokens
-
-    flat = CallableLM(target_logits, vocab, name="recorded target")
+    flat = recorded_target(recordings, vocab)
     for tree in configs.values():  # fill the memory: every context SI's drafting visits
-        run(flat, plain, tree)
+        si_over_recordings(flat, plain, recordings, k, tree)
     result = {}
     for cost_name, cost in COST_MODELS.items():
         target = WithLatency(flat, **cost["target"])
@@ -276,19 +275,18 @@ def si_walltime_exact(recordings: list[dict], vocab: int, drafter, repeats: int,
         for _ in range(repeats):
             for label, tree in configs.items():
                 before = memo.misses
-                wall, forwards, tokens = run(target, drafter_model, tree)
+                sums = si_over_recordings(target, drafter_model, recordings, k, tree)
                 if memo.misses != before:
                     raise SystemExit(f"{label}: the timed run visited contexts the first pass did not")
-                walls[label].append(wall)
-                counts[label] = tokens / forwards
+                walls[label].append(sums["wall_s"])
+                counts[label] = sums["tokens"] / sums["forwards"]
         med = {label: statistics.median(v) for label, v in walls.items()}
         result[cost_name] = {"median_s": med, "walls": walls, "tokens_per_verification": counts,
                              "tree_speedup": med["SI chain"] / med["SI tree=auto"]}
         print(f"{cost_name}: SI k={k} chain {med['SI chain']:.3f} s ({counts['SI chain']:.2f} tokens / verification), "
               f"tree=auto {med['SI tree=auto']:.3f} s ({counts['SI tree=auto']:.2f}): "
               f"{result[cost_name]['tree_speedup']:.3f}x", file=sys.stderr, flush=True)
-    session = memo.session
-    session.close()
+    memo.session.close()
     result["drafter_rows"] = len(memo.rows)
     return result
 
@@ -340,9 +338,7 @@ def main() -> int:
               "| tree / chain |")
         print("|---|---|---|---|---|---|---|")
         for set_name, recorded in sets.items():
-            agreement = np.mean([r == recorded.drafter_row[tuple(p + o[:i])].argmax()
-                                 for p, o in zip(recorded.prompts, recorded.outputs, strict=True)
-                                 for i, r in enumerate(o)])
+            agreement = recorded.agreement()
             for row in budgets_set(recordings[set_name], target.vocab_size, drafter, args.budgets):
                 results.append({"prompts": set_name, "drafter_agreement": float(agreement), **row})
                 print(f"| {set_name} | {agreement:.2f} | {row['budget']} | {row['chain']:.2f} | {row['tree']:.2f} | "
@@ -353,9 +349,7 @@ def main() -> int:
     results = []
     for cost_name, cost in COST_MODELS.items():
         for set_name, recorded in sets.items():
-            agreement = np.mean([r == recorded.drafter_row[tuple(p + o[:i])].argmax()
-                                 for p, o in zip(recorded.prompts, recorded.outputs, strict=True)
-                                 for i, r in enumerate(o)])
+            agreement = recorded.agreement()
             got = run_set(recorded, cost, args.repeats)
             results.append({"cost_model": cost_name, "cost": cost, "prompts": set_name,
                             "drafter_agreement": float(agreement), **got})

@@ -367,9 +367,8 @@ def test_a_greedy_draft_s_alternatives_are_the_softmax_of_its_row_in_its_own_dty
 
     rng = np.random.default_rng(7)
     row = (rng.standard_normal(5000) * 3).astype(dtype)
-    row[[10, 20]] = row.max() + 1.0  # a tie on top: the lower id first
     row[rng.choice(5000, 300, replace=False)] = -np.inf
-    row[[10, 20]] = row[np.isfinite(row)].max() + 1.0
+    row[[10, 20]] = row[np.isfinite(row)].max() + 1.0  # a tie on top: the lower id first
     exact = np.exp(row.astype(np.float64) - row.max())
     exact /= exact.sum()
     main, q, ranked = draft_with_alternatives(row, SamplingParams(), 0, Prefix([], 0), 4)
