@@ -9,8 +9,10 @@ children where the drafter's second, third... choice is the target's token), B =
 
     python benchmarks/tree_acceptance.py --out docs/data/tree_acceptance-2026-12-01.json
 
-Prints a table per prompt set (chain, the best tree shape, their ratio, the chain's acceptance),
-then one JSON line. The drafter's rankings come from one batched forward; on llama.cpp a row of a
+Prints a table per prompt set (chain, the best tree shape, their ratio, the chain's acceptance, and the
+bound of :func:`dsi.sim.trees.best_tree_tokens`: the best tree of B nodes against the chain under Sequoia's
+position-independent acceptance model, from how often the target's token is the drafter's first, second,
+... choice), then one JSON line. The drafter's rankings come from one batched forward; on llama.cpp a row of a
 batch can differ slightly from a one-token row (docs/results.md section 11), which moves a few
 near-ties.
 """
@@ -67,7 +69,7 @@ def main() -> int:
     from dsi.evaluate.bench import emit_record
     from dsi.models.crossvocab import bridge_drafter, shares_vocabulary
     from dsi.models.loading import load_pair
-    from dsi.sim.trees import replay_greedy
+    from dsi.sim.trees import best_tree_tokens, rank_rates, replay_greedy
     from dsi.trees import Widths
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -85,6 +87,8 @@ def main() -> int:
         recordings = record(target, drafter, PROMPT_SETS[name][: args.prompts], args.tokens)
         matches = sum(sum(int(r[0] == t) for t, r in zip(out, ranked, strict=True)) for out, ranked in recordings)
         positions = sum(len(out) for out, _ in recordings)
+        rates = rank_rates([t for out, _ in recordings for t in out], [r for _, ranked in recordings for r in ranked],
+                           TOP)
         for budget in BUDGETS:
             rows = {}
             for label, widths in shapes(budget).items():
@@ -94,13 +98,17 @@ def main() -> int:
             best = max((k for k in rows if k != "chain"), key=rows.get)
             results.append({"prompts": name, "budget": budget, "greedy_agreement": matches / positions,
                             "chain": rows["chain"], "best_tree": best, "best_tree_tokens": rows[best],
-                            "ratio": rows[best] / rows["chain"], "shapes": rows})
+                            "ratio": rows[best] / rows["chain"], "shapes": rows, "rank_rates": rates,
+                            "model_chain": best_tree_tokens(rates[:1], budget),
+                            "model_best_tree": best_tree_tokens(rates, budget)})
     print(f"{args.target} / {args.drafter}, llama.cpp, greedy, {args.prompts} prompts x {args.tokens} tokens per set")
-    print("| prompts | drafter top-1 agreement | B | chain: tokens / verification | best tree | tree | tree / chain |")
-    print("|---|---|---|---|---|---|---|")
+    print("| prompts | drafter top-1 agreement | B | chain: tokens / verification | best tree | tree | tree / chain "
+          "| bound for fixed shapes: best / chain |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['prompts']} | {r['greedy_agreement']:.2f} | {r['budget']} | {r['chain']:.2f} | {r['best_tree']} | "
-              f"{r['best_tree_tokens']:.2f} | {r['ratio']:.3f} |")
+              f"{r['best_tree_tokens']:.2f} | {r['ratio']:.3f} | {r['model_best_tree']:.2f} / {r['model_chain']:.2f} "
+              f"({r['model_best_tree'] / r['model_chain']:.3f}) |")
     emit_record({"benchmark": "tree_acceptance", "target": args.target, "drafter": args.drafter,
                  "tokens": args.tokens, "prompts_per_set": args.prompts, "results": results}, args.out)
     return 0

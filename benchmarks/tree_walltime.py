@@ -23,7 +23,7 @@ then never spends budget below a wrong draft, which makes those runs optimistic 
 **Runs**: non-SI; SI k = 5, chain and tree ``2,2,1``/``auto`` (``auto`` also with a drafter that computes
 a round of the tree path by path instead of in one forward: its "vs its chain" is against the batched
 one); DSI with event-driven windows on SP = 2
-and 4 target servers, chain and trees ``2`` and ``auto``; and what ``method="auto"`` picks (up to SP = 4,
+and 4 target servers, chain and trees ``2`` and ``auto`` (and ``4`` on 4 servers); and what ``method="auto"`` picks (up to SP = 4,
 calibrated on the set's first prompt, chains and trees weighed), against the fastest chain of the table.
 Median wall time over repeats, one run per prompt and configuration in turn; every output is checked
 against the recording.
@@ -74,6 +74,7 @@ CONFIGS = [  # (label, method, lookahead, servers, draft tree)
     ("DSI auto SP=4", "dsi", "auto", 4, None),
     ("DSI auto SP=4 tree=2", "dsi", "auto", 4, "2"),
     ("DSI auto SP=4 tree=auto", "dsi", "auto", 4, "auto"),
+    ("DSI auto SP=4 tree=4", "dsi", "auto", 4, "4"),
 ]
 
 

@@ -189,6 +189,9 @@ class _DSIRun:
         self.draft: list[int] = []
         self.qs: list = []
         self.sides: list[list[int]] = []  # draft trees: the side children at each drafted position
+        # draft trees: this epoch follows a side child that won, so its first position is the target's own
+        # draw (a bonus) from the row after that child, and gets no rescue
+        self.bonus_first = False
         self.drafter_done = False
         self.limit = 0
         self.windows: dict[int, _Window] = {}
@@ -305,16 +308,31 @@ class _DSIRun:
             log.warning("the drafter failed on abandoned drafts: %s", event.error)
 
     # ---- windows -----------------------------------------------------------------------------
-    def restart(self) -> None:
-        """Start a new epoch on the committed tokens: zero-draft task + fresh drafting."""
+    def restart(self, after_side: bool = False, adopt: _Window | None = None, adopt_row: int = 0) -> None:
+        """Start a new epoch on the committed tokens: zero-draft task + fresh drafting.
+
+        ``after_side``: the last committed token is a side child that won, so the new epoch's first position
+        is a bonus draw from the row after it. ``adopt``: a window of the old epoch that carries that child and
+        has not answered yet; it is kept (it computes that very row, ``adopt_row``, and was sent earlier than a
+        new zero-draft task would be) as the new epoch's window 0."""
+        if adopt is not None:
+            self.windows = {i: w for i, w in self.windows.items() if w is not adopt}
+            self.outstanding.pop(adopt.task_id, None)
         self.stats.preempted_tasks += self.discard_epoch()
         self.epoch = next(self.decoder._epochs)
         self.base = tuple(self.out.tokens)
         self.draft, self.qs, self.sides, self.windows, self.lasts = [], [], [], {}, []
         self.drafter_done = False
+        self.bonus_first = after_side
         self.limit = self.out.remaining  # positions after base that may be committed
         drafts = self.drafter.capped(len(self.base), self.limit)  # the drafter's context may allow fewer
-        self.submit_window(0, 0, 0)
+        if adopt is None:
+            self.submit_window(0, 0, 0)
+        else:
+            self.windows[0] = _Window(0, 0, adopt.task_id, adopt.result, main_rows={0: adopt_row})
+            if adopt.result is None:
+                self.outstanding[adopt.task_id] = 0
+            self.stats.extra["tree_adopted_windows"] = self.stats.extra.get("tree_adopted_windows", 0) + 1
         if drafts < self.limit:
             self._count_context_limited()
         if drafts > 0:
@@ -351,31 +369,33 @@ class _DSIRun:
         else:
             self.stats.extra["tree_windows"] = self.stats.extra.get("tree_windows", 0) + 1
             self.stats.extra["tree_side_nodes"] = self.stats.extra.get("tree_side_nodes", 0) + len(window.side_rows)
-            prefix = self.base + tuple(self.draft[:first])
+            prefix = self.base + tuple(self.draft[: first - 1])
             self.pool.submit(self.request.tree_task(task_id, prefix, tree))
 
     def _window_tree(self, window: _Window) -> DraftTree | None:
-        """The tree of a window (relative positions ``first..last``) after ``base + draft[:first]``: the
-        main path ``draft[first..last]`` (as far as drafted) with the side children of each of those
-        positions; None when it has no side child (the window goes as a chain). Sets the window's rows."""
+        """The tree of a window deciding relative positions ``first..last``, after ``base + draft[:first - 1]``:
+        the drafts of its context from ``first - 1`` on (``draft[first - 1 : last]``, the main path), each with
+        its position's side children; None when it has no side child (the window goes as a chain). Sets the
+        window's rows: ``first..last`` are decided by the rows after the main drafts before them, and a
+        rejected draft at ``p`` in ``first - 1 .. last - 1`` whose correction is a side child finds the row
+        after that child here. So every drafted position's side children go with the first window sent after
+        its draft, and no window waits for a draft it does not decide."""
         tokens: list[int] = []
         parents: list[int] = []
         main_rows, side_rows = {}, {}
         parent = ROOT
-        for r in range(window.first, min(window.last, len(self.draft) - 1) + 1):
-            main_rows[r] = row_of(parent)
+        for r in range(window.first - 1, window.last):
             node = len(tokens)
             tokens.append(self.draft[r])
             parents.append(parent)
-            for side in self.sides[r]:
+            for side in () if r == 0 and self.bonus_first else self.sides[r]:
                 side_rows[(r, side)] = row_of(len(tokens))
                 tokens.append(side)
                 parents.append(parent)
+            main_rows[r + 1] = row_of(node)
             parent = node
         if not side_rows:
             return None
-        if window.last not in main_rows:  # the bonus position after the drafter's last draft: no draft there
-            main_rows[window.last] = row_of(parent)
         window.main_rows, window.side_rows = main_rows, side_rows
         return DraftTree(tuple(tokens), tuple(parents))
 
@@ -396,8 +416,7 @@ class _DSIRun:
         while True:
             index = len(self.windows)  # next window to send (window 0 is sent at every restart)
             first = (self.lasts[-1] if self.lasts else 0) + 1
-            # a tree window also carries its last position's draft and side children, so it waits for them
-            drafted = len(self.draft) - 1 if self.tree is not None and not self.drafter_done else len(self.draft)
+            drafted = len(self.draft)
             if self.event_driven:
                 last = window_end(
                     first, drafted, self.horizon(), idle_servers=self.pool.idle_servers(),
@@ -426,13 +445,22 @@ class _DSIRun:
         while not self.out.finished:
             r = len(self.out.tokens) - len(self.base)
             # the deciding window: 0 for r = 0, else the first whose last >= r
-            window = self.windows.get(0 if r == 0 else bisect.bisect_left(self.lasts, r) + 1)
+            index = 0 if r == 0 else bisect.bisect_left(self.lasts, r) + 1
+            window = self.windows.get(index)
             if window is None or window.result is None:
                 return
             row = window.row(r)
             result = window.result
             position = len(self.out.tokens)
-            if r < len(self.draft):
+            if r == 0 and self.bonus_first:  # after a side child that won: the target's own draw
+                if r >= len(self.draft) and not self.drafter_done:
+                    return  # whether this epoch's drafts still hold needs its first draft (at most one step)
+                token = self._bonus(result, row, position)
+                self.commit(token, result, row)
+                self.stats.bonus_tokens += 1
+                if r < len(self.draft) and self.draft[r] == token:
+                    continue  # the drafts after it were drafted on it
+            elif r < len(self.draft):
                 if params.greedy:
                     decision = decide_greedy(result.tokens[row], self.draft[r])
                 else:
@@ -443,23 +471,42 @@ class _DSIRun:
                 if accepted:
                     self.stats.accepted_tokens += 1
                     continue
-                side = None if window.side_rows is None else window.side_rows.get((r, token))
-                if side is None:
-                    self.stats.rejections += 1
-                else:  # the correction is a side child: the target's own token after it is in the same result
+                if self.tree is not None and token in self.sides[r]:
+                    # the correction is a side child: the next position is the target's own token after it
                     self.stats.accepted_tokens += 1
                     self.stats.extra["tree_side_accepts"] = self.stats.extra.get("tree_side_accepts", 0) + 1
-                    if not self.out.finished:
-                        probs = result.probs[side] if result.probs is not None else None
-                        after = int(result.tokens[side]) if probs is None else bonus(probs, params, position + 1)
-                        self.commit(after, result, side)
-                        self.stats.bonus_tokens += 1
+                    if self.out.finished:
+                        return
+                    holder = self._side_holder(index, r, token)
+                    if holder is None:  # not sent yet: the next epoch's zero-draft task computes that row
+                        self.restart(after_side=True)
+                        continue
+                    if holder.result is None:  # still running: it becomes the next epoch's window 0
+                        self.restart(after_side=True, adopt=holder, adopt_row=holder.side_rows[(r, token)])
+                        continue
+                    side = holder.side_rows[(r, token)]
+                    self.commit(self._bonus(holder.result, side, position + 1), holder.result, side)
+                    self.stats.bonus_tokens += 1
+                else:
+                    self.stats.rejections += 1
             elif self.drafter_done:
-                probs = result.probs[row] if result.probs is not None else None
-                token = int(result.tokens[row]) if probs is None else bonus(probs, params, position)
+                token = self._bonus(result, row, position)
                 self.commit(token, result, row)
                 self.stats.bonus_tokens += 1
             else:
                 return  # the draft for this position is still being computed
             if not self.out.finished:
                 self.restart()
+
+    def _bonus(self, result: TaskResult, row: int, position: int) -> int:
+        """The target's own token at ``position`` from ``row`` of ``result``: its argmax, or a bonus draw."""
+        probs = result.probs[row] if result.probs is not None else None
+        return int(result.tokens[row]) if probs is None else bonus(probs, self.request.sampling, position)
+
+    def _side_holder(self, index: int, r: int, token: int) -> _Window | None:
+        """The window sent with the side child ``token`` of relative position ``r`` (decided by window
+        ``index``): that window when ``r`` is not its last position, else the next one (None: not sent yet)."""
+        for window in (self.windows.get(index), self.windows.get(index + 1)):
+            if window is not None and window.side_rows is not None and (r, token) in window.side_rows:
+                return window
+        return None

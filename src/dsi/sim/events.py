@@ -342,6 +342,7 @@ class _DSIRun:
         self.windows: dict[int, _Task] = {}
         self.lasts: list[int] = [0]  # window w's end (drafts in its context); window 0: the zero-draft task
         self.epoch_accepted = 0  # drafts accepted in this epoch
+        self.bonus_first = False  # draft trees: this epoch's first position is a side child's bonus token
         self.finished_at: float | None = None
         # statistics
         self.busy = 0.0
@@ -400,9 +401,13 @@ class _DSIRun:
         if self.k is None:
             self.full_windows += bisect.bisect_right(self.lasts, self.epoch_accepted) - 1
 
-    def restart(self, now: float) -> None:
+    def restart(self, now: float, after_side: bool = False, adopt: _Task | None = None) -> None:
+        """A new epoch at ``committed``; ``after_side``: its first position is the target's own token after a side
+        child that won, computed by ``adopt`` (a window of the old epoch still running or queued) if given."""
         self.count_full_windows()
         for task in self.windows.values():
+            if task is adopt:
+                continue
             if task.state == "queued":
                 task.state = "cancelled"
                 self.preempted += 1
@@ -427,7 +432,12 @@ class _DSIRun:
         self.epoch_accepted = 0
         self.drafts = 0
         self.drafter_done = False
-        self.submit(0, now)  # whatever the servers: it may queue
+        self.bonus_first = after_side
+        if adopt is None:
+            self.submit(0, now)  # whatever the servers: it may queue
+        else:
+            adopt.epoch = self.epoch
+            self.windows[0] = adopt
         # the drafter abandons its forward (if any) and drafts the rest of the request
         self.push(now + (self.d_tpot if self.drafter_warm else self.d_ttft), _DRAFT, self.epoch)
         self.submit_when_idle(now)  # no drafts yet: a no-op, kept for the policy's sake
@@ -458,7 +468,7 @@ class _DSIRun:
             while True:
                 index = len(self.windows)
                 first, last = (index - 1) * k + 1, index * k
-                if self.drafts >= last + self._tree_wait():
+                if self.drafts >= last:
                     if first > self.n - 1 - self.base:
                         break  # it would decide only positions past the end (k = 1): not sent
                     self.submit(index, now, last)
@@ -477,7 +487,7 @@ class _DSIRun:
         while True:
             idle = self.unlimited or any(server.task is None for server in self.servers)
             last = window_end(
-                self.lasts[-1] + 1, self.drafts - self._tree_wait(), horizon, idle_servers=int(idle),
+                self.lasts[-1] + 1, self.drafts, horizon, idle_servers=int(idle),
                 min_window=self.pacer.min_window(servers), max_window=self.max_window,
                 drafter_done=self.drafter_done,
                 in_flight=sum(task.state in ("queued", "running") for task in self.windows.values()),
@@ -485,11 +495,6 @@ class _DSIRun:
             if last is None:
                 return  # every server busy (drafts pile up), or too few drafts yet
             self.submit(len(self.lasts), now, last, self.idle_server())
-
-    def _tree_wait(self) -> int:
-        """Draft trees: a window also carries its last position's side children, so it waits for that
-        position's draft too (1), unless the drafter is done (0); chains: 0."""
-        return int(self.rescues is not None and not self.drafter_done)
 
     def submit(self, index: int, now: float, last: int = 0, server: int | None = None) -> None:
         """Send window ``index`` (context = base + ``last`` drafts; 0: the zero-draft task)."""
@@ -565,7 +570,8 @@ class _DSIRun:
         while self.finished_at is None:
             r = self.committed - self.base
             # the deciding window: the first whose end is >= r (window w decides (last_{w-1}, last_w])
-            task = self.windows.get(bisect.bisect_left(lasts, r))
+            index = bisect.bisect_left(lasts, r)
+            task = self.windows.get(index)
             if task is None or task.state != "done":
                 return
             if r >= self.drafts:
@@ -573,6 +579,15 @@ class _DSIRun:
             task.used = True
             position = self.committed
             self.committed += 1
+            if r == 0 and self.bonus_first:  # after a side child that won: the target's own token, no test
+                if self.committed >= self.n:
+                    self.finished_at = now
+                    return
+                if self.matches[position]:  # the epoch's first draft is that token: its drafts hold
+                    self.epoch_accepted += 1
+                    continue
+                self.restart(now)
+                continue
             self.pacer.add_decision(bool(self.matches[position]))
             if self.matches[position]:
                 self.accepted += 1
@@ -582,11 +597,22 @@ class _DSIRun:
                 if self.committed >= self.n:
                     self.finished_at = now
                 continue
-            if self.rescues is not None and r > 0 and self.rescues[position]:
-                # a side child won: the target's own token after it is in the same result (engine.dsi)
+            if self.rescues is not None and self.rescues[position]:
+                # a side child won: the next position is the target's own token after it (engine.dsi), in
+                # the deciding result, or in the next window (which carries the sides of this window's last
+                # position); one not answered yet becomes the next epoch's window 0, one not sent yet a
+                # zero-draft task
                 self.side_wins += 1
                 self.accepted += 1
-                self.committed = min(self.committed + 1, self.n)
+                if self.committed >= self.n:
+                    self.finished_at = now
+                    return
+                holder = task if r < lasts[index] else self.windows.get(index + 1)
+                if holder is None or holder.state != "done":
+                    self.restart(now, after_side=True, adopt=holder)
+                    continue
+                holder.used = True
+                self.committed += 1
             else:
                 self.rejections += 1
             if self.committed >= self.n:
@@ -720,9 +746,12 @@ def simulate(
 
     ``rescues`` (draft trees): patterns like ``matches`` (one per run),
     ``rescues[p]`` True iff a rejection at ``p`` has a correction that is one of ``p``'s side children.
-    Such a rejection, unless at an epoch's first position (decided by the zero-draft task, which carries
-    no tree), commits the correction and the target's next token at once and then restarts; and every
-    window waits for its last position's draft (it carries that position's side children). SI spends its
+    Such a rejection commits the correction, and the next position is the target's own token after it,
+    from the row after that side child: in the deciding window's result (a position before its last), or
+    in the next window's (which carries the side children of the previous window's last position and of
+    the zero-draft task's); a next window still running becomes the new epoch's window 0, one not sent yet
+    is replaced by a zero-draft task. That token is never rescued; the epoch it starts goes on if its first
+    draft is that token (``matches``). No window waits for a draft it does not decide. SI spends its
     ``k`` drafts as the tree ``"2"`` (see :func:`_si_run`). Side children cost nothing on the target (a
     forward costs its TPOT whatever its tokens).
     """

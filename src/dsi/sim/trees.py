@@ -15,6 +15,7 @@ the leaf where it ended on one (its row is in the same forward).
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -74,3 +75,47 @@ def replay_greedy(target_tokens: Sequence[int], drafter_ranked: Sequence[Sequenc
         accepted += len(outcome.accepted)
         start += committed
     return TreeReplay(windows, min(tokens, n), accepted)
+
+
+def rank_rates(target_tokens: Sequence[int], drafter_ranked: Sequence[Sequence[int]], ranks: int) -> list[float]:
+    """How often the target's token is the drafter's ``j``-th likeliest token, ``j = 0 .. ranks - 1``, over the
+    positions of a recording (the rest of the mass: a token past the ranking)."""
+    if len(drafter_ranked) != len(target_tokens):
+        raise ConfigError(f"the recording has {len(target_tokens)} target tokens but {len(drafter_ranked)} drafter "
+                          "rankings")
+    if not target_tokens:
+        raise ConfigError("the recording has no position")
+    counts = [0] * ranks
+    for token, ranked in zip(target_tokens, drafter_ranked, strict=True):
+        ranked = [int(t) for t in ranked[:ranks]]
+        if int(token) in ranked:
+            counts[ranked.index(int(token))] += 1
+    return [c / len(target_tokens) for c in counts]
+
+
+def best_tree_tokens(rates: Sequence[float], budget: int) -> float:
+    """Tokens a greedy verification commits in expectation with the best tree of ``budget`` drafts, under
+    Sequoia's position-independent acceptance model (Chen et al., arXiv 2402.12374): the target's token is
+    the drafter's ``j``-th choice with probability ``rates[j]`` at every position, independently. A node
+    reached by the ranks ``(j1, ..., jd)`` is on the target's path with probability ``rates[j1] ... rates[jd]``,
+    so a tree commits 1 + the sum of its nodes' products, and the best tree holds the ``budget`` largest
+    products (a prefix's product is at least its extensions', so they form a tree). With ``rates[:1]`` it is
+    the chain of ``budget`` drafts. A bound for every fixed shape on the drafter whose ``rates`` they are, not
+    for dynamic trees, which read each position's own confidence."""
+    if not isinstance(budget, int) or budget < 0:
+        raise ConfigError(f"budget={budget!r} must be an integer >= 0")
+    rates = [float(r) for r in rates]
+    if any(not 0.0 <= r <= 1.0 for r in rates) or sum(rates) > 1.0 + 1e-9:
+        raise ConfigError(f"rates={rates!r} must be probabilities of disjoint events (each in [0, 1], sum <= 1)")
+    frontier = [(-r, 1) for r in rates if r > 0]  # (-product, depth), best first
+    heapq.heapify(frontier)
+    total = 0.0
+    for _ in range(budget):
+        if not frontier:
+            break
+        negative, depth = heapq.heappop(frontier)
+        total -= negative
+        for r in rates:
+            if r > 0:
+                heapq.heappush(frontier, (negative * r, depth + 1))
+    return 1.0 + total
