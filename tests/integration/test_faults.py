@@ -86,12 +86,12 @@ def bounded(call, bound: float = BOUND_S):
 class Rig:
     """A decoder on one transport, with the bookkeeping the cases share."""
 
-    def __init__(self, transport: str, marker_dir) -> None:
+    def __init__(self, transport: str, marker_dir, draft_tree: str | None = None) -> None:
         self.transport = transport
         drafter = CallableLM(SyntheticDrafter(SyntheticTarget(VOCAB, seed=5), 0.7, seed=6), VOCAB)
         self.decoder = dsi.build_decoder(
             target=faulty_target(marker_dir), drafter=drafter, method="dsi", lookahead=3, num_target_servers=2,
-            transport=transport, transport_options={"liveness": LIVENESS},
+            transport=transport, transport_options={"liveness": LIVENESS}, draft_tree=draft_tree,
         )
         self.nonce = 0
         self.pids: set[int] = set()
@@ -204,3 +204,22 @@ def test_the_os_sees_no_leftover_processes_of_a_closed_fault_decoder(tmp_path):
     rig.decoder.close()
     assert wait_gone(rig.pids | pids) == []
     assert os.getpid() not in rig.pids
+
+
+@pytest.mark.parametrize("fault", ["kill-once", "freeze-once", "base-once"])
+def test_tree_windows_survive_a_server_that_dies_or_freezes_once(fault, tmp_path):
+    """Tree windows (issue 24) on server processes: a side win may keep a window of the epoch it ends, still
+    running, as the next epoch's first task; a server lost under such a task has it re-queued like any other,
+    and the output is the target's own."""
+    rig = Rig("processes", tmp_path, draft_tree="2")
+    try:
+        rig.check_next_request()
+        prompt = fault_prompt(fault, 1)
+        result, error, seconds = rig.generate(prompt)
+        assert error is None, f"{fault}: {error!r}"
+        assert result.tokens == reference(prompt)
+        assert result.stats.extra["tree_windows"] > 0
+        assert seconds < 15.0
+        rig.check_next_request()
+    finally:
+        rig.decoder.close()

@@ -24,6 +24,12 @@ rolls the drafter back and restarts with a new zero-draft task. Where the drafte
 after ``committed`` is not run at all, and every position is a bonus (non-SI on the pool).
 A position whose draft is still being computed waits for it (at most one drafter step), so the
 output never depends on timing. Only the target commits EOS.
+
+With a draft tree (:mod:`dsi.trees`) window w >= 1 is the tree of its context's drafts from
+last_{w-1} on, each with its position's side children (every drafted position's side children go with
+the first window sent after its draft); a rejection whose correction is a side child commits it, and
+the next position is the target's own token from the row after it (:meth:`_DSIRun.apply`,
+docs/architecture.md "Draft trees").
 """
 
 from __future__ import annotations
