@@ -483,7 +483,8 @@ class _DSIRun:
                     self.stats.extra["tree_side_accepts"] = self.stats.extra.get("tree_side_accepts", 0) + 1
                     if self.out.finished:
                         return
-                    holder = self._side_holder(index, r, token)
+                    # the window sent with that side child: this one, or the next for its last position
+                    holder = window if r < window.last else self.windows.get(index + 1)
                     if holder is None:  # not sent yet: the next epoch's zero-draft task computes that row
                         self.restart(after_side=True)
                         continue
@@ -508,11 +509,3 @@ class _DSIRun:
         """The target's own token at ``position`` from ``row`` of ``result``: its argmax, or a bonus draw."""
         probs = result.probs[row] if result.probs is not None else None
         return int(result.tokens[row]) if probs is None else bonus(probs, self.request.sampling, position)
-
-    def _side_holder(self, index: int, r: int, token: int) -> _Window | None:
-        """The window sent with the side child ``token`` of relative position ``r`` (decided by window
-        ``index``): that window when ``r`` is not its last position, else the next one (None: not sent yet)."""
-        for window in (self.windows.get(index), self.windows.get(index + 1)):
-            if window is not None and window.side_rows is not None and (r, token) in window.side_rows:
-                return window
-        return None

@@ -107,15 +107,15 @@ def best_tree_tokens(rates: Sequence[float], budget: int) -> float:
     rates = [float(r) for r in rates]
     if any(not 0.0 <= r <= 1.0 for r in rates) or sum(rates) > 1.0 + 1e-9:
         raise ConfigError(f"rates={rates!r} must be probabilities of disjoint events (each in [0, 1], sum <= 1)")
-    frontier = [(-r, 1) for r in rates if r > 0]  # (-product, depth), best first
+    rates = [r for r in rates if r > 0]
+    frontier = [-r for r in rates]  # minus the products not taken yet, best first
     heapq.heapify(frontier)
     total = 0.0
     for _ in range(budget):
         if not frontier:
             break
-        negative, depth = heapq.heappop(frontier)
+        negative = heapq.heappop(frontier)
         total -= negative
         for r in rates:
-            if r > 0:
-                heapq.heappush(frontier, (negative * r, depth + 1))
+            heapq.heappush(frontier, negative * r)
     return 1.0 + total
