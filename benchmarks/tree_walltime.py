@@ -20,9 +20,9 @@ then never spends budget below a wrong draft, which makes those runs optimistic 
 - CPU-like: a target forward costs 8 ms + 3 ms per token it computes (a tree's side children cost
   what they compute); the drafter 2 ms.
 
-**Runs**: non-SI; SI k = 5, chain and tree ``2,2,1``/``auto`` (``auto`` also with a drafter that computes
-a round of the tree path by path instead of in one forward: its "vs its chain" is against the batched
-one); DSI with event-driven windows on SP = 2
+**Runs**: non-SI; SI k = 5, chain and trees ``2,2,1``, ``auto`` and ``best-first`` (also with a drafter that
+computes a round of the tree path by path instead of in one forward: its "vs its chain" is against the
+batched one); DSI with event-driven windows on SP = 2
 and 4 target servers, chain and trees ``2`` and ``auto`` (and ``4`` on 4 servers); and what ``method="auto"`` picks (up to SP = 4,
 calibrated on the set's first prompt, chains and trees weighed), against the fastest chain of the table.
 Median wall time over repeats, one run per prompt and configuration in turn; every output is checked
@@ -31,13 +31,14 @@ against the recording.
     python benchmarks/tree_walltime.py --out docs/data/tree_walltime-2026-12-01.json
 
 With ``--budgets B [B ...]`` it measures instead, at each draft budget B, the tokens SI commits per target
-verification with the chain (k = B) and with the ``auto`` tree of B nodes (issue 24's first benchmark,
-for dynamic trees), with no emulated latency: the real drafter drafts (llama.cpp), since a dynamic tree's
+verification with the chain (k = B), with the ``best-first`` tree of B nodes and with the ``auto`` tree (the
+chain's B drafts and their side children: the same drafting budget; its nodes per verification are
+reported) (issue 24's first benchmark, for dynamic trees), with no emulated latency: the real drafter drafts (llama.cpp), since a dynamic tree's
 shape follows its rows off the target's path, which the recordings do not hold (the replayed drafter
 above gives every such row a flat law, so its dynamic trees never spend budget below a wrong draft);
 the target is the recording (its greedy decisions are all a greedy walk reads).
 
-With ``--exact-si`` it times SI k = 5 with its chain against its ``auto`` tree on both cost models with
+With ``--exact-si`` it times SI k = 5 with its chain against its ``auto`` and ``best-first`` trees on both cost models with
 the real drafter's rows (:class:`MemoDrafter`: computed once per context, then served from memory at the
 emulated cost), the correction of the replayed runs above for SI's dynamic trees.
 
@@ -67,7 +68,8 @@ CONFIGS = [  # (label, method, lookahead, servers, draft tree)
     ("SI k=5", "si", 5, 1, None),
     ("SI k=5 tree=2,2,1", "si", 5, 1, "2,2,1"),
     ("SI k=5 tree=auto", "si", 5, 1, "auto"),
-    ("SI k=5 tree=auto, path by path", "si", 5, 1, "auto"),  # a drafter without one-forward trees
+    ("SI k=5 tree=best-first", "si", 5, 1, "best-first"),
+    ("SI k=5 tree=best-first, path by path", "si", 5, 1, "best-first"),  # a drafter without one-forward trees
     ("DSI auto SP=2", "dsi", "auto", 2, None),
     ("DSI auto SP=2 tree=2", "dsi", "auto", 2, "2"),
     ("DSI auto SP=2 tree=auto", "dsi", "auto", 2, "auto"),
@@ -200,7 +202,7 @@ def si_over_recordings(target, drafter, recordings: list[dict], k: int, tree: st
     recording; the sums of wall time, verifications, tokens, side wins and drafter forwards."""
     import dsi
 
-    sums = dict.fromkeys(("wall_s", "forwards", "tokens", "side_wins", "drafter_forwards"), 0)
+    sums = dict.fromkeys(("wall_s", "forwards", "tokens", "side_wins", "drafter_forwards", "drafted"), 0)
     for r in recordings:
         out = dsi.generate(target=target, drafter=drafter, prompt=r["prompt"], method="si", lookahead=k,
                            draft_tree=tree, max_new_tokens=len(r["output"]))
@@ -211,6 +213,7 @@ def si_over_recordings(target, drafter, recordings: list[dict], k: int, tree: st
         sums["tokens"] += len(r["output"])
         sums["side_wins"] += out.stats.extra.get("tree_side_accepts", 0)
         sums["drafter_forwards"] += out.stats.drafter_forwards
+        sums["drafted"] += out.stats.drafted_tokens
     return sums
 
 
@@ -222,14 +225,17 @@ def budgets_set(recordings: list[dict], vocab: int, drafter, budgets: list[int])
     rows = []
     for budget in budgets:
         row = {"budget": budget}
-        for name, tree in (("chain", None), ("tree", "auto")):
+        for name, tree in (("chain", None), ("tree", "best-first"), ("auto", "auto")):
             sums = si_over_recordings(target, drafter, recordings, budget, tree)
             row[name] = sums["tokens"] / sums["forwards"]
             row[f"{name}_side_wins"] = sums["side_wins"]
             row[f"{name}_drafter_forwards"] = sums["drafter_forwards"]
+            row[f"{name}_nodes_per_verification"] = sums["drafted"] / sums["forwards"]
         row["tree_over_chain"] = row["tree"] / row["chain"]
+        row["auto_over_chain"] = row["auto"] / row["chain"]
         rows.append(row)
-        print(f"B={budget}: chain {row['chain']:.2f}, tree {row['tree']:.2f}", file=sys.stderr, flush=True)
+        print(f"B={budget}: chain {row['chain']:.2f}, best-first {row['tree']:.2f}, auto {row['auto']:.2f}",
+              file=sys.stderr, flush=True)
     return rows
 
 
@@ -262,7 +268,7 @@ def si_walltime_exact(recordings: list[dict], vocab: int, drafter, repeats: int,
 
     memo = MemoDrafter(drafter)
     plain = CallableLM(memo.logits, vocab, name="real drafter, memoised")
-    configs = {"SI chain": None, "SI tree=auto": "auto"}
+    configs = {"SI chain": None, "SI tree=auto": "auto", "SI tree=best-first": "best-first"}
 
     flat = recorded_target(recordings, vocab)
     for tree in configs.values():  # fill the memory: every context SI's drafting visits
@@ -282,11 +288,12 @@ def si_walltime_exact(recordings: list[dict], vocab: int, drafter, repeats: int,
                 walls[label].append(sums["wall_s"])
                 counts[label] = sums["tokens"] / sums["forwards"]
         med = {label: statistics.median(v) for label, v in walls.items()}
+        speedups = {label: med["SI chain"] / med[label] for label in configs if label != "SI chain"}
         result[cost_name] = {"median_s": med, "walls": walls, "tokens_per_verification": counts,
-                             "tree_speedup": med["SI chain"] / med["SI tree=auto"]}
-        print(f"{cost_name}: SI k={k} chain {med['SI chain']:.3f} s ({counts['SI chain']:.2f} tokens / verification), "
-              f"tree=auto {med['SI tree=auto']:.3f} s ({counts['SI tree=auto']:.2f}): "
-              f"{result[cost_name]['tree_speedup']:.3f}x", file=sys.stderr, flush=True)
+                             "tree_speedup": speedups}
+        print(f"{cost_name}: SI k={k} chain {med['SI chain']:.3f} s ({counts['SI chain']:.2f} tokens / verification); "
+              + "; ".join(f"{label[3:]} {med[label]:.3f} s ({counts[label]:.2f}): {speedups[label]:.3f}x"
+                          for label in speedups), file=sys.stderr, flush=True)
     memo.session.close()
     result["drafter_rows"] = len(memo.rows)
     return result
@@ -319,8 +326,9 @@ def main() -> int:
     sets = {name: Recorded(recs) for name, recs in recordings.items()}
     if args.exact_si:
         results = []
-        print("| cost model | prompts | SI k=5 chain: s (tokens / verification) | SI k=5 tree=auto | tree / chain |")
-        print("|---|---|---|---|---|")
+        print("| cost model | prompts | SI k=5 chain: s (tokens / verification) | tree=auto | auto / chain "
+              "| tree=best-first | best-first / chain |")
+        print("|---|---|---|---|---|---|---|")
         for set_name, recs in recordings.items():
             got = si_walltime_exact(recs, target.vocab_size, drafter, args.repeats)
             for cost_name in COST_MODELS:
@@ -328,22 +336,24 @@ def main() -> int:
                 med, tpv = g["median_s"], g["tokens_per_verification"]
                 results.append({"cost_model": cost_name, "prompts": set_name, **g})
                 print(f"| {cost_name} | {set_name} | {med['SI chain']:.3f} ({tpv['SI chain']:.2f}) | "
-                      f"{med['SI tree=auto']:.3f} ({tpv['SI tree=auto']:.2f}) | {g['tree_speedup']:.3f} |")
+                      + " | ".join(f"{med[label]:.3f} ({tpv[label]:.2f}) | {g['tree_speedup'][label]:.3f}"
+                                   for label in ("SI tree=auto", "SI tree=best-first")) + " |")
         emit_record({"benchmark": "tree_walltime_exact_si", "target": args.target, "drafter": args.drafter,
                      "tokens": args.tokens, "prompts_per_set": args.prompts, "repeats": args.repeats,
                      "results": results}, args.out)
         return 0
     if args.budgets:
         results = []
-        print("| prompts | drafter top-1 agreement | B | chain: tokens / verification | auto tree | side wins "
-              "| tree / chain |")
-        print("|---|---|---|---|---|---|---|")
+        print("| prompts | drafter top-1 agreement | B | chain: tokens / verification | best-first tree of B nodes "
+              "| best-first / chain | auto: B drafts + side children (nodes) | auto / chain |")
+        print("|---|---|---|---|---|---|---|---|")
         for set_name, recorded in sets.items():
             agreement = recorded.agreement()
             for row in budgets_set(recordings[set_name], target.vocab_size, drafter, args.budgets):
                 results.append({"prompts": set_name, "drafter_agreement": float(agreement), **row})
                 print(f"| {set_name} | {agreement:.2f} | {row['budget']} | {row['chain']:.2f} | {row['tree']:.2f} | "
-                      f"{row['tree_side_wins']} | {row['tree_over_chain']:.3f} |")
+                      f"{row['tree_over_chain']:.3f} | {row['auto']:.2f} ({row['auto_nodes_per_verification']:.1f}) | "
+                      f"{row['auto_over_chain']:.3f} |")
         emit_record({"benchmark": "tree_budgets", "target": args.target, "drafter": args.drafter,
                      "tokens": args.tokens, "prompts_per_set": args.prompts, "results": results}, args.out)
         return 0

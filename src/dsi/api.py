@@ -73,8 +73,8 @@ def build_decoder(
     ``target_tokenizer`` / ``drafter_tokenizer``. Output stays exact in every mode.
 
     ``draft_tree`` (SI and DSI): spend each window's drafts as a tree instead of a chain (:mod:`dsi.trees`):
-    None or ``"off"`` (chains), ``"auto"`` (dynamic trees grown by the drafter's confidence) or widths per
-    depth (``"3,2,1"``). The committed tokens are the chain's for the same seed (DSI), or the target's
+    None or ``"off"`` (chains), ``"auto"`` (the chain's drafts with side children where the drafter is
+    unsure), ``"best-first"`` (SI: an EAGLE-2-style tree of k nodes) or widths per depth (``"3,2,1"``). The committed tokens are the chain's for the same seed (DSI), or the target's
     law with the same guarantees (SI): a tree only changes how many tokens a verification commits.
 
     ``drafter_server``: the URL of an engine serving the drafter (vLLM or ``dsi serve``); its tokens are

@@ -22,9 +22,11 @@ chain's last draft. So:
 - greedy: the walk follows the child equal to the target's argmax, as every tree verifier does.
 
 **Shapes.** ``"chain"`` (no tree), fixed :class:`Widths` (children per main-path node, depth by
-depth: ``"3,2,1"``), or :class:`Dynamic` (EAGLE-2-style best-first growth by cumulative drafter
-probability, within the budget). :func:`grow` builds a tree from a drafter oracle, ``propose(path
-tokens) -> (main token, [(token, drafter probability), ...] most likely first)``.
+depth: ``"3,2,1"``), :class:`Dynamic` (``"auto"``: the chain's drafts, each position with the
+drafter's next likeliest tokens as side children where the drafter is unsure), or :class:`BestFirst`
+(``"best-first"``: EAGLE-2-style growth by cumulative drafter probability within a node budget).
+:func:`grow` builds a tree from a drafter oracle, ``propose(path tokens) -> (main token, [(token,
+drafter probability), ...] most likely first)``.
 
 **Verification in one forward.** Node ``i`` sits at position ``len(prefix) + depth(i) - 1`` and
 attends to the prefix and its own ancestors (:meth:`DraftTree.attention_mask`,
@@ -197,20 +199,19 @@ class Widths:
 
 @dataclass(frozen=True)
 class Dynamic:
-    """EAGLE-2-style: grow best-first by cumulative drafter probability (the product of the drafter's
-    probabilities along the path), considering each expanded node's ``top`` most likely tokens.
-
-    DSI, whose windows are cut by timing, branches position by position instead (so that where a
-    tree branches is a function of the tokens, never of the cut): a position gets as side children
-    its drafter's next most likely tokens (at most ``top - 1``) whose drafter probability is at least
-    ``floor`` (:meth:`sides`): a confident drafter gets none."""
+    """``"auto"``: branch where the drafter is unsure, within the chain's drafting budget. The main path is
+    the chain's own drafts (k of them in SI; DSI's window policy cuts it), and each position gets as side
+    children (leaves) its drafter's next most likely tokens, at most ``top - 1``, whose drafter
+    probability is at least ``floor`` (:meth:`sides`): a confident drafter gets none, and a tree costs
+    no drafter forward a chain does not make (the side children come from the rows the chain's drafts
+    are drawn from). Where it branches is a function of each position's drafter row alone, never of how
+    windows are cut, so SI and DSI branch alike."""
 
     top: int = 3
     floor: float = 0.1
 
     def __post_init__(self) -> None:
-        if not isinstance(self.top, int) or self.top < 1:
-            raise ConfigError(f"top={self.top!r} must be an integer >= 1 (tokens considered per node)")
+        _check_top(self.top)
         if not (isinstance(self.floor, int | float) and 0.0 < self.floor <= 1.0):
             raise ConfigError(f"floor={self.floor!r} must be a probability in (0, 1] (the least drafter "
                               "probability of a side child)")
@@ -218,16 +219,44 @@ class Dynamic:
     name = "auto"
 
     def sides(self, main: int, ranked: Sequence[tuple[int, float]]) -> list[int]:
-        """A position's side children in DSI: the likeliest tokens other than ``main`` with drafter
-        probability >= ``floor``, at most ``top - 1``."""
+        """A position's side children: the likeliest tokens other than ``main`` with drafter probability
+        >= ``floor``, at most ``top - 1``."""
         return _sides(main, [(t, p) for t, p in ranked if p >= self.floor], self.top - 1)
 
 
-TreeShape = Widths | Dynamic | None  # None: a chain
+@dataclass(frozen=True)
+class BestFirst:
+    """``"best-first"`` (SI only): EAGLE-2-style growth within a budget of k nodes, best-first by
+    cumulative drafter probability (the product of the drafter's probabilities along the path),
+    considering each expanded node's ``top`` most likely tokens. It may spend the budget below a side
+    child, so its main path can be shorter than the chain's: it pays at budgets of 8-16, where a chain's
+    last drafts are rarely reached (docs/results.md section 19). DSI's windows are cut by timing, so it
+    cannot take a per-window node budget (:meth:`sides` refuses)."""
+
+    top: int = 3
+
+    def __post_init__(self) -> None:
+        _check_top(self.top)
+
+    name = "best-first"
+
+    def sides(self, main: int, ranked: Sequence[tuple[int, float]]) -> list[int]:
+        raise ConfigError("draft tree 'best-first' grows within a node budget per window, which DSI (whose windows "
+                          "timing cuts) does not have: DSI branches position by position ('auto' or a width such as "
+                          "'2'); 'best-first' is for SI")
+
+
+def _check_top(top: object) -> None:
+    if not isinstance(top, int) or isinstance(top, bool) or top < 1:
+        raise ConfigError(f"top={top!r} must be an integer >= 1 (tokens considered per node)")
+
+
+TreeShape = Widths | Dynamic | BestFirst | None  # None: a chain
 
 
 def parse_shape(text: str | None) -> TreeShape:
-    """``--draft-tree``: ``off`` / ``chain`` (None), ``auto`` (:class:`Dynamic`), or widths ``3,2,1``."""
+    """``--draft-tree``: ``off`` / ``chain`` (None), ``auto`` (:class:`Dynamic`), ``best-first``
+    (:class:`BestFirst`), or widths ``3,2,1``."""
     if text is None:
         return None
     value = text.strip().lower()
@@ -235,39 +264,46 @@ def parse_shape(text: str | None) -> TreeShape:
         return None
     if value == "auto":
         return Dynamic()
+    if value in ("best-first", "best_first", "bestfirst"):
+        return BestFirst()
     try:
         widths = tuple(int(w) for w in value.split(","))
     except ValueError:
-        raise ConfigError(f"draft tree {text!r} must be off, auto, or widths per depth such as 3,2,1") from None
+        raise ConfigError(f"draft tree {text!r} must be off, auto, best-first, or widths per depth such as 3,2,1"
+                          ) from None
     return Widths(widths)
 
 
 def grow(shape: TreeShape, budget: int, propose: Callable[[list[int]], Proposal | None],
          propose_many: Callable[[list[list[int]]], list[Proposal | None]] | None = None) -> DraftTree:
-    """A tree of at most ``budget`` nodes in ``shape`` (None: a chain of ``budget``), from the drafter
-    oracle ``propose(path tokens) -> (main token, [(token, probability), ...] most likely first)``,
-    called once per node that gets children (the root's path is ``[]``). ``propose`` returns None where
-    the drafter has nothing after that path (an EOS, the end of its context): that node stays a leaf.
+    """A tree in ``shape`` (None: a chain of ``budget``) from the drafter oracle ``propose(path tokens) ->
+    (main token, [(token, probability), ...] most likely first)``, called once per node that gets
+    children (the root's path is ``[]``). ``propose`` returns None where the drafter has nothing after
+    that path (an EOS, the end of its context): that node stays a leaf.
 
-    A :class:`Dynamic` tree is grown in rounds, each asking for every node it expands at once through
-    ``propose_many(paths) -> proposals`` (default: ``propose`` path by path): a drafter that can compute
-    several paths' rows in one forward then drafts a round in one (:func:`_grow_dynamic`)."""
+    ``budget`` counts the tree's nodes for :class:`Widths` and :class:`BestFirst`, and its main path for
+    :class:`Dynamic` (the chain's ``budget`` drafts, its side children on top: a drafting budget, as DSI
+    spends it). A :class:`BestFirst` tree is grown in rounds, each asking for every node it expands at
+    once through ``propose_many(paths) -> proposals`` (default: ``propose`` path by path): a drafter that
+    can compute several paths' rows in one forward then drafts a round in one (:func:`_grow_best_first`)."""
     if not isinstance(budget, int) or budget < 1:
         raise ConfigError(f"budget={budget!r} must be an integer >= 1 (draft tokens per window)")
-    if isinstance(shape, Dynamic):
-        return _grow_dynamic(shape, budget, propose_many or (lambda paths: [propose(p) for p in paths]))
-    widths = (1,) * budget if shape is None else shape.widths * (budget if len(shape.widths) == 1 else 1)
+    if isinstance(shape, BestFirst):
+        return _grow_best_first(shape, budget, propose_many or (lambda paths: [propose(p) for p in paths]))
+    dynamic = isinstance(shape, Dynamic)
+    widths = (1,) * budget if shape is None or dynamic else shape.widths * (budget if len(shape.widths) == 1 else 1)
     tokens: list[int] = []
     parents: list[int] = []
     node = ROOT
     for width in widths:
-        if len(tokens) >= budget:
+        if not dynamic and len(tokens) >= budget:
             break
         proposal = propose([tokens[i] for i in _path(parents, node)])
         if proposal is None:
             break
         main, ranked = proposal
-        kids = [int(main)] + _sides(main, ranked, min(width, budget - len(tokens)) - 1)
+        kids = [int(main)] + (shape.sides(main, ranked) if dynamic else  # type: ignore[union-attr]
+                              _sides(main, ranked, min(width, budget - len(tokens)) - 1))
         first = len(tokens)
         tokens += kids
         parents += [node] * len(kids)
@@ -275,7 +311,7 @@ def grow(shape: TreeShape, budget: int, propose: Callable[[list[int]], Proposal 
     return DraftTree(tuple(tokens), tuple(parents))
 
 
-def _grow_dynamic(shape: Dynamic, budget: int,
+def _grow_best_first(shape: BestFirst, budget: int,
                   propose_many: Callable[[list[list[int]]], list[Proposal | None]]) -> DraftTree:
     """EAGLE-2-style best-first growth, in rounds: the tree is the ``budget`` candidates of highest
     priority (a candidate's cumulative drafter probability; a main child takes its best sibling's, so

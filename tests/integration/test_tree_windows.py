@@ -42,7 +42,7 @@ def reference(target, tokens, sampling=None, logprobs=None):
 
 
 @pytest.mark.parametrize("method, tree, lookahead, servers", [
-    ("si", "2,2,1", 4, 1), ("si", "3,1,1", 3, 1), ("si", "auto", 5, 1),
+    ("si", "2,2,1", 4, 1), ("si", "3,1,1", 3, 1), ("si", "auto", 5, 1), ("si", "auto", 1, 1), ("si", "best-first", 5, 1),
     ("dsi", "2", 1, 1), ("dsi", "3", 3, 2), ("dsi", "auto", 2, 3), ("dsi", "auto", "auto", 2), ("dsi", "2", "auto", 4),
 ])
 def test_greedy_tree_windows_equal_non_si(method, tree, lookahead, servers, no_thread_leak):
@@ -161,8 +161,9 @@ def test_logprobs_with_trees_equal_non_si(method, tree, no_thread_leak):
     (dict(method="dsi", draft_tree="3,2"), "DSI branches position by position"),
     (dict(method="ar", draft_tree="2"), "applies to method 'si' or 'dsi'"),
     (dict(method="auto", draft_tree="auto"), "weighs draft trees itself"),
-    (dict(method="si", draft_tree=3), "must be None, 'off', 'auto', widths"),
-    (dict(method="si", draft_tree="wide"), "must be off, auto, or widths"),
+    (dict(method="si", draft_tree=3), "must be None, 'off', 'auto', 'best-first', widths"),
+    (dict(method="si", draft_tree="wide"), "must be off, auto, best-first, or widths"),
+    (dict(method="dsi", draft_tree="best-first"), "'best-first' is for SI"),
 ])
 def test_bad_draft_trees_are_refused_naming_the_value(kwargs, fragment):
     target, drafter = noisy_pair()
@@ -171,11 +172,13 @@ def test_bad_draft_trees_are_refused_naming_the_value(kwargs, fragment):
 
 
 @pytest.mark.parametrize("method, tree, lookahead", [("dsi", "2", 3), ("dsi", "3", "auto"), ("dsi", "auto", 1),
-                                                    ("si", "2", 5), ("si", "2", 4)])
+                                                    ("si", "2", 5), ("si", "2", 4), ("si", "auto", 4),
+                                                    ("si", "auto", 1)])
 def test_the_event_simulator_takes_the_engines_tree_decisions(method, tree, lookahead, no_thread_leak):
     """The event simulator with rescues (a rejection whose correction is one of its position's side
     children, read off the models) makes the engine's decisions: the same accepted drafts, rejections and
-    side wins, which depend on the tokens only (SI: the tree "2", and the same number of verifications)."""
+    side wins, which depend on the tokens only (SI: the trees "2" and "auto", and the same number of
+    verifications)."""
     from dsi.engine.trees import draft_with_alternatives, tree_patterns
     from dsi.sim.events import simulate
     from dsi.trees import parse_shape
@@ -198,7 +201,7 @@ def test_the_event_simulator_takes_the_engines_tree_decisions(method, tree, look
                           lookahead=lookahead, num_target_servers=2 if method == "dsi" else None,
                           draft_tree=tree).stats
     sim = simulate(method, target_tpot=1.0, drafter_tpot=0.1, lookahead=lookahead, num_servers=2,
-                   matches=matches, rescues=rescues).runs[0]
+                   matches=matches, rescues=rescues, si_tree=tree if method == "si" else "2").runs[0]
     assert sim.side_wins == engine.extra.get("tree_side_accepts", 0) > 0
     assert (sim.accepted, sim.rejections) == (engine.accepted_tokens, engine.rejections)
     if method == "si":
@@ -253,8 +256,8 @@ class _NoTreeForward:
         return Session()
 
 
-def test_a_dynamic_tree_drafts_each_round_in_one_drafter_forward_and_the_same_tree():
-    """SI with ``auto`` trees on a drafter whose sessions compute a tree in one forward (the latency model):
+def test_a_best_first_tree_drafts_each_round_in_one_drafter_forward_and_the_same_tree():
+    """SI with ``best-first`` trees on a drafter whose sessions compute a tree in one forward (the latency model):
     a round of the tree's growth is one drafter forward, so fewer forwards than on one without the kernel
     (path by path), for the same trees (the same verifications, side wins and tokens: non-SI's)."""
     from dsi.models import WithLatency
@@ -265,7 +268,7 @@ def test_a_dynamic_tree_drafts_each_round_in_one_drafter_forward_and_the_same_tr
     for name, model in (("batched", WithLatency(drafter, 0.0, 0.0)),
                         ("path by path", WithLatency(drafter, 0.0, 0.0, one_forward_trees=False))):
         out = dsi.generate(target=target, drafter=model, prompt=PROMPT, method="si", max_new_tokens=60, lookahead=8,
-                           draft_tree="auto")
+                           draft_tree="best-first")
         assert out.tokens == expected, name
         s = out.stats
         runs[name] = (s.drafter_forwards, (s.verify_tasks, s.accepted_tokens, s.rejections, s.drafted_tokens,
@@ -274,9 +277,9 @@ def test_a_dynamic_tree_drafts_each_round_in_one_drafter_forward_and_the_same_tr
     assert runs["batched"][0] < 0.8 * runs["path by path"][0], runs
 
 
-def test_hf_drafts_a_dynamic_tree_round_in_one_model_forward(no_thread_leak):
+def test_hf_drafts_a_best_first_tree_round_in_one_model_forward(no_thread_leak):
     """The hf backend: a round of several paths is one model forward of the drafter (a 4D tree mask), greedy
-    SI with ``auto`` trees stays non-SI's tokens, and drafts the same trees as path by path (fp32)."""
+    SI with ``best-first`` trees stays non-SI's tokens, and drafts the same trees as path by path (fp32)."""
     pytest.importorskip("transformers")
     from dsi.models.hf import HFModel
     from tests.unit.models.test_hf import tiny_llama
@@ -293,7 +296,7 @@ def test_hf_drafts_a_dynamic_tree_round_in_one_model_forward(no_thread_leak):
         for name, model in (("batched", drafter), ("path by path", _NoTreeForward(drafter))):
             calls.clear()
             out = dsi.generate(target=target, drafter=model, prompt=prompt, method="si", max_new_tokens=24,
-                               lookahead=6, draft_tree="auto")
+                               lookahead=6, draft_tree="best-first")
             assert out.tokens == expected, name
             s = out.stats
             runs[name] = (len(calls), (s.verify_tasks, s.accepted_tokens, s.rejections, s.drafted_tokens))

@@ -17,7 +17,7 @@ import pytest
 
 from dsi.errors import ConfigError
 from dsi.sampling import Prefix, SamplingParams, decide, draft_token, process_logits, residual
-from dsi.trees import ROOT, DraftTree, Dynamic, Widths, grow, parse_shape, walk
+from dsi.trees import ROOT, BestFirst, DraftTree, Dynamic, Widths, grow, parse_shape, walk
 
 
 # ---- structure ---------------------------------------------------------------------------------
@@ -52,7 +52,8 @@ def test_malformed_trees_are_refused_naming_the_node(tokens, parents, fragment):
 def test_shapes_parse_from_their_names():
     assert parse_shape("off") is None and parse_shape("chain") is None and parse_shape(None) is None
     assert parse_shape("auto") == Dynamic() and parse_shape("3,2,1") == Widths((3, 2, 1))
-    for bad, fragment in (("3,x", "must be off, auto, or widths"), ("3,0", "integers >= 1")):
+    assert parse_shape("best-first") == BestFirst() and parse_shape(" Best_First ") == BestFirst()
+    for bad, fragment in (("3,x", "must be off, auto, best-first, or widths"), ("3,0", "integers >= 1")):
         with pytest.raises(ConfigError, match=fragment):
             parse_shape(bad)
 
@@ -65,7 +66,11 @@ def test_one_width_is_that_width_at_every_depth_and_a_proposal_of_none_ends_the_
     assert [tree.depth(i) for i in range(len(tree))] == [1, 1, 2, 2, 3, 3]  # 2 children per depth, depth 3 the last
     assert tree.path_tokens(tree.main_path()[-1]) == [10, 11, 12]
     assert len(grow(Widths((2,)), 3, propose)) == 3 and len(grow(Widths((3, 1)), 9, propose)) == 4
-    assert len(grow(Dynamic(), 9, lambda path: None)) == 0
+    assert len(grow(Dynamic(), 9, lambda path: None)) == 0 and len(grow(BestFirst(), 9, lambda path: None)) == 0
+    with pytest.raises(ConfigError, match="top=0 must be an integer >= 1"):
+        BestFirst(top=0)
+    with pytest.raises(ConfigError, match="best-first.*DSI"):
+        BestFirst().sides(0, ())  # DSI's per-position branching refuses a node budget
 
 
 def _ranked(q: np.ndarray) -> list[tuple[int, float]]:
@@ -88,16 +93,40 @@ def test_fixed_widths_branch_along_the_main_path_within_the_budget():
     assert grow(None, 3, propose).is_chain()
 
 
-def test_dynamic_trees_spend_the_budget_where_the_drafter_is_unsure():
+def test_auto_trees_are_the_chain_with_side_leaves_where_the_drafter_is_unsure():
+    """``auto`` drafts the chain's ``budget`` drafts (the main path, one proposal a level) and gives each
+    position the next likeliest tokens of drafter probability >= 0.1 (at most two) as leaves."""
+    laws = {0: np.array([0.97, 0.01, 0.01, 0.01]), 1: np.array([0.4, 0.35, 0.2, 0.05]),
+            2: np.array([0.6, 0.3, 0.05, 0.05]), 3: np.array([0.05, 0.9, 0.03, 0.02])}
+    calls = []
+
+    def propose(path):
+        calls.append(list(path))
+        q = laws[len(path)]
+        return int(np.argmax(q)), _ranked(q)
+
+    tree = grow(Dynamic(), 4, propose)
+    chain = grow(None, 4, propose)
+    assert tuple(tree.path_tokens(tree.main_path()[-1])) == chain.tokens == (0, 0, 0, 1)
+    assert calls == [[], [0], [0, 0], [0, 0, 0]] * 2  # one proposal a level, as the chain's drafts
+    sides = {tree.depth(tree.main_path()[d]): [tree.tokens[c] for c in tree.children(tree.parents[tree.main_path()[d]])][1:]
+             for d in range(4)}
+    assert sides == {1: [], 2: [1, 2], 3: [1], 4: []}  # 0.35 and 0.2 pass the floor, 0.05 does not
+    assert all(not tree.children(n) for n in range(len(tree)) if n not in tree.main_path())  # side children are leaves
+    assert grow(Dynamic(), 4, lambda path: (0, _ranked(laws[0]))).is_chain()  # a confident drafter: the chain
+    assert len(grow(Dynamic(floor=0.31), 4, propose)) == 5 and len(grow(Dynamic(top=2), 4, propose)) == 6
+
+
+def test_best_first_trees_spend_the_budget_where_the_drafter_is_unsure():
     confident = np.array([0.97, 0.01, 0.01, 0.01])
     unsure = np.array([0.4, 0.35, 0.2, 0.05])
 
     def propose_for(table):
         return lambda path: (int(np.argmax(table)), _ranked(table))
 
-    sure_tree = grow(Dynamic(top=3), 4, propose_for(confident))
+    sure_tree = grow(BestFirst(top=3), 4, propose_for(confident))
     assert sure_tree.is_chain()  # 0.97^4 beats every side child
-    wide = grow(Dynamic(top=3), 4, propose_for(unsure))
+    wide = grow(BestFirst(top=3), 4, propose_for(unsure))
     assert len(wide.children(ROOT)) == 3 and len(wide) == 4
     for node in range(len(wide)):  # main child first everywhere
         kids = wide.children(node)
@@ -149,7 +178,7 @@ def _random_oracle(seed, vocab, sampled, stop_after=None):
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
-def test_dynamic_trees_grown_in_rounds_are_the_best_first_trees_with_fewer_drafter_calls(sampled):
+def test_best_first_trees_grown_in_rounds_are_the_one_at_a_time_trees_with_fewer_drafter_calls(sampled):
     """The rounds (every expansion a round needs in one drafter call) give the tree that growing one node
     at a time gives, on random drafters (greedy: the main child is the argmax; sampled: any token), for
     every budget and width; and they ask the drafter in fewer calls where it is unsure."""
@@ -157,7 +186,7 @@ def test_dynamic_trees_grown_in_rounds_are_the_best_first_trees_with_fewer_draft
     for seed in range(40):
         for budget in (1, 2, 4, 7, 12):
             for top in (2, 3, 4):
-                shape = Dynamic(top=top)
+                shape = BestFirst(top=top)
                 oracle = _random_oracle(seed, 6, sampled, stop_after=None if seed % 5 else 3)
                 calls = []
 
@@ -248,7 +277,8 @@ def _first_tokens(choose, shape, budget, length, target, drafter, greedy, vocab)
     return tuple(tokens[len(PROMPT):][:length])
 
 
-TREES = [(None, 3), (Widths((3,)), 3), (Widths((2, 2)), 4), (Widths((3, 2, 1)), 5), (Dynamic(top=3), 4)]
+TREES = [(None, 3), (Widths((3,)), 3), (Widths((2, 2)), 4), (Widths((3, 2, 1)), 5), (Dynamic(top=3), 3),
+         (BestFirst(top=3), 4)]
 PARAMS = {
     "greedy": SamplingParams(),
     "T=1": SamplingParams(temperature=1.0),
@@ -302,12 +332,14 @@ def _accepted_per_window(shape, budget, params, vocab=3):
 def test_a_tree_accepts_more_per_window_than_the_chain_of_its_budget(params):
     chain = _accepted_per_window(None, 4, params)
     tree = _accepted_per_window(Widths((2, 2)), 4, params)  # 2 of the 3 tokens at each branching
-    dynamic = _accepted_per_window(Dynamic(top=3), 4, params)
-    assert tree > chain * 1.05 and dynamic > chain * 1.05, (chain, tree, dynamic)
+    best_first = _accepted_per_window(BestFirst(top=3), 4, params)
+    auto = _accepted_per_window(Dynamic(top=3), 4, params)  # the chain's 4 drafts and side leaves: never fewer
+    assert tree > chain * 1.05 and best_first > chain * 1.05 and auto > chain * 1.05, (chain, tree, best_first, auto)
 
 
 # ---- the real uniforms: the same tokens as the chain -------------------------------------------
-@pytest.mark.parametrize("shape", [Widths((3, 2, 1)), Dynamic(top=3)], ids=["3,2,1", "auto"])
+@pytest.mark.parametrize("shape", [Widths((3, 2, 1)), Dynamic(top=3), BestFirst(top=3)],
+                         ids=["3,2,1", "auto", "best-first"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_with_counter_based_uniforms_a_tree_commits_the_chains_tokens(shape, temperature):
     vocab, budget, length = 5, 5, 12
@@ -340,7 +372,8 @@ def test_with_counter_based_uniforms_a_tree_commits_the_chains_tokens(shape, tem
     assert followed_side > 0  # side children were taken, and changed nothing in the output
 
 
-@pytest.mark.parametrize("shape", [Widths((2, 2, 1)), Dynamic(top=3)], ids=["2,2,1", "auto"])
+@pytest.mark.parametrize("shape", [Widths((2, 2, 1)), Dynamic(top=3), BestFirst(top=3)],
+                         ids=["2,2,1", "auto", "best-first"])
 def test_greedy_windows_that_take_the_leaf_token_still_give_the_targets_greedy_output(shape):
     vocab, greedy, ranks = 5, SamplingParams(), SamplingParams(temperature=1.0)
     want = list(PROMPT)
@@ -383,3 +416,38 @@ def test_a_greedy_draft_s_alternatives_are_the_softmax_of_its_row_in_its_own_dty
     shaped[10] -= 2.0
     expected = np.exp(shaped - shaped.max()) / np.exp(shaped - shaped.max()).sum()
     np.testing.assert_allclose(ranked[0][1], expected[20], rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_floor_reports_exactly_the_unsure_alternatives_and_skips_confident_rows(dtype, monkeypatch):
+    """With a floor (``auto`` trees), a draft reports exactly the alternatives of the full ranking other
+    than itself with probability >= floor, on confident rows, rows near the floor's edge, ties, masked
+    logits, processed rows and sampled drafts; and a confident greedy row is neither ranked nor normalised."""
+    import dsi.engine.trees as engine_trees
+    from dsi.engine.trees import draft_with_alternatives
+
+    rng = np.random.default_rng(11)
+    params_list = [(SamplingParams(), Prefix([], 0)), (SamplingParams(presence_penalty=1.5), Prefix([3, 4], 0)),
+                   (SamplingParams(temperature=0.8, seed=2), Prefix([], 0))]
+    for trial in range(300):
+        row = (rng.standard_normal(2000) * rng.choice([0.5, 3.0, 8.0])).astype(dtype)
+        if trial % 3 == 0:
+            row[rng.integers(2000)] += rng.choice([2.0, 5.0, 20.0])  # a confident drafter
+        if trial % 7 == 0:
+            top = int(np.argmax(row))
+            row[(top + 1) % 2000] = row[top] + np.log(0.1) + rng.choice([-1e-4, 0.0, 1e-4])  # at the floor's edge
+        if trial % 11 == 0:
+            row[rng.choice(2000, 50, replace=False)] = -np.inf
+        params, prefix = params_list[trial % len(params_list)]
+        for floor in (0.1, 0.3):
+            main, q, full = draft_with_alternatives(row, params, 5, prefix, 4)
+            main2, q2, unsure = draft_with_alternatives(row, params, 5, prefix, 4, floor)
+            assert main2 == main and (q is None) == (q2 is None)
+            assert unsure == [(t, p) for t, p in full if t != main and p >= floor], (trial, floor)
+            assert Dynamic(floor=floor).sides(main, unsure) == Dynamic(floor=floor).sides(main, full)
+    calls = []
+    monkeypatch.setattr(engine_trees, "top_ids", lambda *a: calls.append(1) or [])
+    confident = np.zeros(2000, dtype=dtype)
+    confident[7] = 10.0
+    assert draft_with_alternatives(confident, SamplingParams(), 0, Prefix([], 0), 4, 0.1) == (7, None, [])
+    assert calls == []  # the confident row was never ranked

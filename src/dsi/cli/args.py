@@ -92,7 +92,7 @@ LOOKAHEAD = lookahead
 
 
 def draft_tree(text: str) -> str:
-    """``--draft-tree``: ``off``, ``auto`` or widths per depth such as ``3,2,1`` (:func:`dsi.trees.parse_shape`),
+    """``--draft-tree``: ``off``, ``auto``, ``best-first`` or widths per depth such as ``3,2,1`` (:func:`dsi.trees.parse_shape`),
     returned in its canonical spelling."""
     from dsi.errors import ConfigError
     from dsi.trees import parse_shape
@@ -100,7 +100,7 @@ def draft_tree(text: str) -> str:
     try:
         shape = parse_shape(text)
     except ConfigError:
-        raise argparse.ArgumentTypeError(f"{text!r} must be off, auto, or widths per depth such as 3,2,1 "
+        raise argparse.ArgumentTypeError(f"{text!r} must be off, auto, best-first, or widths per depth such as 3,2,1 "
                                          "(integers >= 1)") from None
     return "off" if shape is None else shape.name
 

@@ -53,11 +53,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "whenever a target server is free) (default 5)")
     g.add_argument("--max-window", type=COUNT, default=None,
                    help="with --lookahead auto: the most drafts one window carries (default: no cap)")
-    g.add_argument("--draft-tree", type=DRAFT_TREE, default="off", metavar="off|auto|W,W,...",
-                   help="spend each window's drafts as a tree (with --method si or dsi): 'auto' branches where the "
-                        "drafter is unsure (its next likeliest tokens with probability >= 0.1); one width such as 2 "
-                        "gives that many children at every position; widths per depth such as 3,2,1 (SI only) give "
-                        "the children below each node of the main path. Output stays exact (default off: chains)")
+    g.add_argument("--draft-tree", type=DRAFT_TREE, default="off", metavar="off|auto|best-first|W,W,...",
+                   help="spend each window's drafts as a tree (with --method si or dsi): 'auto' verifies the chain's "
+                        "drafts with the drafter's next likeliest tokens where it is unsure (probability >= 0.1, at "
+                        "most two a position); one width such as 2 gives that many children at every position; "
+                        "'best-first' (SI only) grows an EAGLE-2-style tree of k nodes; widths per depth such as "
+                        "3,2,1 (SI only) give the children below each node of the main path. Output stays exact "
+                        "(default off: chains)")
     g.add_argument("--sp", type=COUNT, default=None,
                    help="number of target servers (default 1); with --method auto the most DSI may use "
                         "(default: one per --target-devices entry, else 1)")

@@ -532,7 +532,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"\ndraft trees, with {t.side_rescue:.2f} of rejections rescued by a side child (forwards cost the same "
               "whatever their tokens, as on a memory-bound GPU):")
         print(format_table(["method", "chain ms/token", "tree ms/token", "chain/tree"], [
-            [f"SI (k={t.si_chain[0]} / tree \"2\" k={t.si_tree[0]})", t.si_chain[1], t.si_tree[1], f"{t.si_gain:.3f}"],
+            [f"SI (k={t.si_chain[0]} / tree \"auto\" k={t.si_tree[0]})", t.si_chain[1], t.si_tree[1], f"{t.si_gain:.3f}"],
             [f"DSI event-driven (SP={t.dsi_chain[0]} / SP={t.dsi_tree[0]})", t.dsi_chain[1], t.dsi_tree[1],
              f"{t.dsi_gain:.3f}"]]))
     return 0

@@ -24,7 +24,7 @@ from dsi.models.base import LanguageModel
 from dsi.models.crossvocab import VOCAB_MODES, bridge_drafter
 from dsi.sampling import SamplingParams
 from dsi.transport import TRANSPORTS, make_pool
-from dsi.trees import Dynamic, TreeShape, Widths, parse_shape
+from dsi.trees import BestFirst, Dynamic, TreeShape, Widths, parse_shape
 
 ENGINE_METHODS = ("dsi", "si", "ar")  # what the engine runs; dsi.api adds "auto" (the fastest of them here)
 
@@ -85,15 +85,16 @@ DEFAULT_TARGET_SERVERS = 2
 
 
 def check_draft_tree(method: str, draft_tree: object) -> TreeShape:
-    """``draft_tree`` as a shape: None / ``"off"`` (chains), ``"auto"`` (dynamic trees), widths per depth
-    (``"3,2,1"``), or a :class:`~dsi.trees.Widths` / :class:`~dsi.trees.Dynamic`."""
-    if draft_tree is None or isinstance(draft_tree, Widths | Dynamic):
+    """``draft_tree`` as a shape: None / ``"off"`` (chains), ``"auto"`` (side children where the drafter is
+    unsure), ``"best-first"`` (SI), widths per depth (``"3,2,1"``), or a :class:`~dsi.trees.Widths` /
+    :class:`~dsi.trees.Dynamic` / :class:`~dsi.trees.BestFirst`."""
+    if draft_tree is None or isinstance(draft_tree, Widths | Dynamic | BestFirst):
         shape = draft_tree
     elif isinstance(draft_tree, str):
         shape = parse_shape(draft_tree)
     else:
-        raise ConfigError(f"draft_tree={draft_tree!r} must be None, 'off', 'auto', widths per depth such as '3,2,1', "
-                          "or a dsi.trees.Widths / dsi.trees.Dynamic")
+        raise ConfigError(f"draft_tree={draft_tree!r} must be None, 'off', 'auto', 'best-first', widths per depth such "
+                          "as '3,2,1', or a dsi.trees.Widths / Dynamic / BestFirst")
     if shape is not None and method == "ar":
         raise ConfigError(f"draft_tree={draft_tree!r} needs a drafter: it applies to method 'si' or 'dsi', not 'ar'")
     if shape is not None and method == "dsi":

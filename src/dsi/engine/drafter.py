@@ -99,6 +99,7 @@ class _Job:
     cancel: threading.Event
     prompt_len: int = 0  # how much of the context is the prompt (penalties, min_tokens)
     alternatives: int = 0  # draft trees: report this many likeliest tokens with each draft (0: none)
+    alternatives_floor: float = 0.0  # ... only those other than the draft with this drafter probability
 
 
 class DraftWorker:
@@ -134,16 +135,19 @@ class DraftWorker:
         eos_token_ids: frozenset[int],
         prompt_len: int = 0,
         alternatives: int = 0,
+        alternatives_floor: float = 0.0,
     ) -> None:
         """Abandon the current drafts and start drafting ``limit`` tokens after ``context`` (the
         caller has capped ``limit`` at the drafter's room: :meth:`capped`); the first ``prompt_len``
         tokens of ``context`` are the request's prompt. ``alternatives``: each draft also reports the
-        drafter's that many likeliest tokens (draft trees)."""
+        drafter's that many likeliest tokens (draft trees); with ``alternatives_floor`` > 0, only those
+        other than the draft with at least that drafter probability
+        (:func:`dsi.engine.trees.draft_with_alternatives`)."""
         with self._cond:
             if self._job is not None:
                 self._job.cancel.set()
             self._job = _Job(epoch, context, limit, sampling, eos_token_ids, threading.Event(), prompt_len,
-                             alternatives)
+                             alternatives, alternatives_floor)
             self._cond.notify()
 
     def stop(self) -> None:
@@ -235,7 +239,8 @@ class DraftWorker:
                     else:
                         prefix = Prefix((*job.context, *drafted), job.prompt_len, job.eos_token_ids)
                         if job.alternatives:
-                            token, q, ranked = draft_with_alternatives(out, params, position, prefix, job.alternatives)
+                            token, q, ranked = draft_with_alternatives(out, params, position, prefix, job.alternatives,
+                                                                       job.alternatives_floor)
                             alternatives = tuple(ranked)
                         else:
                             token, q = draft_from_logits(out, params, position, prefix)

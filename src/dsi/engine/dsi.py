@@ -49,7 +49,7 @@ from dsi.engine.drafter import Draft, DrafterFailed, DraftsDone, DraftWorker, re
 from dsi.engine.request import Output, Request, TokenCallback
 from dsi.engine.result import GenerationResult
 from dsi.engine.stats import GenerationStats
-from dsi.engine.trees import request_shape, row_of, side_count
+from dsi.engine.trees import ranking_floor, request_shape, row_of, side_count
 from dsi.errors import TaskCancelled, WorkerError
 from dsi.models.base import LanguageModel, check_sampling, counter_changes
 from dsi.sampling import SamplingParams, bonus, decide, decide_greedy
@@ -343,7 +343,7 @@ class _DSIRun:
             self._count_context_limited()
         if drafts > 0:
             self.drafter.restart(self.epoch, self.base, drafts, self.request.sampling, self.request.eos_token_ids,
-                                 len(self.request.prompt), self._alternatives())
+                                 len(self.request.prompt), self._alternatives(), ranking_floor(self.tree))
         else:  # no room for even one draft: no prefill; every position is the target's own token
             self.drafter.stop()
             self.drafter_done = True

@@ -37,7 +37,7 @@ from dsi.logprobs import top_ids
 from dsi.models.base import LanguageModel, ModelSession, forward_rows, guessable_positions, tree_rows
 from dsi.sampling import Prefix, SamplingParams, bonus, decide, draft_from_logits, shape_logits
 from dsi.transport.base import TaskResult
-from dsi.trees import ROOT, DraftTree, Dynamic, Proposal, TreeShape, TreeWalk, walk
+from dsi.trees import ROOT, BestFirst, DraftTree, Dynamic, Proposal, TreeShape, TreeWalk, walk
 
 
 def can_branch(model: LanguageModel, greedy: bool) -> bool:
@@ -70,26 +70,55 @@ def ranked(law: np.ndarray, count: int) -> list[tuple[int, float]]:
 
 
 def draft_with_alternatives(row: np.ndarray, params: SamplingParams, position: int, prefix: Prefix,
-                            count: int) -> tuple[int, np.ndarray | None, list[tuple[int, float]]]:
+                            count: int, floor: float = 0.0) -> tuple[int, np.ndarray | None, list[tuple[int, float]]]:
     """The drafter's draft at ``position`` from its raw logits ``row`` ``[V]`` (exactly the chain's:
     :func:`dsi.sampling.draft_from_logits`), its processed law ``q`` (None when greedy), and its
     ``count`` likeliest tokens with their drafter probabilities (the processed law; greedy: the
-    softmax of the processed logits), most likely first."""
+    softmax of the processed logits), most likely first.
+
+    ``floor`` > 0 (what :meth:`dsi.trees.Dynamic.sides` reads): only those of them other than the draft
+    whose probability is at least ``floor``. Only a logit within ``log(floor)`` of the top can reach it (the
+    normaliser is at least the top's term), so a greedy row ranks just those, and one where no other logit
+    comes that close (most rows of a confident drafter) is neither ranked nor normalised."""
     main, q = draft_from_logits(row, params, position, prefix)
     if q is not None:
-        return main, q, ranked(q, count)
+        alternatives = ranked(q, count)
+        return main, q, alternatives if floor <= 0.0 else _unsure(alternatives, main, floor)
     # the row in its own dtype (a float32 row is not copied to float64: this runs for every node of a tree,
     # over the whole vocabulary); the normaliser is summed in float64
     shaped = shape_logits(row, params, prefix) if params.moves_argmax else np.asarray(row)
-    ids = top_ids(shaped, count)
-    top = float(shaped[ids[0]]) if ids else 0.0
+    ids: list[int] | None = None
+    if floor > 0.0:
+        top = float(shaped.max())
+        if math.isfinite(top):
+            # every token that can reach ``floor`` (and, ties included, the first of the likeliest order)
+            reach = shaped.dtype.type(top + math.log(floor) - 1e-3)  # a margin for the dtype's rounding
+            near = np.flatnonzero(shaped >= reach)
+            if near.size <= 1 and (near.size == 0 or int(near[0]) == main):
+                return main, None, []
+            ids = [int(i) for i in near[np.lexsort((near, -shaped[near]))][:count]]  # likeliest first, ties: id
+    if ids is None:
+        ids = top_ids(shaped, count)
+        top = float(shaped[ids[0]]) if ids else 0.0
     if not math.isfinite(top):  # no finite logit on top (a row the processors emptied): the finite ones
         finite = shaped[np.isfinite(shaped)]
         top = float(finite.max()) if finite.size else 0.0
     with np.errstate(under="ignore", invalid="ignore"):
         total = float(np.exp(shaped - shaped.dtype.type(top)).sum(dtype=np.float64))
         probs = np.exp(shaped[ids].astype(np.float64) - top) / total
-    return main, None, [(i, float(p)) for i, p in zip(ids, probs, strict=True)]
+    alternatives = [(i, float(p)) for i, p in zip(ids, probs, strict=True)]
+    return main, None, alternatives if floor <= 0.0 else _unsure(alternatives, main, floor)
+
+
+def _unsure(alternatives: list[tuple[int, float]], main: int, floor: float) -> list[tuple[int, float]]:
+    """The alternatives other than ``main`` with probability >= ``floor``."""
+    return [(t, p) for t, p in alternatives if t != main and p >= floor]
+
+
+def ranking_floor(shape: TreeShape) -> float:
+    """The least drafter probability a side child of ``shape`` may have (:class:`~dsi.trees.Dynamic`'s
+    ``floor``; 0 for the others): what :func:`draft_with_alternatives` may skip below."""
+    return shape.floor if isinstance(shape, Dynamic) else 0.0
 
 
 class TreeDrafter:
@@ -98,11 +127,13 @@ class TreeDrafter:
     ``top``: side tokens considered per node. After :func:`dsi.trees.grow`, :meth:`main_law` gives the
     drafter's processed law of each node's main child (None when greedy), what its decision needs."""
 
-    def __init__(self, session: ModelSession, request: Request, base: Sequence[int], top: int) -> None:
+    def __init__(self, session: ModelSession, request: Request, base: Sequence[int], top: int,
+                 floor: float = 0.0) -> None:
         self.session = session
         self.request = request
         self.base = tuple(base)
         self.top = top
+        self.floor = floor  # side tokens below this drafter probability are not reported (ranking_floor)
         self.forwards = 0
         self.context_limited = False
         self._laws: dict[tuple[int, ...], np.ndarray | None] = {}
@@ -120,7 +151,7 @@ class TreeDrafter:
         except DraftUnavailable:  # nothing to propose here (a drafter of another vocabulary)
             return None
         main, q, alternatives = draft_with_alternatives(row, self.request.sampling, len(context),
-                                                        self.request.prefix(context), self.top + 1)
+                                                        self.request.prefix(context), self.top + 1, self.floor)
         self._laws[tuple(path)] = q
         return main, alternatives
 
@@ -153,7 +184,7 @@ class TreeDrafter:
             main, q, alternatives = draft_with_alternatives(rows[1 + ends[tuple(path[len(common):])]],
                                                             self.request.sampling, position,
                                                             self.request.prefix(self.base + tuple(path)),
-                                                            self.top + 1)
+                                                            self.top + 1, self.floor)
             self._laws[tuple(path)] = q
             out.append((main, alternatives))
         return out
@@ -230,7 +261,7 @@ def side_count(shape: TreeShape) -> int:
     take their widest level): the number of alternatives a :class:`TreeDrafter` ranks beyond the main draft."""
     if shape is None:
         return 0
-    if isinstance(shape, Dynamic):
+    if isinstance(shape, Dynamic | BestFirst):
         return shape.top - 1
     return max(shape.widths) - 1
 

@@ -2,7 +2,7 @@
 
 The candidates are non-SI, SI with k = 1..10, and DSI with SP = 1..``max_servers`` target servers
 and k = 1..10 or event-driven windows; each SI and DSI candidate also with its windows spent as draft
-trees (:mod:`dsi.trees`: SI the tree ``"2"``, DSI ``"2"`` and ``"auto"``) where the drafter can branch.
+trees (:mod:`dsi.trees`: SI and DSI ``"2"`` and ``"auto"``) where the drafter can branch.
 Which wins depends on the pair, the engine and above all on where the workers run: on a shared CPU
 DSI's drafter and servers slow each other down, on separate devices they do not. So the choice is
 made from measurements taken where the workers will run, *while they run as each method would run
@@ -62,10 +62,10 @@ from dsi.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 2  # 2: trees are candidates (a choice cached before did not weigh them)
+CACHE_VERSION = 3  # 2: trees are candidates; 3: SI's "auto" tree is one (a choice cached before did not weigh it)
 LOOKAHEADS = tuple(range(1, 11))
 SI_CALIBRATION_K = 4
-SI_TREES = ("2",)  # the shapes the event simulator times for SI (its tree "2": dsi.sim.events._si_run)
+SI_TREES = ("2", "auto")  # the shapes the event simulator times for SI (dsi.sim.events._si_run)
 DSI_TREES = ("2", "auto")  # DSI branches position by position (dsi.trees: Widths.sides, Dynamic.sides)
 MAX_CHECKS = 2  # predicted-only candidates run to check them, at most
 _SIMPLER = {"ar": 0, "si": 1, "dsi": 2}
@@ -323,19 +323,21 @@ def _measure_and_choose(target, drafter, transport, options, max_servers, prompt
         tpot = one_token_s + (rows - 1) * slope
         result = simulate(method, target_tpot=tpot, drafter_tpot=max(drafter_s, 1e-9), lookahead=lookahead,
                           num_servers=servers, matches=pattern,
-                          rescues=None if tree is None else list(trees[tree].rescues))
+                          rescues=None if tree is None else list(trees[tree].rescues),
+                          si_tree=tree if method == "si" and tree is not None else "2")
         return float(result.mean)
 
     candidates: list[Candidate] = [Candidate("ar", None, 1, non_si, non_si)]
     # SI: each prediction scaled by the calibration run's measured / simulated time; a tree "2" of k nodes
-    # verifies k rows as the chain does
+    # verifies k rows as the chain does, the tree "auto" its k drafts and their side children
     si_d = si["drafter_step_s"] or t1
     si_fit = si["wall_s"] / simulated("si", SI_CALIBRATION_K, 1, t1, si_d, SI_CALIBRATION_K + 1)
     for k in LOOKAHEADS:
         candidates.append(Candidate("si", k, 1, si_fit * simulated("si", k, 1, t1, si_d, k + 1),
                                     si["wall_s"] if k == SI_CALIBRATION_K else None))
-        for tree in (t for t in SI_TREES if t in trees and k >= 2):
-            candidates.append(Candidate("si", k, 1, si_fit * simulated("si", k, 1, t1, si_d, k + 1, tree),
+        for tree in (t for t in SI_TREES if t in trees and (k >= 2 or t == "auto")):
+            rows = k * (1.0 + trees[tree].mean_sides) + 1 if tree == "auto" else k + 1
+            candidates.append(Candidate("si", k, 1, si_fit * simulated("si", k, 1, t1, si_d, rows, tree),
                                         draft_tree=tree))
     # DSI: this placement's forwards as they ran next to each other; a tree window's rows: its drafts and
     # their side children

@@ -86,6 +86,7 @@ from dsi.windows import WindowPacer, window_end
 
 METHODS = ("dsi", "si", "ar")
 QUEUES = ("fifo", "newest")
+SI_TREES = ("2", "auto")  # SI's tree shapes with rescues: within k nodes, or the chain's k drafts and side children
 AUTO = "auto"  # the event-driven policy's lookahead
 
 # event priorities at equal times: results first (servers free up before new submissions)
@@ -631,11 +632,14 @@ def _si_run(
     drafter_tpot: float,
     noise: _Noise | None = None,
     rescues: np.ndarray | None = None,
+    si_tree: str = "2",
 ) -> RunStats:
-    """SI; with ``rescues``, each iteration's ``kk`` drafts are the tree ``"2"`` (two children at every depth,
-    :class:`dsi.trees.Widths`): ``ceil(kk / 2)`` main drafts (one drafter forward each), a side child beside
-    each of the first ``kk // 2``; a first rejection at a position with a side child that rescues it commits
-    the side child and the target's token after it (the walk ends on that leaf)."""
+    """SI; with ``rescues``, each iteration's ``kk`` drafts are a tree: ``si_tree`` ``"2"`` (two children at
+    every depth within ``kk`` nodes, :class:`dsi.trees.Widths`): ``ceil(kk / 2)`` main drafts (one drafter
+    forward each), a side child beside each of the first ``kk // 2``; ``"auto"``
+    (:class:`dsi.trees.Dynamic`): the chain's ``kk`` drafts, each position with its side children. A first
+    rejection at a position with a side child that rescues it commits the side child and the target's
+    token after it (the walk ends on that leaf)."""
     n = len(matches)
     side_wins = 0
     now = 0.0
@@ -646,9 +650,11 @@ def _si_run(
     windows = window_drafts = 0
     while i < n:
         kk = min(k, n - 1 - i)
-        sides = kk // 2 if rescues is not None else 0  # depths 0 .. sides - 1 have a side child
-        if rescues is not None:
-            kk = (kk + 1) // 2  # the main path of the tree
+        sides = 0  # depths 0 .. sides - 1 may have side children
+        if rescues is not None and si_tree == "auto":
+            sides = kk
+        elif rescues is not None:
+            sides, kk = kk // 2, (kk + 1) // 2  # the main path of the tree "2"
         for _ in range(kk):
             now += drafter_tpot if drafter_warm else drafter_ttft
             drafter_warm = True
@@ -729,6 +735,7 @@ def simulate(
     max_window: int | None = None,
     latency_cv: float = 0.0,
     rescues: Sequence[bool] | Sequence[Sequence[bool]] | np.ndarray | None = None,
+    si_tree: str = "2",
 ) -> EventSimResult:
     """Simulate ``method`` ("dsi", "si" or "ar") in the model of time of this module.
 
@@ -752,11 +759,14 @@ def simulate(
     the zero-draft task's); a next window still running becomes the new epoch's window 0, one not sent yet
     is replaced by a zero-draft task. That token is never rescued; the epoch it starts goes on if its first
     draft is that token (``matches``). No window waits for a draft it does not decide. SI spends its
-    ``k`` drafts as the tree ``"2"`` (see :func:`_si_run`). Side children cost nothing on the target (a
-    forward costs its TPOT whatever its tokens).
+    ``k`` drafts as the tree ``si_tree`` (``"2"`` or ``"auto"``, see :func:`_si_run`). Side children cost
+    nothing on the target (a forward costs its TPOT whatever its tokens).
     """
     if method not in METHODS:
         raise ConfigError(f"method={method!r} must be one of {', '.join(METHODS)}")
+    if si_tree not in SI_TREES:
+        raise ConfigError(f"si_tree={si_tree!r} must be one of {', '.join(SI_TREES)} (SI's tree shapes the simulator "
+                          "times)")
     if queue not in QUEUES:
         raise ConfigError(f"queue={queue!r} must be one of {', '.join(QUEUES)}")
     t_tpot = _latency("target_tpot", target_tpot)
@@ -807,7 +817,7 @@ def simulate(
         if method == "ar":
             runs.append(_ar_run(n, t_ttft, t_tpot, noise))
         elif method == "si":
-            runs.append(_si_run(pattern, k, t_ttft, t_tpot, d_ttft, d_tpot, noise, sides))
+            runs.append(_si_run(pattern, k, t_ttft, t_tpot, d_ttft, d_tpot, noise, sides, si_tree))
         else:
             dsi = _DSIRun(pattern, k, num_servers, t_ttft, t_tpot, d_ttft, d_tpot, queue, delay, max_window, noise,
                           sides)

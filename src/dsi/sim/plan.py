@@ -98,8 +98,9 @@ class ServerComparison:
 class TreeComparison:
     """Draft trees against chains for a rate ``side_rescue`` (the chance that a rejected draft's correction is
     one of its position's side children: the drafter's second choice, for the tree ``"2"``). SI: the best k
-    with chains and with the tree ``"2"`` spending those k drafts; DSI: event-driven windows with each number
-    of servers, chains and trees (one side child at every position), the fastest of each."""
+    with chains and with the tree ``"auto"`` (the chain's k drafts, each with its side children); DSI:
+    event-driven windows with each number of servers, chains and trees (side children at every position),
+    the fastest of each. Side children cost the target nothing (the GPU-like model)."""
 
     side_rescue: float
     si_chain: tuple[int, float]  # (k, ms per token)
@@ -415,7 +416,8 @@ def make_plan(
 
         ks = range(1, max_lookahead + 1)
         si_chain = min(((k, per_token("si", lookahead=k)) for k in ks), key=lambda kv: kv[1])
-        si_tree = min(((k, per_token("si", lookahead=k, rescues=rescues)) for k in ks), key=lambda kv: kv[1])
+        si_tree = min(((k, per_token("si", lookahead=k, rescues=rescues, si_tree="auto")) for k in ks),
+                      key=lambda kv: kv[1])
         sps = range(1, max_servers + 1)
         dsi_chain = min(((sp, per_token("dsi", lookahead="auto", num_servers=sp)) for sp in sps),
                         key=lambda kv: kv[1])

@@ -160,8 +160,8 @@ def test_draft_tree_flags_take_off_auto_or_widths(capsys, command):
     base = _base(parser, command, action)
     for text in ("0", "2,0", "wide", "2,,1", "1.5"):
         err = _refused(capsys, root, [*base, f"--draft-tree={text}"])
-        assert f"--draft-tree={_shown(text)} must be off, auto, or widths per depth" in err, err
-    for text, canonical in (("AUTO", "auto"), (" 3, 2,1", "3,2,1"), ("chain", "off")):
+        assert f"--draft-tree={_shown(text)} must be off, auto, best-first, or widths per depth" in err, err
+    for text, canonical in (("AUTO", "auto"), (" 3, 2,1", "3,2,1"), ("chain", "off"), ("Best-First", "best-first")):
         assert vars(root.parse_args([*base, "--draft-tree", text]))["draft_tree"] == canonical
 
 

@@ -210,6 +210,8 @@ def test_unknown_method():
 
 
 def test_rescues_are_dsi_patterns_shaped_like_matches():
+    with pytest.raises(ConfigError, match="si_tree='3' must be one of 2, auto"):
+        simulate("si", target_tpot=1.0, drafter_tpot=0.1, lookahead=2, matches=[True], si_tree="3")
     with pytest.raises(ConfigError, match="rescues apply to methods 'dsi' and 'si'"):
         simulate("ar", target_tpot=1.0, matches=[True, False], rescues=[True, True])
     with pytest.raises(ConfigError, match="rescues must be one pattern of 3 positions"):
