@@ -37,6 +37,7 @@ attends to the prefix and its own ancestors (:meth:`DraftTree.attention_mask`,
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -197,31 +198,78 @@ class Widths:
         return _sides(main, ranked, self.widths[0] - 1)
 
 
+DEFAULT_FLOOR = 0.1  # the least drafter probability of an "auto" side child where rows cost nothing
+
+
+REACH = 0.6  # about how often a side child's window reaches its position where side children matter
+
+
+def floor_for_price(row_price: float) -> float:
+    """The least drafter probability an ``"auto"`` side child must have where one more verified row costs
+    ``row_price`` of a one-token forward (:attr:`dsi.models.costs.ForwardCosts.row_price`).
+
+    A side child with drafter probability ``p`` rescues a rejection about ``p`` of the times its position is
+    reached (the drafts before it in its window accepted: about :data:`REACH` where the drafter is unsure
+    enough for side children), and a rescue saves about a one-token forward (DSI's restarted epoch, SI's
+    extra token); it costs ``row_price`` of one whenever its window is verified. So it pays where ``p *
+    REACH`` exceeds the price: the floor is ``row_price / REACH`` rounded up to a step of 0.05 (so a measured
+    price rarely moves it), at least :data:`DEFAULT_FLOOR` and at most 1 (where no side child is added).
+    On emulated CPU-like costs (a row 0.27 of a forward) that is 0.5, the floor at which "auto" came within
+    2% of the chain on four recorded sets (docs/results.md section 22); on a GPU (rows nearly free), 0.1."""
+    if not isinstance(row_price, int | float) or isinstance(row_price, bool) or not 0.0 <= row_price <= 1.0:
+        raise ConfigError(f"row_price={row_price!r} must be a number in [0, 1] (a row's cost in one-token forwards)")
+    stepped = math.ceil(round(row_price / REACH * 20, 6)) / 20
+    return min(1.0, max(DEFAULT_FLOOR, stepped))
+
+
 @dataclass(frozen=True)
 class Dynamic:
     """``"auto"``: branch where the drafter is unsure, within the chain's drafting budget. The main path is
     the chain's own drafts (k of them in SI; DSI's window policy cuts it), and each position gets as side
     children (leaves) its drafter's next most likely tokens, at most ``top - 1``, whose drafter
-    probability is at least ``floor`` (:meth:`sides`): a confident drafter gets none, and a tree costs
+    probability is at least the floor (:meth:`sides`): a confident drafter gets none, and a tree costs
     no drafter forward a chain does not make (the side children come from the rows the chain's drafts
     are drawn from). Where it branches is a function of each position's drafter row alone, never of how
-    windows are cut, so SI and DSI branch alike."""
+    windows are cut, so SI and DSI branch alike.
+
+    ``floor`` None (``"auto"``): the decoder sets it from what a verified row costs on the target's
+    hardware (``price``, :func:`floor_for_price`; :data:`DEFAULT_FLOOR` where that is not known); a number
+    (``"auto:0.3"``) fixes it."""
 
     top: int = 3
-    floor: float = 0.1
+    floor: float | None = None
+    price: float | None = None  # the row price the floor was set from (None: fixed, or not priced yet)
 
     def __post_init__(self) -> None:
         _check_top(self.top)
-        if not (isinstance(self.floor, int | float) and 0.0 < self.floor <= 1.0):
-            raise ConfigError(f"floor={self.floor!r} must be a probability in (0, 1] (the least drafter "
-                              "probability of a side child)")
+        if self.floor is not None and not (isinstance(self.floor, int | float) and not isinstance(self.floor, bool)
+                                           and 0.0 < self.floor <= 1.0):
+            raise ConfigError(f"floor={self.floor!r} must be None (set from the hardware's cost per verified row) "
+                              "or a probability in (0, 1] (the least drafter probability of a side child)")
 
-    name = "auto"
+    @property
+    def name(self) -> str:
+        return "auto" if self.floor is None or self.price is not None else f"auto:{self.floor:g}"
+
+    @property
+    def least(self) -> float:
+        """The floor in force: ``floor``, or :data:`DEFAULT_FLOOR` before the decoder prices it."""
+        return DEFAULT_FLOOR if self.floor is None else float(self.floor)
+
+    def priced(self, row_price: float | None) -> Dynamic:
+        """This shape with its floor set from ``row_price`` (None: not known, the default floor stays); a
+        fixed floor stays as it is."""
+        if self.floor is not None and self.price is None:
+            return self
+        if row_price is None:
+            return Dynamic(self.top)
+        return Dynamic(self.top, floor_for_price(row_price), float(row_price))
 
     def sides(self, main: int, ranked: Sequence[tuple[int, float]]) -> list[int]:
         """A position's side children: the likeliest tokens other than ``main`` with drafter probability
-        >= ``floor``, at most ``top - 1``."""
-        return _sides(main, [(t, p) for t, p in ranked if p >= self.floor], self.top - 1)
+        >= the floor, at most ``top - 1``."""
+        least = self.least
+        return _sides(main, [(t, p) for t, p in ranked if p >= least], self.top - 1)
 
 
 @dataclass(frozen=True)
@@ -255,7 +303,8 @@ TreeShape = Widths | Dynamic | BestFirst | None  # None: a chain
 
 
 def parse_shape(text: str | None) -> TreeShape:
-    """``--draft-tree``: ``off`` / ``chain`` (None), ``auto`` (:class:`Dynamic`), ``best-first``
+    """``--draft-tree``: ``off`` / ``chain`` (None), ``auto`` (:class:`Dynamic`, its floor set from the
+    hardware; ``auto:0.3`` fixes it), ``best-first``
     (:class:`BestFirst`), or widths ``3,2,1``."""
     if text is None:
         return None
@@ -264,12 +313,22 @@ def parse_shape(text: str | None) -> TreeShape:
         return None
     if value == "auto":
         return Dynamic()
+    if value.startswith("auto:"):
+        try:
+            floor = float(value[len("auto:"):])
+        except ValueError:
+            floor = -1.0
+        if not 0.0 < floor <= 1.0:
+            raise ConfigError(f"draft tree {text!r}: 'auto:F' takes the least drafter probability of a side child, "
+                              "a number in (0, 1] such as auto:0.3")
+        return Dynamic(floor=floor)
     if value in ("best-first", "best_first", "bestfirst"):
         return BestFirst()
     try:
         widths = tuple(int(w) for w in value.split(","))
     except ValueError:
-        raise ConfigError(f"draft tree {text!r} must be off, auto, best-first, or widths per depth such as 3,2,1"
+        raise ConfigError(f"draft tree {text!r} must be off, auto, best-first, or widths per depth such as 3,2,1 "
+                          "(auto:F fixes the auto tree's floor, F in (0, 1])"
                           ) from None
     return Widths(widths)
 

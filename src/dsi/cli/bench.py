@@ -27,7 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--windows", action="store_true",
                    help="compare DSI's window policies instead: every fixed k in 1..10 and event-driven "
                         "windows (--lookahead auto), with the best fixed k and k = 5 as references")
-    p.add_argument("--draft-tree", type=DRAFT_TREE, default="off", metavar="off|auto|W",
+    p.add_argument("--draft-tree", type=DRAFT_TREE, default="off", metavar="off|auto[:F]|W",
                    help="SI and DSI with their windows as draft trees of this shape (auto, or one width for every "
                         "position such as 2; not with --windows). The synthetic drafter's second choices are random, "
                         "so this measures what a tree costs where its side children rarely win (default off)")

@@ -53,10 +53,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "whenever a target server is free) (default 5)")
     g.add_argument("--max-window", type=COUNT, default=None,
                    help="with --lookahead auto: the most drafts one window carries (default: no cap)")
-    g.add_argument("--draft-tree", type=DRAFT_TREE, default="off", metavar="off|auto|best-first|W,W,...",
+    g.add_argument("--draft-tree", type=DRAFT_TREE, default="off", metavar="off|auto[:F]|best-first|W,W,...",
                    help="spend each window's drafts as a tree (with --method si or dsi): 'auto' verifies the chain's "
-                        "drafts with the drafter's next likeliest tokens where it is unsure (probability >= 0.1, at "
-                        "most two a position); one width such as 2 gives that many children at every position; "
+                        "drafts with the drafter's next likeliest tokens where it is unsure (probability at least a "
+                        "floor set from what one more verified token costs the target: 0.1 where it is almost "
+                        "nothing, up to no side child; 'auto:F' fixes it; at most two a position); one width such as 2 gives that many children at every position; "
                         "'best-first' (SI only) grows an EAGLE-2-style tree of k nodes; widths per depth such as "
                         "3,2,1 (SI only) give the children below each node of the main path. Output stays exact "
                         "(default off: chains)")
@@ -294,7 +295,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="lookahead of SI, and of a DSI row with fixed windows (shown with --full or when given; "
                         "default 5)")
     d.add_argument("--sp", type=COUNT, nargs="+", default=[1], help="DSI target-server counts to run (default 1)")
-    d.add_argument("--draft-tree", type=DRAFT_TREE, default="off", metavar="off|auto|W",
+    d.add_argument("--draft-tree", type=DRAFT_TREE, default="off", metavar="off|auto[:F]|W",
                    help="also run SI and DSI with their windows as draft trees of this shape, next to the chains "
                         "(auto, or one width for every position such as 2: a shape DSI takes too; default off)")
     d.add_argument("--max-new-tokens", type=COUNT, default=None,

@@ -18,6 +18,7 @@ from dsi.engine.dsi import DSIDecoder
 from dsi.engine.request import Request, TokenCallback
 from dsi.engine.result import GenerationResult
 from dsi.engine.si import SpeculativeDecoder
+from dsi.engine.trees import priced_shape
 from dsi.errors import ConfigError, require
 from dsi.logprobs import check_mode
 from dsi.models.base import LanguageModel
@@ -190,6 +191,7 @@ def build_decoder(
     target = check_model(target, "target")
     if method == "ar":
         return AutoregressiveDecoder(target)
+    shape = priced_shape(shape, target, transport, transport_options)
     if drafter is None:
         raise ConfigError(f"method={method!r} needs a drafter model")
     if method == "si":

@@ -138,6 +138,7 @@ class SpeculativeDecoder:
             stats.extra["drafter_context_limited"] = stats.extra.get("drafter_context_limited", 0) + 1
         result = self._verify(request.tree_task(0, base, tree), stats)
         stats.extra["tree_windows"] = stats.extra.get("tree_windows", 0) + 1
+        stats.extra["tree_side_nodes"] = stats.extra.get("tree_side_nodes", 0) + len(tree) - len(tree.main_path())
         walked = decide_tree(tree, result, drafter, request.sampling, len(base))
         logprobs = result.logprobs
         for index, token in enumerate(walked.tokens(tree)):

@@ -35,6 +35,7 @@ from dsi.engine.stats import GenerationStats
 from dsi.errors import ConfigError, ContextLengthError, DraftUnavailable
 from dsi.logprobs import top_ids
 from dsi.models.base import LanguageModel, ModelSession, forward_rows, guessable_positions, tree_rows
+from dsi.models.costs import forward_costs
 from dsi.sampling import Prefix, SamplingParams, bonus, decide, draft_from_logits, shape_logits
 from dsi.transport.base import TaskResult
 from dsi.trees import ROOT, BestFirst, DraftTree, Dynamic, Proposal, TreeShape, TreeWalk, walk
@@ -60,7 +61,24 @@ def request_shape(shape: TreeShape, model: LanguageModel, params: SamplingParams
                                               "cannot branch")
         return None
     stats.extra["draft_tree"] = shape.name
+    if isinstance(shape, Dynamic):
+        stats.extra["tree_floor"] = shape.least
+        if shape.price is not None:
+            stats.extra["tree_row_price"] = shape.price
     return shape
+
+
+def priced_shape(shape: TreeShape, target: LanguageModel, transport: str, options: dict | None) -> TreeShape:
+    """``shape`` with an ``"auto"`` tree's floor set from what one more verified row costs the target servers
+    (:func:`dsi.trees.floor_for_price`): a cost the target states (latency models, callables) wherever its
+    servers run, or one timed here on a scratch session where they run this very model on this host (threads,
+    or processes on no other devices); elsewhere (Ray, other devices) it is not known and the default floor
+    stays. Other shapes, and an ``"auto:F"`` floor, are returned as they are."""
+    if not isinstance(shape, Dynamic) or (shape.floor is not None and shape.price is None):
+        return shape
+    here = transport == "threads" or (transport == "processes" and not (options or {}).get("devices"))
+    costs = forward_costs(target, measure=here)
+    return shape.priced(None if costs is None else costs.row_price)
 
 
 def ranked(law: np.ndarray, count: int) -> list[tuple[int, float]]:
@@ -118,7 +136,7 @@ def _unsure(alternatives: list[tuple[int, float]], main: int, floor: float) -> l
 def ranking_floor(shape: TreeShape) -> float:
     """The least drafter probability a side child of ``shape`` may have (:class:`~dsi.trees.Dynamic`'s
     ``floor``; 0 for the others): what :func:`draft_with_alternatives` may skip below."""
-    return shape.floor if isinstance(shape, Dynamic) else 0.0
+    return shape.least if isinstance(shape, Dynamic) else 0.0
 
 
 class TreeDrafter:

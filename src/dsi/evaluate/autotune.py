@@ -59,13 +59,13 @@ from dsi.engine.api import build_decoder, make_request
 from dsi.errors import ConfigError
 from dsi.models.replay import accept_pattern
 from dsi.sampling import SamplingParams
+from dsi.sim.events import SI_TREES  # the shapes the event simulator times for SI (weighed below)
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 3  # 2: trees are candidates; 3: SI's "auto" tree is one (a choice cached before did not weigh it)
+CACHE_VERSION = 4  # 2: trees are candidates; 3: SI's "auto" tree is one; 4: "auto" trees priced by the row cost
 LOOKAHEADS = tuple(range(1, 11))
 SI_CALIBRATION_K = 4
-SI_TREES = ("2", "auto")  # the shapes the event simulator times for SI (dsi.sim.events._si_run)
 DSI_TREES = ("2", "auto")  # DSI branches position by position (dsi.trees: Widths.sides, Dynamic.sides)
 MAX_CHECKS = 2  # predicted-only candidates run to check them, at most
 _SIMPLER = {"ar": 0, "si": 1, "dsi": 2}
@@ -293,7 +293,7 @@ def _measure_and_choose(target, drafter, transport, options, max_servers, prompt
         return out
 
     reference = calibrate("non-SI", method="ar")
-    pattern, trees = _patterns(drafter, prompt, reference, weigh_trees)  # False past the drafter's context
+    pattern, trees = _patterns(drafter, prompt, reference, weigh_trees, target, transport, options)  # False past the drafter's context
     acceptance = sum(pattern) / len(pattern)
     non_si = measured["non-SI"]["wall_s"]
     if not any(pattern):  # no draft accepted: SI and DSI wait a whole target forward per token too
@@ -415,17 +415,22 @@ def pick_run(candidates: Sequence[Candidate], margin: float) -> Candidate:
     return min((c for c in runs if c.seconds <= fastest * (1 + margin)), key=lambda c: (c.simplicity, c.seconds))
 
 
-def _patterns(drafter, prompt: list[int], reference: list[int], weigh_trees: bool) -> tuple[list[bool], dict]:
+def _patterns(drafter, prompt: list[int], reference: list[int], weigh_trees: bool, target=None,
+              transport: str = "threads", options: dict | None = None) -> tuple[list[bool], dict]:
     """The accept pattern on the calibration output, and each tree shape's
     :class:`~dsi.engine.trees.TreePattern` for the shapes whose side children rescue at least one rejection
-    there ({} without trees, or where the drafter cannot branch): one drafter forward for all of them."""
-    from dsi.engine.trees import can_branch, tree_patterns
+    there ({} without trees, or where the drafter cannot branch): one drafter forward for all of them. The
+    ``"auto"`` tree branches as its decoders will, with the floor the ``target``'s cost per verified row sets
+    (:func:`~dsi.engine.trees.priced_shape`)."""
+    from dsi.engine.trees import can_branch, priced_shape, tree_patterns
     from dsi.trees import parse_shape
 
     if not weigh_trees or not can_branch(drafter, True):
         return accept_pattern(drafter, prompt, reference), {}
     names = list(dict.fromkeys(SI_TREES + DSI_TREES))
-    patterns = tree_patterns(drafter, prompt, reference, [parse_shape(name) for name in names])
+    shapes = [parse_shape(name) if target is None else priced_shape(parse_shape(name), target, transport, options)
+              for name in names]
+    patterns = tree_patterns(drafter, prompt, reference, shapes)
     return list(patterns[0].matches), {name: p for name, p in zip(names, patterns, strict=True) if any(p.rescues)}
 
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from dsi.errors import ConfigError, ContextLengthError, TaskCancelled
 from dsi.models.base import CancelFlag, check_logits
+from dsi.models.costs import ForwardCosts
 
 NextLogits = Callable[[tuple[int, ...]], np.ndarray]
 
@@ -43,6 +44,10 @@ class CallableLM:
 
     def new_session(self) -> CallableSession:
         return CallableSession(self)
+
+    def forward_costs(self) -> ForwardCosts:
+        """Nothing a draft tree should weigh (:mod:`dsi.models.costs`): a function of the context, on no hardware."""
+        return ForwardCosts(one_token_s=0.0, per_row_s=0.0)
 
     def __repr__(self) -> str:
         limit = "" if self.max_context is None else f", max_context={self.max_context}"

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from dsi.errors import ConfigError, TaskCancelled
+from dsi.models.costs import ForwardCosts
 from dsi.models.base import (
     CancelFlag,
     LanguageModel,
@@ -86,6 +87,10 @@ class WithLatency:
     @property
     def vocab_size(self) -> int:
         return self.model.vocab_size
+
+    def forward_costs(self) -> ForwardCosts:
+        """What a forward costs here (:mod:`dsi.models.costs`): its TPOT and ``token_s`` per token it computes."""
+        return ForwardCosts(one_token_s=self.tpot + self.token_s, per_row_s=self.token_s)
 
     @property
     def max_context(self) -> int | None:

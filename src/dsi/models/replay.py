@@ -40,6 +40,7 @@ from dsi.models.base import (
     greedy_guess,
     guessable_positions,
 )
+from dsi.models.costs import ForwardCosts, stated_costs
 
 RECORDING_VERSION = 1
 
@@ -246,6 +247,10 @@ class ReplayLM:
     def threads(self, value: int | None) -> None:
         if hasattr(self.model, "threads"):
             self.model.threads = value
+
+    def forward_costs(self) -> ForwardCosts | None:
+        """The inner model's stated costs (:mod:`dsi.models.costs`), or None: then timed on this model."""
+        return stated_costs(self.model)
 
     def new_session(self, device: Any = None) -> ReplaySession:
         inner = self.model.new_session() if device is None else self.model.new_session(device=device)

@@ -1,0 +1,135 @@
+"""What a forward costs by its rows (dsi.models.costs), and how it prices the "auto" tree's side children
+(dsi.trees.floor_for_price, dsi.engine.trees.priced_shape)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import dsi
+from dsi.engine.trees import priced_shape
+from dsi.errors import ConfigError
+from dsi.models import CallableLM, WithLatency
+from dsi.models.costs import ForwardCosts, forward_costs, measure_forward_costs
+from dsi.models.replay import ReplayLM
+from dsi.trees import DEFAULT_FLOOR, Dynamic, Widths, floor_for_price, parse_shape
+
+VOCAB = 16
+
+
+def _logits(context):
+    row = np.zeros(VOCAB)
+    row[(sum(context) * 7 + len(context)) % VOCAB] = 3.0
+    return row
+
+
+class SleepyLM:
+    """A model that states nothing: a forward over n tokens sleeps ``a + b * n`` seconds; counts its sessions."""
+
+    def __init__(self, a: float, b: float) -> None:
+        self.a, self.b, self.sessions = a, b, 0
+        self.inner = CallableLM(_logits, VOCAB)
+
+    @property
+    def vocab_size(self) -> int:
+        return VOCAB
+
+    def new_session(self):
+        self.sessions += 1
+        outer, session = self, self.inner.new_session()
+
+        class Session:
+            tokens = property(lambda s: session.tokens)
+
+            def extend(self, tokens, cancel=None):
+                time.sleep(outer.a + outer.b * len(tokens))
+                return session.extend(tokens, cancel)
+
+            def truncate(self, length):
+                session.truncate(length)
+
+            def close(self):
+                pass
+
+        return Session()
+
+
+def test_stated_costs_of_the_latency_model_callables_and_replays():
+    gpu = WithLatency(CallableLM(_logits, VOCAB), ttft=0.02, tpot=0.02)
+    cpu = WithLatency(CallableLM(_logits, VOCAB), ttft=0.008, tpot=0.008, token_s=0.003)
+    assert forward_costs(gpu) == ForwardCosts(0.02, 0.0) and forward_costs(gpu).row_price == 0.0
+    assert forward_costs(cpu).row_price == pytest.approx(0.003 / 0.011)
+    assert forward_costs(CallableLM(_logits, VOCAB)).row_price == 0.0  # no hardware: nothing to weigh
+    assert forward_costs(ReplayLM(cpu, {})) == forward_costs(cpu)  # a replay states what its inner model states
+    sleepy = SleepyLM(0.0, 0.0)
+    assert forward_costs(ReplayLM(sleepy, {}), measure=False) is None and sleepy.sessions == 0
+
+
+def test_a_model_that_states_nothing_is_timed_once():
+    sleepy = SleepyLM(0.004, 0.006)  # one token: 10 ms, each more: 6 ms, a price of 0.6
+    costs = forward_costs(sleepy)
+    assert costs.measured and 0.3 < costs.row_price < 0.9, costs  # sleeps only grow: generous margins
+    assert forward_costs(sleepy) is costs and sleepy.sessions == 1  # remembered per model object
+    flat = measure_forward_costs(SleepyLM(0.01, 0.0))
+    assert flat.row_price < 0.3, flat
+
+
+def test_a_model_whose_sessions_fail_has_no_measured_cost():
+    class Broken(SleepyLM):
+        def new_session(self):
+            raise RuntimeError("no device")
+
+    assert measure_forward_costs(Broken(0.0, 0.0)) is None
+    assert priced_shape(Dynamic(), Broken(0.0, 0.0), "threads", {}) == Dynamic()  # the default floor stays
+
+
+def test_the_floor_follows_the_price():
+    assert floor_for_price(0.0) == DEFAULT_FLOOR and floor_for_price(0.05) == DEFAULT_FLOOR
+    assert floor_for_price(0.273) == 0.5 and floor_for_price(0.3) == 0.5 and floor_for_price(0.31) == 0.55
+    assert floor_for_price(0.64) == 1.0 and floor_for_price(1.0) == 1.0
+    for bad in (-0.1, 1.5, "0.3", True):
+        with pytest.raises(ConfigError, match="row_price=.* must be a number in \\[0, 1\\]"):
+            floor_for_price(bad)
+
+
+def test_priced_shape_prices_auto_only_and_only_where_it_can_know():
+    cpu = WithLatency(CallableLM(_logits, VOCAB), ttft=0.008, tpot=0.008, token_s=0.003)
+    priced = priced_shape(Dynamic(), cpu, "threads", {})
+    assert priced == Dynamic(floor=0.5, price=pytest.approx(0.003 / 0.011)) and priced.name == "auto"
+    assert priced_shape(priced, cpu, "threads", {}) == priced  # pricing twice changes nothing
+    assert priced_shape(Dynamic(floor=0.5), cpu, "threads", {}) == Dynamic(floor=0.5)  # auto:0.5 is fixed
+    assert Dynamic(floor=0.5).name == "auto:0.5" and parse_shape("auto:0.5") == Dynamic(floor=0.5)
+    assert priced_shape(Widths((2,)), cpu, "threads", {}) == Widths((2,)) and priced_shape(None, cpu, "threads", {}) is None
+    assert priced_shape(Dynamic(), cpu, "ray", {}) == priced  # a stated cost holds wherever the servers run
+    for transport, options in (("ray", {}), ("processes", {"devices": ["cuda:0"]})):
+        sleepy = SleepyLM(0.0, 0.0)
+        assert priced_shape(Dynamic(), sleepy, transport, options) == Dynamic() and sleepy.sessions == 0
+    with pytest.raises(ConfigError, match="floor=2 must be None .* or a probability in \\(0, 1\\]"):
+        Dynamic(floor=2)
+
+
+@pytest.mark.parametrize("method,lookahead", [("si", 5), ("dsi", "auto")])
+def test_auto_trees_branch_less_where_rows_cost(method, lookahead):
+    """The same drafter rows (0.5 / 0.3 / 0.15): where a row is free "auto" keeps both side children (a floor of
+    0.1), where it costs 0.11 of a forward (1 ms on 9 ms) only the one >= 0.2; where a row costs a whole forward,
+    none. The output is the target's either way."""
+    def drafter_logits(context):
+        row = np.full(VOCAB, -9.0)
+        top = (sum(context) * 7 + len(context)) % VOCAB
+        row[top], row[(top + 1) % VOCAB], row[(top + 2) % VOCAB] = np.log(0.5), np.log(0.3), np.log(0.15)
+        return row  # the target's token 0.5, two others 0.3 and 0.15
+
+    prompt, runs = [1, 2, 3], {}
+    for name, token_s in (("gpu", 0.0), ("cpu", 0.001), ("whole", 1.0)):
+        target = WithLatency(CallableLM(_logits, VOCAB), ttft=0.0 if name == "whole" else 0.008,
+                             tpot=0.0 if name == "whole" else 0.008, token_s=token_s)
+        out = dsi.generate(target=target, drafter=CallableLM(drafter_logits, VOCAB), prompt=prompt, method=method,
+                           lookahead=lookahead, num_target_servers=2, draft_tree="auto", max_new_tokens=12)
+        reference = dsi.generate(target=CallableLM(_logits, VOCAB), prompt=prompt, method="ar", max_new_tokens=12)
+        assert out.tokens == reference.tokens
+        runs[name] = out.stats.extra
+    assert runs["gpu"]["tree_floor"] == DEFAULT_FLOOR and runs["cpu"]["tree_floor"] == 0.2
+    assert runs["whole"]["tree_floor"] == 1.0 and runs["whole"]["tree_row_price"] == 1.0
+    assert runs["gpu"]["tree_side_nodes"] > runs["cpu"]["tree_side_nodes"] > 0 == runs["whole"].get("tree_side_nodes", 0)
