@@ -162,7 +162,11 @@ def test_a_fault_gets_a_bounded_answer_and_the_decoder_serves_on(rig, fault, cap
     if fault in NOTICED and (seen_dying or error is not None):
         assert NOTICED[fault] in log, f"{fault} was not noticed as expected:\n{log}"
     if not fault.startswith("freeze"):
-        assert "liveness deadline" not in log, f"{fault} was only caught by the liveness deadline:\n{log}"
+        # the fault must be seen its own way; a deadline that another server missed on a loaded machine (its
+        # log line names the deadline, the fault's own line does not) is not the fault caught by the safety net
+        seen_right = [line for line in log.splitlines() if NOTICED.get(fault, "\0") in line
+                      and "liveness deadline" not in line]
+        assert seen_right or "liveness deadline" not in log, f"{fault} was only caught by the liveness deadline:\n{log}"
     expected = OUTCOMES[fault]
     if expected == "ok":
         assert error is None, f"{fault}: the re-queued task should have completed: {error!r}"
