@@ -199,8 +199,6 @@ class Widths:
 
 
 DEFAULT_FLOOR = 0.1  # the least drafter probability of an "auto" side child where rows cost nothing
-
-
 REACH = 0.6  # about how often a side child's window reaches its position where side children matter
 
 
@@ -248,8 +246,13 @@ class Dynamic:
                               "or a probability in (0, 1] (the least drafter probability of a side child)")
 
     @property
+    def fixed(self) -> bool:
+        """Whether the floor was given (``"auto:F"``) rather than left to the decoder's pricing."""
+        return self.floor is not None and self.price is None
+
+    @property
     def name(self) -> str:
-        return "auto" if self.floor is None or self.price is not None else f"auto:{self.floor:g}"
+        return f"auto:{self.floor:g}" if self.fixed else "auto"
 
     @property
     def least(self) -> float:
@@ -259,7 +262,7 @@ class Dynamic:
     def priced(self, row_price: float | None) -> Dynamic:
         """This shape with its floor set from ``row_price`` (None: not known, the default floor stays); a
         fixed floor stays as it is."""
-        if self.floor is not None and self.price is None:
+        if self.fixed:
             return self
         if row_price is None:
             return Dynamic(self.top)

@@ -57,7 +57,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="spend each window's drafts as a tree (with --method si or dsi): 'auto' verifies the chain's "
                         "drafts with the drafter's next likeliest tokens where it is unsure (probability at least a "
                         "floor set from what one more verified token costs the target: 0.1 where it is almost "
-                        "nothing, up to no side child; 'auto:F' fixes it; at most two a position); one width such as 2 gives that many children at every position; "
+                        "nothing, up to no side child; 'auto:F' fixes it; at most two a position); one width such "
+                        "as 2 gives that many children at every position; "
                         "'best-first' (SI only) grows an EAGLE-2-style tree of k nodes; widths per depth such as "
                         "3,2,1 (SI only) give the children below each node of the main path. Output stays exact "
                         "(default off: chains)")

@@ -191,9 +191,9 @@ def build_decoder(
     target = check_model(target, "target")
     if method == "ar":
         return AutoregressiveDecoder(target)
-    shape = priced_shape(shape, target, transport, transport_options)
     if drafter is None:
         raise ConfigError(f"method={method!r} needs a drafter model")
+    shape = priced_shape(shape, target, drafter, transport, transport_options)
     if method == "si":
         return SpeculativeDecoder(target, drafter, lookahead, shape)
     options = dict(transport_options or {})

@@ -68,13 +68,15 @@ def request_shape(shape: TreeShape, model: LanguageModel, params: SamplingParams
     return shape
 
 
-def priced_shape(shape: TreeShape, target: LanguageModel, transport: str, options: dict | None) -> TreeShape:
+def priced_shape(shape: TreeShape, target: LanguageModel, drafter: LanguageModel, transport: str,
+                 options: dict | None) -> TreeShape:
     """``shape`` with an ``"auto"`` tree's floor set from what one more verified row costs the target servers
     (:func:`dsi.trees.floor_for_price`): a cost the target states (latency models, callables) wherever its
     servers run, or one timed here on a scratch session where they run this very model on this host (threads,
     or processes on no other devices); elsewhere (Ray, other devices) it is not known and the default floor
-    stays. Other shapes, and an ``"auto:F"`` floor, are returned as they are."""
-    if not isinstance(shape, Dynamic) or (shape.floor is not None and shape.price is None):
+    stays. Other shapes, an ``"auto:F"`` floor, and a ``drafter`` that branches for no request (string mode
+    for greedy and sampled ones: :func:`request_shape` drafts chains) are returned as they are."""
+    if not isinstance(shape, Dynamic) or shape.fixed or not (can_branch(drafter, True) or can_branch(drafter, False)):
         return shape
     here = transport == "threads" or (transport == "processes" and not (options or {}).get("devices"))
     costs = forward_costs(target, measure=here)

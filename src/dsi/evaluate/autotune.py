@@ -428,8 +428,8 @@ def _patterns(drafter, prompt: list[int], reference: list[int], weigh_trees: boo
     if not weigh_trees or not can_branch(drafter, True):
         return accept_pattern(drafter, prompt, reference), {}
     names = list(dict.fromkeys(SI_TREES + DSI_TREES))
-    shapes = [parse_shape(name) if target is None else priced_shape(parse_shape(name), target, transport, options)
-              for name in names]
+    shapes = [parse_shape(name) if target is None else priced_shape(parse_shape(name), target, drafter, transport,
+                                                                    options) for name in names]
     patterns = tree_patterns(drafter, prompt, reference, shapes)
     return list(patterns[0].matches), {name: p for name, p in zip(names, patterns, strict=True) if any(p.rescues)}
 

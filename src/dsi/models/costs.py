@@ -45,10 +45,6 @@ class ForwardCosts:
             return 0.0
         return min(1.0, max(0.0, self.per_row_s / self.one_token_s))
 
-    def to_dict(self) -> dict:
-        return {"one_token_s": self.one_token_s, "per_row_s": self.per_row_s, "row_price": self.row_price,
-                "measured": self.measured}
-
 
 def stated_costs(model: object) -> ForwardCosts | None:
     """What ``model`` says its forwards cost (``forward_costs()``), or None where it does not say."""
@@ -105,8 +101,6 @@ def measure_forward_costs(model: object, repeats: int = REPEATS) -> ForwardCosts
     except Exception:  # noqa: BLE001 - as above
         return None
     finally:
-        close = getattr(session, "close", None)
-        if callable(close):
-            close()
+        session.close()
     t1, tn = statistics.median(one), statistics.median(many)
     return ForwardCosts(one_token_s=t1, per_row_s=max(0.0, (tn - t1) / EXTRA_ROWS), measured=True)

@@ -24,7 +24,6 @@ from collections.abc import Sequence
 import numpy as np
 
 from dsi.errors import ConfigError, TaskCancelled
-from dsi.models.costs import ForwardCosts
 from dsi.models.base import (
     CancelFlag,
     LanguageModel,
@@ -34,6 +33,7 @@ from dsi.models.base import (
     extend_rows,
     path_tree_rows,
 )
+from dsi.models.costs import ForwardCosts
 
 _SPIN_S = 0.0003  # final stretch of a wait done by polling, for sub-millisecond precision
 

@@ -25,6 +25,9 @@ def _logits(context):
     return row
 
 
+DRAFTER = CallableLM(_logits, VOCAB)  # a drafter that branches (its requests draft tree windows)
+
+
 class SleepyLM:
     """A model that states nothing: a forward over n tokens sleeps ``a + b * n`` seconds; counts its sessions."""
 
@@ -82,7 +85,7 @@ def test_a_model_whose_sessions_fail_has_no_measured_cost():
             raise RuntimeError("no device")
 
     assert measure_forward_costs(Broken(0.0, 0.0)) is None
-    assert priced_shape(Dynamic(), Broken(0.0, 0.0), "threads", {}) == Dynamic()  # the default floor stays
+    assert priced_shape(Dynamic(), Broken(0.0, 0.0), DRAFTER, "threads", {}) == Dynamic()  # the default floor stays
 
 
 def test_the_floor_follows_the_price():
@@ -96,16 +99,24 @@ def test_the_floor_follows_the_price():
 
 def test_priced_shape_prices_auto_only_and_only_where_it_can_know():
     cpu = WithLatency(CallableLM(_logits, VOCAB), ttft=0.008, tpot=0.008, token_s=0.003)
-    priced = priced_shape(Dynamic(), cpu, "threads", {})
+    priced = priced_shape(Dynamic(), cpu, DRAFTER, "threads", {})
     assert priced == Dynamic(floor=0.5, price=pytest.approx(0.003 / 0.011)) and priced.name == "auto"
-    assert priced_shape(priced, cpu, "threads", {}) == priced  # pricing twice changes nothing
-    assert priced_shape(Dynamic(floor=0.5), cpu, "threads", {}) == Dynamic(floor=0.5)  # auto:0.5 is fixed
+    assert priced_shape(priced, cpu, DRAFTER, "threads", {}) == priced  # pricing twice changes nothing
+    assert priced_shape(Dynamic(floor=0.5), cpu, DRAFTER, "threads", {}) == Dynamic(floor=0.5)  # auto:0.5 is fixed
     assert Dynamic(floor=0.5).name == "auto:0.5" and parse_shape("auto:0.5") == Dynamic(floor=0.5)
-    assert priced_shape(Widths((2,)), cpu, "threads", {}) == Widths((2,)) and priced_shape(None, cpu, "threads", {}) is None
-    assert priced_shape(Dynamic(), cpu, "ray", {}) == priced  # a stated cost holds wherever the servers run
+    assert priced_shape(Widths((2,)), cpu, DRAFTER, "threads", {}) == Widths((2,))
+    assert priced_shape(None, cpu, DRAFTER, "threads", {}) is None
+    assert priced_shape(Dynamic(), cpu, DRAFTER, "ray", {}) == priced  # a stated cost holds wherever the servers run
     for transport, options in (("ray", {}), ("processes", {"devices": ["cuda:0"]})):
         sleepy = SleepyLM(0.0, 0.0)
-        assert priced_shape(Dynamic(), sleepy, transport, options) == Dynamic() and sleepy.sessions == 0
+        assert priced_shape(Dynamic(), sleepy, DRAFTER, transport, options) == Dynamic() and sleepy.sessions == 0
+    class ThroughText(CallableLM):  # a drafter of another vocabulary drafting every request through text
+        def mode_for(self, greedy):
+            return "string"
+
+    sleepy = SleepyLM(0.0, 0.0)  # no tree is ever drafted with it: no probe
+    assert priced_shape(Dynamic(), sleepy, ThroughText(_logits, VOCAB), "threads", {}) == Dynamic()
+    assert sleepy.sessions == 0
     with pytest.raises(ConfigError, match="floor=2 must be None .* or a probability in \\(0, 1\\]"):
         Dynamic(floor=2)
 
