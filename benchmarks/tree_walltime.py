@@ -33,12 +33,13 @@ against the recording.
 With ``--budgets B [B ...]`` it measures instead, at each draft budget B, the tokens SI commits per target
 verification with the chain (k = B), with the ``best-first`` tree of B nodes and with the ``auto`` tree (the
 chain's B drafts and their side children: the same drafting budget; its nodes per verification are
-reported) (issue 24's first benchmark, for dynamic trees), with no emulated latency: the real drafter drafts (llama.cpp), since a dynamic tree's
+reported), and with the ``branches`` tree (B rounds of drafting, its side children continued as the
+drafter's chains) (issue 24's first benchmark, for dynamic trees), with no emulated latency: the real drafter drafts (llama.cpp), since a dynamic tree's
 shape follows its rows off the target's path, which the recordings do not hold (the replayed drafter
 above gives every such row a flat law, so its dynamic trees never spend budget below a wrong draft);
 the target is the recording (its greedy decisions are all a greedy walk reads).
 
-With ``--exact-si`` it times SI k = 5 with its chain against its ``auto`` and ``best-first`` trees on both cost models with
+With ``--exact-si`` it times SI k = 5 with its chain against its ``auto``, ``branches`` and ``best-first`` trees on both cost models with
 the real drafter's rows (:class:`MemoDrafter`: computed once per context, then served from memory at the
 emulated cost), the correction of the replayed runs above for SI's dynamic trees.
 
@@ -225,7 +226,7 @@ def budgets_set(recordings: list[dict], vocab: int, drafter, budgets: list[int])
     rows = []
     for budget in budgets:
         row = {"budget": budget}
-        for name, tree in (("chain", None), ("tree", "best-first"), ("auto", "auto")):
+        for name, tree in (("chain", None), ("tree", "best-first"), ("auto", "auto"), ("branches", "branches")):
             sums = si_over_recordings(target, drafter, recordings, budget, tree)
             row[name] = sums["tokens"] / sums["forwards"]
             row[f"{name}_side_wins"] = sums["side_wins"]
@@ -233,9 +234,10 @@ def budgets_set(recordings: list[dict], vocab: int, drafter, budgets: list[int])
             row[f"{name}_nodes_per_verification"] = sums["drafted"] / sums["forwards"]
         row["tree_over_chain"] = row["tree"] / row["chain"]
         row["auto_over_chain"] = row["auto"] / row["chain"]
+        row["branches_over_chain"] = row["branches"] / row["chain"]
         rows.append(row)
-        print(f"B={budget}: chain {row['chain']:.2f}, best-first {row['tree']:.2f}, auto {row['auto']:.2f}",
-              file=sys.stderr, flush=True)
+        print(f"B={budget}: chain {row['chain']:.2f}, best-first {row['tree']:.2f}, auto {row['auto']:.2f}, "
+              f"branches {row['branches']:.2f}", file=sys.stderr, flush=True)
     return rows
 
 
@@ -268,7 +270,8 @@ def si_walltime_exact(recordings: list[dict], vocab: int, drafter, repeats: int,
 
     memo = MemoDrafter(drafter)
     plain = CallableLM(memo.logits, vocab, name="real drafter, memoised")
-    configs = {"SI chain": None, "SI tree=auto": "auto", "SI tree=best-first": "best-first"}
+    configs = {"SI chain": None, "SI tree=auto": "auto", "SI tree=branches": "branches",
+               "SI tree=best-first": "best-first"}
 
     flat = recorded_target(recordings, vocab)
     for tree in configs.values():  # fill the memory: every context SI's drafting visits
@@ -327,8 +330,8 @@ def main() -> int:
     if args.exact_si:
         results = []
         print("| cost model | prompts | SI k=5 chain: s (tokens / verification) | tree=auto | auto / chain "
-              "| tree=best-first | best-first / chain |")
-        print("|---|---|---|---|---|---|---|")
+              "| tree=branches | branches / chain | tree=best-first | best-first / chain |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for set_name, recs in recordings.items():
             got = si_walltime_exact(recs, target.vocab_size, drafter, args.repeats)
             for cost_name in COST_MODELS:
@@ -337,7 +340,7 @@ def main() -> int:
                 results.append({"cost_model": cost_name, "prompts": set_name, **g})
                 print(f"| {cost_name} | {set_name} | {med['SI chain']:.3f} ({tpv['SI chain']:.2f}) | "
                       + " | ".join(f"{med[label]:.3f} ({tpv[label]:.2f}) | {g['tree_speedup'][label]:.3f}"
-                                   for label in ("SI tree=auto", "SI tree=best-first")) + " |")
+                                   for label in ("SI tree=auto", "SI tree=branches", "SI tree=best-first")) + " |")
         emit_record({"benchmark": "tree_walltime_exact_si", "target": args.target, "drafter": args.drafter,
                      "tokens": args.tokens, "prompts_per_set": args.prompts, "repeats": args.repeats,
                      "results": results}, args.out)
@@ -345,15 +348,17 @@ def main() -> int:
     if args.budgets:
         results = []
         print("| prompts | drafter top-1 agreement | B | chain: tokens / verification | best-first tree of B nodes "
-              "| best-first / chain | auto: B drafts + side children (nodes) | auto / chain |")
-        print("|---|---|---|---|---|---|---|---|")
+              "| best-first / chain | auto: B drafts + side children (nodes) | auto / chain "
+              "| branches: B rounds (nodes) | branches / chain |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for set_name, recorded in sets.items():
             agreement = recorded.agreement()
             for row in budgets_set(recordings[set_name], target.vocab_size, drafter, args.budgets):
                 results.append({"prompts": set_name, "drafter_agreement": float(agreement), **row})
                 print(f"| {set_name} | {agreement:.2f} | {row['budget']} | {row['chain']:.2f} | {row['tree']:.2f} | "
                       f"{row['tree_over_chain']:.3f} | {row['auto']:.2f} ({row['auto_nodes_per_verification']:.1f}) | "
-                      f"{row['auto_over_chain']:.3f} |")
+                      f"{row['auto_over_chain']:.3f} | {row['branches']:.2f} "
+                      f"({row['branches_nodes_per_verification']:.1f}) | {row['branches_over_chain']:.3f} |")
         emit_record({"benchmark": "tree_budgets", "target": args.target, "drafter": args.drafter,
                      "tokens": args.tokens, "prompts_per_set": args.prompts, "results": results}, args.out)
         return 0

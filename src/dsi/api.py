@@ -74,8 +74,10 @@ def build_decoder(
 
     ``draft_tree`` (SI and DSI): spend each window's drafts as a tree instead of a chain (:mod:`dsi.trees`):
     None or ``"off"`` (chains), ``"auto"`` (the chain's drafts with side children where the drafter is
-    unsure), ``"best-first"`` (SI: an EAGLE-2-style tree of k nodes) or widths per depth (``"3,2,1"``). The committed tokens are the chain's for the same seed (DSI), or the target's
-    law with the same guarantees (SI): a tree only changes how many tokens a verification commits.
+    unsure), ``"branches"`` (SI: those side children go on as the drafter's own drafts, in the same k
+    drafter rounds), ``"best-first"`` (SI: an EAGLE-2-style tree of k nodes) or widths per depth
+    (``"3,2,1"``). The committed tokens are the chain's for the same seed (DSI), or the target's law with
+    the same guarantees (SI): a tree only changes how many tokens a verification commits.
 
     ``drafter_server``: the URL of an engine serving the drafter (vLLM or ``dsi serve``); its tokens are
     streamed from there, and ``drafter`` is the local copy it is checked against and whose tokenizer

@@ -23,8 +23,9 @@ chain's last draft. So:
 
 **Shapes.** ``"chain"`` (no tree), fixed :class:`Widths` (children per main-path node, depth by
 depth: ``"3,2,1"``), :class:`Dynamic` (``"auto"``: the chain's drafts, each position with the
-drafter's next likeliest tokens as side children where the drafter is unsure), or :class:`BestFirst`
-(``"best-first"``: EAGLE-2-style growth by cumulative drafter probability within a node budget).
+drafter's next likeliest tokens as side children where the drafter is unsure; ``"branches"``, SI only:
+the side children continue as the drafter's own chains), or :class:`BestFirst` (``"best-first"``:
+EAGLE-2-style growth by cumulative drafter probability within a node budget).
 :func:`grow` builds a tree from a drafter oracle, ``propose(path tokens) -> (main token, [(token,
 drafter probability), ...] most likely first)``.
 
@@ -232,11 +233,20 @@ class Dynamic:
 
     ``floor`` None (``"auto"``): the decoder sets it from what a verified row costs on the target's
     hardware (``price``, :func:`floor_for_price`; :data:`DEFAULT_FLOOR` where that is not known); a number
-    (``"auto:0.3"``) fixes it."""
+    (``"auto:0.3"``) fixes it.
+
+    ``branches`` (``"branches"``, ``"branches:F"``; SI only): each side child continues as the drafter's own
+    chain, drafted in the same rounds as the main path (one batched drafter forward a round where the session
+    computes a tree in one, :func:`grow`), a node kept while its branch's drafter probability since it left
+    the main path (the side child's times its drafts') stays at least the floor: the rule a side child
+    meets, for the same reason (a node is reached about that often and costs a verified row). A rescue then
+    goes on past the side child instead of ending the window there. DSI's drafter drafts only the main path,
+    without waiting, so its windows take leaf side children (:func:`check_windowed` refuses this there)."""
 
     top: int = 3
     floor: float | None = None
     price: float | None = None  # the row price the floor was set from (None: fixed, or not priced yet)
+    branches: bool = False  # ``"branches"`` (SI only): side children continue as the drafter's own chains
 
     def __post_init__(self) -> None:
         _check_top(self.top)
@@ -244,6 +254,8 @@ class Dynamic:
                                            and 0.0 < self.floor <= 1.0):
             raise ConfigError(f"floor={self.floor!r} must be None (set from the hardware's cost per verified row) "
                               "or a probability in (0, 1] (the least drafter probability of a side child)")
+        if not isinstance(self.branches, bool):
+            raise ConfigError(f"branches={self.branches!r} must be a bool")
 
     @property
     def fixed(self) -> bool:
@@ -252,7 +264,8 @@ class Dynamic:
 
     @property
     def name(self) -> str:
-        return f"auto:{self.floor:g}" if self.fixed else "auto"
+        kind = "branches" if self.branches else "auto"
+        return f"{kind}:{self.floor:g}" if self.fixed else kind
 
     @property
     def least(self) -> float:
@@ -265,8 +278,8 @@ class Dynamic:
         if self.fixed:
             return self
         if row_price is None:
-            return Dynamic(self.top)
-        return Dynamic(self.top, floor_for_price(row_price), float(row_price))
+            return Dynamic(self.top, branches=self.branches)
+        return Dynamic(self.top, floor_for_price(row_price), float(row_price), self.branches)
 
     def sides(self, main: int, ranked: Sequence[tuple[int, float]]) -> list[int]:
         """A position's side children: the likeliest tokens other than ``main`` with drafter probability
@@ -307,37 +320,51 @@ TreeShape = Widths | Dynamic | BestFirst | None  # None: a chain
 
 def parse_shape(text: str | None) -> TreeShape:
     """``--draft-tree``: ``off`` / ``chain`` (None), ``auto`` (:class:`Dynamic`, its floor set from the
-    hardware; ``auto:0.3`` fixes it), ``best-first``
-    (:class:`BestFirst`), or widths ``3,2,1``."""
+    hardware; ``auto:0.3`` fixes it), ``branches`` (``branches:0.3``; :class:`Dynamic` with ``branches``),
+    ``best-first`` (:class:`BestFirst`), or widths ``3,2,1``."""
     if text is None:
         return None
     value = text.strip().lower()
     if value in ("off", "chain", "none", ""):
         return None
-    if value == "auto":
-        return Dynamic()
-    if value.startswith("auto:"):
-        try:
-            floor = float(value[len("auto:"):])
-        except ValueError:
-            floor = -1.0
-        if not 0.0 < floor <= 1.0:
-            raise ConfigError(f"draft tree {text!r}: 'auto:F' takes the least drafter probability of a side child, "
-                              "a number in (0, 1] such as auto:0.3")
-        return Dynamic(floor=floor)
+    for kind in ("auto", "branches"):
+        if value == kind:
+            return Dynamic(branches=kind == "branches")
+        if value.startswith(kind + ":"):
+            try:
+                floor = float(value[len(kind) + 1:])
+            except ValueError:
+                floor = -1.0
+            if not 0.0 < floor <= 1.0:
+                raise ConfigError(f"draft tree {text!r}: '{kind}:F' takes the least drafter probability of a side "
+                                  f"child, a number in (0, 1] such as {kind}:0.3")
+            return Dynamic(floor=floor, branches=kind == "branches")
     if value in ("best-first", "best_first", "bestfirst"):
         return BestFirst()
     try:
         widths = tuple(int(w) for w in value.split(","))
     except ValueError:
-        raise ConfigError(f"draft tree {text!r} must be off, auto, best-first, or widths per depth such as 3,2,1 "
-                          "(auto:F fixes the auto tree's floor, F in (0, 1])"
+        raise ConfigError(f"draft tree {text!r} must be off, auto, branches, best-first, or widths per depth such "
+                          "as 3,2,1 (auto:F and branches:F fix the floor, F in (0, 1])"
                           ) from None
     return Widths(widths)
 
 
+def check_windowed(shape: TreeShape) -> None:
+    """Refuse, naming it, a shape DSI's windows cannot take: widths per depth and ``"best-first"`` (a node
+    budget per window, which timing cuts), and ``"branches"`` (DSI's drafter drafts only the main path)."""
+    if shape is None:
+        return
+    shape.sides(0, ())
+    if isinstance(shape, Dynamic) and shape.branches:
+        raise ConfigError(f"draft tree {shape.name!r} continues side children as the drafter's own chains within "
+                          "SI's k drafter rounds; DSI's drafter drafts the main path without waiting, so its windows "
+                          "take leaf side children: use 'auto' (or a width such as '2') with DSI, 'branches' with SI")
+
+
 def grow(shape: TreeShape, budget: int, propose: Callable[[list[int]], Proposal | None],
-         propose_many: Callable[[list[list[int]]], list[Proposal | None]] | None = None) -> DraftTree:
+         propose_many: Callable[[list[list[int]]], list[Proposal | None]] | None = None,
+         probability: Callable[[list[int], int], float] | None = None) -> DraftTree:
     """A tree in ``shape`` (None: a chain of ``budget``) from the drafter oracle ``propose(path tokens) ->
     (main token, [(token, probability), ...] most likely first)``, called once per node that gets
     children (the root's path is ``[]``). ``propose`` returns None where the drafter has nothing after
@@ -347,11 +374,17 @@ def grow(shape: TreeShape, budget: int, propose: Callable[[list[int]], Proposal 
     :class:`Dynamic` (the chain's ``budget`` drafts, its side children on top: a drafting budget, as DSI
     spends it). A :class:`BestFirst` tree is grown in rounds, each asking for every node it expands at
     once through ``propose_many(paths) -> proposals`` (default: ``propose`` path by path): a drafter that
-    can compute several paths' rows in one forward then drafts a round in one (:func:`_grow_best_first`)."""
+    can compute several paths' rows in one forward then drafts a round in one (:func:`_grow_best_first`).
+    A :class:`Dynamic` tree with ``branches`` is grown in rounds the same way (:func:`_grow_branches`), and
+    ``probability(path tokens, token)`` gives the drafter's probability of a branch's next draft (default:
+    its entry in the proposal's ranking, 0 where absent)."""
     if not isinstance(budget, int) or budget < 1:
         raise ConfigError(f"budget={budget!r} must be an integer >= 1 (draft tokens per window)")
+    many = propose_many or (lambda paths: [propose(p) for p in paths])
     if isinstance(shape, BestFirst):
-        return _grow_best_first(shape, budget, propose_many or (lambda paths: [propose(p) for p in paths]))
+        return _grow_best_first(shape, budget, many)
+    if isinstance(shape, Dynamic) and shape.branches:
+        return _grow_branches(shape, budget, many, probability)
     dynamic = isinstance(shape, Dynamic)
     widths = (1,) * budget if shape is None or dynamic else shape.widths * (budget if len(shape.widths) == 1 else 1)
     tokens: list[int] = []
@@ -423,6 +456,52 @@ def _grow_best_first(shape: BestFirst, budget: int,
     keep = sorted(chosen)  # creation order: parents before children, siblings in the order they came
     index = {old: new for new, old in enumerate(keep)}
     return _canonical([tokens[i] for i in keep], [ROOT if parents[i] == ROOT else index[parents[i]] for i in keep])
+
+
+def _grow_branches(shape: Dynamic, budget: int, propose_many: Callable[[list[list[int]]], list[Proposal | None]],
+                   probability: Callable[[list[int], int], float] | None) -> DraftTree:
+    """``"branches"``: ``budget`` rounds, each one ``propose_many`` call over the main path's last node and
+    the branch nodes added by the round before whose mass (the side child's drafter probability times its
+    branch's drafts up to that node) is at least the floor. The main path grows by its draft and that
+    position's side children (:meth:`Dynamic.sides`); such a branch node grows by its own draft (no side
+    children below it). Whether a node gets a child is decided before that child is drafted, never by the
+    child's own probability: a sampled draft kept only where it is likely would no longer be drawn from the
+    drafter's law, and the walk's decision below its parent would lose the target's law. Every path is at
+    most ``budget`` deep, so the drafter makes the chain's ``budget`` forwards where a round is one."""
+    least = shape.least
+    tokens: list[int] = []
+    parents: list[int] = []
+    mass: list[float] = []  # a branch node's drafter probability since its branch left the main path
+
+    def path_of(node: int) -> list[int]:
+        return [tokens[i] for i in _path(parents, node)]
+
+    def add(token: int, parent: int, weight: float) -> int:
+        tokens.append(int(token))
+        parents.append(parent)
+        mass.append(weight)
+        return len(tokens) - 1
+
+    main_node, branches = ROOT, []
+    for _ in range(budget):
+        paths = [path_of(main_node)] + [path_of(node) for node in branches]
+        proposals = propose_many(paths)
+        grown = []
+        for node, path, proposal in zip(branches, paths[1:], proposals[1:], strict=True):
+            if proposal is None:
+                continue
+            token, ranking = int(proposal[0]), proposal[1]
+            p = probability(path, token) if probability is not None else dict(
+                (int(t), float(q)) for t, q in ranking).get(token, 0.0)
+            grown.append(add(token, node, mass[node] * p))
+        if proposals[0] is None:
+            break
+        main, ranking = proposals[0]
+        chance = dict((int(t), float(q)) for t, q in ranking)
+        first = add(main, main_node, 1.0)
+        grown += [add(side, main_node, chance.get(side, 0.0)) for side in shape.sides(main, ranking)]
+        main_node, branches = first, [node for node in grown if mass[node] >= least]
+    return _canonical(tokens, parents)
 
 
 def _canonical(tokens: list[int], parents: list[int]) -> DraftTree:

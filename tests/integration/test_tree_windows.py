@@ -43,6 +43,7 @@ def reference(target, tokens, sampling=None, logprobs=None):
 
 @pytest.mark.parametrize("method, tree, lookahead, servers", [
     ("si", "2,2,1", 4, 1), ("si", "3,1,1", 3, 1), ("si", "auto", 5, 1), ("si", "auto", 1, 1), ("si", "best-first", 5, 1),
+    ("si", "branches", 5, 1), ("si", "branches:0.05", 3, 1),
     ("dsi", "2", 1, 1), ("dsi", "3", 3, 2), ("dsi", "auto", 2, 3), ("dsi", "auto", "auto", 2), ("dsi", "2", "auto", 4),
 ])
 def test_greedy_tree_windows_equal_non_si(method, tree, lookahead, servers, no_thread_leak):
@@ -161,9 +162,11 @@ def test_logprobs_with_trees_equal_non_si(method, tree, no_thread_leak):
     (dict(method="dsi", draft_tree="3,2"), "DSI branches position by position"),
     (dict(method="ar", draft_tree="2"), "applies to method 'si' or 'dsi'"),
     (dict(method="auto", draft_tree="auto"), "weighs draft trees itself"),
-    (dict(method="si", draft_tree=3), "must be None, 'off', 'auto', 'best-first', widths"),
-    (dict(method="si", draft_tree="wide"), "must be off, auto, best-first, or widths"),
+    (dict(method="si", draft_tree=3), "must be None, 'off', 'auto', 'branches', 'best-first', widths"),
+    (dict(method="si", draft_tree="wide"), "must be off, auto, branches, best-first, or widths"),
     (dict(method="dsi", draft_tree="best-first"), "'best-first' is for SI"),
+    (dict(method="dsi", draft_tree="branches"), "'branches' continues side children.*'branches' with SI"),
+    (dict(method="si", draft_tree="branches:1.5"), "'branches:F' takes the least drafter probability"),
 ])
 def test_bad_draft_trees_are_refused_naming_the_value(kwargs, fragment):
     target, drafter = noisy_pair()
@@ -275,6 +278,28 @@ def test_a_best_first_tree_drafts_each_round_in_one_drafter_forward_and_the_same
                                            s.extra["tree_side_accepts"]))
     assert runs["batched"][1] == runs["path by path"][1]
     assert runs["batched"][0] < 0.8 * runs["path by path"][0], runs
+
+
+def test_a_branches_tree_drafts_with_the_chains_drafter_forwards_and_commits_more_per_verification():
+    """SI with ``branches`` on a drafter whose sessions compute a tree in one forward: every round (the main
+    path's next draft and every branch's) is one drafter forward, so it drafts with exactly the chain's
+    forwards per verification (k), verifies more nodes than ``auto``, commits at least as much per
+    verification, and stays non-SI's tokens."""
+    from dsi.models import WithLatency
+
+    target, drafter = noisy_pair(seed=3, noise=2.5)
+    expected = reference(target, 60).tokens
+    model = WithLatency(drafter, 0.0, 0.0)
+    runs = {}
+    for tree in ("auto", "branches"):
+        out = dsi.generate(target=target, drafter=model, prompt=PROMPT, method="si", max_new_tokens=60, lookahead=4,
+                           draft_tree=tree)
+        assert out.tokens == expected, tree
+        runs[tree] = out.stats
+    auto, branches = runs["auto"], runs["branches"]
+    assert branches.drafter_forwards <= 4 * branches.verify_tasks  # at most k rounds, one forward each
+    assert branches.drafted_tokens > auto.drafted_tokens  # the side children went on
+    assert branches.verify_tasks <= auto.verify_tasks and branches.extra["tree_side_accepts"] > 0
 
 
 def test_hf_drafts_a_best_first_tree_round_in_one_model_forward(no_thread_leak):

@@ -67,6 +67,7 @@ def test_sampling_with_penalties_bias_min_p_and_min_tokens_matches_the_processed
 @pytest.mark.parametrize("method, lookahead, servers, tree", [
     ("dsi", 1, 1, "3"), pytest.param("dsi", "auto", 3, "auto", marks=SLOW),
     pytest.param("si", 3, 1, "2,2", marks=SLOW), ("si", 3, 1, "auto"), pytest.param("si", 4, 1, "best-first", marks=SLOW),
+    ("si", 3, 1, "branches:0.05"),
 ])
 def test_sampling_with_draft_trees_matches_the_target_law(method, lookahead, servers, tree, no_thread_leak):
     """Tree windows (issue 24): side children followed when the chain's correction is one of them, then

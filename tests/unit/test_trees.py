@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from dsi.errors import ConfigError
-from dsi.sampling import Prefix, SamplingParams, decide, draft_token, process_logits, residual
-from dsi.trees import ROOT, BestFirst, DraftTree, Dynamic, Widths, grow, parse_shape, walk
+from dsi.sampling import Prefix, SamplingParams, decide, draft_token, process_logits, residual, shape_logits
+from dsi.trees import ROOT, BestFirst, DraftTree, Dynamic, Widths, check_windowed, grow, parse_shape, walk
 
 
 # ---- structure ---------------------------------------------------------------------------------
@@ -53,7 +53,12 @@ def test_shapes_parse_from_their_names():
     assert parse_shape("off") is None and parse_shape("chain") is None and parse_shape(None) is None
     assert parse_shape("auto") == Dynamic() and parse_shape("3,2,1") == Widths((3, 2, 1))
     assert parse_shape("best-first") == BestFirst() and parse_shape(" Best_First ") == BestFirst()
-    for bad, fragment in (("3,x", "must be off, auto, best-first, or widths"), ("3,0", "integers >= 1")):
+    assert parse_shape("branches") == Dynamic(branches=True) and parse_shape("branches").name == "branches"
+    assert parse_shape("branches:0.05") == Dynamic(floor=0.05, branches=True)
+    assert parse_shape("branches:0.05").name == "branches:0.05" and parse_shape("auto:0.05").name == "auto:0.05"
+    assert Dynamic(branches=True).priced(0.27) == Dynamic(floor=0.45, price=0.27, branches=True)  # pricing keeps it
+    for bad, fragment in (("3,x", "must be off, auto, branches, best-first, or widths"), ("3,0", "integers >= 1"),
+                          ("branches:0", "'branches:F' takes"), ("branches:x", "such as branches:0.3")):
         with pytest.raises(ConfigError, match=fragment):
             parse_shape(bad)
 
@@ -115,6 +120,56 @@ def test_auto_trees_are_the_chain_with_side_leaves_where_the_drafter_is_unsure()
     assert all(not tree.children(n) for n in range(len(tree)) if n not in tree.main_path())  # side children are leaves
     assert grow(Dynamic(), 4, lambda path: (0, _ranked(laws[0]))).is_chain()  # a confident drafter: the chain
     assert len(grow(Dynamic(floor=0.31), 4, propose)) == 5 and len(grow(Dynamic(top=2), 4, propose)) == 6
+
+
+def test_branches_continue_side_children_as_the_drafters_chains_while_their_mass_stays_at_the_floor():
+    """``branches``: the main path is the chain's (and its side children ``auto``'s); each side child goes on
+    with the drafter's own draft, one round a level (one ``propose_many`` call per round, ``budget`` of them),
+    a node getting its draft as a child while its mass (side probability times its drafts') is >= the floor;
+    nothing is deeper than the budget, and no branch node has side children of its own."""
+    laws = {(): np.array([0.4, 0.35, 0.2, 0.05]), (1,): np.array([0.1, 0.5, 0.4, 0.0]),
+            (2,): np.array([0.1, 0.3, 0.6, 0.0])}
+    rounds = []
+
+    def law(path):
+        return laws.get(tuple(path), np.array([0.9, 0.05, 0.03, 0.02]))
+
+    def propose(path):
+        q = law(path)
+        return int(np.argmax(q)), _ranked(q)
+
+    def many(paths):
+        rounds.append([list(p) for p in paths])
+        return [propose(p) for p in paths]
+
+    tree = grow(Dynamic(branches=True), 3, propose, many)
+    auto = grow(Dynamic(), 3, propose)
+    assert len(rounds) == 3 and rounds[0] == [[]] and rounds[1] == [[0], [1], [2]]
+    assert tree.path_tokens(tree.main_path()[-1]) == auto.path_tokens(auto.main_path()[-1]) == [0, 0, 0]
+    paths = {tuple(tree.path_tokens(leaf)) for leaf in tree.leaves()}
+    # side 1 (0.35) -> 1 (x0.5 = 0.175) -> 0; side 2 (0.2) -> 2 (x0.6 = 0.12) -> 0: every mass >= 0.1
+    assert paths == {(0, 0, 0), (1, 1, 0), (2, 2, 0)} and rounds[2] == [[0, 0], [1, 1], [2, 2]]
+    assert max(tree.depth(n) for n in range(len(tree))) == 3
+    assert all(len(tree.children(n)) <= 1 for n in range(len(tree)) if n not in tree.main_path() and n != ROOT)
+    # a higher floor: the side children (0.35, 0.2 >= 0.2) get their draft, whose mass (0.175, 0.12) gets none
+    cut = grow(Dynamic(floor=0.2, branches=True), 3, propose)
+    assert {tuple(cut.path_tokens(leaf)) for leaf in cut.leaves()} == {(0, 0, 0), (1, 1), (2, 2)}
+    assert grow(Dynamic(floor=0.36, branches=True), 3, propose).is_chain()
+    # the probability oracle, where given, is what the mass is made of
+    rare = grow(Dynamic(branches=True), 3, propose, many, lambda path, token: 0.01)
+    assert {tuple(rare.path_tokens(leaf)) for leaf in rare.leaves()} == {(0, 0, 0), (1, 1), (2, 2)}
+    assert len(grow(Dynamic(branches=True), 9, lambda path: None)) == 0
+
+
+def test_dsi_windows_refuse_the_shapes_they_cannot_take_naming_them():
+    check_windowed(None)
+    check_windowed(Dynamic())
+    check_windowed(Widths((2,)))
+    for shape, fragment in ((Dynamic(branches=True), "'branches' continues side children.*'branches' with SI"),
+                            (Dynamic(floor=0.2, branches=True), "'branches:0.2'"),
+                            (BestFirst(), "'best-first' is for SI"), (Widths((2, 1)), "one width for every position")):
+        with pytest.raises(ConfigError, match=fragment):
+            check_windowed(shape)
 
 
 def test_best_first_trees_spend_the_budget_where_the_drafter_is_unsure():
@@ -278,7 +333,7 @@ def _first_tokens(choose, shape, budget, length, target, drafter, greedy, vocab)
 
 
 TREES = [(None, 3), (Widths((3,)), 3), (Widths((2, 2)), 4), (Widths((3, 2, 1)), 5), (Dynamic(top=3), 3),
-         (BestFirst(top=3), 4)]
+         (BestFirst(top=3), 4), (Dynamic(top=3, floor=0.05, branches=True), 3)]
 PARAMS = {
     "greedy": SamplingParams(),
     "T=1": SamplingParams(temperature=1.0),
@@ -337,9 +392,33 @@ def test_a_tree_accepts_more_per_window_than_the_chain_of_its_budget(params):
     assert tree > chain * 1.05 and best_first > chain * 1.05 and auto > chain * 1.05, (chain, tree, best_first, auto)
 
 
+def test_branches_accept_past_a_rescue_where_the_drafter_goes_on_right():
+    """A drafter whose first choice is wrong at the first position, whose second is the target's token there,
+    and which drafts the target's tokens after it: ``auto`` rescues the first position and stops at its
+    leaf; ``branches`` goes on down the branch to the budget's depth (greedy, exact counts)."""
+    target = [7, 3, 4, 5, 6]  # the target's greedy tokens, position by position
+
+    def propose(path):
+        depth = len(path)
+        if depth == 0:
+            return 1, [(1, 0.5), (7, 0.4), (2, 0.1)]
+        on_target = list(path) == target[:depth]
+        main = target[depth] if on_target else 0
+        return main, [(main, 0.9), (9, 0.1)]
+
+    def walked(shape):
+        tree = grow(shape, 4, propose)
+        outcome = walk(tree, lambda node: target[0 if node == ROOT else tree.depth(node)], leaf_token=True)
+        return outcome.tokens(tree)
+
+    assert walked(None) == [7]
+    assert walked(Dynamic()) == [7, 3]  # the side child, then the target's own token after the leaf
+    assert walked(Dynamic(branches=True)) == target  # 4 drafts down the branch, then the target's token
+
+
 # ---- the real uniforms: the same tokens as the chain -------------------------------------------
-@pytest.mark.parametrize("shape", [Widths((3, 2, 1)), Dynamic(top=3), BestFirst(top=3)],
-                         ids=["3,2,1", "auto", "best-first"])
+@pytest.mark.parametrize("shape", [Widths((3, 2, 1)), Dynamic(top=3), BestFirst(top=3), Dynamic(top=3, branches=True)],
+                         ids=["3,2,1", "auto", "best-first", "branches"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_with_counter_based_uniforms_a_tree_commits_the_chains_tokens(shape, temperature):
     vocab, budget, length = 5, 5, 12
@@ -372,8 +451,8 @@ def test_with_counter_based_uniforms_a_tree_commits_the_chains_tokens(shape, tem
     assert followed_side > 0  # side children were taken, and changed nothing in the output
 
 
-@pytest.mark.parametrize("shape", [Widths((2, 2, 1)), Dynamic(top=3), BestFirst(top=3)],
-                         ids=["2,2,1", "auto", "best-first"])
+@pytest.mark.parametrize("shape", [Widths((2, 2, 1)), Dynamic(top=3), BestFirst(top=3), Dynamic(top=3, branches=True)],
+                         ids=["2,2,1", "auto", "best-first", "branches"])
 def test_greedy_windows_that_take_the_leaf_token_still_give_the_targets_greedy_output(shape):
     vocab, greedy, ranks = 5, SamplingParams(), SamplingParams(temperature=1.0)
     want = list(PROMPT)
@@ -416,6 +495,42 @@ def test_a_greedy_draft_s_alternatives_are_the_softmax_of_its_row_in_its_own_dty
     shaped[10] -= 2.0
     expected = np.exp(shaped - shaped.max()) / np.exp(shaped - shaped.max()).sum()
     np.testing.assert_allclose(ranked[0][1], expected[20], rtol=1e-6)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(presence_penalty=1.5),
+                                    SamplingParams(temperature=0.7, top_k=5, seed=1)], ids=["greedy", "penalised", "T=0.7"])
+def test_a_tree_drafters_probability_is_the_law_its_side_children_are_ranked_by(params):
+    """``TreeDrafter.probability`` (what a ``branches`` tree's mass is made of): the drafter's processed law at
+    a proposed path, the softmax of its processed row when greedy, with or without the ranking floor, on rows
+    computed path by path and in one tree forward."""
+    from dsi.engine.request import Request
+    from dsi.engine.trees import TreeDrafter
+    from dsi.models import CallableLM, WithLatency
+
+    vocab = 16
+
+    def logits(context):
+        return _logits(tuple(int(t) % 250 for t in context), b"p", vocab) * 2.0
+
+    base = (3, 1, 4)
+    request = Request(base, 8, params)
+    for model in (CallableLM(logits, vocab), WithLatency(CallableLM(logits, vocab), 0.0, 0.0)):
+        session = model.new_session()
+        try:
+            drafter = TreeDrafter(session, request, base, top=3, floor=0.1)
+            paths = [[5], [6, 7], [6, 8]]
+            proposals = drafter.propose_many(paths) + [drafter.propose([])]
+            for path, (main, _) in zip(paths + [[]], proposals, strict=True):
+                row, prefix = logits(base + tuple(path)), Prefix(list(base + tuple(path)), len(base))
+                if params.greedy:  # the softmax of the processed row (its law is one-hot)
+                    shaped = shape_logits(row, params, prefix)
+                    law = np.exp(shaped - shaped.max()) / np.exp(shaped - shaped.max()).sum()
+                else:
+                    law = process_logits(row, params, prefix)
+                for token in (main, 0, 11):
+                    assert drafter.probability(path, token) == pytest.approx(float(law[token]), rel=1e-6, abs=1e-12)
+        finally:
+            session.close()
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

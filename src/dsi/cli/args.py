@@ -92,16 +92,18 @@ LOOKAHEAD = lookahead
 
 
 def draft_tree(text: str) -> str:
-    """``--draft-tree``: ``off``, ``auto`` (``auto:F``: its floor fixed), ``best-first`` or widths per depth such as
-    ``3,2,1`` (:func:`dsi.trees.parse_shape`), returned in its canonical spelling."""
+    """``--draft-tree``: ``off``, ``auto`` (``auto:F``: its floor fixed), ``branches`` (``branches:F``),
+    ``best-first`` or widths per depth such as ``3,2,1`` (:func:`dsi.trees.parse_shape`), returned in its
+    canonical spelling."""
     from dsi.errors import ConfigError
     from dsi.trees import parse_shape
 
     try:
         shape = parse_shape(text)
     except ConfigError:
-        raise argparse.ArgumentTypeError(f"{text!r} must be off, auto, best-first, or widths per depth such as 3,2,1 "
-                                         "(integers >= 1); auto:F fixes the auto tree's floor (F in (0, 1])") from None
+        raise argparse.ArgumentTypeError(f"{text!r} must be off, auto, branches, best-first, or widths per depth such "
+                                         "as 3,2,1 (integers >= 1); auto:F and branches:F fix the floor (F in (0, 1])"
+                                         ) from None
     return "off" if shape is None else shape.name
 
 

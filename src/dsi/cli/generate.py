@@ -53,12 +53,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "whenever a target server is free) (default 5)")
     g.add_argument("--max-window", type=COUNT, default=None,
                    help="with --lookahead auto: the most drafts one window carries (default: no cap)")
-    g.add_argument("--draft-tree", type=DRAFT_TREE, default="off", metavar="off|auto[:F]|best-first|W,W,...",
+    g.add_argument("--draft-tree", type=DRAFT_TREE, default="off", metavar="off|auto[:F]|branches[:F]|best-first|W,W,...",
                    help="spend each window's drafts as a tree (with --method si or dsi): 'auto' verifies the chain's "
                         "drafts with the drafter's next likeliest tokens where it is unsure (probability at least a "
                         "floor set from what one more verified token costs the target: 0.1 where it is almost "
                         "nothing, up to no side child; 'auto:F' fixes it; at most two a position); one width such "
-                        "as 2 gives that many children at every position; "
+                        "as 2 gives that many children at every position; 'branches' (SI only) is 'auto' whose side "
+                        "children go on as the drafter's own drafts, drafted in the same k rounds, while their "
+                        "probability stays at the floor; "
                         "'best-first' (SI only) grows an EAGLE-2-style tree of k nodes; widths per depth such as "
                         "3,2,1 (SI only) give the children below each node of the main path. Output stays exact "
                         "(default off: chains)")

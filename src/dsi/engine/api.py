@@ -25,7 +25,7 @@ from dsi.models.base import LanguageModel
 from dsi.models.crossvocab import VOCAB_MODES, bridge_drafter
 from dsi.sampling import SamplingParams
 from dsi.transport import TRANSPORTS, make_pool
-from dsi.trees import BestFirst, Dynamic, TreeShape, Widths, parse_shape
+from dsi.trees import BestFirst, Dynamic, TreeShape, Widths, check_windowed, parse_shape
 
 ENGINE_METHODS = ("dsi", "si", "ar")  # what the engine runs; dsi.api adds "auto" (the fastest of them here)
 
@@ -87,19 +87,20 @@ DEFAULT_TARGET_SERVERS = 2
 
 def check_draft_tree(method: str, draft_tree: object) -> TreeShape:
     """``draft_tree`` as a shape: None / ``"off"`` (chains), ``"auto"`` (side children where the drafter is
-    unsure), ``"best-first"`` (SI), widths per depth (``"3,2,1"``), or a :class:`~dsi.trees.Widths` /
+    unsure), ``"branches"`` (SI: they continue as the drafter's chains), ``"best-first"`` (SI), widths per
+    depth (``"3,2,1"``), or a :class:`~dsi.trees.Widths` /
     :class:`~dsi.trees.Dynamic` / :class:`~dsi.trees.BestFirst`."""
     if draft_tree is None or isinstance(draft_tree, Widths | Dynamic | BestFirst):
         shape = draft_tree
     elif isinstance(draft_tree, str):
         shape = parse_shape(draft_tree)
     else:
-        raise ConfigError(f"draft_tree={draft_tree!r} must be None, 'off', 'auto', 'best-first', widths per depth such "
-                          "as '3,2,1', or a dsi.trees.Widths / Dynamic / BestFirst")
+        raise ConfigError(f"draft_tree={draft_tree!r} must be None, 'off', 'auto', 'branches', 'best-first', widths "
+                          "per depth such as '3,2,1', or a dsi.trees.Widths / Dynamic / BestFirst")
     if shape is not None and method == "ar":
         raise ConfigError(f"draft_tree={draft_tree!r} needs a drafter: it applies to method 'si' or 'dsi', not 'ar'")
-    if shape is not None and method == "dsi":
-        shape.sides(0, ())  # refuses what DSI cannot branch by (widths per depth), naming the shape
+    if method == "dsi":
+        check_windowed(shape)  # refuses what DSI cannot branch by (widths per depth, branches), naming the shape
     return shape
 
 

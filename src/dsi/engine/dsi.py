@@ -55,7 +55,7 @@ from dsi.models.base import LanguageModel, check_sampling, counter_changes
 from dsi.sampling import SamplingParams, bonus, decide, decide_greedy
 from dsi.transport.base import ServerDied, TargetPool, TaskAborted, TaskFailed, TaskResult, VerifyTask
 from dsi.transport.liveness import LivenessPolicy
-from dsi.trees import ROOT, DraftTree, TreeShape
+from dsi.trees import ROOT, DraftTree, TreeShape, check_windowed
 from dsi.windows import WindowPacer, window_end
 
 log = logging.getLogger(__name__)
@@ -92,8 +92,7 @@ class DSIDecoder:
     def __init__(self, drafter: LanguageModel, lookahead: int | str, pool_factory, trace: bool = False,
                  max_window: int | None = None, target: LanguageModel | None = None, liveness: object = None,
                  draft_tree: TreeShape = None) -> None:
-        if draft_tree is not None:
-            draft_tree.sides(0, ())  # refuses a shape DSI cannot branch by (widths per depth)
+        check_windowed(draft_tree)  # refuses a shape DSI cannot branch by (widths per depth, branches)
         self.lookahead = lookahead  # k, or "auto" for event-driven windows (read at each request)
         self.draft_tree = draft_tree  # side children at each position (dsi.trees); None: chains
         self.max_window = max_window  # event-driven: the most drafts one window carries (None: no cap)

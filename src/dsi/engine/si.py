@@ -130,7 +130,7 @@ class SpeculativeDecoder:
         start = time.perf_counter()
         drafter = TreeDrafter(self._drafter, request, base, shape.top if isinstance(shape, Dynamic | BestFirst) else
                               max(shape.widths) - 1, ranking_floor(shape))
-        tree = grow(shape, count, drafter.propose, drafter.propose_many)
+        tree = grow(shape, count, drafter.propose, drafter.propose_many, drafter.probability)
         stats.drafter_forwards += drafter.forwards
         stats.drafter_busy_s += time.perf_counter() - start
         stats.drafted_tokens += len(tree)

@@ -157,6 +157,7 @@ class TreeDrafter:
         self.forwards = 0
         self.context_limited = False
         self._laws: dict[tuple[int, ...], np.ndarray | None] = {}
+        self._rows: dict[tuple[int, ...], np.ndarray] = {}  # each proposed path's raw row (for probability)
 
     def propose(self, path: list[int]) -> Proposal | None:
         if path and path[-1] in self.request.eos_token_ids:
@@ -173,6 +174,7 @@ class TreeDrafter:
         main, q, alternatives = draft_with_alternatives(row, self.request.sampling, len(context),
                                                         self.request.prefix(context), self.top + 1, self.floor)
         self._laws[tuple(path)] = q
+        self._rows[tuple(path)] = row
         return main, alternatives
 
     def propose_many(self, paths: list[list[int]]) -> list[Proposal | None]:
@@ -201,13 +203,32 @@ class TreeDrafter:
                 out.append(None)  # nothing is drafted after an EOS
                 continue
             position = len(self.base) + len(path)
-            main, q, alternatives = draft_with_alternatives(rows[1 + ends[tuple(path[len(common):])]],
-                                                            self.request.sampling, position,
+            row = rows[1 + ends[tuple(path[len(common):])]]
+            main, q, alternatives = draft_with_alternatives(row, self.request.sampling, position,
                                                             self.request.prefix(self.base + tuple(path)),
                                                             self.top + 1, self.floor)
             self._laws[tuple(path)] = q
+            self._rows[tuple(path)] = row
             out.append((main, alternatives))
         return out
+
+    def probability(self, path: list[int], token: int) -> float:
+        """The drafter's probability of ``token`` after ``path`` (proposed before): its processed law's, or
+        greedy, the softmax of its processed logits (the probabilities side children are ranked by)."""
+        key = tuple(path)
+        q = self._laws[key]
+        if q is not None:
+            return float(q[token])
+        params = self.request.sampling
+        row = self._rows[key]
+        shaped = shape_logits(row, params, self.request.prefix(self.base + key)) if params.moves_argmax else row
+        shaped = np.asarray(shaped, dtype=np.float64)
+        finite = shaped[np.isfinite(shaped)]
+        if not finite.size or not math.isfinite(float(shaped[token])):
+            return 0.0
+        top = float(finite.max())
+        with np.errstate(under="ignore"):
+            return float(math.exp(float(shaped[token]) - top) / np.exp(finite - top).sum())
 
     def main_law(self, tree: DraftTree, node: int) -> np.ndarray | None:
         """The drafter's processed law at the position after ``node`` (:data:`ROOT`: after ``base``)."""

@@ -68,7 +68,7 @@ class ServeConfig:
     synthetic: tuple[str, str] | None = None  # (scenario, role) of a synthetic model served (dsi serve --synthetic)
     max_logprobs: int = 20  # the most (prompt_)logprobs per position a request may ask (-1: the whole vocabulary)
     logprobs_mode: str = "raw"  # the distribution of generated tokens' logprobs: "raw" (vLLM's default) or "processed"
-    draft_tree: str | None = None  # spend each window's drafts as a tree (dsi.trees): None / "off", "auto", "best-first", "3,2,1"
+    draft_tree: str | None = None  # spend each window's drafts as a tree (dsi.trees): None / "off", "auto", "branches", "best-first", "3,2,1"
 
     def __post_init__(self) -> None:
         def positive_int(v: object) -> bool:

@@ -158,11 +158,12 @@ def test_draft_tree_flags_take_off_auto_or_widths(capsys, command):
     root = build_parser()
     parser, action = next((parser, a) for p, parser, a in FLAGS if p == command and a.type is DRAFT_TREE)
     base = _base(parser, command, action)
-    for text in ("0", "2,0", "wide", "2,,1", "1.5", "auto:0", "auto:1.5", "auto:x"):
+    for text in ("0", "2,0", "wide", "2,,1", "1.5", "auto:0", "auto:1.5", "auto:x", "branches:0", "branch"):
         err = _refused(capsys, root, [*base, f"--draft-tree={text}"])
-        assert f"--draft-tree={_shown(text)} must be off, auto, best-first, or widths per depth" in err, err
+        assert f"--draft-tree={_shown(text)} must be off, auto, branches, best-first, or widths per depth" in err, err
     for text, canonical in (("AUTO", "auto"), (" 3, 2,1", "3,2,1"), ("chain", "off"), ("Best-First", "best-first"),
-                            ("auto:0.30", "auto:0.3"), ("Auto:1", "auto:1")):
+                            ("auto:0.30", "auto:0.3"), ("Auto:1", "auto:1"), ("Branches", "branches"),
+                            ("branches:0.050", "branches:0.05")):
         assert vars(root.parse_args([*base, "--draft-tree", text]))["draft_tree"] == canonical
 
 
