@@ -483,7 +483,7 @@ def _grow_branches(shape: Dynamic, budget: int, propose_many: Callable[[list[lis
         return len(tokens) - 1
 
     main_node, branches = ROOT, []
-    for _ in range(budget):
+    for level in range(budget):
         paths = [path_of(main_node)] + [path_of(node) for node in branches]
         proposals = propose_many(paths)
         grown = []
@@ -491,8 +491,12 @@ def _grow_branches(shape: Dynamic, budget: int, propose_many: Callable[[list[lis
             if proposal is None:
                 continue
             token, ranking = int(proposal[0]), proposal[1]
-            p = probability(path, token) if probability is not None else dict(
-                (int(t), float(q)) for t, q in ranking).get(token, 0.0)
+            if level == budget - 1:  # the last round: nothing is grown below it, so its mass is not needed
+                p = 0.0
+            elif probability is not None:
+                p = probability(path, token)
+            else:
+                p = dict((int(t), float(q)) for t, q in ranking).get(token, 0.0)
             grown.append(add(token, node, mass[node] * p))
         if proposals[0] is None:
             break

@@ -553,8 +553,11 @@ def test_a_floor_reports_exactly_the_unsure_alternatives_and_skips_confident_row
             row[(top + 1) % 2000] = row[top] + np.log(0.1) + rng.choice([-1e-4, 0.0, 1e-4])  # at the floor's edge
         if trial % 11 == 0:
             row[rng.choice(2000, 50, replace=False)] = -np.inf
+        if trial % 5 == 1:  # a second choice about the 0.45 floor's edge against the top two alone
+            top = int(np.argmax(row))
+            row[(top + 3) % 2000] = row[top] + np.log(0.45 / 0.55) + rng.choice([-1e-3, 0.0, 1e-3, 0.2])
         params, prefix = params_list[trial % len(params_list)]
-        for floor in (0.1, 0.3):
+        for floor in (0.1, 0.3, 0.45):  # 0.45: near tokens below the floor against their own normaliser
             main, q, full = draft_with_alternatives(row, params, 5, prefix, 4)
             main2, q2, unsure = draft_with_alternatives(row, params, 5, prefix, 4, floor)
             assert main2 == main and (q is None) == (q2 is None)
