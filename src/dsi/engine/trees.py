@@ -127,14 +127,22 @@ def draft_with_alternatives(row: np.ndarray, params: SamplingParams, position: i
     if ids is None:
         ids = top_ids(shaped, count)
         top = float(shaped[ids[0]]) if ids else 0.0
-    if not math.isfinite(top):  # no finite logit on top (a row the processors emptied): the finite ones
+    probs = _softmax_at(shaped, ids, top)
+    alternatives = [(i, float(p)) for i, p in zip(ids, probs, strict=True)]
+    return main, None, alternatives if floor <= 0.0 else _unsure(alternatives, main, floor)
+
+
+def _softmax_at(shaped: np.ndarray, ids: Sequence[int], top: float) -> np.ndarray:
+    """The softmax probabilities (float64) of ``ids`` under the logits ``shaped`` ``[V]``, whose largest logit is
+    ``top``: the exponentials in the row's own dtype (a float32 row is not copied to float64: this runs for
+    every node of a tree, over the whole vocabulary), the normaliser summed in float64. A ``top`` that is not
+    finite (a row the processors emptied, a +inf logit) is replaced by the largest finite logit."""
+    if not math.isfinite(top):
         finite = shaped[np.isfinite(shaped)]
         top = float(finite.max()) if finite.size else 0.0
     with np.errstate(under="ignore", invalid="ignore"):
         total = float(np.exp(shaped - shaped.dtype.type(top)).sum(dtype=np.float64))
-        probs = np.exp(shaped[ids].astype(np.float64) - top) / total
-    alternatives = [(i, float(p)) for i, p in zip(ids, probs, strict=True)]
-    return main, None, alternatives if floor <= 0.0 else _unsure(alternatives, main, floor)
+        return np.exp(shaped[list(ids)].astype(np.float64) - top) / total
 
 
 def _unsure(alternatives: list[tuple[int, float]], main: int, floor: float) -> list[tuple[int, float]]:
@@ -228,18 +236,11 @@ class TreeDrafter:
             return float(q[token])
         params = self.request.sampling
         row = self._rows[key]
-        # in the row's own dtype, the normaliser summed in float64, as draft_with_alternatives ranks (a float32
-        # row of 152k logits costs 0.2 ms so, 1.2 ms copied to float64 first)
         shaped = shape_logits(row, params, self.request.prefix(self.base + key)) if params.moves_argmax else np.asarray(row)
         if not math.isfinite(float(shaped[token])):
             return 0.0
-        top = float(shaped.max())
-        if not math.isfinite(top):  # a +inf logit elsewhere, or NaN: the finite ones
-            finite = shaped[np.isfinite(shaped)]
-            top = float(finite.max())
-        with np.errstate(under="ignore", invalid="ignore"):
-            total = float(np.exp(shaped - shaped.dtype.type(top)).sum(dtype=np.float64))
-        return math.exp(float(shaped[token]) - top) / total if total > 0.0 and math.isfinite(total) else 0.0
+        p = float(_softmax_at(shaped, [token], float(shaped.max()))[0])  # as draft_with_alternatives ranks
+        return p if math.isfinite(p) else 0.0  # a NaN logit elsewhere
 
     def main_law(self, tree: DraftTree, node: int) -> np.ndarray | None:
         """The drafter's processed law at the position after ``node`` (:data:`ROOT`: after ``base``)."""
