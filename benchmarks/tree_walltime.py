@@ -37,7 +37,8 @@ reported), and with the ``branches`` tree (B rounds of drafting, its side childr
 drafter's chains) (issue 24's first benchmark, for dynamic trees), with no emulated latency: the real drafter drafts (llama.cpp), since a dynamic tree's
 shape follows its rows off the target's path, which the recordings do not hold (the replayed drafter
 above gives every such row a flat law, so its dynamic trees never spend budget below a wrong draft);
-the target is the recording (its greedy decisions are all a greedy walk reads).
+the target is the recording (its greedy decisions are all a greedy walk reads). ``--trees`` names other
+trees for it (any ``--draft-tree`` value, such as ``branches:0.05``), ``--sets`` fewer prompt sets.
 
 With ``--exact-si`` it times SI k = 5 with its chain against its ``auto``, ``branches`` and ``best-first`` trees on both cost models with
 the real drafter's rows (:class:`MemoDrafter`: computed once per context, then served from memory at the
@@ -52,6 +53,7 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -218,26 +220,30 @@ def si_over_recordings(target, drafter, recordings: list[dict], k: int, tree: st
     return sums
 
 
-def budgets_set(recordings: list[dict], vocab: int, drafter, budgets: list[int]) -> list[dict]:
-    """Per budget: tokens per target verification of SI's chain and of its ``auto`` tree of that many nodes,
-    the real ``drafter`` drafting (a dynamic tree's shape follows the drafter's rows off the target's path
-    too, which a recording does not hold) against :func:`recorded_target`."""
+BUDGET_TREES = ("best-first", "auto", "branches")  # --budgets' trees unless --trees names others
+
+
+def budgets_set(recordings: list[dict], vocab: int, drafter, budgets: list[int],
+                trees: Sequence[str] = BUDGET_TREES) -> list[dict]:
+    """Per budget: tokens per target verification of SI's chain and of each of ``trees`` at that budget (a
+    ``best-first`` tree of that many nodes; ``auto`` that many drafts and their side children; ``branches``
+    that many rounds), the real ``drafter`` drafting (a dynamic tree's shape follows the drafter's rows off
+    the target's path too, which a recording does not hold) against :func:`recorded_target`."""
     target = recorded_target(recordings, vocab)
     rows = []
     for budget in budgets:
         row = {"budget": budget}
-        for name, tree in (("chain", None), ("tree", "best-first"), ("auto", "auto"), ("branches", "branches")):
-            sums = si_over_recordings(target, drafter, recordings, budget, tree)
+        for name in ("chain", *trees):
+            sums = si_over_recordings(target, drafter, recordings, budget, None if name == "chain" else name)
             row[name] = sums["tokens"] / sums["forwards"]
             row[f"{name}_side_wins"] = sums["side_wins"]
             row[f"{name}_drafter_forwards"] = sums["drafter_forwards"]
             row[f"{name}_nodes_per_verification"] = sums["drafted"] / sums["forwards"]
-        row["tree_over_chain"] = row["tree"] / row["chain"]
-        row["auto_over_chain"] = row["auto"] / row["chain"]
-        row["branches_over_chain"] = row["branches"] / row["chain"]
+        for name in trees:
+            row[f"{name}_over_chain"] = row[name] / row["chain"]
         rows.append(row)
-        print(f"B={budget}: chain {row['chain']:.2f}, best-first {row['tree']:.2f}, auto {row['auto']:.2f}, "
-              f"branches {row['branches']:.2f}", file=sys.stderr, flush=True)
+        print(f"B={budget}: chain {row['chain']:.2f}, " + ", ".join(f"{name} {row[name]:.2f}" for name in trees),
+              file=sys.stderr, flush=True)
     return rows
 
 
@@ -316,6 +322,11 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--budgets", type=int, nargs="+", help="tokens per verification at these draft budgets "
                         "instead of wall time (SI, chain against the auto tree)")
+    parser.add_argument("--trees", nargs="+", default=list(BUDGET_TREES), metavar="TREE",
+                        help="with --budgets: the draft trees weighed against the chain (any --draft-tree value, "
+                        "such as branches:0.05)")
+    parser.add_argument("--sets", nargs="+", choices=("code", "prose"), default=["code", "prose"],
+                        help="the prompt sets to record and run")
     parser.add_argument("--exact-si", action="store_true", help="SI's chain against its auto tree in wall time with "
                         "the real drafter's rows (memoised) instead of the replayed drafter")
     parser.add_argument("--out", type=Path)
@@ -325,7 +336,7 @@ def main() -> int:
     if not shares_vocabulary(target, drafter):  # another tokenizer: greedy string mode cannot branch, so the
         drafter = bridge_drafter(target, drafter, "intersection")  # token intersection (its law over target ids)
     recordings = {name: record(target, drafter, PROMPT_SETS[name][: args.prompts], args.tokens)
-                  for name in ("code", "prose")}
+                  for name in args.sets}
     sets = {name: Recorded(recs) for name, recs in recordings.items()}
     if args.exact_si:
         results = []
@@ -347,20 +358,19 @@ def main() -> int:
         return 0
     if args.budgets:
         results = []
-        print("| prompts | drafter top-1 agreement | B | chain: tokens / verification | best-first tree of B nodes "
-              "| best-first / chain | auto: B drafts + side children (nodes) | auto / chain "
-              "| branches: B rounds (nodes) | branches / chain |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
-        for set_name, recorded in sets.items():
-            agreement = recorded.agreement()
-            for row in budgets_set(recordings[set_name], target.vocab_size, drafter, args.budgets):
+        print("| prompts | drafter top-1 agreement | B | chain: tokens / verification | "
+              + " | ".join(f"{name} (nodes) | {name} / chain" for name in args.trees) + " |")
+        print("|---|---|---|---|" + "---|---|" * len(args.trees))
+        for set_name in args.sets:
+            agreement = sets[set_name].agreement()
+            for row in budgets_set(recordings[set_name], target.vocab_size, drafter, args.budgets, args.trees):
                 results.append({"prompts": set_name, "drafter_agreement": float(agreement), **row})
-                print(f"| {set_name} | {agreement:.2f} | {row['budget']} | {row['chain']:.2f} | {row['tree']:.2f} | "
-                      f"{row['tree_over_chain']:.3f} | {row['auto']:.2f} ({row['auto_nodes_per_verification']:.1f}) | "
-                      f"{row['auto_over_chain']:.3f} | {row['branches']:.2f} "
-                      f"({row['branches_nodes_per_verification']:.1f}) | {row['branches_over_chain']:.3f} |")
+                print(f"| {set_name} | {agreement:.2f} | {row['budget']} | {row['chain']:.2f} | "
+                      + " | ".join(f"{row[name]:.2f} ({row[f'{name}_nodes_per_verification']:.1f}) | "
+                                   f"{row[f'{name}_over_chain']:.3f}" for name in args.trees) + " |")
         emit_record({"benchmark": "tree_budgets", "target": args.target, "drafter": args.drafter,
-                     "tokens": args.tokens, "prompts_per_set": args.prompts, "results": results}, args.out)
+                     "tokens": args.tokens, "prompts_per_set": args.prompts, "trees": list(args.trees),
+                     "results": results}, args.out)
         return 0
     results = []
     for cost_name, cost in COST_MODELS.items():

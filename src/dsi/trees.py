@@ -201,6 +201,13 @@ class Widths:
 
 DEFAULT_FLOOR = 0.1  # the least drafter probability of an "auto" side child where rows cost nothing
 REACH = 0.6  # about how often a side child's window reaches its position where side children matter
+# A greedy side child is never the draft, so its drafter probability is at most 1/2, and it saves at most
+# (1/2 - floor) * REACH of a forward where it is found: from this priced floor up (rows at least 0.24 of a
+# forward, as on a CPU) at most 0.03 of a forward, and only where the drafter's top two are within 0.1 of each
+# other, while ranking every drafted row to look for it cost SI 3% of its wall time at the CPU-like floor 0.5,
+# where no greedy side child can be found at all (docs/results.md sections 23-24): greedy requests draft the
+# chain there (:func:`dsi.engine.trees.request_shape`)
+GREEDY_CHAIN_FLOOR = 0.45
 
 
 def floor_for_price(row_price: float) -> float:

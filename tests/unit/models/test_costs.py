@@ -144,3 +144,51 @@ def test_auto_trees_branch_less_where_rows_cost(method, lookahead):
     assert runs["gpu"]["tree_floor"] == DEFAULT_FLOOR and runs["cpu"]["tree_floor"] == 0.2
     assert runs["whole"]["tree_floor"] == 1.0 and runs["whole"]["tree_row_price"] == 1.0
     assert runs["gpu"]["tree_side_nodes"] > runs["cpu"]["tree_side_nodes"] > 0 == runs["whole"].get("tree_side_nodes", 0)
+    assert runs["gpu"]["draft_tree"] == runs["cpu"]["draft_tree"] == "auto"
+    assert runs["whole"]["draft_tree"] == "chain" and ">= 1" in runs["whole"]["draft_tree_fallback"]
+
+
+def _near_tie_drafter(context):
+    """A drafter whose top two tie at 0.45 / 0.45 (the target's token first) every fourth position, and
+    that is sure (0.9) elsewhere."""
+    row = np.full(VOCAB, -20.0)
+    top = (sum(context) * 7 + len(context)) % VOCAB
+    if len(context) % 4 == 0:
+        row[top], row[(top + 3) % VOCAB] = np.log(0.45), np.log(0.45)
+    else:
+        row[top], row[(top + 3) % VOCAB] = np.log(0.9), np.log(0.05)
+    return row
+
+
+@pytest.mark.parametrize("method,lookahead", [("si", 4), ("dsi", 3)])
+def test_greedy_requests_draft_the_chain_where_rows_price_the_floor_past_greedy_side_children(method, lookahead):
+    """At a priced floor >= GREEDY_CHAIN_FLOOR (rows 0.25 of a forward: 0.45) a greedy side child could only
+    be a near tie of the drafter's top two, and ranking every row for it costs more than it saves (docs/results.md
+    section 24): greedy requests draft the chain, said in the stats; sampled requests (whose side child may be
+    the drafter's top token when the draft was another) and a fixed "auto:0.45" still draft trees, and every
+    output is the target's."""
+    from dsi.trees import GREEDY_CHAIN_FLOOR
+    cpu = dict(ttft=0.009, tpot=0.009, token_s=0.003)  # a row 0.25 of a one-token forward
+    assert floor_for_price(0.25) == GREEDY_CHAIN_FLOOR == 0.45 and floor_for_price(0.003 / 0.011) == 0.5
+    assert floor_for_price(0.2) < GREEDY_CHAIN_FLOOR  # cheaper rows: greedy trees stay
+    prompt = [1, 2, 3]
+    reference = dsi.generate(target=CallableLM(_logits, VOCAB), prompt=prompt, method="ar", max_new_tokens=16)
+
+    def run(tree, **sampling):
+        return dsi.generate(target=WithLatency(CallableLM(_logits, VOCAB), **cpu),
+                            drafter=CallableLM(_near_tie_drafter, VOCAB), prompt=prompt, method=method,
+                            lookahead=lookahead, num_target_servers=2, draft_tree=tree, max_new_tokens=16, **sampling)
+
+    priced = run("auto")
+    assert priced.tokens == reference.tokens
+    assert priced.stats.extra["draft_tree"] == "chain" and priced.stats.extra["tree_floor"] == 0.45
+    assert "0.45" in priced.stats.extra["draft_tree_fallback"] and "tree_windows" not in priced.stats.extra
+    assert "tree_side_nodes" not in priced.stats.extra
+    fixed = run("auto:0.45")  # asked for by name: the near ties get their side child
+    assert fixed.tokens == reference.tokens and fixed.stats.extra["draft_tree"] == "auto:0.45"
+    assert fixed.stats.extra["tree_side_nodes"] > 0 and "draft_tree_fallback" not in fixed.stats.extra
+    sampled = run("auto", sampling=dsi.SamplingParams(temperature=1.0, seed=3))
+    assert sampled.stats.extra["draft_tree"] == "auto" and "draft_tree_fallback" not in sampled.stats.extra
+    if method == "si":  # SI's branches tree follows the same rule
+        branches = run("branches")
+        assert branches.tokens == reference.tokens and branches.stats.extra["draft_tree"] == "chain"
