@@ -243,11 +243,12 @@ class Dynamic:
     (``"auto:0.3"``) fixes it.
 
     ``branches`` (``"branches"``, ``"branches:F"``; SI only): each side child continues as the drafter's own
-    chain, drafted in the same rounds as the main path (one batched drafter forward a round where the session
+    drafts, drafted in the same rounds as the main path (one batched drafter forward a round where the session
     computes a tree in one, :func:`grow`), a node kept while its branch's drafter probability since it left
-    the main path (the side child's times its drafts') stays at least the floor: the rule a side child
-    meets, for the same reason (a node is reached about that often and costs a verified row). A rescue then
-    goes on past the side child instead of ending the window there. DSI's drafter drafts only the main path,
+    the main path (the side child's times the drafts' and side children's below it) stays at least the floor,
+    so a branch node takes side children of its own where they keep that mass: the rule a side child meets,
+    for the same reason (a node is reached about that often and costs a verified row). A rescue then goes on
+    past the side child instead of ending the window there. DSI's drafter drafts only the main path,
     without waiting, so its windows take leaf side children (:func:`check_windowed` refuses this there)."""
 
     top: int = 3
@@ -468,17 +469,21 @@ def _grow_best_first(shape: BestFirst, budget: int,
 def _grow_branches(shape: Dynamic, budget: int, propose_many: Callable[[list[list[int]]], list[Proposal | None]],
                    probability: Callable[[list[int], int], float] | None) -> DraftTree:
     """``"branches"``: ``budget`` rounds, each one ``propose_many`` call over the main path's last node and
-    the branch nodes added by the round before whose mass (the side child's drafter probability times its
-    branch's drafts up to that node) is at least the floor. The main path grows by its draft and that
-    position's side children (:meth:`Dynamic.sides`); such a branch node grows by its own draft (no side
-    children below it). Whether a node gets a child is decided before that child is drafted, never by the
-    child's own probability: a sampled draft kept only where it is likely would no longer be drawn from the
-    drafter's law, and the walk's decision below its parent would lose the target's law. Every path is at
-    most ``budget`` deep, so the drafter makes the chain's ``budget`` forwards where a round is one."""
+    the branch nodes added by the round before. A node's mass is its drafter probability since its branch left
+    the main path (the main path's nodes: 1): the product of its path's drafter probabilities from the first
+    side child down. Every proposed node grows by its own draft (the main path always; a branch node only
+    while its mass is at least the floor, which is why it was proposed) and by its side children, the drafter's
+    next likeliest tokens (at most ``top - 1``) whose mass, the node's times theirs, is at least the floor: on
+    the main path :meth:`Dynamic.sides`, below a side child the same rule with the branch's mass. Whether a
+    node gets a draft is decided before that draft is drafted, never by the draft's own probability: a
+    sampled draft kept only where it is likely would no longer be drawn from the drafter's law, and the
+    walk's decision below its parent would lose the target's law (side children are the node's ranked
+    tokens, a function of its row, as on the main path). Every path is at most ``budget`` deep, so the
+    drafter makes the chain's ``budget`` forwards where a round is one."""
     least = shape.least
     tokens: list[int] = []
     parents: list[int] = []
-    mass: list[float] = []  # a branch node's drafter probability since its branch left the main path
+    mass: list[float] = []  # a node's drafter probability since its branch left the main path (main path: 1)
 
     def path_of(node: int) -> list[int]:
         return [tokens[i] for i in _path(parents, node)]
@@ -505,6 +510,9 @@ def _grow_branches(shape: Dynamic, budget: int, propose_many: Callable[[list[lis
             else:
                 p = dict((int(t), float(q)) for t, q in ranking).get(token, 0.0)
             grown.append(add(token, node, mass[node] * p))
+            chance = dict((int(t), float(q)) for t, q in ranking)
+            grown += [add(side, node, mass[node] * chance[side]) for side in _sides(
+                token, [(t, q) for t, q in ranking if mass[node] * q >= least], shape.top - 1)]
         if proposals[0] is None:
             break
         main, ranking = proposals[0]

@@ -125,8 +125,9 @@ def test_auto_trees_are_the_chain_with_side_leaves_where_the_drafter_is_unsure()
 def test_branches_continue_side_children_as_the_drafters_chains_while_their_mass_stays_at_the_floor():
     """``branches``: the main path is the chain's (and its side children ``auto``'s); each side child goes on
     with the drafter's own draft, one round a level (one ``propose_many`` call per round, ``budget`` of them),
-    a node getting its draft as a child while its mass (side probability times its drafts') is >= the floor;
-    nothing is deeper than the budget, and no branch node has side children of its own."""
+    a node getting its draft as a child while its mass (side probability times its drafts') is >= the floor,
+    and side children of its own where their mass (its mass times their probability) is >= the floor;
+    nothing is deeper than the budget."""
     laws = {(): np.array([0.4, 0.35, 0.2, 0.05]), (1,): np.array([0.1, 0.5, 0.4, 0.0]),
             (2,): np.array([0.1, 0.3, 0.6, 0.0])}
     rounds = []
@@ -147,17 +148,21 @@ def test_branches_continue_side_children_as_the_drafters_chains_while_their_mass
     assert len(rounds) == 3 and rounds[0] == [[]] and rounds[1] == [[0], [1], [2]]
     assert tree.path_tokens(tree.main_path()[-1]) == auto.path_tokens(auto.main_path()[-1]) == [0, 0, 0]
     paths = {tuple(tree.path_tokens(leaf)) for leaf in tree.leaves()}
-    # side 1 (0.35) -> 1 (x0.5 = 0.175) -> 0; side 2 (0.2) -> 2 (x0.6 = 0.12) -> 0: every mass >= 0.1
-    assert paths == {(0, 0, 0), (1, 1, 0), (2, 2, 0)} and rounds[2] == [[0, 0], [1, 1], [2, 2]]
+    # side 1 (0.35) -> 1 (x0.5 = 0.175) -> 0, and its own side child 2 (x0.4 = 0.14) -> 0; side 2 (0.2) -> 2
+    # (x0.6 = 0.12) -> 0, its 1 (x0.3 = 0.06) below the floor; every mass kept >= 0.1
+    assert paths == {(0, 0, 0), (1, 1, 0), (1, 2, 0), (2, 2, 0)}
+    assert rounds[2] == [[0, 0], [1, 1], [1, 2], [2, 2]]
     assert max(tree.depth(n) for n in range(len(tree))) == 3
-    assert all(len(tree.children(n)) <= 1 for n in range(len(tree)) if n not in tree.main_path() and n != ROOT)
-    # a higher floor: the side children (0.35, 0.2 >= 0.2) get their draft, whose mass (0.175, 0.12) gets none
+    below_side_one = [n for n in range(len(tree)) if tree.path_tokens(n) == [1]][0]
+    assert [tree.tokens[c] for c in tree.children(below_side_one)] == [1, 2]  # its draft first, then its side
+    # a higher floor: the side children (0.35, 0.2 >= 0.2) get their draft, whose mass (0.175, 0.12) gets none,
+    # and no side child of their own (0.14, 0.06)
     cut = grow(Dynamic(floor=0.2, branches=True), 3, propose)
     assert {tuple(cut.path_tokens(leaf)) for leaf in cut.leaves()} == {(0, 0, 0), (1, 1), (2, 2)}
     assert grow(Dynamic(floor=0.36, branches=True), 3, propose).is_chain()
-    # the probability oracle, where given, is what the mass is made of
+    # the probability oracle, where given, is what a draft's mass is made of (side children: their ranking)
     rare = grow(Dynamic(branches=True), 3, propose, many, lambda path, token: 0.01)
-    assert {tuple(rare.path_tokens(leaf)) for leaf in rare.leaves()} == {(0, 0, 0), (1, 1), (2, 2)}
+    assert {tuple(rare.path_tokens(leaf)) for leaf in rare.leaves()} == {(0, 0, 0), (1, 1), (1, 2, 0), (2, 2)}
     assert len(grow(Dynamic(branches=True), 9, lambda path: None)) == 0
 
 
@@ -358,6 +363,21 @@ def test_tree_decoding_has_exactly_the_target_law(name, shape, budget):
         want = np.prod([target(list(PROMPT) + list(seq[:i]))[seq[i]] for i in range(length)])
         assert law.get(seq, 0.0) == pytest.approx(want, abs=1e-12), (seq, law.get(seq), want)
     assert sum(law.values()) == pytest.approx(1.0, abs=1e-12)
+
+
+def test_the_exact_law_covers_side_children_below_side_children():
+    """The ``branches`` row of :data:`TREES` does grow a side child below a side child from the sampled cases'
+    drafter (T = 1.3), so their enumeration covers such nodes."""
+    shape, budget = TREES[-1]
+    assert isinstance(shape, Dynamic) and shape.branches
+
+    def propose(path):
+        q = _law(list(PROMPT) + path, b"d", VOCAB, SamplingParams(temperature=1.3))
+        return int(np.argmax(q)), _ranked(q)
+
+    tree = grow(shape, budget, propose)
+    main = set(tree.main_path())
+    assert any(len(tree.children(n)) >= 2 for n in range(len(tree)) if n not in main), tree
 
 
 def _accepted_per_window(shape, budget, params, vocab=3):
