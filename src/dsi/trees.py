@@ -503,14 +503,14 @@ def _grow_branches(shape: Dynamic, budget: int, propose_many: Callable[[list[lis
             if proposal is None:
                 continue
             token, ranking = int(proposal[0]), proposal[1]
+            chance = dict((int(t), float(q)) for t, q in ranking)
             if level == budget - 1:  # the last round: nothing is grown below it, so its mass is not needed
                 p = 0.0
             elif probability is not None:
                 p = probability(path, token)
             else:
-                p = dict((int(t), float(q)) for t, q in ranking).get(token, 0.0)
+                p = chance.get(token, 0.0)
             grown.append(add(token, node, mass[node] * p))
-            chance = dict((int(t), float(q)) for t, q in ranking)
             grown += [add(side, node, mass[node] * chance[side]) for side in _sides(
                 token, [(t, q) for t, q in ranking if mass[node] * q >= least], shape.top - 1)]
         if proposals[0] is None:
