@@ -494,6 +494,13 @@ def _grow_branches(shape: Dynamic, budget: int, propose_many: Callable[[list[lis
         mass.append(weight)
         return len(tokens) - 1
 
+    def add_sides(parent: int, weight: float, draft: int, ranking: Sequence[tuple[int, float]]) -> list[int]:
+        """``parent``'s side children: its likeliest tokens but ``draft`` whose mass, ``weight`` (the parent's;
+        1 on the main path, where this is :meth:`Dynamic.sides`) times theirs, is at least the floor."""
+        kept = [(int(t), weight * float(q)) for t, q in ranking if weight * q >= least]
+        chance = dict(kept)
+        return [add(side, parent, chance[side]) for side in _sides(draft, kept, shape.top - 1)]
+
     main_node, branches = ROOT, []
     for level in range(budget):
         paths = [path_of(main_node)] + [path_of(node) for node in branches]
@@ -503,22 +510,19 @@ def _grow_branches(shape: Dynamic, budget: int, propose_many: Callable[[list[lis
             if proposal is None:
                 continue
             token, ranking = int(proposal[0]), proposal[1]
-            chance = dict((int(t), float(q)) for t, q in ranking)
             if level == budget - 1:  # the last round: nothing is grown below it, so its mass is not needed
                 p = 0.0
             elif probability is not None:
                 p = probability(path, token)
             else:
-                p = chance.get(token, 0.0)
+                p = dict((int(t), float(q)) for t, q in ranking).get(token, 0.0)
             grown.append(add(token, node, mass[node] * p))
-            grown += [add(side, node, mass[node] * chance[side]) for side in _sides(
-                token, [(t, q) for t, q in ranking if mass[node] * q >= least], shape.top - 1)]
+            grown += add_sides(node, mass[node], token, ranking)
         if proposals[0] is None:
             break
         main, ranking = proposals[0]
-        chance = dict((int(t), float(q)) for t, q in ranking)
         first = add(main, main_node, 1.0)
-        grown += [add(side, main_node, chance.get(side, 0.0)) for side in shape.sides(main, ranking)]
+        grown += add_sides(main_node, 1.0, main, ranking)
         main_node, branches = first, [node for node in grown if mass[node] >= least]
     return _canonical(tokens, parents)
 

@@ -65,8 +65,8 @@ def request_shape(shape: TreeShape, model: LanguageModel, params: SamplingParams
                                               "target token per position and no law over alternatives, so it "
                                               "cannot branch")
         return None
-    if (params.greedy and isinstance(shape, Dynamic) and shape.price is not None and not shape.fixed
-            and shape.least >= GREEDY_CHAIN_FLOOR):
+    # priced: a floor fixed by name ("auto:F") has no price, and stays a tree
+    if params.greedy and isinstance(shape, Dynamic) and shape.price is not None and shape.least >= GREEDY_CHAIN_FLOOR:
         stats.extra["draft_tree"] = "chain"
         stats.extra["tree_floor"] = shape.least
         stats.extra["tree_row_price"] = shape.price
@@ -122,7 +122,7 @@ def draft_with_alternatives(row: np.ndarray, params: SamplingParams, position: i
         return main, q, alternatives if floor <= 0.0 else _unsure(alternatives, main, floor)
     # the row in its own dtype (a float32 row is not copied to float64: this runs for every node of a tree,
     # over the whole vocabulary); the normaliser is summed in float64
-    shaped = shape_logits(row, params, prefix) if params.moves_argmax else np.asarray(row)
+    shaped = _greedy_logits(row, params, prefix)
     ids: list[int] | None = None
     if floor > 0.0:
         top = float(shaped.max())
@@ -146,6 +146,12 @@ def draft_with_alternatives(row: np.ndarray, params: SamplingParams, position: i
     probs = _softmax_at(shaped, ids, top)
     alternatives = [(i, float(p)) for i, p in zip(ids, probs, strict=True)]
     return main, None, alternatives if floor <= 0.0 else _unsure(alternatives, main, floor)
+
+
+def _greedy_logits(row: np.ndarray, params: SamplingParams, prefix: Prefix) -> np.ndarray:
+    """The logits a greedy draft is the argmax of and side children are ranked by: the raw ``row`` in its own
+    dtype, or shaped by the processors where they can move the argmax."""
+    return shape_logits(row, params, prefix) if params.moves_argmax else np.asarray(row)
 
 
 def _softmax_at(shaped: np.ndarray, ids: Sequence[int], top: float) -> np.ndarray:
@@ -252,7 +258,7 @@ class TreeDrafter:
             return float(q[token])
         params = self.request.sampling
         row = self._rows[key]
-        shaped = shape_logits(row, params, self.request.prefix(self.base + key)) if params.moves_argmax else np.asarray(row)
+        shaped = _greedy_logits(row, params, self.request.prefix(self.base + key))
         if not math.isfinite(float(shaped[token])):
             return 0.0
         p = float(_softmax_at(shaped, [token], float(shaped.max()))[0])  # as draft_with_alternatives ranks
