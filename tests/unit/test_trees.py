@@ -380,6 +380,50 @@ def test_the_exact_law_covers_side_children_below_side_children():
     assert any(len(tree.children(n)) >= 2 for n in range(len(tree)) if n not in main), tree
 
 
+@pytest.mark.parametrize("name", list(PARAMS))
+def test_the_expected_tokens_of_a_tree_are_the_exact_mean_of_its_walk(name):
+    """:func:`dsi.engine.trees.expected_tree_tokens` (what benchmarks/tree_sampled_acceptance.py compares
+    shapes with) against the exact enumeration of the walk SI takes (a token after a leaf included), on a tree
+    with a side child on the main path, a side child below a side child's draft and a branch."""
+    from dsi.engine.trees import expected_tree_tokens, row_of
+
+    params = PARAMS[name]
+    tree = DraftTree((0, 1, 2, 1, 0, 2, 0), (ROOT, ROOT, 0, 0, 2, 1, 1))
+
+    def target(path):
+        return _law(list(PROMPT) + path, b"t", VOCAB, params)
+
+    def drafter(path):
+        return _law(list(PROMPT) + path, b"d", VOCAB, SamplingParams(temperature=1.3))
+
+    def path_of(node):
+        return [] if node == ROOT else tree.path_tokens(node)
+
+    def run(choose):
+        def decided(node):
+            p = target(path_of(node))
+            children = tree.children(node)
+            if params.greedy:
+                return int(np.argmax(p))
+            if not children:
+                return choose([(t, p[t]) for t in range(VOCAB)])
+            x, q = tree.tokens[children[0]], drafter(path_of(node))
+            keep = min(1.0, p[x] / q[x])
+            r = residual(p, q) if keep < 1.0 else np.zeros_like(p)
+            return choose([(t, keep * (t == x) + (1.0 - keep) * r[t]) for t in range(VOCAB)])
+
+        return len(walk(tree, decided, leaf_token=True).tokens(tree))
+
+    exact = sum(count * mass for count, mass in _explore(run).items())
+    laws = [None] * (1 + len(tree))
+    for node in (ROOT, *range(len(tree))):
+        laws[row_of(node)] = target(path_of(node))
+    main_laws = {node: None if params.greedy else drafter(path_of(node))
+                 for node in (ROOT, *range(len(tree))) if tree.children(node)}
+    assert expected_tree_tokens(tree, laws, main_laws) == pytest.approx(exact, abs=1e-12)
+    assert 1.0 < exact < 1 + 4  # at least the correction, at most the deepest path and a token after it
+
+
 def _accepted_per_window(shape, budget, params, vocab=3):
     """The exact expected number of drafts one window accepts, averaged over a few prompts, with a
     drafter that is often wrong."""

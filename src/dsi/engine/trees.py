@@ -13,6 +13,7 @@ verified tree against its task's result.
   is decided as the chain decides its main child (:func:`dsi.sampling.decide`, the uniforms of the
   absolute position), so the committed tokens never depend on the tree; a walk that ends on a leaf
   takes the target's own token there (a bonus, as after a chain whose drafts were all accepted).
+  :func:`expected_tree_tokens` is how many tokens that walk commits in expectation, exactly, given the rows.
 - :func:`request_shape` is the shape a request drafts with: chains where the drafter cannot branch (a
   drafter of another vocabulary in string mode proposes one settled target token per position, with no
   law over alternatives), and for greedy requests where the hardware's row price leaves no greedy side
@@ -37,7 +38,7 @@ from dsi.errors import ConfigError, ContextLengthError, DraftUnavailable
 from dsi.logprobs import top_ids
 from dsi.models.base import LanguageModel, ModelSession, forward_rows, guessable_positions, tree_rows
 from dsi.models.costs import forward_costs
-from dsi.sampling import Prefix, SamplingParams, bonus, decide, draft_from_logits, shape_logits
+from dsi.sampling import Prefix, SamplingParams, bonus, decide, draft_from_logits, residual, shape_logits
 from dsi.transport.base import TaskResult
 from dsi.trees import GREEDY_CHAIN_FLOOR, ROOT, BestFirst, DraftTree, Dynamic, Proposal, TreeShape, TreeWalk, walk
 
@@ -319,6 +320,37 @@ def decide_tree(tree: DraftTree, result: TaskResult, drafter: TreeDrafter, param
         return decide(result.probs[row], tree.tokens[main], drafter.main_law(tree, node), params, position).token
 
     return walk(tree, decide_after, leaf_token=True)
+
+
+def expected_tree_tokens(tree: DraftTree, laws: Sequence[np.ndarray], main_laws: dict[int, np.ndarray | None]) -> float:
+    """The expected number of tokens :func:`decide_tree` commits for ``tree``, given the target's processed law
+    at every row (``laws[0]`` after the prefix, ``laws[1 + i]`` after node i) and the drafter's law each node's
+    main child was drawn from (``main_laws[node]`` for every node with children, :data:`ROOT` included; None
+    when greedy). Exact, not sampled: one token always (the correction, or the target's own after a leaf), plus
+    each node's probability of being reached, every edge's being what :func:`dsi.sampling.decide` gives it: the
+    main child ``x`` ``min(1, p(x) / q(x))``, a side child ``s`` the rejection's probability times the
+    residual's ``r(s)``; greedy, the child equal to the target's argmax (benchmarks/tree_sampled_acceptance.py
+    compares shapes with it, on the same drafts)."""
+    reach = {ROOT: 1.0}
+    total = 1.0
+    for node in (ROOT, *range(len(tree))):
+        children = tree.children(node)
+        if not children:
+            continue
+        p = laws[row_of(node)]
+        q = main_laws[node]
+        if q is None:
+            best = int(np.argmax(p))
+            edges = [1.0 if tree.tokens[c] == best else 0.0 for c in children]
+        else:
+            x = tree.tokens[children[0]]
+            accept = min(1.0, float(p[x] / q[x])) if q[x] > 0.0 else float(p[x] > 0.0)
+            r = residual(p, q)
+            edges = [accept] + [(1.0 - accept) * float(r[tree.tokens[c]]) for c in children[1:]]
+        for child, edge in zip(children, edges, strict=True):
+            reach[child] = reach[node] * edge
+            total += reach[child]
+    return total
 
 
 def parent_row(walked: TreeWalk, index: int) -> int:
