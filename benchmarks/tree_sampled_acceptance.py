@@ -45,6 +45,7 @@ def main() -> int:
     import dsi
     from dsi.cli.measure import PROMPT_SETS
     from dsi.evaluate.bench import emit_record
+    from dsi.models.crossvocab import bridge_drafter, shares_vocabulary
     from dsi.models.loading import load_pair
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -66,6 +67,8 @@ def main() -> int:
     args = parser.parse_args()
     start = time.perf_counter()
     target, drafter = load_pair(args.target, args.drafter, backend="llama.cpp", progress=False)
+    if not shares_vocabulary(target, drafter):  # another tokenizer: the token intersection (its law over target ids)
+        drafter = bridge_drafter(target, drafter, "intersection")
     if not args.engine:
         return expected_main(args, target, drafter, start)
     results = []
