@@ -151,7 +151,7 @@ def expected_main(args, target, drafter, start: float) -> int:
                                         tree_drafter.propose, tree_drafter.propose_many, tree_drafter.probability)
                             grown[budget, label] = (tree, tree_drafter)
                     paths = sorted({tuple(t.path_tokens(leaf)) for t, _ in grown.values() for leaf in t.leaves()})
-                    union, node_of = _suffix_tree([list(path) for path in paths])
+                    union, _ = _suffix_tree([list(path) for path in paths])
                     session = target.new_session()
                     rows = np.asarray(tree_rows(session, base, union), dtype=np.float64)  # [1 + n, V]
                     session.close()
