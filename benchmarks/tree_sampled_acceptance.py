@@ -13,7 +13,7 @@ bonus), each with the target's law.
     python benchmarks/tree_sampled_acceptance.py --engine --out docs/data/tree_sampled_acceptance_engine-2026-12-03.json
 
 Sampled runs of different shapes commit different texts after their first side win, so a few runs' tokens per
-verification mostly measure how easy each text was (the chain and a tree differ by +-10% on 4 x 48 tokens).
+verification mostly measure how easy each text was (docs/results.md section 25).
 The default mode therefore measures the expected tokens per verification, paired: along the target's own
 sampled text (non-SI, each prompt and seed), every ``--stride``-th position starts one SI iteration of each
 shape (the real drafter drafting exactly as the engine does: ``TreeDrafter`` and ``grow``, the DRAFT
