@@ -111,12 +111,12 @@ def expected_main(args, target, drafter, start: float) -> int:
     import dsi
     from dsi.cli.measure import PROMPT_SETS
     from dsi.engine.request import Request
-    from dsi.engine.trees import TreeDrafter, _suffix_tree, expected_tree_tokens, ranking_floor
+    from dsi.engine.trees import TreeDrafter, _suffix_tree, expected_tree_tokens
     from dsi.evaluate.bench import emit_record
     from dsi.models import CallableLM
     from dsi.models.base import forward_rows, tree_rows
     from dsi.sampling import process_logits
-    from dsi.trees import ROOT, BestFirst, Dynamic, grow, parse_shape
+    from dsi.trees import ROOT, grow, parse_shape
 
     shapes = {"chain": None, **{name: parse_shape(name) for name in args.trees}}
     memo: dict[tuple[int, ...], np.ndarray] = {}
@@ -144,11 +144,10 @@ def expected_main(args, target, drafter, start: float) -> int:
                     grown = {}
                     for budget in args.budgets:
                         for label, shape in shapes.items():
-                            tree_drafter = TreeDrafter(memo_drafter.new_session(), request, base,
-                                                       shape.top if isinstance(shape, Dynamic | BestFirst) else 0,
-                                                       ranking_floor(shape))
-                            tree = grow(shape if shape is not None else parse_shape("1"), budget,
-                                        tree_drafter.propose, tree_drafter.propose_many, tree_drafter.probability)
+                            grown_shape = shape if shape is not None else parse_shape("1")  # the chain: width 1
+                            tree_drafter = TreeDrafter.for_shape(memo_drafter.new_session(), request, base, grown_shape)
+                            tree = grow(grown_shape, budget, tree_drafter.propose, tree_drafter.propose_many,
+                                        tree_drafter.probability)
                             grown[budget, label] = (tree, tree_drafter)
                     paths = sorted({tuple(t.path_tokens(leaf)) for t, _ in grown.values() for leaf in t.leaves()})
                     union, _ = _suffix_tree([list(path) for path in paths])

@@ -317,13 +317,18 @@ def _window(choose, tokens, shape, budget, target, drafter, greedy, vocab, ranks
         p = target(tokens + path)
         if greedy:
             return int(np.argmax(p))
-        x, q = tree.tokens[tree.children(node)[0]], drafter(tokens + path)
-        keep = min(1.0, p[x] / q[x])
-        r = residual(p, q) if keep < 1.0 else np.zeros_like(p)
-        return choose([(t, keep * (t == x) + (1.0 - keep) * r[t]) for t in range(vocab)])
+        return _coupled(choose, p, tree.tokens[tree.children(node)[0]], drafter(tokens + path), vocab)
 
     outcome = walk(tree, decided)
     return outcome.tokens(tree), len(outcome.accepted)
+
+
+def _coupled(choose, p, x, q, vocab):
+    """The chain-coupled decision below a node (what :func:`dsi.sampling.decide` draws) as a ``choose``: the main
+    child ``x`` kept with ``min(1, p(x) / q(x))``, else the residual's token."""
+    keep = min(1.0, p[x] / q[x])
+    r = residual(p, q) if keep < 1.0 else np.zeros_like(p)
+    return choose([(t, keep * (t == x) + (1.0 - keep) * r[t]) for t in range(vocab)])
 
 
 def _first_tokens(choose, shape, budget, length, target, drafter, greedy, vocab):
@@ -407,10 +412,7 @@ def test_the_expected_tokens_of_a_tree_are_the_exact_mean_of_its_walk(name):
                 return int(np.argmax(p))
             if not children:
                 return choose([(t, p[t]) for t in range(VOCAB)])
-            x, q = tree.tokens[children[0]], drafter(path_of(node))
-            keep = min(1.0, p[x] / q[x])
-            r = residual(p, q) if keep < 1.0 else np.zeros_like(p)
-            return choose([(t, keep * (t == x) + (1.0 - keep) * r[t]) for t in range(VOCAB)])
+            return _coupled(choose, p, tree.tokens[children[0]], drafter(path_of(node)), VOCAB)
 
         return len(walk(tree, decided, leaf_token=True).tokens(tree))
 

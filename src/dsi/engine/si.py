@@ -24,7 +24,7 @@ from dsi.engine.drafter import capped_drafts, request_info
 from dsi.engine.request import Output, Request, TokenCallback
 from dsi.engine.result import GenerationResult
 from dsi.engine.stats import GenerationStats
-from dsi.engine.trees import TreeDrafter, decide_tree, ended_on_leaf, parent_row, ranking_floor, request_shape
+from dsi.engine.trees import TreeDrafter, decide_tree, ended_on_leaf, parent_row, request_shape
 from dsi.errors import ContextLengthError, DraftUnavailable
 from dsi.models.base import (
     LanguageModel,
@@ -39,7 +39,7 @@ from dsi.models.determinism import start_fresh_unless_deterministic
 from dsi.sampling import bonus, decide, decide_greedy, draft_from_logits
 from dsi.transport.base import TaskResult, VerifyTask
 from dsi.transport.server import run_verify_task
-from dsi.trees import BestFirst, Dynamic, TreeShape, grow
+from dsi.trees import TreeShape, grow
 
 
 class SpeculativeDecoder:
@@ -128,8 +128,7 @@ class SpeculativeDecoder:
         """One SI iteration whose ``count`` drafts form a tree: grow it, verify it in one tree task, commit
         the walk (the chain's tokens; then the target's own after a leaf)."""
         start = time.perf_counter()
-        drafter = TreeDrafter(self._drafter, request, base, shape.top if isinstance(shape, Dynamic | BestFirst) else
-                              max(shape.widths) - 1, ranking_floor(shape))
+        drafter = TreeDrafter.for_shape(self._drafter, request, base, shape)
         tree = grow(shape, count, drafter.propose, drafter.propose_many, drafter.probability)
         stats.drafter_forwards += drafter.forwards
         stats.drafter_busy_s += time.perf_counter() - start

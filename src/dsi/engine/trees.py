@@ -40,7 +40,8 @@ from dsi.models.base import LanguageModel, ModelSession, forward_rows, guessable
 from dsi.models.costs import forward_costs
 from dsi.sampling import Prefix, SamplingParams, bonus, decide, draft_from_logits, residual, shape_logits
 from dsi.transport.base import TaskResult
-from dsi.trees import GREEDY_CHAIN_FLOOR, ROOT, BestFirst, DraftTree, Dynamic, Proposal, TreeShape, TreeWalk, walk
+from dsi.trees import (GREEDY_CHAIN_FLOOR, ROOT, BestFirst, DraftTree, Dynamic, Proposal, TreeShape, TreeWalk, Widths,
+                       walk)
 
 
 def can_branch(model: LanguageModel, greedy: bool) -> bool:
@@ -197,6 +198,14 @@ class TreeDrafter:
         self._laws: dict[tuple[int, ...], np.ndarray | None] = {}
         self._rows: dict[tuple[int, ...], np.ndarray] = {}  # each proposed path's raw row (for probability)
 
+    @classmethod
+    def for_shape(cls, session: ModelSession, request: Request, base: Sequence[int],
+                  shape: Widths | Dynamic | BestFirst) -> TreeDrafter:
+        """The oracle SI grows ``shape`` with: its ``top`` for dynamic and best-first trees, its widest level's
+        side children for fixed widths, and its ranking floor (:func:`ranking_floor`)."""
+        top = shape.top if isinstance(shape, Dynamic | BestFirst) else max(shape.widths) - 1
+        return cls(session, request, base, top, ranking_floor(shape))
+
     def propose(self, path: list[int]) -> Proposal | None:
         if path and path[-1] in self.request.eos_token_ids:
             return None  # nothing is drafted after an EOS
@@ -345,8 +354,10 @@ def expected_tree_tokens(tree: DraftTree, laws: Sequence[np.ndarray], main_laws:
         else:
             x = tree.tokens[children[0]]
             accept = min(1.0, float(p[x] / q[x])) if q[x] > 0.0 else float(p[x] > 0.0)
-            r = residual(p, q)
-            edges = [accept] + [(1.0 - accept) * float(r[tree.tokens[c]]) for c in children[1:]]
+            edges = [accept]
+            if len(children) > 1:  # the residual [V] only where side children read it
+                r = residual(p, q)
+                edges += [(1.0 - accept) * float(r[tree.tokens[c]]) for c in children[1:]]
         for child, edge in zip(children, edges, strict=True):
             reach[child] = reach[node] * edge
             total += reach[child]
