@@ -252,6 +252,36 @@ def oracle_lm(name: str, target_texts: Sequence[bytes], *, mistakes=None) -> Cal
     return script_lm(name, target_texts, canonical=False, mistakes=mistakes)
 
 
+def word_salad_lm(name: str, *, seed: int | None = None, words: Sequence[str] = WORDS, margin: float = 12.0) -> CallableLM:
+    """A sampling model over tokenizer ``name``'s ids that writes words of ``words`` in any order, a space
+    between them: after a context it gives logit ``margin`` to every piece that continues a word the last
+    word begins (any length, so its text comes in many tokenizations), and to ``" "`` after a whole word.
+    With ``seed``, a seeded pseudo-random function of the token ids is added (a drafter whose row follows
+    the way its context was tokenized, not only the text). ``.tokenizer`` set."""
+    from dsi.models.synthetic import SyntheticTarget
+
+    tok = tokenizer(name)
+    vocab = vocabulary(name)
+    noise = SyntheticTarget(len(tok), seed, 1.0) if seed is not None else None
+
+    def next_logits(context):
+        last = vocab.spelling(context).rsplit(b" ", 1)[-1].decode("utf-8", "replace")
+        row = np.array(noise(context), dtype=float) if noise is not None else np.zeros(len(tok))
+        rests = [w[len(last):].encode() for w in words if w.startswith(last) and len(w) > len(last)]
+        for rest in rests:
+            for n in range(1, len(rest) + 1):
+                token = vocab.by_piece.get(rest[:n])
+                if token is not None:
+                    row[token] += margin
+        if last in words or not rests:
+            row[vocab.by_piece[b" "]] += margin
+        return row
+
+    lm = CallableLM(next_logits, len(tok), name=f"salad-{name}")
+    lm.tokenizer = tok
+    return lm
+
+
 def target_text(target_vocab: Vocabulary, prompt: Sequence[int], continuation: Sequence[int]) -> bytes:
     return target_vocab.spelling(list(prompt) + list(continuation))
 

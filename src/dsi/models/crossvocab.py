@@ -26,10 +26,16 @@ spells, many drafter forwards per position; TLI keeps one forward per draft.)
 
 **Keeping the drafter on the target's text.** The session spells its target tokens as bytes; the
 drafter's tokens spell bytes too. When the target's text departs from the drafter's (a rejection,
-a new request), the drafter session is rolled back to the last of its tokens that lies wholly
-inside the longest common byte prefix, and the rest of the target's text is spelled in drafter
-tokens and run (a *re-encode*; counted). Where the target's new token is one the drafter has
-itself (it drafted it, or the intersection mapped it), the drafter takes that token directly.
+a new request, a target token that continues a word), the drafter's tokens become the target text's
+*canonical spelling*: the text cut into chunks (words with their leading space:
+:func:`~dsi.models.vocabulary.chunk_starts`), each spelled by the drafter's tokenizer. Only the
+chunks from the last one both texts share are spelled again, the drafter session keeps every token
+the old and the new spelling share, and runs the rest (a *re-encode* when that is more than the
+drafter's one token for the new bytes; counted). The spelling is a function of the text, so the
+drafter's row after a text is too, however the session got there: a seeded sampling request draws
+the same drafts for any lookahead, SP, timing and request history (on models whose rows do not
+depend on how a forward was cut; docs/architecture.md). In string mode the drafter's own greedy
+continuation is kept while the target's text follows it.
 
 Requested modes: ``"string"``, ``"intersection"``, or ``"auto"`` (string for greedy requests,
 intersection for sampling). Exactness in string mode needs greedy decoding, so a sampling request
@@ -40,7 +46,6 @@ This module knows nothing about the algorithm beyond the ``greedy`` flag of
 
 from __future__ import annotations
 
-import bisect
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -49,7 +54,7 @@ import numpy as np
 
 from dsi.errors import ConfigError, DraftUnavailable, VocabularyMismatchError
 from dsi.models.base import CancelFlag, LanguageModel, drafts_ids_only, forward_rows
-from dsi.models.vocabulary import Intersection, Vocabulary, last_word_start, same_vocabulary
+from dsi.models.vocabulary import Intersection, Vocabulary, chunk_starts, last_word_start, same_vocabulary
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +165,10 @@ class CrossVocabularySession:
         self._d_ends: list[int] = []
         self._d_text = bytearray()
         self._ended = False  # the drafter's text ended (its EOS) at the end of _d_text
+        # the canonical spelling's chunk starts in _d_text: (byte offset, drafter tokens before it), every
+        # token before it spelled chunk by chunk; _spelled: all of _d_tokens is that spelling of _d_text
+        self._splits: list[tuple[int, int]] = []
+        self._spelled = True
         self._row: Any = None  # the drafter's output after _start + _d_tokens
         self._row_key: tuple | None = None  # (len(_d_tokens), greedy) of the row; None after any change
         self.counters = {"drafter_reencodes": 0, "drafter_rolled_back_tokens": 0, "drafter_model_forwards": 0}
@@ -224,32 +233,66 @@ class CrossVocabularySession:
             del self._d_tokens[keep:]
             del self._d_ends[keep:]
             del self._d_text[self._d_ends[-1] if self._d_ends else 0:]
+            while self._splits and self._splits[-1][1] > keep:
+                self._splits.pop()
             self._ended = False
             self._row_key = None
 
     def _push(self, tokens: Sequence[int]) -> None:
+        """Append drafter tokens the drafter wrote itself (string mode): not the canonical spelling."""
         if tokens:
             self._row_key = None
+            self._spelled = False
+        self._append_drafter(tokens)
+
+    def _append_drafter(self, tokens: Sequence[int]) -> None:
         for token in tokens:
             self._d_text += self._drafter_vocab.piece(token)
             self._d_tokens.append(int(token))
             self._d_ends.append(len(self._d_text))
 
     def _align(self, text: bytes, exact: bool) -> None:
-        """Make the drafter's text start with ``text`` (with ``exact``, be exactly ``text``)."""
+        """Make the drafter's text start with ``text`` (with ``exact``, be exactly ``text``).
+
+        Where it has to change, the drafter's tokens become the *canonical spelling* of ``text``: its
+        chunks (:func:`~dsi.models.vocabulary.chunk_starts`: words with their leading space) each spelled
+        by the drafter's tokenizer, as it would cut them in the whole text. That spelling is a function of
+        the text alone, so the drafter's row after a text does not depend on the way the session reached
+        it (piece by piece, or re-spelled after a roll-back): a seeded sampling request then draws the
+        same drafts, and so the same tokens, for any lookahead, SP and timing. Only the chunks from the
+        last one the old and the new text share are spelled again, and the drafter keeps every token the
+        two spellings share."""
         common = _common_prefix(self._d_text, text)
-        if common == len(text) and (not exact or common == len(self._d_text)):
-            return  # the drafter already wrote (exactly) this text
-        keep = bisect.bisect_right(self._d_ends, common)  # drafter tokens wholly inside the common prefix
-        rest = bytes(text[self._d_ends[keep - 1] if keep else 0:])
-        own = self._drafter_vocab.by_piece.get(rest) if rest else None
-        spelled = [own] if own is not None else self._drafter_vocab.spell(rest)
-        if spelled is None:
-            raise DraftUnavailable(f"the drafter's vocabulary cannot spell {rest[:40]!r}")
-        if own is None and rest:
+        if common == len(text) and (not exact or (common == len(self._d_text) and self._spelled)):
+            return  # the drafter already wrote this text (exact: it is exactly the canonical spelling)
+        # the last chunk start inside the common prefix stays a chunk start of ``text`` (it depends on the
+        # bytes up to it alone), and the tokens before it are its canonical spelling
+        while self._splits and self._splits[-1][0] >= common:
+            self._splits.pop()
+        offset, count = self._splits[-1] if self._splits else (0, 0)
+        starts = chunk_starts(text, offset)
+        spelled: list[int] = []
+        splits = []
+        for begin, end in zip([offset, *starts], [*starts, len(text)], strict=True):
+            chunk = bytes(text[begin:end])
+            ids = self._drafter_vocab.spell(chunk)
+            if ids is None:
+                raise DraftUnavailable(f"the drafter's vocabulary cannot spell {chunk[:40]!r}")
+            spelled.extend(ids)
+            if end < len(text):
+                splits.append((end, count + len(spelled)))
+        old = self._d_tokens[count:]
+        same = 0
+        while same < min(len(old), len(spelled)) and old[same] == spelled[same]:
+            same += 1
+        if same < len(old) or len(spelled) - same > 1:  # not just the drafter's own token for the new bytes
             self.counters["drafter_reencodes"] += 1
-        self._cut(keep)
-        self._push(spelled)
+        self._cut(count + same)
+        self._append_drafter(spelled[same:])
+        if spelled[same:]:
+            self._row_key = None
+        self._splits.extend(splits)
+        self._spelled = True
         self._ended = False
 
     def _drafter_row(self, cancel: CancelFlag | None, greedy: bool) -> Any:

@@ -28,7 +28,7 @@ from dsi.errors import ConfigError, DraftUnavailable, TaskCancelled
 from dsi.models import CallableLM
 from dsi.models.base import forward_rows
 from dsi.models.crossvocab import CrossVocabularyDrafter
-from dsi.models.vocabulary import Intersection
+from dsi.models.vocabulary import Intersection, chunk_starts
 from dsi.sampling import SamplingParams
 from tests import tiny_vocab
 from tests.conftest import random_lm
@@ -596,3 +596,60 @@ def test_a_word_level_drafter_in_string_mode_drafts_what_the_target_writes(metho
                            max_new_tokens=10, vocab_mode="string")
         assert out.tokens == want and out.stats.extra["vocab_mode"] == "string"
         assert out.stats.acceptance_rate == 1.0, text
+
+
+# ---- canonical spelling: the drafter's row after a text does not depend on how the session got there ----------
+
+
+SALAD_TEXTS = ["the quick brown fox", " helicopter wondering hello", "hello, world. the lazy dog jumps over"]
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("target_name, drafter_name", [("words", "tiny_hf"), ("bytes", "words"), ("tiny_hf", "words")])
+@pytest.mark.parametrize("text", SALAD_TEXTS)
+def test_the_drafter_row_after_a_text_is_the_same_whatever_the_session_did_before(target_name, drafter_name, text):
+    """Regression: the drafter's tokens were the text spelled as it arrived (one target token at a time,
+    or a whole prompt at once, or the rest after a roll-back), so the drafter's row after one text, and
+    with it a sampled draft, followed the session's history: a seeded request drew other tokens after
+    another request, or on another lookahead. Now the drafter holds the text's canonical spelling (its
+    chunks, each spelled by the drafter's tokenizer), whichever path led there."""
+    needs_hf()
+    target_vocab, drafter_vocab = tiny_vocab.vocabulary(target_name), tiny_vocab.vocabulary(drafter_name)
+    drafter = tiny_vocab.word_salad_lm(drafter_name, seed=3)  # its row follows the drafter token ids
+    wrapped = CrossVocabularyDrafter(drafter, target_vocab, drafter_vocab, vocab_size=len(target_vocab),
+                                     mode="intersection")
+    tokens = tiny_vocab.encode(target_name, text)
+    pieces = tiny_vocab.encode(target_name, text[:5]) + tiny_vocab.encode(target_name, text[5:])  # another cut
+    other = tiny_vocab.encode(target_name, "wonder over the dogs")
+
+    def at_once(session, toks):
+        return session.extend_rows(toks, None, 1, False)[-1]
+
+    def one_by_one(session, toks):
+        return [session.extend_rows([t], None, 1, False) for t in toks][-1][-1]
+
+    def after_a_longer_text(session, toks):
+        at_once(session, toks + other)
+        session.truncate(len(toks) - 1)
+        return session.extend_rows(toks[-1:], None, 1, False)[-1]
+
+    def after_another_request(session, toks):
+        one_by_one(session, other)
+        session.truncate(0)
+        return one_by_one(session, toks)
+
+    rows, spellings = {}, {}
+    for path in (at_once, one_by_one, after_a_longer_text, after_another_request):
+        for name, toks in (("tokens", tokens), ("another cut", pieces)):
+            session = wrapped.new_session()
+            rows[path.__name__, name] = row = path(session, toks)
+            spellings[path.__name__, name] = tuple(session._d_tokens)
+            assert np.isfinite(row).any()
+    data = text.encode()
+    bounds = [0, *chunk_starts(data), len(data)]
+    canonical = tuple(t for a, b in zip(bounds, bounds[1:]) for t in drafter_vocab.spell(data[a:b]))
+    assert set(spellings.values()) == {canonical}, spellings
+    first = next(iter(rows.values()))
+    for key, row in rows.items():
+        np.testing.assert_array_equal(row, first, err_msg=str(key))
+
