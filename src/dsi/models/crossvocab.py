@@ -53,8 +53,17 @@ from typing import Any
 import numpy as np
 
 from dsi.errors import ConfigError, DraftUnavailable, VocabularyMismatchError
-from dsi.models.base import CancelFlag, LanguageModel, drafts_ids_only, forward_rows
+from dsi.models.base import (
+    CancelFlag,
+    LanguageModel,
+    common_prefix_length,
+    drafts_ids_only,
+    forward_rows,
+    path_tree_rows,
+    tree_rows,
+)
 from dsi.models.vocabulary import Intersection, Vocabulary, chunk_starts, last_word_start, same_vocabulary
+from dsi.trees import ROOT, DraftTree
 
 logger = logging.getLogger(__name__)
 
@@ -215,6 +224,69 @@ class CrossVocabularySession:
         self._append(tokens)  # only once nothing can fail: a cancelled call leaves the session as it was
         return out
 
+    @property
+    def one_forward_trees(self) -> bool:
+        """Whether :meth:`tree_rows` computes a draft tree in one forward of the drafter (its session has
+        ``tree_rows`` and computes trees in one forward)."""
+        return hasattr(self._inner, "tree_rows") and getattr(self._inner, "one_forward_trees", True)
+
+    def tree_rows(self, prefix: Sequence[int], tree: Any, cancel: CancelFlag | None = None, *, greedy: bool = False,
+                  top: int | None = None) -> np.ndarray:
+        """A draft tree of target tokens after ``prefix`` (:func:`dsi.models.base.tree_rows`), in **one**
+        forward of the drafter: every node's text (and the prefix's) is canonically spelled, the spellings
+        past the prefix's last chunk start form a tree of drafter tokens (a node's spelling need not extend
+        its parent's: a word completed by a child is spelled anew), and the drafter's own ``tree_rows``
+        computes it. Row ``1 + i`` is the intersection row after node i's text, as :meth:`extend_rows`
+        gives it. The session is left holding ``prefix`` + the tree's main path (its drafter side follows
+        at the next call). Path by path where the drafter computes no trees in one forward, in string mode
+        (which drafts no trees), or where a spelling adds no drafter token."""
+        prefix = [int(t) for t in prefix]
+        if not self.one_forward_trees or self._model.mode_for(greedy) == "string" or not prefix:
+            return path_tree_rows(self, prefix, tree, cancel, greedy=greedy, top=top)
+        vocab = self._target_vocab
+        prefix_text = vocab.spelling(prefix)
+        self._align(prefix_text, exact=True)
+        offset, count = self._splits[-1] if self._splits else (0, 0)
+        base = self._start + tuple(self._d_tokens[:count])
+        texts = [prefix_text] + [prefix_text + vocab.spelling(tree.path_tokens(i)) for i in range(len(tree))]
+        order = [0] + [1 + i for i in tree.main_path()] + list(range(1, len(tree) + 1))  # the main path first
+        tokens: list[int] = []
+        parents: list[int] = []
+        child: dict[tuple[int, int], int] = {}  # (parent node, drafter token) -> node of the drafter tree
+        ends: dict[int, int] = {}  # text index -> the drafter tree node after its spelling
+        for index in order:
+            if index in ends:
+                continue
+            node = ROOT
+            for chunk in _chunks(texts[index], offset):
+                ids = self._drafter_vocab.spell(chunk)
+                if ids is None:
+                    raise DraftUnavailable(f"the drafter's vocabulary cannot spell {chunk[:40]!r}")
+                for token in ids:
+                    nxt = child.get((node, token))
+                    if nxt is None:
+                        nxt = child[node, token] = len(tokens)
+                        tokens.append(token)
+                        parents.append(node)
+                    node = nxt
+            if node == ROOT or not base:  # no drafter token past the shared spelling: no tree row for it
+                return path_tree_rows(self, prefix, tree, cancel, greedy=greedy, top=top)
+            ends[index] = node
+        rows = tree_rows(self._inner, base, DraftTree(tuple(tokens), tuple(parents)), cancel)  # [1 + m, V_d]
+        self.counters["drafter_model_forwards"] += 1
+        out = []
+        for index in range(len(texts)):
+            row = self._model.intersection.target_logits(rows[1 + ends[index]], self._model.vocab_size)
+            if not np.isfinite(row).any():
+                raise DraftUnavailable("the drafter gives every token both vocabularies share probability 0")
+            out.append(row)
+        held = prefix + tree.path_tokens(tree.main_path()[-1]) if len(tree) else prefix
+        keep = common_prefix_length(self._tokens, held)
+        self.truncate(keep)
+        self._append(held[keep:])
+        stacked = np.stack(out)
+        return np.argmax(stacked, axis=-1).astype(np.int64) if greedy else stacked
+
     def close(self) -> None:
         self._inner.close()
 
@@ -270,17 +342,17 @@ class CrossVocabularySession:
         while self._splits and self._splits[-1][0] >= common:
             self._splits.pop()
         offset, count = self._splits[-1] if self._splits else (0, 0)
-        starts = chunk_starts(text, offset)
         spelled: list[int] = []
         splits = []
-        for begin, end in zip([offset, *starts], [*starts, len(text)], strict=True):
-            chunk = bytes(text[begin:end])
+        end = offset
+        for chunk in _chunks(text, offset):
+            if end > offset:  # a chunk starts here
+                splits.append((end, count + len(spelled)))
             ids = self._drafter_vocab.spell(chunk)
             if ids is None:
                 raise DraftUnavailable(f"the drafter's vocabulary cannot spell {chunk[:40]!r}")
             spelled.extend(ids)
-            if end < len(text):
-                splits.append((end, count + len(spelled)))
+            end += len(chunk)
         old = self._d_tokens[count:]
         same = 0
         while same < min(len(old), len(spelled)) and old[same] == spelled[same]:
@@ -338,6 +410,12 @@ class CrossVocabularySession:
                 self._push([token])
             if token in self._model.drafter_eos_ids or not piece:
                 self._ended = True
+
+
+def _chunks(text: bytes | bytearray, offset: int) -> list[bytes]:
+    """``text`` from ``offset`` (a chunk start) cut at its chunk starts (:func:`~dsi.models.vocabulary.chunk_starts`)."""
+    starts = chunk_starts(text, offset)
+    return [bytes(text[begin:end]) for begin, end in zip([offset, *starts], [*starts, len(text)], strict=True)]
 
 
 def _common_prefix(a: bytes | bytearray, b: bytes | bytearray) -> int:

@@ -653,3 +653,99 @@ def test_the_drafter_row_after_a_text_is_the_same_whatever_the_session_did_befor
     for key, row in rows.items():
         np.testing.assert_array_equal(row, first, err_msg=str(key))
 
+
+class CountingSession:
+    """A drafter session (of a ``CallableLM``) with ``tree_rows`` that counts its tree forwards."""
+
+    def __init__(self, model):
+        self._inner = model.new_session()
+        self.tree_forwards = 0
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def tree_rows(self, prefix, tree, cancel=None, *, greedy=False, top=None):
+        from dsi.models.base import path_tree_rows
+
+        self.tree_forwards += 1
+        return path_tree_rows(self._inner, prefix, tree, cancel, greedy=greedy, top=top)
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("target_name, drafter_name", [("words", "tiny_hf"), ("bytes", "words"), ("tiny_hf", "words")])
+def test_a_draft_tree_through_the_intersection_is_one_drafter_forward_with_every_node_s_own_row(target_name,
+                                                                                                drafter_name):
+    """The bridge's ``tree_rows``: the canonical spellings of every node's text (which need not extend their
+    parent's: " hel" then "lo" is spelled " hello" anew) form one tree of drafter tokens, computed in one
+    drafter tree forward; each node's row is exactly the row a session reaching that text gives, and the
+    session then holds the prefix and the tree's main path."""
+    needs_hf()
+    from dsi.models.base import tree_rows
+    from dsi.trees import DraftTree
+
+    target_vocab, drafter_vocab = tiny_vocab.vocabulary(target_name), tiny_vocab.vocabulary(drafter_name)
+    drafter = tiny_vocab.word_salad_lm(drafter_name, seed=3)
+    counting = CallableLM(drafter.next_logits, drafter.vocab_size)
+    sessions = []
+    counting.new_session = lambda: sessions.append(CountingSession(drafter)) or sessions[-1]
+    wrapped = CrossVocabularyDrafter(counting, target_vocab, drafter_vocab, vocab_size=len(target_vocab),
+                                     mode="intersection")
+    enc = lambda text: tiny_vocab.encode(target_name, text)  # noqa: E731
+    prefix = enc("the quick bro")
+    pieces = [enc(t) for t in ("wn", "w", " fox", "n fox", " dog", "ken")]
+    nodes, parents, ends = [], [], []
+    for piece, parent_piece in zip(pieces, [None, None, 0, 1, 0, None]):  # a tree over the pieces' tokens
+        parent = -1 if parent_piece is None else ends[parent_piece]
+        for token in piece:
+            siblings = [i for i, p in enumerate(parents) if p == parent]
+            same = [i for i in siblings if nodes[i] == token]
+            if same:
+                parent = same[0]
+                continue
+            nodes.append(token)
+            parents.append(parent)
+            parent = len(nodes) - 1
+        ends.append(parent)
+    tree = DraftTree(tuple(nodes), tuple(parents))
+    session = wrapped.new_session()
+    session.extend_rows(enc("the lazy dog"), None, 1, False)  # some other text first
+    rows = tree_rows(session, prefix, tree)
+    assert sessions[0].tree_forwards == 1
+    for node in range(-1, len(tree)):
+        fresh = wrapped.new_session()
+        path = prefix + (tree.path_tokens(node) if node >= 0 else [])
+        want = fresh.extend_rows(path, None, 1, False)[-1]
+        np.testing.assert_array_equal(rows[1 + node], want, err_msg=f"node {node}")
+    held = prefix + tree.path_tokens(tree.main_path()[-1])
+    assert session.tokens == tuple(held)
+    after = session.extend_rows(enc(" over"), None, 1, False)[-1]
+    np.testing.assert_array_equal(after, wrapped.new_session().extend_rows(held + enc(" over"), None, 1, False)[-1])
+    greedy = tree_rows(wrapped.new_session(), prefix, tree, greedy=True)
+    np.testing.assert_array_equal(greedy, np.argmax(rows, axis=-1))
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_si_trees_through_the_intersection_draft_a_round_in_one_forward_and_decide_as_path_by_path(temperature,
+                                                                                                   no_thread_leak):
+    """SI's ``branches`` tree with a drafter of another vocabulary: with a drafter that computes trees in one
+    forward (``WithLatency`` of zero latency) each round is one drafter forward, and the tokens are those of
+    the same drafter path by path (the rows are the same); greedy, non-SI's."""
+    needs_hf()
+    from dsi.models import WithLatency
+
+    target = tiny_vocab.word_salad_lm("words")
+    drafter = tiny_vocab.word_salad_lm("tiny_hf", seed=7)
+    prompt = tiny_vocab.encode("words", "the quick")
+    params = SamplingParams(temperature=temperature, seed=3)
+    runs = {}
+    for name, model in (("one forward", WithLatency(drafter, 0.0, 0.0)), ("path by path", drafter)):
+        runs[name] = dsi.generate(target=target, drafter=model, prompt=prompt, max_new_tokens=24, method="si",
+                                  lookahead=4, draft_tree="branches:0.05", sampling=params, vocab_mode="intersection",
+                                  target_tokenizer=target.tokenizer, drafter_tokenizer=drafter.tokenizer)
+    one, paths = runs["one forward"], runs["path by path"]
+    assert one.tokens == paths.tokens
+    assert one.stats.extra["draft_tree"] == "branches:0.05" and one.stats.extra["tree_windows"] > 0
+    assert one.stats.extra["drafter_model_forwards"] < paths.stats.extra["drafter_model_forwards"]
+    if temperature == 0.0:
+        assert one.tokens == dsi.generate(target=target, prompt=prompt, max_new_tokens=24, method="ar").tokens
