@@ -24,17 +24,17 @@ the translation: a poor translation only costs acceptances. (SLRS, string-level 
 sampling, is not built: it needs the drafter's probability of every *string* a target token
 spells, many drafter forwards per position; TLI keeps one forward per draft.)
 
-**Keeping the drafter on the target's text.** The session spells its target tokens as bytes; the
-drafter's tokens spell bytes too. When the target's text departs from the drafter's (a rejection,
-a new request, a target token that continues a word), the drafter's tokens become the target text's
-*canonical spelling*: the text cut into chunks (words with their leading space:
-:func:`~dsi.models.vocabulary.chunk_starts`), each spelled by the drafter's tokenizer. Only the
-chunks from the last one both texts share are spelled again, the drafter session keeps every token
-the old and the new spelling share, and runs the rest (a *re-encode* when that is more than the
-drafter's one token for the new bytes; counted). The spelling is a function of the text, so the
-drafter's row after a text is too, however the session got there: a seeded sampling request draws
-the same drafts for any lookahead, SP, timing and request history (on models whose rows do not
-depend on how a forward was cut; docs/architecture.md). In string mode the drafter's own greedy
+**Keeping the drafter on the target's text.** The drafter holds the target's tokens spelled one by one
+in its own tokens (:meth:`~dsi.models.vocabulary.Vocabulary.spell` of each token's bytes: the drafter's
+own token where it has that piece), the prompt's too. That spelling is a function of the target's
+tokens, so the drafter's row after a context is too, however the session got there: a seeded sampling
+request draws the same drafts and gives the same tokens for any lookahead, SP, timing and request
+history (on models whose rows do not depend on how a forward was cut; docs/architecture.md). When the
+target's tokens depart from those spelled (a rejection, a new request), the drafter keeps the tokens
+spelling the common prefix and spells the rest (a *re-encode* when that is more than its one token for
+one new target token; counted). It also keeps the target's cuts in the drafter's context, which the
+drafter follows in context: SmolLM2 drafting for Qwen agreed with the target more often so than with its
+own tokenization of the text (docs/results.md section 26). In string mode the drafter's own greedy
 continuation is kept while the target's text follows it.
 
 Requested modes: ``"string"``, ``"intersection"``, or ``"auto"`` (string for greedy requests,
@@ -62,7 +62,7 @@ from dsi.models.base import (
     path_tree_rows,
     tree_rows,
 )
-from dsi.models.vocabulary import Intersection, Vocabulary, chunk_starts, last_word_start, same_vocabulary
+from dsi.models.vocabulary import Intersection, Vocabulary, last_word_start, same_vocabulary
 from dsi.trees import ROOT, DraftTree
 
 logger = logging.getLogger(__name__)
@@ -174,9 +174,10 @@ class CrossVocabularySession:
         self._d_ends: list[int] = []
         self._d_text = bytearray()
         self._ended = False  # the drafter's text ended (its EOS) at the end of _d_text
-        # the canonical spelling's chunk starts in _d_text: (byte offset, drafter tokens before it), every
-        # token before it spelled chunk by chunk; _spelled: all of _d_tokens is that spelling of _d_text
-        self._splits: list[tuple[int, int]] = []
+        # the target tokens spelled one by one at the start of _d_tokens, and the drafter tokens after each;
+        # _spelled: _d_tokens is exactly their spelling (no token the drafter wrote itself after it)
+        self._spelled_targets: list[int] = []
+        self._spelled_counts: list[int] = []
         self._spelled = True
         self._row: Any = None  # the drafter's output after _start + _d_tokens
         self._row_key: tuple | None = None  # (len(_d_tokens), greedy) of the row; None after any change
@@ -201,7 +202,7 @@ class CrossVocabularySession:
         saved = len(self._tokens)
         try:
             for token in tokens:
-                rows.append(self._intersection_row(self._t_text + self._target_vocab.piece(int(token)), cancel))
+                rows.append(self._intersection_row([*self._tokens, int(token)], cancel))
                 self._append([token])
         except BaseException:
             self.truncate(saved)
@@ -215,11 +216,11 @@ class CrossVocabularySession:
         if num_rows != 1:
             rows = self.extend(tokens, cancel)[-num_rows:]
             return np.argmax(rows, axis=-1).astype(np.int64) if greedy else rows
-        text = self._t_text + self._target_vocab.spelling(tokens)
+        context = [*self._tokens, *(int(t) for t in tokens)]
         if self._model.mode_for(greedy) == "string":
-            out = np.array([self._propose(text, cancel)], dtype=np.int64)
+            out = np.array([self._propose(context, cancel)], dtype=np.int64)
         else:
-            row = self._intersection_row(text, cancel)
+            row = self._intersection_row(context, cancel)
             out = np.array([int(np.argmax(row))], dtype=np.int64) if greedy else row[None]
         self._append(tokens)  # only once nothing can fail: a cancelled call leaves the session as it was
         return out
@@ -233,50 +234,38 @@ class CrossVocabularySession:
     def tree_rows(self, prefix: Sequence[int], tree: Any, cancel: CancelFlag | None = None, *, greedy: bool = False,
                   top: int | None = None) -> np.ndarray:
         """A draft tree of target tokens after ``prefix`` (:func:`dsi.models.base.tree_rows`), in **one**
-        forward of the drafter: every node's text (and the prefix's) is canonically spelled, the spellings
-        past the prefix's last chunk start form a tree of drafter tokens (a node's spelling need not extend
-        its parent's: a word completed by a child is spelled anew), and the drafter's own ``tree_rows``
-        computes it. Row ``1 + i`` is the intersection row after node i's text, as :meth:`extend_rows`
-        gives it. The session is left holding ``prefix`` + the tree's main path (its drafter side follows
-        at the next call). Path by path where the drafter computes no trees in one forward, in string mode
-        (which drafts no trees), or where a spelling adds no drafter token."""
+        forward of the drafter: the prefix spelled as :meth:`extend_rows` spells it, each node's token spelled
+        below its parent's spelling (a chain of drafter tokens; nodes whose spellings begin alike share
+        those drafter nodes), and the drafter's own ``tree_rows`` computes that tree of drafter tokens. Row
+        ``1 + i`` is the intersection row after node i's path, as :meth:`extend_rows` gives it. The session
+        is left holding ``prefix`` + the tree's main path (its drafter side follows at the next call). Path
+        by path where the drafter computes no trees in one forward, and in string mode (no trees there)."""
         prefix = [int(t) for t in prefix]
         if not self.one_forward_trees or self._model.mode_for(greedy) == "string" or not prefix:
             return path_tree_rows(self, prefix, tree, cancel, greedy=greedy, top=top)
-        vocab = self._target_vocab
-        prefix_text = vocab.spelling(prefix)
-        self._align(prefix_text, exact=True)
-        offset, count = self._splits[-1] if self._splits else (0, 0)
-        base = self._start + tuple(self._d_tokens[:count])
-        texts = [prefix_text] + [prefix_text + vocab.spelling(tree.path_tokens(i)) for i in range(len(tree))]
-        order = [0] + [1 + i for i in tree.main_path()] + list(range(1, len(tree) + 1))  # the main path first
+        self._align(prefix, exact=True)
+        base = self._start + tuple(self._d_tokens)
+        if not base:
+            return path_tree_rows(self, prefix, tree, cancel, greedy=greedy, top=top)
         tokens: list[int] = []
         parents: list[int] = []
         child: dict[tuple[int, int], int] = {}  # (parent node, drafter token) -> node of the drafter tree
-        ends: dict[int, int] = {}  # text index -> the drafter tree node after its spelling
-        for index in order:
-            if index in ends:
-                continue
-            node = ROOT
-            for chunk in _chunks(texts[index], offset):
-                ids = self._drafter_vocab.spell(chunk)
-                if ids is None:
-                    raise DraftUnavailable(f"the drafter's vocabulary cannot spell {chunk[:40]!r}")
-                for token in ids:
-                    nxt = child.get((node, token))
-                    if nxt is None:
-                        nxt = child[node, token] = len(tokens)
-                        tokens.append(token)
-                        parents.append(node)
-                    node = nxt
-            if node == ROOT or not base:  # no drafter token past the shared spelling: no tree row for it
-                return path_tree_rows(self, prefix, tree, cancel, greedy=greedy, top=top)
-            ends[index] = node
+        ends: list[int] = []  # the drafter tree node after each target node's spelling (ROOT: the prefix's)
+        for token, parent in zip(tree.tokens, tree.parents, strict=True):
+            node = ROOT if parent == ROOT else ends[parent]
+            for spelled in self._spell(token):
+                nxt = child.get((node, spelled))
+                if nxt is None:
+                    nxt = child[node, spelled] = len(tokens)
+                    tokens.append(spelled)
+                    parents.append(node)
+                node = nxt
+            ends.append(node)
         rows = tree_rows(self._inner, base, DraftTree(tuple(tokens), tuple(parents)), cancel)  # [1 + m, V_d]
         self.counters["drafter_model_forwards"] += 1
         out = []
-        for index in range(len(texts)):
-            row = self._model.intersection.target_logits(rows[1 + ends[index]], self._model.vocab_size)
+        for node in [ROOT, *ends]:
+            row = self._model.intersection.target_logits(rows[1 + node], self._model.vocab_size)
             if not np.isfinite(row).any():
                 raise DraftUnavailable("the drafter gives every token both vocabularies share probability 0")
             out.append(row)
@@ -305,8 +294,9 @@ class CrossVocabularySession:
             del self._d_tokens[keep:]
             del self._d_ends[keep:]
             del self._d_text[self._d_ends[-1] if self._d_ends else 0:]
-            while self._splits and self._splits[-1][1] > keep:
-                self._splits.pop()
+            while self._spelled_counts and self._spelled_counts[-1] > keep:
+                self._spelled_counts.pop()
+                self._spelled_targets.pop()
             self._ended = False
             self._row_key = None
 
@@ -323,47 +313,40 @@ class CrossVocabularySession:
             self._d_tokens.append(int(token))
             self._d_ends.append(len(self._d_text))
 
-    def _align(self, text: bytes, exact: bool) -> None:
-        """Make the drafter's text start with ``text`` (with ``exact``, be exactly ``text``).
+    def _spell(self, token: int) -> list[int]:
+        """Target ``token`` in drafter tokens (none for a token that spells nothing)."""
+        piece = self._target_vocab.piece(token)
+        ids = self._drafter_vocab.spell(piece)
+        if ids is None:
+            raise DraftUnavailable(f"the drafter's vocabulary cannot spell {piece[:40]!r}")
+        return ids
 
-        Where it has to change, the drafter's tokens become the *canonical spelling* of ``text``: its
-        chunks (:func:`~dsi.models.vocabulary.chunk_starts`: words with their leading space) each spelled
-        by the drafter's tokenizer, as it would cut them in the whole text. That spelling is a function of
-        the text alone, so the drafter's row after a text does not depend on the way the session reached
-        it (piece by piece, or re-spelled after a roll-back): a seeded sampling request then draws the
-        same drafts, and so the same tokens, for any lookahead, SP and timing. Only the chunks from the
-        last one the old and the new text share are spelled again, and the drafter keeps every token the
-        two spellings share."""
-        common = _common_prefix(self._d_text, text)
-        if common == len(text) and (not exact or (common == len(self._d_text) and self._spelled)):
-            return  # the drafter already wrote this text (exact: it is exactly the canonical spelling)
-        # the last chunk start inside the common prefix stays a chunk start of ``text`` (it depends on the
-        # bytes up to it alone), and the tokens before it are its canonical spelling
-        while self._splits and self._splits[-1][0] >= common:
-            self._splits.pop()
-        offset, count = self._splits[-1] if self._splits else (0, 0)
+    def _align(self, context: Sequence[int], exact: bool) -> None:
+        """Make the drafter's tokens spell the target tokens ``context`` one by one (without ``exact``, a
+        drafter text that already continues their text is kept: string mode's own continuation)."""
+        if not exact and self._d_text.startswith(self._target_vocab.spelling(context)):
+            return  # the drafter already wrote this text
+        same = common_prefix_length(self._spelled_targets, context)
+        if same == len(context) == len(self._spelled_targets) and self._spelled:
+            return  # exactly these tokens, spelled
+        count = self._spelled_counts[same - 1] if same else 0
         spelled: list[int] = []
-        splits = []
-        end = offset
-        for chunk in _chunks(text, offset):
-            if end > offset:  # a chunk starts here
-                splits.append((end, count + len(spelled)))
-            ids = self._drafter_vocab.spell(chunk)
-            if ids is None:
-                raise DraftUnavailable(f"the drafter's vocabulary cannot spell {chunk[:40]!r}")
-            spelled.extend(ids)
-            end += len(chunk)
+        counts = []
+        for token in context[same:]:
+            spelled.extend(self._spell(int(token)))
+            counts.append(count + len(spelled))
         old = self._d_tokens[count:]
-        same = 0
-        while same < min(len(old), len(spelled)) and old[same] == spelled[same]:
-            same += 1
-        if same < len(old) or len(spelled) - same > 1:  # not just the drafter's own token for the new bytes
+        keep = common_prefix_length(old, spelled)
+        if keep < len(old) or len(spelled) - keep > 1:  # not just the drafter's own token for a new target token
             self.counters["drafter_reencodes"] += 1
-        self._cut(count + same)
-        self._append_drafter(spelled[same:])
-        if spelled[same:]:
+        self._cut(count + keep)
+        del self._spelled_targets[same:]
+        del self._spelled_counts[same:]
+        self._append_drafter(spelled[keep:])
+        if spelled[keep:]:
             self._row_key = None
-        self._splits.extend(splits)
+        self._spelled_targets.extend(int(t) for t in context[same:])
+        self._spelled_counts.extend(counts)
         self._spelled = True
         self._ended = False
 
@@ -380,17 +363,18 @@ class CrossVocabularySession:
             self._row_key = key
         return self._row
 
-    def _intersection_row(self, text: bytes, cancel: CancelFlag | None) -> np.ndarray:
-        """The drafter's logits after exactly ``text``, restricted to the intersection, in target ids."""
-        self._align(text, exact=True)
+    def _intersection_row(self, context: Sequence[int], cancel: CancelFlag | None) -> np.ndarray:
+        """The drafter's logits after the target tokens ``context``, restricted to the intersection, in target ids."""
+        self._align(context, exact=True)
         row = self._model.intersection.target_logits(self._drafter_row(cancel, greedy=False), self._model.vocab_size)
         if not np.isfinite(row).any():  # it gives no shared token a chance: nothing to draft here
             raise DraftUnavailable("the drafter gives every token both vocabularies share probability 0")
         return row
 
-    def _propose(self, text: bytes, cancel: CancelFlag | None) -> int:
-        """String mode: the next target token of the drafter's greedy continuation of ``text``."""
-        self._align(text, exact=False)
+    def _propose(self, context: Sequence[int], cancel: CancelFlag | None) -> int:
+        """String mode: the next target token of the drafter's greedy continuation of ``context``'s text."""
+        text = self._target_vocab.spelling(context)
+        self._align(context, exact=False)
         steps = 0
         while True:
             pending = bytes(self._d_text[len(text):])
@@ -410,22 +394,6 @@ class CrossVocabularySession:
                 self._push([token])
             if token in self._model.drafter_eos_ids or not piece:
                 self._ended = True
-
-
-def _chunks(text: bytes | bytearray, offset: int) -> list[bytes]:
-    """``text`` from ``offset`` (a chunk start) cut at its chunk starts (:func:`~dsi.models.vocabulary.chunk_starts`)."""
-    starts = chunk_starts(text, offset)
-    return [bytes(text[begin:end]) for begin, end in zip([offset, *starts], [*starts, len(text)], strict=True)]
-
-
-def _common_prefix(a: bytes | bytearray, b: bytes | bytearray) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    x = np.frombuffer(bytes(a[:n]), dtype=np.uint8)
-    y = np.frombuffer(bytes(b[:n]), dtype=np.uint8)
-    differ = np.flatnonzero(x != y)
-    return int(differ[0]) if differ.size else n
 
 
 def shares_vocabulary(target: LanguageModel, drafter: LanguageModel, target_tokenizer: Any = None,

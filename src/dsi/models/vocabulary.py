@@ -65,32 +65,6 @@ def last_word_start(data: bytes) -> int:
     return lead + len(text[: last.start()].encode("utf-8"))
 
 
-# a chunk of :func:`chunk_starts` grows at most this long inside a run without whitespace (an identifier, CJK
-# text), so that re-spelling a text's last chunk stays short
-MAX_CHUNK_BYTES = 32
-_WHITESPACE = frozenset(b" \t\n\r\x0b\x0c")
-
-
-def chunk_starts(data: bytes | bytearray, start: int = 0) -> list[int]:
-    """Offsets in ``data`` after ``start`` where a new chunk begins: before a whitespace byte that follows a
-    byte that is not one (a word with its leading space, as pre-tokenizers cut it, punctuation staying with
-    its word), and after :data:`MAX_CHUNK_BYTES` bytes of one chunk at the next character start.
-
-    ``start`` must be 0 or an offset this function returned for ``data`` or a text ``data`` extends. Whether
-    an offset starts a chunk depends on the bytes up to and including it (and the chunk before it), so a
-    text's chunks, all but its last, are the chunks of every text that extends it: spelling a text chunk by
-    chunk is a function of its bytes that a longer text continues (:mod:`dsi.models.crossvocab`)."""
-    out: list[int] = []
-    last = start
-    for i in range(start + 1, len(data)):
-        byte = data[i]
-        if (byte in _WHITESPACE and data[i - 1] not in _WHITESPACE) or (
-                i - last >= MAX_CHUNK_BYTES and not 0x80 <= byte < 0xC0):
-            out.append(i)
-            last = i
-    return out
-
-
 @lru_cache(maxsize=1)
 def _byte_level_chars() -> dict[str, int]:
     """GPT-2's byte <-> printable character table, inverted: character -> byte."""

@@ -28,7 +28,7 @@ from dsi.errors import ConfigError, DraftUnavailable, TaskCancelled
 from dsi.models import CallableLM
 from dsi.models.base import forward_rows
 from dsi.models.crossvocab import CrossVocabularyDrafter
-from dsi.models.vocabulary import Intersection, chunk_starts
+from dsi.models.vocabulary import Intersection
 from dsi.sampling import SamplingParams
 from tests import tiny_vocab
 from tests.conftest import random_lm
@@ -611,8 +611,8 @@ def test_the_drafter_row_after_a_text_is_the_same_whatever_the_session_did_befor
     """Regression: the drafter's tokens were the text spelled as it arrived (one target token at a time,
     or a whole prompt at once, or the rest after a roll-back), so the drafter's row after one text, and
     with it a sampled draft, followed the session's history: a seeded request drew other tokens after
-    another request, or on another lookahead. Now the drafter holds the text's canonical spelling (its
-    chunks, each spelled by the drafter's tokenizer), whichever path led there."""
+    another request, or on another lookahead. Now the drafter holds the target tokens spelled one by one,
+    whichever path led there."""
     needs_hf()
     target_vocab, drafter_vocab = tiny_vocab.vocabulary(target_name), tiny_vocab.vocabulary(drafter_name)
     drafter = tiny_vocab.word_salad_lm(drafter_name, seed=3)  # its row follows the drafter token ids
@@ -638,20 +638,18 @@ def test_the_drafter_row_after_a_text_is_the_same_whatever_the_session_did_befor
         session.truncate(0)
         return one_by_one(session, toks)
 
-    rows, spellings = {}, {}
-    for path in (at_once, one_by_one, after_a_longer_text, after_another_request):
-        for name, toks in (("tokens", tokens), ("another cut", pieces)):
+    for toks in (tokens, pieces):
+        rows, spellings = {}, {}
+        for path in (at_once, one_by_one, after_a_longer_text, after_another_request):
             session = wrapped.new_session()
-            rows[path.__name__, name] = row = path(session, toks)
-            spellings[path.__name__, name] = tuple(session._d_tokens)
+            rows[path.__name__] = row = path(session, toks)
+            spellings[path.__name__] = tuple(session._d_tokens)
             assert np.isfinite(row).any()
-    data = text.encode()
-    bounds = [0, *chunk_starts(data), len(data)]
-    canonical = tuple(t for a, b in zip(bounds, bounds[1:]) for t in drafter_vocab.spell(data[a:b]))
-    assert set(spellings.values()) == {canonical}, spellings
-    first = next(iter(rows.values()))
-    for key, row in rows.items():
-        np.testing.assert_array_equal(row, first, err_msg=str(key))
+        canonical = tuple(t for token in toks for t in drafter_vocab.spell(target_vocab.piece(token)))
+        assert set(spellings.values()) == {canonical}, spellings
+        first = next(iter(rows.values()))
+        for key, row in rows.items():
+            np.testing.assert_array_equal(row, first, err_msg=key)
 
 
 class CountingSession:
@@ -675,10 +673,9 @@ class CountingSession:
 @pytest.mark.parametrize("target_name, drafter_name", [("words", "tiny_hf"), ("bytes", "words"), ("tiny_hf", "words")])
 def test_a_draft_tree_through_the_intersection_is_one_drafter_forward_with_every_node_s_own_row(target_name,
                                                                                                 drafter_name):
-    """The bridge's ``tree_rows``: the canonical spellings of every node's text (which need not extend their
-    parent's: " hel" then "lo" is spelled " hello" anew) form one tree of drafter tokens, computed in one
-    drafter tree forward; each node's row is exactly the row a session reaching that text gives, and the
-    session then holds the prefix and the tree's main path."""
+    """The bridge's ``tree_rows``: every node's token spelled below its parent's spelling forms one tree of
+    drafter tokens, computed in one drafter tree forward; each node's row is exactly the row a session
+    reaching that path gives, and the session then holds the prefix and the tree's main path."""
     needs_hf()
     from dsi.models.base import tree_rows
     from dsi.trees import DraftTree

@@ -16,7 +16,7 @@ import pytest
 from dsi.errors import ConfigError, VocabularyMismatchError
 from dsi.models import CallableLM
 from dsi.models.crossvocab import CrossVocabularyDrafter, bridge_drafter
-from dsi.models.vocabulary import MAX_CHUNK_BYTES, Intersection, Vocabulary, chunk_starts, same_vocabulary
+from dsi.models.vocabulary import Intersection, Vocabulary, same_vocabulary
 from tests import tiny_vocab
 from tests.tiny_vocab import UNSTABLE_TEXTS, PiecesTokenizer, pieces_vocabulary
 
@@ -130,34 +130,6 @@ _bytes = st.one_of(
     st.tuples(_texts, st.integers(0, 60)).map(lambda p: p[0].encode("utf-8")[: p[1]]),  # cut anywhere
     st.tuples(_texts, st.binary(max_size=3), _texts).map(lambda p: p[0].encode() + p[1] + p[2].encode()),
 )
-
-
-@settings(max_examples=300, deadline=None)
-@given(data=_bytes, cut=st.integers(0, 80))
-def test_chunk_starts_of_a_text_are_those_of_every_text_it_begins(data, cut):
-    """The property canonical spelling rests on (dsi.models.crossvocab): a prefix's chunk starts are the
-    whole text's starts before its end, and scanning from any start gives the starts after it."""
-    starts = chunk_starts(data)
-    prefix = data[:cut]
-    assert chunk_starts(prefix) == [s for s in starts if s < len(prefix)]
-    for i, start in enumerate(starts):
-        assert chunk_starts(data, start) == starts[i + 1:]
-    bounds = [0, *starts, len(data)]
-    for begin, end in zip(bounds, bounds[1:]):
-        assert 0 < end - begin or not data
-        if end < len(data):  # a chunk ends before whitespace that follows a word, or at the cap
-            assert data[end] in b" \t\n\r\x0b\x0c" or end - begin >= MAX_CHUNK_BYTES
-            assert not 0x80 <= data[end] < 0xC0  # never inside a character
-
-
-def test_chunks_are_words_with_their_leading_space_and_long_runs_are_capped():
-    text = b"the quick,  brown\n\tfox"
-    bounds = [0, *chunk_starts(text), len(text)]
-    assert [text[a:b] for a, b in zip(bounds, bounds[1:])] == [b"the", b" quick,", b"  brown", b"\n\tfox"]
-    cjk = "日本語のテキストです。東京は日本の首都です。".encode()  # 3 bytes a character, no space
-    starts = chunk_starts(cjk)
-    assert starts and all(s % 3 == 0 for s in starts)
-    assert max(b - a for a, b in zip([0, *starts], [*starts, len(cjk)])) <= MAX_CHUNK_BYTES + 2
 
 
 @pytest.mark.hf
