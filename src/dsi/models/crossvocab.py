@@ -33,8 +33,8 @@ history (on models whose rows do not depend on how a forward was cut; docs/archi
 target's tokens depart from those spelled (a rejection, a new request), the drafter keeps the tokens
 spelling the common prefix and spells the rest (a *re-encode* when that is more than its one token for
 one new target token; counted). It also keeps the target's cuts in the drafter's context, which the
-drafter follows in context: SmolLM2 drafting for Qwen agreed with the target more often so than with its
-own tokenization of the text (docs/results.md section 26). In string mode the drafter's own greedy
+drafter follows in context: SmolLM2 drafting for Qwen agreed with the target more often this way than
+with its own tokenization of the text (docs/results.md section 26). In string mode the drafter's own greedy
 continuation is kept while the target's text follows it.
 
 Requested modes: ``"string"``, ``"intersection"``, or ``"auto"`` (string for greedy requests,
@@ -174,11 +174,9 @@ class CrossVocabularySession:
         self._d_ends: list[int] = []
         self._d_text = bytearray()
         self._ended = False  # the drafter's text ended (its EOS) at the end of _d_text
-        # the target tokens spelled one by one at the start of _d_tokens, and the drafter tokens after each;
-        # _spelled: _d_tokens is exactly their spelling (no token the drafter wrote itself after it)
+        # the target tokens spelled one by one at the start of _d_tokens, and the drafter tokens after each
         self._spelled_targets: list[int] = []
         self._spelled_counts: list[int] = []
-        self._spelled = True
         self._row: Any = None  # the drafter's output after _start + _d_tokens
         self._row_key: tuple | None = None  # (len(_d_tokens), greedy) of the row; None after any change
         self.counters = {"drafter_reencodes": 0, "drafter_rolled_back_tokens": 0, "drafter_model_forwards": 0}
@@ -218,7 +216,8 @@ class CrossVocabularySession:
             return np.argmax(rows, axis=-1).astype(np.int64) if greedy else rows
         context = [*self._tokens, *(int(t) for t in tokens)]
         if self._model.mode_for(greedy) == "string":
-            out = np.array([self._propose(context, cancel)], dtype=np.int64)
+            text = self._t_text + self._target_vocab.spelling(tokens)
+            out = np.array([self._propose(context, text, cancel)], dtype=np.int64)
         else:
             row = self._intersection_row(context, cancel)
             out = np.array([int(np.argmax(row))], dtype=np.int64) if greedy else row[None]
@@ -243,7 +242,7 @@ class CrossVocabularySession:
         prefix = [int(t) for t in prefix]
         if not self.one_forward_trees or self._model.mode_for(greedy) == "string" or not prefix:
             return path_tree_rows(self, prefix, tree, cancel, greedy=greedy, top=top)
-        self._align(prefix, exact=True)
+        self._align(prefix)
         base = self._start + tuple(self._d_tokens)
         if not base:
             return path_tree_rows(self, prefix, tree, cancel, greedy=greedy, top=top)
@@ -301,10 +300,9 @@ class CrossVocabularySession:
             self._row_key = None
 
     def _push(self, tokens: Sequence[int]) -> None:
-        """Append drafter tokens the drafter wrote itself (string mode): not the canonical spelling."""
+        """Append drafter tokens the drafter wrote itself (string mode), after the spelled ones."""
         if tokens:
             self._row_key = None
-            self._spelled = False
         self._append_drafter(tokens)
 
     def _append_drafter(self, tokens: Sequence[int]) -> None:
@@ -321,14 +319,20 @@ class CrossVocabularySession:
             raise DraftUnavailable(f"the drafter's vocabulary cannot spell {piece[:40]!r}")
         return ids
 
-    def _align(self, context: Sequence[int], exact: bool) -> None:
-        """Make the drafter's tokens spell the target tokens ``context`` one by one (without ``exact``, a
-        drafter text that already continues their text is kept: string mode's own continuation)."""
-        if not exact and self._d_text.startswith(self._target_vocab.spelling(context)):
+    def _align(self, context: list[int], text: bytes | None = None) -> None:
+        """Make the drafter's tokens spell the target tokens ``context`` one by one. With ``text`` (their
+        text, in string mode), a drafter text that already continues it is kept: the drafter's own
+        continuation."""
+        if text is not None and self._d_text.startswith(text):
             return  # the drafter already wrote this text
-        same = common_prefix_length(self._spelled_targets, context)
-        if same == len(context) == len(self._spelled_targets) and self._spelled:
-            return  # exactly these tokens, spelled
+        spelled_before = len(self._spelled_targets)
+        if context[:spelled_before] == self._spelled_targets:  # the usual case, compared at C speed
+            same = spelled_before
+        else:
+            same = common_prefix_length(self._spelled_targets, context)
+        if same == len(context) == spelled_before and len(self._d_tokens) == (
+                self._spelled_counts[-1] if self._spelled_counts else 0):
+            return  # exactly these tokens, spelled, and no token the drafter wrote itself after them
         count = self._spelled_counts[same - 1] if same else 0
         spelled: list[int] = []
         counts = []
@@ -347,7 +351,6 @@ class CrossVocabularySession:
             self._row_key = None
         self._spelled_targets.extend(int(t) for t in context[same:])
         self._spelled_counts.extend(counts)
-        self._spelled = True
         self._ended = False
 
     def _drafter_row(self, cancel: CancelFlag | None, greedy: bool) -> Any:
@@ -363,18 +366,18 @@ class CrossVocabularySession:
             self._row_key = key
         return self._row
 
-    def _intersection_row(self, context: Sequence[int], cancel: CancelFlag | None) -> np.ndarray:
+    def _intersection_row(self, context: list[int], cancel: CancelFlag | None) -> np.ndarray:
         """The drafter's logits after the target tokens ``context``, restricted to the intersection, in target ids."""
-        self._align(context, exact=True)
+        self._align(context)
         row = self._model.intersection.target_logits(self._drafter_row(cancel, greedy=False), self._model.vocab_size)
         if not np.isfinite(row).any():  # it gives no shared token a chance: nothing to draft here
             raise DraftUnavailable("the drafter gives every token both vocabularies share probability 0")
         return row
 
-    def _propose(self, context: Sequence[int], cancel: CancelFlag | None) -> int:
-        """String mode: the next target token of the drafter's greedy continuation of ``context``'s text."""
-        text = self._target_vocab.spelling(context)
-        self._align(context, exact=False)
+    def _propose(self, context: list[int], text: bytes | bytearray, cancel: CancelFlag | None) -> int:
+        """String mode: the next target token of the drafter's greedy continuation of ``text``, the text of
+        the target tokens ``context``."""
+        self._align(context, text)
         steps = 0
         while True:
             pending = bytes(self._d_text[len(text):])
