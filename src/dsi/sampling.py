@@ -257,6 +257,78 @@ def process_rows(logits: np.ndarray, params: SamplingParams, tokens: Sequence[in
     return np.stack([_distribution(row, params) for row in shape_rows(logits, params, tokens, prompt_len, stop_ids)])
 
 
+class LazyLaws:
+    """The processed laws of a forward's rows (what :func:`process_rows` gives), each computed when first read:
+    ``laws[j]`` is bitwise the row :func:`process_rows` computes for it. A sampled verification reads only the
+    rows its walk reaches, so a draft tree's rows off the decided path (and a chain's rows past its first
+    rejection) are never processed: each processed row is a pass over the whole vocabulary in float64.
+
+    ``logits`` ``[n, V]`` (checked by the caller, :func:`check_logit_row`); row ``j`` follows
+    ``contexts[owner[j]][:lengths[j]]`` (a tree's rows: each on its own root-to-node path). Pickles as the raw
+    rows, which are half the bytes of float64 laws (the processes and Ray transports)."""
+
+    def __init__(self, logits: np.ndarray, params: SamplingParams, contexts: Sequence[Sequence[int]],
+                 owner: Sequence[int], lengths: Sequence[int], prompt_len: int,
+                 stop_ids: frozenset[int] = frozenset()) -> None:
+        if params.greedy:
+            raise ConfigError("LazyLaws holds sampled laws; a greedy verification reads argmax ids")
+        if not len(logits) == len(owner) == len(lengths):
+            raise ConfigError(f"{len(logits)} rows need as many owners and lengths, got {len(owner)} and "
+                              f"{len(lengths)}")
+        self.logits = logits
+        self.params = params
+        self.contexts = [tuple(int(t) for t in c) for c in contexts]
+        self.owner = [int(o) for o in owner]
+        self.lengths = [int(n) for n in lengths]
+        self.prompt_len = prompt_len
+        self.stop_ids = stop_ids
+        self._laws: dict[int, np.ndarray] = {}
+
+    @classmethod
+    def of_chain(cls, logits: np.ndarray, params: SamplingParams, tokens: Sequence[int], prompt_len: int,
+                 stop_ids: frozenset[int] = frozenset()) -> LazyLaws:
+        """The last ``n`` rows of a forward over ``tokens`` (as in :func:`process_rows`)."""
+        n = len(logits)
+        return cls(logits, params, [tokens], [0] * n, [len(tokens) - n + 1 + j for j in range(n)], prompt_len,
+                   stop_ids)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(np.shape(self.logits))
+
+    def __len__(self) -> int:
+        return len(self.logits)
+
+    def computed(self) -> int:
+        """How many rows were processed so far."""
+        return len(self._laws)
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        if not isinstance(index, int | np.integer) or isinstance(index, bool):
+            raise TypeError(f"LazyLaws rows are read one at a time by an integer index, got {index!r}")
+        n = len(self.logits)
+        j = int(index) + n if index < 0 else int(index)
+        if not 0 <= j < n:
+            raise IndexError(f"row {index} of {n}")
+        law = self._laws.get(j)
+        if law is None:
+            prefix = self.contexts[self.owner[j]][: self.lengths[j]]
+            shaped = shape_rows(self.logits[j:j + 1], self.params, prefix, self.prompt_len, self.stop_ids)[0]
+            law = self._laws[j] = _distribution(shaped, self.params)
+        return law
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        rows = np.stack([self[j] for j in range(len(self))]) if len(self) else np.empty((0, 0))
+        return rows if dtype is None else rows.astype(dtype)
+
+    def __getstate__(self) -> dict:
+        return {key: value for key, value in self.__dict__.items() if key != "_laws"}  # the raw rows travel
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._laws = {}
+
+
 def greedy_tokens(logits: np.ndarray, params: SamplingParams, tokens: Sequence[int], prompt_len: int,
                   stop_ids: frozenset[int] = frozenset()) -> np.ndarray:
     """Greedy decoding of the last ``n`` rows of a forward over ``tokens`` (as in :func:`process_rows`):

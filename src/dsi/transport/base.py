@@ -21,7 +21,7 @@ import numpy as np
 
 from dsi.logprobs import LogprobRows
 from dsi.models.base import common_prefix_length, top_hint
-from dsi.sampling import SamplingParams
+from dsi.sampling import LazyLaws, SamplingParams
 from dsi.trees import DraftTree
 
 
@@ -80,7 +80,8 @@ class TaskResult:
     task_id: int
     server_id: int
     tokens: np.ndarray  # [num_rows] int64, argmax of each processed row
-    probs: np.ndarray | None  # [num_rows, V] float64 processed distributions; None when greedy
+    probs: np.ndarray | LazyLaws | None  # [num_rows, V] float64 processed distributions (a tree's: processed as
+    # they are read, dsi.sampling.LazyLaws); None when greedy
     compute_s: float  # server time spent on the task
     logprobs: LogprobRows | None = None  # [num_rows, V] log-probabilities (dsi.logprobs), when the task asked
 

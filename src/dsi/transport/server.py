@@ -1,8 +1,11 @@
 """One target server's work on one task, shared by every transport.
 
 It brings the server's session to the task's context (reusing the longest common prefix of its
-KV cache), runs one forward over the rest (a tree task: the tree's paths, :func:`~dsi.models.base.tree_rows`), and turns the logit rows into what the orchestrator
-needs: argmax tokens (of the processed rows) always, processed probability rows only when sampling.
+KV cache), runs one forward over the rest (a tree task: the tree's paths, :func:`~dsi.models.base.tree_rows`),
+and turns the logit rows into what the orchestrator needs: argmax tokens (of the processed rows) always, and
+when sampling the processed laws, which the decisions process as they read them
+(:class:`~dsi.sampling.LazyLaws`: a verification reads its rows up to the first rejection, a tree's along one
+path) unless log-probabilities are asked for (they need every row processed).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import numpy as np
 
 from dsi.models.base import CancelFlag, ModelSession, forward_rows, tree_rows
 from dsi.logprobs import LogprobRows, logprob_rows
-from dsi.sampling import greedy_tokens, process_rows
+from dsi.sampling import LazyLaws, greedy_tokens, process_rows
 from dsi.transport.base import TaskResult, VerifyTask
 
 
@@ -28,6 +31,10 @@ def run_verify_task(
         tokens = forward_rows(session, task.context, task.num_rows, cancel, greedy=True)  # [num_rows]
         return TaskResult(task.task_id, server_id, tokens, None, time.perf_counter() - start)
     logits = forward_rows(session, task.context, task.num_rows, cancel, top=task.row_top)  # [num_rows, V]
+    if task.logprobs_mode is None and not task.sampling.greedy:  # the laws processed as the decisions read them
+        tokens = greedy_tokens(logits, task.sampling, task.context, task.prompt_len, task.stop_ids)  # checks rows
+        probs = LazyLaws.of_chain(logits, task.sampling, task.context, task.prompt_len, task.stop_ids)
+        return TaskResult(task.task_id, server_id, tokens, probs, time.perf_counter() - start)
     tokens, probs, logprobs = read_rows(logits, task)
     return TaskResult(task.task_id, server_id, tokens, probs, time.perf_counter() - start, logprobs)
 
@@ -41,6 +48,8 @@ def _run_tree_task(session: ModelSession, task: VerifyTask, server_id: int, canc
         tokens = tree_rows(session, task.context, tree, cancel, greedy=True)  # [1 + n]
         return TaskResult(task.task_id, server_id, tokens, None, time.perf_counter() - start)
     logits = tree_rows(session, task.context, tree, cancel, top=task.row_top)  # [1 + n, V]
+    if task.logprobs_mode is None and not task.sampling.greedy:
+        return TaskResult(task.task_id, server_id, *_lazy_tree_rows(logits, task), time.perf_counter() - start)
     tokens = np.empty(task.num_rows, dtype=np.int64)
     probs = None if task.sampling.greedy else np.empty(logits.shape)
     values = lse = None
@@ -61,6 +70,28 @@ def _run_tree_task(session: ModelSession, task: VerifyTask, server_id: int, canc
             values[rows], lse[rows] = got_logprobs.values, got_logprobs.lse
     logprobs = None if values is None else LogprobRows(values, lse)
     return TaskResult(task.task_id, server_id, tokens, probs, time.perf_counter() - start, logprobs)
+
+
+def _lazy_tree_rows(logits: np.ndarray, task: VerifyTask) -> tuple[np.ndarray, LazyLaws]:
+    """A sampled tree's rows: the argmax ids of the processed rows now, and their laws processed when the walk
+    reads them (:class:`~dsi.sampling.LazyLaws`): a walk reads one path's rows of a tree's, so most of a tree's
+    rows (each a float64 pass over the vocabulary) are never processed. Each row is checked here, so a broken
+    row fails the task on the server as a processed one did."""
+    tree = task.tree
+    tokens = np.empty(task.num_rows, dtype=np.int64)
+    contexts: list[tuple[int, ...]] = []
+    owner = [0] * task.num_rows
+    lengths = [0] * task.num_rows
+    read = np.zeros(task.num_rows, dtype=bool)
+    for path in tree.paths() or [[]]:  # each path read as the chain it is, each row once (as _run_tree_task)
+        rows = [r for r in [0] + [1 + node for node in path] if not read[r]]
+        read[rows] = True
+        context = task.context + tuple(tree.tokens[node] for node in path)
+        tokens[rows] = greedy_tokens(logits[rows], task.sampling, context, task.prompt_len, task.stop_ids)
+        for offset, row in enumerate(rows):
+            owner[row], lengths[row] = len(contexts), len(context) - len(rows) + 1 + offset
+        contexts.append(context)
+    return tokens, LazyLaws(logits, task.sampling, contexts, owner, lengths, task.prompt_len, task.stop_ids)
 
 
 def read_rows(logits: np.ndarray, task: VerifyTask, context: tuple[int, ...] | None = None,

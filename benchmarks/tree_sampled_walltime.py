@@ -1,0 +1,288 @@
+"""Sampled draft trees against chains in wall time, on emulated latencies with a real pair's rows (issue 24's
+second benchmark, at T = 0.7; ``tree_walltime.py`` times greedy requests on recordings).
+
+A sampled request is not decided by a recording (each seed writes its own text), so here the rows are the real
+pair's: :class:`Memoised` serves each model's row at a context from memory (float32, as llama.cpp gives it; the
+memory is emptied between prompt sets), computing it once with the real model (llama.cpp; ``--drafter
+smollm2-135m-instruct`` drafts through the token intersection). Both models are wrapped in ``WithLatency`` on
+the two cost models of ``tree_walltime.py``:
+
+- GPU-like: every forward costs the same (target 20 ms, drafter 2 ms), a tree of n nodes what a chain of n
+  tokens costs;
+- CPU-like: a target forward costs 8 ms + 3 ms per token it computes; the drafter 2 ms.
+
+A seeded request decides the same tokens whatever the timing (docs/architecture.md), so SI visits the same
+contexts on every run, and after untimed passes per configuration that fill the memory, the timed runs are
+the real pair's decisions at the emulated cost. DSI's drafter may run further ahead in one run than in
+another; a timed run that still computed a row (``misses``) is run again, and the rows computed in timed runs
+are reported.
+
+**Runs**, per prompt set and cost model: SI with k = ``--k``, its chain against the trees ``auto`` (priced from
+the emulated costs), ``auto:0.1`` and ``branches:0.05``; DSI with event-driven windows on SP = 2 and 4 target
+servers, chain against ``auto`` and ``auto:0.1`` (DSI's windows take leaf side children). Seeds
+0..S-1 per prompt. Each shape writes its own text after its first side win (docs/results.md section 25), so the
+ratio of time per token is reported with a bootstrap interval over the (prompt, seed) texts, paired: a resample
+draws texts, and each configuration's time per token over them is compared with its chain's over the same texts.
+
+    python benchmarks/tree_sampled_walltime.py --drafter smollm2-135m-instruct \\
+        --out docs/data/tree_sampled_walltime_smollm2-2026-12-03.json
+
+Prints one table per set and cost model, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.tree_walltime import COST_MODELS  # noqa: E402
+
+CONFIGS = [  # (label, method, lookahead, servers, draft tree); each tree is compared with the chain before it
+    ("SI chain", "si", None, 1, None),
+    ("SI auto", "si", None, 1, "auto"),
+    ("SI auto:0.1", "si", None, 1, "auto:0.1"),
+    ("SI branches:0.05", "si", None, 1, "branches:0.05"),
+    ("DSI SP=2 chain", "dsi", "auto", 2, None),
+    ("DSI SP=2 auto", "dsi", "auto", 2, "auto"),
+    ("DSI SP=2 auto:0.1", "dsi", "auto", 2, "auto:0.1"),
+    ("DSI SP=4 chain", "dsi", "auto", 4, None),
+    ("DSI SP=4 auto", "dsi", "auto", 4, "auto"),
+    ("DSI SP=4 auto:0.1", "dsi", "auto", 4, "auto:0.1"),
+]
+
+
+class Memoised:
+    """A real model's next-token row at any context, computed once (one real session, reused along shared
+    prefixes; a forward computes every row an extension misses) and then served from memory. ``misses``
+    counts rows computed, ``miss_s`` the seconds they took."""
+
+    def __init__(self, model, name: str) -> None:
+        self.model = model
+        self.name = name
+        self.session = model.new_session()
+        self.rows: dict[tuple[int, ...], np.ndarray] = {}
+        self.misses = 0
+        self.miss_s = 0.0
+        self.lock = threading.Lock()  # DSI's target servers share the real session
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    def new_session(self) -> MemoisedSession:
+        return MemoisedSession(self)
+
+    def rows_after(self, context: tuple[int, ...], count: int) -> np.ndarray:
+        """The rows following the last ``count`` positions of ``context`` ``[count, V]``."""
+        from dsi.models.base import forward_rows
+
+        keys = [context[: len(context) - count + 1 + i] for i in range(count)]
+        with self.lock:
+            missing = [i for i, key in enumerate(keys) if key not in self.rows]
+            if missing:
+                start = time.perf_counter()
+                first = missing[0]
+                got = np.asarray(forward_rows(self.session, context, count - first), dtype=np.float32)
+                for i, row in zip(range(first, count), got, strict=True):
+                    self.rows.setdefault(keys[i], row)
+                self.misses += len(missing)
+                self.miss_s += time.perf_counter() - start
+            return np.stack([self.rows[key] for key in keys])
+
+    def forget(self) -> None:
+        """Drop every row held (the next prompt set visits other contexts)."""
+        with self.lock:
+            self.rows.clear()
+
+    def __repr__(self) -> str:
+        return f"Memoised({self.name})"
+
+
+class MemoisedSession:
+    def __init__(self, model: Memoised) -> None:
+        self._model = model
+        self._tokens: list[int] = []
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return tuple(self._tokens)
+
+    def extend(self, tokens, cancel=None) -> np.ndarray:
+        from dsi.errors import TaskCancelled
+
+        if cancel is not None and cancel.is_set():
+            raise TaskCancelled("forward cancelled")
+        context = tuple(self._tokens) + tuple(int(t) for t in tokens)
+        rows = self._model.rows_after(context, len(tokens))
+        self._tokens = list(context)
+        return rows
+
+    def truncate(self, length: int) -> None:
+        del self._tokens[length:]
+
+    def close(self) -> None:
+        self._tokens = []
+
+
+def run_texts(target, drafter, prompts, seeds: int, tokens: int, temperature: float, label: str, method: str,
+              k, servers: int, tree) -> dict:
+    """One configuration over every (prompt, seed): per text its wall time, tokens, verifications, side wins."""
+    import dsi
+
+    texts = []
+    for prompt in prompts:
+        for seed in range(seeds):
+            out = dsi.generate(target=target, drafter=drafter, prompt=prompt, method=method, lookahead=k,
+                               num_target_servers=servers, draft_tree=tree, max_new_tokens=tokens,
+                               sampling=dsi.SamplingParams(temperature=temperature, seed=seed))
+            texts.append({"wall_s": out.stats.wall_time_s, "tokens": len(out.tokens),
+                          "verifications": out.stats.verify_tasks,
+                          "side_wins": out.stats.extra.get("tree_side_accepts", 0),
+                          "floor": out.stats.extra.get("tree_floor"), "ids": list(out.tokens)})
+    return {"label": label, "texts": texts}
+
+
+def paired_interval(chain: list[dict], tree: list[dict], draws: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """A 90% bootstrap interval of the chain's time per token over the tree's, texts resampled in pairs."""
+    rng = np.random.default_rng(seed)
+    cw = np.array([t["wall_s"] for t in chain])
+    ct = np.array([t["tokens"] for t in chain])
+    tw = np.array([t["wall_s"] for t in tree])
+    tt = np.array([t["tokens"] for t in tree])
+    ratios = []
+    for _ in range(draws):
+        pick = rng.integers(0, len(cw), len(cw))
+        ratios.append((cw[pick].sum() / ct[pick].sum()) / (tw[pick].sum() / tt[pick].sum()))
+    low, high = np.percentile(ratios, [5, 95])
+    return float(low), float(high)
+
+
+def main() -> int:
+    from dsi.cli.measure import PROMPT_SETS
+    from dsi.evaluate.bench import emit_record
+    from dsi.models import WithLatency
+    from dsi.models.crossvocab import bridge_drafter, shares_vocabulary
+    from dsi.models.loading import load_pair
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    parser.add_argument("--drafter", default="qwen2.5-coder-0.5b-instruct")
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--prompts", type=int, default=3, help="prompts per set")
+    parser.add_argument("--seeds", type=int, default=2, help="seeds per prompt")
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--k", type=int, default=4, help="SI's lookahead (its draft budget B)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--fills", type=int, default=2, help="untimed passes per configuration and cost model "
+                        "(DSI's drafter runs further ahead in some runs than in others)")
+    parser.add_argument("--sets", nargs="+", choices=("code", "prose"), default=["code", "prose"])
+    parser.add_argument("--costs", nargs="+", choices=tuple(COST_MODELS), default=list(COST_MODELS))
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    start = time.perf_counter()
+    real_target, real_drafter = load_pair(args.target, args.drafter, backend="llama.cpp", progress=False)
+    if not shares_vocabulary(real_target, real_drafter):
+        real_drafter = bridge_drafter(real_target, real_drafter, "intersection")
+    memo_target, memo_drafter = Memoised(real_target, args.target), Memoised(real_drafter, args.drafter)
+    configs = [(label, method, args.k if k is None else k, servers, tree)
+               for label, method, k, servers, tree in CONFIGS]
+    results = []
+    for set_name in args.sets:
+        prompts = [real_target.encode(text) for text in PROMPT_SETS[set_name][: args.prompts]]
+        memo_target.forget(), memo_drafter.forget()
+        for cost_name in args.costs:  # fill the memory: untimed passes per configuration and cost model
+            cost = COST_MODELS[cost_name]
+            target = WithLatency(memo_target, **cost["target"])
+            drafter = WithLatency(memo_drafter, **cost["drafter"])
+            for _ in range(args.fills):
+                for config in configs:
+                    run_texts(target, drafter, prompts, args.seeds, args.tokens, args.temperature, *config)
+            print(f"{set_name}: filled for {cost_name}: {len(memo_target.rows)} target rows "
+                  f"({memo_target.miss_s:.0f} s), {len(memo_drafter.rows)} drafter rows ({memo_drafter.miss_s:.0f} s); "
+                  f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+        for cost_name in args.costs:
+            cost = COST_MODELS[cost_name]
+            target = WithLatency(memo_target, **cost["target"])
+            drafter = WithLatency(memo_drafter, **cost["drafter"])
+            runs: dict[str, list[dict]] = {label: [] for label, *_ in configs}
+            timed_misses = 0
+            misses_of: dict[str, int] = {}
+            for _ in range(args.repeats):
+                for config in configs:
+                    for _attempt in range(3):  # a run that computed a row is run again (its time is not the model's)
+                        before = memo_target.misses + memo_drafter.misses
+                        run = run_texts(target, drafter, prompts, args.seeds, args.tokens, args.temperature, *config)
+                        missed = memo_target.misses + memo_drafter.misses - before
+                        timed_misses += missed
+                        if not missed:
+                            break
+                    runs[config[0]].append(run | {"misses": missed})
+                    misses_of[config[0]] = misses_of.get(config[0], 0) + missed
+            row = summarise(set_name, cost_name, configs, runs, timed_misses, misses_of)
+            results.append(row)
+            print_table(row)
+    print(f"{args.target} / {args.drafter}, rows memoised from llama.cpp, T = {args.temperature}, SI k = {args.k}, "
+          f"{args.prompts} prompts x {args.seeds} seeds x {args.tokens} tokens per set, median of {args.repeats} "
+          f"({time.perf_counter() - start:.0f} s)")
+    emit_record({"benchmark": "tree_sampled_walltime", "target": args.target, "drafter": args.drafter,
+                 "temperature": args.temperature, "tokens": args.tokens, "prompts_per_set": args.prompts,
+                 "seeds": args.seeds, "k": args.k, "repeats": args.repeats, "cost_models": COST_MODELS,
+                 "results": results}, args.out)
+    return 0
+
+
+def summarise(set_name: str, cost_name: str, configs, runs: dict[str, list[dict]], timed_misses: int,
+              misses_of: dict[str, int]) -> dict:
+    """Per configuration: the median over repeats of each text's wall time, the tokens, verifications and side
+    wins (the same every repeat: seeded), and against its chain the time-per-token ratio with its interval."""
+    row = {"prompts": set_name, "cost": cost_name, "timed_misses": timed_misses, "configs": {}}
+    chain_label = None
+    for label, *_ in configs:
+        repeats = runs[label]
+        texts = []
+        for i, first in enumerate(repeats[0]["texts"]):
+            for other in repeats[1:]:
+                if other["texts"][i]["ids"] != first["ids"]:
+                    raise SystemExit(f"{label}: a seeded text changed between repeats")
+            texts.append({**{k: v for k, v in first.items() if k != "ids"},
+                          "wall_s": statistics.median(r["texts"][i]["wall_s"] for r in repeats)})
+        tokens = sum(t["tokens"] for t in texts)
+        entry = {"wall_s": sum(t["wall_s"] for t in texts), "tokens": tokens,
+                 "tokens_per_s": tokens / sum(t["wall_s"] for t in texts),
+                 "tokens_per_verification": tokens / max(sum(t["verifications"] for t in texts), 1),
+                 "side_wins": sum(t["side_wins"] for t in texts), "floor": texts[-1]["floor"],
+                 "rows_computed_in_timed_runs": misses_of.get(label, 0), "texts": texts}
+        if label.endswith("chain"):
+            chain_label = label
+        else:
+            chain = row["configs"][chain_label]
+            entry["speedup_over_chain"] = entry["tokens_per_s"] / chain["tokens_per_s"]
+            entry["interval_90"] = paired_interval(chain["texts"], texts)
+        row["configs"][label] = entry
+    return row
+
+
+def print_table(row: dict) -> None:
+    print(f"\n{row['prompts']}, {row['cost']} ({row['timed_misses']} rows computed in timed runs)")
+    print("| configuration | tokens / s | tokens / verification (SI) | side wins | floor | rows computed | "
+          "/ chain (90% interval) |")
+    print("|---|---|---|---|---|---|---|")
+    for label, e in row["configs"].items():
+        ratio = ("" if "speedup_over_chain" not in e else
+                 f"{e['speedup_over_chain']:.3f} ({e['interval_90'][0]:.3f}-{e['interval_90'][1]:.3f})")
+        per_verification = f"{e['tokens_per_verification']:.2f}" if label.startswith("SI") else "-"
+        print(f"| {label} | {e['tokens_per_s']:.1f} | {per_verification} | {e['side_wins']} | {e['floor']} | "
+              f"{e['rows_computed_in_timed_runs']} | {ratio} |", flush=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
