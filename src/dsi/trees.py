@@ -206,8 +206,12 @@ REACH = 0.6  # about how often a side child's window reaches its position where 
 # forward, as on a CPU) at most 0.03 of a forward, and only where the drafter's top two are within 0.1 of each
 # other, while ranking every drafted row to look for it cost SI 3% of its wall time at the CPU-like floor 0.5,
 # where no greedy side child can be found at all (docs/results.md sections 23-24): greedy requests draft the
-# chain there (:func:`dsi.engine.trees.request_shape`)
-GREEDY_CHAIN_FLOOR = 0.45
+# chain there (:func:`dsi.engine.trees.request_shape`). A sampled side child (the drafter's likeliest token where
+# the sampled draft was another) wins only where the draft is rejected and the residual's draw lands on it, far
+# less often than its drafter probability: from this floor up it won 6 times in 288 sampled tokens, and SI's
+# ``auto`` lost 6% to the chain on CPU-like emulated costs (docs/results.md section 27): sampled requests draft
+# the chain there too
+CHAIN_FLOOR = 0.45
 
 
 def floor_for_price(row_price: float) -> float:

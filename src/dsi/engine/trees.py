@@ -17,7 +17,7 @@ verified tree against its task's result.
 - :func:`request_shape` is the shape a request drafts with: chains where the drafter cannot branch (a
   drafter of another vocabulary in string mode proposes one settled target token per position, with no
   law over alternatives), and for greedy requests where the hardware's row price leaves no greedy side
-  child worth ranking for (:data:`dsi.trees.GREEDY_CHAIN_FLOOR`).
+  child worth ranking for (:data:`dsi.trees.CHAIN_FLOOR`).
 - :func:`tree_patterns` reads, from one drafter forward along a greedy output, what the event simulator
   needs to time tree windows of each shape (:func:`dsi.sim.events.simulate`'s ``rescues``): where the main draft is
   the target's token, where a side child would rescue a rejection, and how many side children each
@@ -40,7 +40,7 @@ from dsi.models.base import LanguageModel, ModelSession, forward_rows, guessable
 from dsi.models.costs import forward_costs
 from dsi.sampling import Prefix, SamplingParams, bonus, decide, draft_from_logits, residual, shape_logits
 from dsi.transport.base import TaskResult
-from dsi.trees import (GREEDY_CHAIN_FLOOR, ROOT, BestFirst, DraftTree, Dynamic, Proposal, TreeShape, TreeWalk, Widths,
+from dsi.trees import (CHAIN_FLOOR, ROOT, BestFirst, DraftTree, Dynamic, Proposal, TreeShape, TreeWalk, Widths,
                        walk)
 
 
@@ -53,12 +53,12 @@ def can_branch(model: LanguageModel, greedy: bool) -> bool:
 
 def request_shape(shape: TreeShape, model: LanguageModel, params: SamplingParams, stats: GenerationStats) -> TreeShape:
     """The tree shape a request with ``params`` drafts with on the drafter ``model``: ``shape``, or None
-    (chains) where the drafter cannot branch (a drafter of another vocabulary in string mode), and for a
-    greedy request where ``shape`` is an ``"auto"`` or ``"branches"`` tree priced at a floor of at least
-    :data:`~dsi.trees.GREEDY_CHAIN_FLOOR` (a greedy side child has drafter probability at most 1/2, so at such
-    a floor it would pay for its row only where the drafter's top two nearly tie, and ranking every row for
-    it costs more than it saves; a fixed ``"auto:F"`` stays a tree); said in ``stats.extra`` (``draft_tree``,
-    and ``draft_tree_fallback`` with the reason)."""
+    (chains) where the drafter cannot branch (a drafter of another vocabulary in string mode), and where
+    ``shape`` is an ``"auto"`` or ``"branches"`` tree priced at a floor of at least :data:`~dsi.trees.CHAIN_FLOOR`
+    (a greedy side child has drafter probability at most 1/2, so at such a floor it would pay for its row only
+    where the drafter's top two nearly tie, and ranking every row for it costs more than it saves; a sampled one
+    wins far less often than its drafter probability; a fixed ``"auto:F"`` stays a tree); said in
+    ``stats.extra`` (``draft_tree``, and ``draft_tree_fallback`` with the reason)."""
     if shape is None:
         return None
     if not can_branch(model, params.greedy):
@@ -68,15 +68,17 @@ def request_shape(shape: TreeShape, model: LanguageModel, params: SamplingParams
                                               "cannot branch")
         return None
     # priced: a floor fixed by name ("auto:F") has no price, and stays a tree
-    if params.greedy and isinstance(shape, Dynamic) and shape.price is not None and shape.least >= GREEDY_CHAIN_FLOOR:
+    if isinstance(shape, Dynamic) and shape.price is not None and shape.least >= CHAIN_FLOOR:
         stats.extra["draft_tree"] = "chain"
         stats.extra["tree_floor"] = shape.least
         stats.extra["tree_row_price"] = shape.price
+        why = ("a greedy side child has at most 1/2, so it would pay only where the drafter's top two nearly tie, "
+               "and ranking every row for it costs more" if params.greedy else
+               "a sampled side child wins only where the draft is rejected and the residual's draw lands on it, "
+               "far less often than that")
         stats.extra["draft_tree_fallback"] = (f"a verified row costs {shape.price:g} of a forward here, so a side "
-                                              f"child must have drafter probability >= {shape.least:g}; a greedy "
-                                              "side child has at most 1/2, so it would pay only where the "
-                                              "drafter's top two nearly tie, and ranking every row for it costs "
-                                              "more: greedy requests draft the chain")
+                                              f"child must have drafter probability >= {shape.least:g}; {why}: "
+                                              "the request drafts the chain")
         return None
     stats.extra["draft_tree"] = shape.name
     if isinstance(shape, Dynamic):

@@ -162,15 +162,15 @@ def _near_tie_drafter(context):
 
 @pytest.mark.parametrize("method,lookahead", [("si", 4), ("dsi", 3)])
 def test_greedy_requests_draft_the_chain_where_rows_price_the_floor_past_greedy_side_children(method, lookahead):
-    """At a priced floor >= GREEDY_CHAIN_FLOOR (rows 0.25 of a forward: 0.45) a greedy side child could only
+    """At a priced floor >= CHAIN_FLOOR (rows 0.25 of a forward: 0.45) a greedy side child could only
     be a near tie of the drafter's top two, and ranking every row for it costs more than it saves (docs/results.md
-    section 24): greedy requests draft the chain, said in the stats; sampled requests (whose side child may be
-    the drafter's top token when the draft was another) and a fixed "auto:0.45" still draft trees, and every
-    output is the target's."""
-    from dsi.trees import GREEDY_CHAIN_FLOOR
+    section 24): greedy requests draft the chain, said in the stats; sampled requests too (a sampled side child,
+    the drafter's top token where the draft was another, wins far less often than its drafter probability:
+    section 27); a fixed "auto:0.45" still drafts trees, and every greedy output is the target's."""
+    from dsi.trees import CHAIN_FLOOR
     cpu = dict(ttft=0.009, tpot=0.009, token_s=0.003)  # a row 0.25 of a one-token forward
-    assert floor_for_price(0.25) == GREEDY_CHAIN_FLOOR == 0.45 and floor_for_price(0.003 / 0.011) == 0.5
-    assert floor_for_price(0.2) < GREEDY_CHAIN_FLOOR  # cheaper rows: greedy trees stay
+    assert floor_for_price(0.25) == CHAIN_FLOOR == 0.45 and floor_for_price(0.003 / 0.011) == 0.5
+    assert floor_for_price(0.2) < CHAIN_FLOOR  # cheaper rows: greedy trees stay
     prompt = [1, 2, 3]
     reference = dsi.generate(target=CallableLM(_logits, VOCAB), prompt=prompt, method="ar", max_new_tokens=16)
 
@@ -187,8 +187,14 @@ def test_greedy_requests_draft_the_chain_where_rows_price_the_floor_past_greedy_
     fixed = run("auto:0.45")  # asked for by name: the near ties get their side child
     assert fixed.tokens == reference.tokens and fixed.stats.extra["draft_tree"] == "auto:0.45"
     assert fixed.stats.extra["tree_side_nodes"] > 0 and "draft_tree_fallback" not in fixed.stats.extra
-    sampled = run("auto", sampling=dsi.SamplingParams(temperature=1.0, seed=3))
-    assert sampled.stats.extra["draft_tree"] == "auto" and "draft_tree_fallback" not in sampled.stats.extra
+    sampled = run("auto", sampling=dsi.SamplingParams(temperature=1.0, seed=3))  # sampled: the chain too
+    assert sampled.stats.extra["draft_tree"] == "chain" and "residual" in sampled.stats.extra["draft_tree_fallback"]
+    assert "tree_side_nodes" not in sampled.stats.extra
+    chain = run(None, sampling=dsi.SamplingParams(temperature=1.0, seed=3))
+    assert sampled.tokens == chain.tokens  # the same seed, the same tokens as the chain's
+    sampled_fixed = run("auto:0.45", sampling=dsi.SamplingParams(temperature=1.0, seed=3))
+    assert sampled_fixed.stats.extra["draft_tree"] == "auto:0.45"
+    assert "draft_tree_fallback" not in sampled_fixed.stats.extra
     if method == "si":  # SI's branches tree follows the same rule
         branches = run("branches")
         assert branches.tokens == reference.tokens and branches.stats.extra["draft_tree"] == "chain"
