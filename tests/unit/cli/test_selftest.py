@@ -142,7 +142,13 @@ def test_selftest_fails_when_verification_rows_ignore_the_penalties(capsys, pair
     def without_the_output(logits, params, tokens, prompt_len, stop_ids=frozenset()):
         return real(logits, params, tokens, len(tokens), stop_ids)  # as if nothing had been generated
 
+    class LawsWithoutTheOutput(server.LazyLaws):  # sampled verifications' laws, processed as they are read
+        def __getitem__(self, index):
+            self.prompt_len = self.lengths[int(index) % len(self)]  # as if nothing had been generated
+            return super().__getitem__(index)
+
     monkeypatch.setattr(server, "process_rows", without_the_output)
+    monkeypatch.setattr(server, "LazyLaws", LawsWithoutTheOutput)
     code, doc = selftest(capsys, pair, "--presence-penalty", "1.5")  # the rows lose it (repetition would not)
     assert code == 1
     failed = [c["name"] for c in doc["checks"] if not c["passed"]]
