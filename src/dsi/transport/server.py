@@ -11,6 +11,7 @@ path) unless log-probabilities are asked for (they need every row processed).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -55,13 +56,7 @@ def _run_tree_task(session: ModelSession, task: VerifyTask, server_id: int, canc
     values = lse = None
     if task.logprobs_mode is not None:
         values, lse = np.empty(logits.shape, dtype=np.float32), np.empty(task.num_rows)
-    read = np.zeros(task.num_rows, dtype=bool)
-    for path in tree.paths() or [[]]:  # each path read as the chain it is, each row once
-        # the rows an earlier path read are this path's first ones (a node's path holds its ancestors), so
-        # the rest are the last rows of the chain of this path: read_rows reads them with their prefixes
-        rows = [r for r in [0] + [1 + node for node in path] if not read[r]]
-        read[rows] = True
-        context = task.context + tuple(tree.tokens[node] for node in path)
+    for rows, context in _path_rows(task):
         got_tokens, got_probs, got_logprobs = read_rows(logits[rows], task, context)
         tokens[rows] = got_tokens
         if probs is not None:
@@ -72,21 +67,28 @@ def _run_tree_task(session: ModelSession, task: VerifyTask, server_id: int, canc
     return TaskResult(task.task_id, server_id, tokens, probs, time.perf_counter() - start, logprobs)
 
 
+def _path_rows(task: VerifyTask) -> Iterator[tuple[list[int], tuple[int, ...]]]:
+    """A tree task's rows, path by path, each row once: the rows a root-to-leaf path adds and the path's context.
+    The rows an earlier path read are this path's first ones (a node's path holds its ancestors), so the rest are
+    the last rows of the chain of this path, read with their prefixes as a chain's."""
+    tree = task.tree
+    read = np.zeros(task.num_rows, dtype=bool)
+    for path in tree.paths() or [[]]:
+        rows = [r for r in [0] + [1 + node for node in path] if not read[r]]
+        read[rows] = True
+        yield rows, task.context + tuple(tree.tokens[node] for node in path)
+
+
 def _lazy_tree_rows(logits: np.ndarray, task: VerifyTask) -> tuple[np.ndarray, LazyLaws]:
     """A sampled tree's rows: the argmax ids of the processed rows now, and their laws processed when the walk
     reads them (:class:`~dsi.sampling.LazyLaws`): a walk reads one path's rows of a tree's, so most of a tree's
     rows (each a float64 pass over the vocabulary) are never processed. Each row is checked here, so a broken
     row fails the task on the server as a processed one did."""
-    tree = task.tree
     tokens = np.empty(task.num_rows, dtype=np.int64)
     contexts: list[tuple[int, ...]] = []
     owner = [0] * task.num_rows
     lengths = [0] * task.num_rows
-    read = np.zeros(task.num_rows, dtype=bool)
-    for path in tree.paths() or [[]]:  # each path read as the chain it is, each row once (as _run_tree_task)
-        rows = [r for r in [0] + [1 + node for node in path] if not read[r]]
-        read[rows] = True
-        context = task.context + tuple(tree.tokens[node] for node in path)
+    for rows, context in _path_rows(task):
         tokens[rows] = greedy_tokens(logits[rows], task.sampling, context, task.prompt_len, task.stop_ids)
         for offset, row in enumerate(rows):
             owner[row], lengths[row] = len(contexts), len(context) - len(rows) + 1 + offset
