@@ -242,7 +242,9 @@ def process_logits(logits: np.ndarray, params: SamplingParams, prefix: Prefix | 
     maximum get probability 0. NaN logits, or all -inf, raise :class:`ModelError`
     (:func:`check_logit_row`).
     """
-    row = np.asarray(logits, dtype=np.float64)  # [V]
+    row = np.asarray(logits)  # [V], as the model gave it: _distribution widens it to float64 as it divides
+    if not np.issubdtype(row.dtype, np.floating):
+        row = row.astype(np.float64)
     check_logit_row(row)
     if params.moves_argmax:
         row = shape_logits(row, params, prefix)
@@ -489,24 +491,35 @@ def _nothing_possible(params: SamplingParams, stop_ids: frozenset[int]) -> Confi
 
 
 def _distribution(row: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """Temperature, min_p, top-k and top-p of a checked float64 row ``[V]`` (greedy: its one-hot argmax)."""
-    if np.isposinf(row).any():  # the limit as those logits grow: they share the mass equally
+    """Temperature, min_p, top-k and top-p of a checked row ``[V]`` (greedy: its one-hot argmax), in float64.
+
+    Every step but the first works in place on one float64 array: this runs for every drafted token and
+    every verified row a sampled request reads, over the whole vocabulary, and each fresh vocabulary-sized
+    temporary costs as much as the arithmetic (the allocator maps fresh pages for it). The values are those
+    of the plain expressions (``row / T``, ``scores - scores.max()``, ...): dividing by a positive
+    temperature keeps the order, so the maximum of the quotients is the quotient of the maximum."""
+    top = row.max()
+    if top == np.inf:  # the limit as those logits grow: they share the mass equally
         row = np.where(np.isposinf(row), 0.0, -np.inf)
+        top = 0.0
     if params.greedy:
-        probs = np.zeros_like(row)
+        probs = np.zeros(row.shape, dtype=np.float64)
         probs[int(np.argmax(row))] = 1.0
         return probs
     with np.errstate(over="ignore", under="ignore"):
-        scores = row / params.temperature  # [V]
-        if not np.isfinite(scores.max()):  # overflow: shift first, the maximum becomes exactly 0
-            scores = (row - row.max()) / params.temperature
+        scores = np.divide(row, params.temperature, dtype=np.float64)  # [V], the one array written below
+        best = scores.max()
+        if not np.isfinite(best):  # overflow: shift first, the maximum becomes exactly 0
+            np.subtract(row, top, out=scores, dtype=np.float64)
+            scores /= params.temperature
+            best = scores.max()
         if params.min_p > 0.0:  # relative to the most likely token: p < min_p * p_max
-            scores = np.where(scores - scores.max() < np.log(params.min_p), -np.inf, scores)
+            scores[scores - best < np.log(params.min_p)] = -np.inf  # the maximum stays
         if params.top_k and params.top_k < scores.size:
             kth = np.partition(scores, -params.top_k)[-params.top_k]
-            scores = np.where(scores < kth, -np.inf, scores)  # ties with the k-th are kept
-        scores = scores - scores.max()  # [V], <= 0 with 0 at the maximum (a gap past -1.8e308 is -inf)
-        probs = np.exp(scores)  # the maximum has 1, so the sum is in [1, V]
+            scores[scores < kth] = -np.inf  # ties with the k-th are kept, and so the maximum
+        scores -= best  # <= 0 with 0 at the maximum (a gap past -1.8e308 is -inf)
+        probs = np.exp(scores, out=scores)  # the maximum has 1, so the sum is in [1, V]
     probs /= probs.sum()
     if params.top_p < 1.0:
         # most likely first; ordered by the logits themselves, so probabilities that rounding made
@@ -522,21 +535,42 @@ def _distribution(row: np.ndarray, params: SamplingParams) -> np.ndarray:
     return probs
 
 
+SAMPLE_BLOCK = 2048  # ids per block of sample_from's two-level search
+
+
 def sample_from(probs: np.ndarray, u: float) -> int:
     """Inverse-CDF sample from ``probs`` ([V], non-negative, positive sum) with uniform ``u``.
+
+    The cumulative sum is taken in two levels: the masses of blocks of :data:`SAMPLE_BLOCK` ids (summed
+    pairwise, vectorised), then the running sum inside the one block ``u`` lands in. That is the inverse CDF
+    of ``probs`` as a running sum over all ids is (both round each partial sum; they may part only where
+    ``u * total`` falls within rounding of a boundary), at a tenth of the cost over a large vocabulary.
 
     The token returned always has positive probability. A row with no positive finite mass
     (all zero, negative or NaN entries) raises :class:`ModelError` rather than giving a token.
     """
-    cdf = np.cumsum(probs)  # [V]
-    if not (np.isfinite(cdf[-1]) and cdf[-1] > 0.0) or (probs < 0.0).any():
-        raise ModelError(f"cannot sample from a distribution of total mass {cdf[-1]!r} with "
+    probs = np.asarray(probs)
+    size = probs.size
+    whole = size - size % SAMPLE_BLOCK
+    masses = probs[:whole].reshape(-1, SAMPLE_BLOCK).sum(axis=1)  # [blocks]
+    if whole < size:
+        masses = np.append(masses, probs[whole:].sum())
+    cdf = np.cumsum(masses)  # [blocks]
+    total = cdf[-1]
+    if not (np.isfinite(total) and total > 0.0) or (probs < 0.0).any():
+        raise ModelError(f"cannot sample from a distribution of total mass {total!r} with "
                          f"{int((probs < 0.0).sum())} negative entries; it needs finite non-negative "
                          "probabilities with a positive sum")
-    index = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
-    index = min(index, probs.size - 1)
-    while probs[index] <= 0.0:  # guard against landing on a zero-mass token by rounding
+    goal = u * total
+    block = min(int(np.searchsorted(cdf, goal, side="right")), cdf.size - 1)
+    start = block * SAMPLE_BLOCK
+    inside = np.cumsum(probs[start:start + SAMPLE_BLOCK])  # the block's running sum
+    before = cdf[block - 1] if block else 0.0
+    index = start + min(int(np.searchsorted(inside, goal - before, side="right")), inside.size - 1)
+    while index > 0 and probs[index] <= 0.0:  # guard against landing on a zero-mass token by rounding
         index -= 1
+    if probs[index] <= 0.0:
+        index = int(np.flatnonzero(probs > 0.0)[0])
     return index
 
 
@@ -546,11 +580,13 @@ def residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:
     If ``p <= q`` everywhere (so a rejection had probability 0, or rounding left no mass),
     falls back to ``p``: the result always has positive mass, and only on tokens with ``p > 0``.
     """
-    r = np.maximum(p - q, 0.0)  # [V]
+    r = np.subtract(p, q)  # [V], the one array written below (in place: see _distribution)
+    np.maximum(r, 0.0, out=r)
     total = r.sum()
     if total <= 0.0:
         return p
-    return r / total
+    r /= total
+    return r
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ def test_engine_sources_name_no_concrete_backend():
 # The layers, lowest first: a module may import its own unit and the units of lower layers only.
 # ("__init__" is the package root, ``import dsi``; "api" is the public entry that knows method="auto".)
 LAYERS = (
-    {"errors"},
+    {"errors", "allocator"},
     {"sampling", "windows", "text", "trees"},
     {"logprobs"},
     {"models"},

@@ -13,6 +13,7 @@ import threading
 from collections.abc import Sequence
 from typing import Protocol
 
+from dsi.allocator import tune_allocator
 from dsi.engine.ar import AutoregressiveDecoder
 from dsi.engine.dsi import DSIDecoder
 from dsi.engine.request import Request, TokenCallback
@@ -182,6 +183,7 @@ def build_decoder(
     require(vocab_mode in VOCAB_MODES, f"vocab_mode={vocab_mode!r} must be one of {', '.join(VOCAB_MODES)}")
     check_lookahead(method, lookahead, max_window)
     shape = check_draft_tree(method, draft_tree)
+    tune_allocator()  # vocabulary-sized laws on fresh heap pages cost as much as their arithmetic
     drafter = drafter_placement(drafter, drafter_server, method)
     if drafter is not None and method != "ar":
         drafter = bridge(target, drafter, vocab_mode, target_tokenizer, drafter_tokenizer)

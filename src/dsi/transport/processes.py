@@ -36,6 +36,7 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
+from dsi.allocator import tune_allocator
 from dsi.errors import ConfigError, ModelError, WorkerError
 from dsi.models.base import LanguageModel
 from dsi.transport.base import EventSink, VerifyTask
@@ -81,6 +82,7 @@ def serve(recipe: ModelRecipe, conn: Connection, cancel_slot: Any, server_id: in
     """Main function of a server process: build the model, then answer tasks until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the parent, which stops us
     try:
+        tune_allocator()
         model = build_with_threads(recipe, threads)
         session = model.new_session()
     except BaseException as exc:

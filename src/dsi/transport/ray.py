@@ -36,6 +36,7 @@ import queue
 import threading
 from typing import Any
 
+from dsi.allocator import tune_allocator
 from dsi.errors import ConfigError, ModelError, WorkerError
 from dsi.models.base import LanguageModel
 from dsi.transport.base import EventSink, TaskAborted, TaskFailed, VerifyTask
@@ -70,6 +71,7 @@ class TargetServerActor:
 
     def __init__(self, recipe: ModelRecipe, server_id: int, threads: int | None) -> None:
         self.server_id = server_id
+        tune_allocator()
         self.model = build_with_threads(recipe, threads)
         self.session = self.model.new_session()
         self._lock = threading.Lock()
