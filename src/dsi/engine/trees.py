@@ -122,8 +122,13 @@ def draft_with_alternatives(row: np.ndarray, params: SamplingParams, position: i
     comes that close (most rows of a confident drafter) is neither ranked nor normalised."""
     main, q = draft_from_logits(row, params, position, prefix)
     if q is not None:
-        alternatives = ranked(q, count)
-        return main, q, alternatives if floor <= 0.0 else _unsure(alternatives, main, floor)
+        if floor <= 0.0:
+            return main, q, ranked(q, count)
+        # only ids at or above the floor can be reported: at most 1 / floor of them, ranked as ``ranked`` ranks
+        # (the likeliest first, ties by id) without a partition of the whole law
+        near = np.flatnonzero(q >= floor)
+        ids = sorted((int(i) for i in near), key=lambda i: (-float(q[i]), i))[:count]
+        return main, q, _unsure([(i, float(q[i])) for i in ids], main, floor)
     # the row in its own dtype (a float32 row is not copied to float64: this runs for every node of a tree,
     # over the whole vocabulary); the normaliser is summed in float64
     shaped = _greedy_logits(row, params, prefix)
