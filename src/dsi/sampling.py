@@ -314,9 +314,12 @@ class LazyLaws:
             raise IndexError(f"row {index} of {n}")
         law = self._laws.get(j)
         if law is None:
-            prefix = self.contexts[self.owner[j]][: self.lengths[j]]
-            shaped = shape_rows(self.logits[j:j + 1], self.params, prefix, self.prompt_len, self.stop_ids)[0]
-            law = self._laws[j] = _distribution(shaped, self.params)
+            if self.params.moves_argmax:
+                prefix = self.contexts[self.owner[j]][: self.lengths[j]]
+                row = shape_rows(self.logits[j:j + 1], self.params, prefix, self.prompt_len, self.stop_ids)[0]
+            else:  # the raw row, checked by the caller: _distribution widens it to float64 as it divides
+                row = np.asarray(self.logits[j])
+            law = self._laws[j] = _distribution(row, self.params)
         return law
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
