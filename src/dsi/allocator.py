@@ -61,7 +61,7 @@ def _mallopt(settings: tuple[tuple[int, int], ...]) -> bool:
         libc = ctypes.CDLL(None)  # the C library this process runs on
         libc.gnu_get_libc_version  # noqa: B018 (glibc's own symbol: mallopt's parameters are glibc's)
         mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # no C library to open by None (Windows), or not glibc's
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int

@@ -83,3 +83,24 @@ def test_a_bad_environment_value_is_refused(monkeypatch):
     assert allocator.wanted() is False
     monkeypatch.delenv("DSI_TUNE_ALLOCATOR")
     assert allocator.wanted() is True
+
+
+@pytest.mark.parametrize("library", ["none to open", "not glibc"])
+def test_another_c_library_is_left_alone(monkeypatch, library):
+    from dsi import allocator
+
+    calls = []
+
+    class Musl:  # has mallopt, but not glibc's own symbol
+        def mallopt(self, *args):
+            calls.append(args)
+            return 1
+
+    def cdll(name):
+        if library == "none to open":
+            raise TypeError("expected a library name")  # ctypes.CDLL(None) on Windows
+        return Musl()
+
+    monkeypatch.setattr(allocator.ctypes, "CDLL", cdll)
+    assert allocator._mallopt(((allocator.M_MMAP_THRESHOLD, allocator.MMAP_THRESHOLD),)) is False
+    assert calls == []
