@@ -20,7 +20,8 @@ are reported.
 **Runs**, per prompt set and cost model: SI with k = ``--k``, its chain against the trees ``auto`` (priced from
 the emulated costs), ``auto:0.1`` and ``branches:0.05``; DSI with event-driven windows on SP = 2 and 4 target
 servers, chain against ``auto`` and ``auto:0.1`` (DSI's windows take leaf side children). Seeds
-0..S-1 per prompt. Each shape writes its own text after its first side win (docs/results.md section 25), so the
+0..S-1 per prompt (``--trees`` compares other trees with each chain, ``--servers`` picks DSI's server counts).
+Each shape writes its own text after its first side win (docs/results.md section 25), so the
 ratio of time per token is reported with a bootstrap interval over the (prompt, seed) texts, paired: a resample
 draws texts, and each configuration's time per token over them is compared with its chain's over the same texts.
 
@@ -186,6 +187,9 @@ def main() -> int:
                         "(DSI's drafter runs further ahead in some runs than in others)")
     parser.add_argument("--sets", nargs="+", choices=("code", "prose"), default=["code", "prose"])
     parser.add_argument("--costs", nargs="+", choices=tuple(COST_MODELS), default=list(COST_MODELS))
+    parser.add_argument("--trees", nargs="+", metavar="SHAPE",
+                        help="the trees compared with each chain instead of the default ones (DSI skips branches)")
+    parser.add_argument("--servers", nargs="+", type=int, default=[2, 4], help="DSI's target servers (with --trees)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     start = time.perf_counter()
@@ -194,7 +198,7 @@ def main() -> int:
         real_drafter = bridge_drafter(real_target, real_drafter, "intersection")
     memo_target, memo_drafter = Memoised(real_target, args.target), Memoised(real_drafter, args.drafter)
     configs = [(label, method, args.k if k is None else k, servers, tree)
-               for label, method, k, servers, tree in CONFIGS]
+               for label, method, k, servers, tree in (CONFIGS if not args.trees else chosen(args.trees, args.servers))]
     results = []
     for set_name in args.sets:
         prompts = [real_target.encode(text) for text in PROMPT_SETS[set_name][: args.prompts]]
@@ -238,6 +242,15 @@ def main() -> int:
                  "seeds": args.seeds, "k": args.k, "repeats": args.repeats, "cost_models": COST_MODELS,
                  "results": results}, args.out)
     return 0
+
+
+def chosen(trees: list[str], servers: list[int]) -> list[tuple]:
+    """SI's chain and ``trees``, then per DSI server count its chain and the trees DSI's windows take."""
+    configs: list[tuple] = [("SI chain", "si", None, 1, None)] + [(f"SI {t}", "si", None, 1, t) for t in trees]
+    for sp in servers:
+        configs.append((f"DSI SP={sp} chain", "dsi", "auto", sp, None))
+        configs += [(f"DSI SP={sp} {t}", "dsi", "auto", sp, t) for t in trees if not t.startswith("branches")]
+    return configs
 
 
 def summarise(set_name: str, cost_name: str, configs, runs: dict[str, list[dict]], timed_misses: int,
