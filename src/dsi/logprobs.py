@@ -132,5 +132,9 @@ def top_ids(values: np.ndarray, n: int) -> list[int]:
     if n <= 0:
         return []
     kth = np.partition(values, values.size - n)[values.size - n]  # the n-th largest value
-    candidates = np.flatnonzero(values >= kth)  # every token tied with it too, then ids break ties
+    return likeliest(values, np.flatnonzero(values >= kth), n)  # every token tied with it too, then ids break ties
+
+
+def likeliest(values: np.ndarray, candidates: np.ndarray, n: int) -> list[int]:
+    """The ``n`` ids of ``candidates`` with the largest ``values`` ``[V]``, largest first, ties in id order."""
     return sorted((int(i) for i in candidates), key=lambda i: (-float(values[i]), i))[:n]

@@ -242,9 +242,7 @@ def process_logits(logits: np.ndarray, params: SamplingParams, prefix: Prefix | 
     maximum get probability 0. NaN logits, or all -inf, raise :class:`ModelError`
     (:func:`check_logit_row`).
     """
-    row = np.asarray(logits)  # [V], as the model gave it: _distribution widens it to float64 as it divides
-    if not np.issubdtype(row.dtype, np.floating):
-        row = row.astype(np.float64)
+    row = _float_rows(logits)  # [V], as the model gave it: _distribution widens it to float64 as it divides
     check_logit_row(row)
     if params.moves_argmax:
         row = shape_logits(row, params, prefix)
@@ -344,9 +342,7 @@ def greedy_tokens(logits: np.ndarray, params: SamplingParams, tokens: Sequence[i
     maximum (the raw values, in the row's own dtype: widening to float64 keeps their order) and the
     touched ids' processed values, the lower id on a tie. A +inf logit is the first argmax, as its
     limit says."""
-    rows = np.asarray(logits)  # [n, V], as the model gave them
-    if not np.issubdtype(rows.dtype, np.floating):
-        rows = rows.astype(np.float64)
+    rows = _float_rows(logits)  # [n, V], as the model gave them
     for row in rows:
         check_logit_row(row)
     if not params.moves_argmax:
@@ -385,6 +381,12 @@ def _sparse_argmax(row: np.ndarray, params: SamplingParams, counts: _Counts | No
     if values[k] > best_value or (values[k] == best_value and ids[k] < best):
         return int(ids[k])
     return best
+
+
+def _float_rows(logits: np.ndarray) -> np.ndarray:
+    """``logits`` as the model gave them where they are floats (no copy), else as float64."""
+    rows = np.asarray(logits)
+    return rows if np.issubdtype(rows.dtype, np.floating) else rows.astype(np.float64)
 
 
 def shape_rows(logits: np.ndarray, params: SamplingParams, tokens: Sequence[int], prompt_len: int,
@@ -570,10 +572,8 @@ def sample_from(probs: np.ndarray, u: float) -> int:
     inside = np.cumsum(probs[start:start + SAMPLE_BLOCK])  # the block's running sum
     before = cdf[block - 1] if block else 0.0
     index = start + min(int(np.searchsorted(inside, goal - before, side="right")), inside.size - 1)
-    while index > 0 and probs[index] <= 0.0:  # guard against landing on a zero-mass token by rounding
+    while probs[index] <= 0.0:  # guard against landing on a zero-mass token by rounding (a positive one is before)
         index -= 1
-    if probs[index] <= 0.0:
-        index = int(np.flatnonzero(probs > 0.0)[0])
     return index
 
 

@@ -35,7 +35,7 @@ import numpy as np
 from dsi.engine.request import Request
 from dsi.engine.stats import GenerationStats
 from dsi.errors import ConfigError, ContextLengthError, DraftUnavailable
-from dsi.logprobs import top_ids
+from dsi.logprobs import likeliest, top_ids
 from dsi.models.base import LanguageModel, ModelSession, forward_rows, guessable_positions, tree_rows
 from dsi.models.costs import forward_costs
 from dsi.sampling import Prefix, SamplingParams, bonus, decide, draft_from_logits, residual, shape_logits
@@ -126,8 +126,7 @@ def draft_with_alternatives(row: np.ndarray, params: SamplingParams, position: i
             return main, q, ranked(q, count)
         # only ids at or above the floor can be reported: at most 1 / floor of them, ranked as ``ranked`` ranks
         # (the likeliest first, ties by id) without a partition of the whole law
-        near = np.flatnonzero(q >= floor)
-        ids = sorted((int(i) for i in near), key=lambda i: (-float(q[i]), i))[:count]
+        ids = likeliest(q, np.flatnonzero(q >= floor), count)
         return main, q, _unsure([(i, float(q[i])) for i in ids], main, floor)
     # the row in its own dtype (a float32 row is not copied to float64: this runs for every node of a tree,
     # over the whole vocabulary); the normaliser is summed in float64
@@ -148,7 +147,7 @@ def draft_with_alternatives(row: np.ndarray, params: SamplingParams, position: i
             might = near[weights >= floor * (1.0 - 1e-4) * weights.sum()]
             if might.size == 0 or (might.size == 1 and int(might[0]) == main):
                 return main, None, []
-            ids = [int(i) for i in near[np.lexsort((near, -shaped[near]))][:count]]  # likeliest first, ties: id
+            ids = likeliest(shaped, near, count)
     if ids is None:
         ids = top_ids(shaped, count)
         top = float(shaped[ids[0]]) if ids else 0.0
