@@ -153,7 +153,8 @@ class MemoisedSession:
 
 def run_texts(target, drafter, prompts, seeds: int, tokens: int, temperature: float, label: str, method: str,
               k, servers: int, tree) -> dict:
-    """One configuration over every (prompt, seed): per text its wall time, tokens, verifications, side wins."""
+    """One configuration over every (prompt, seed): per text its wall time, tokens, verifications, side wins and
+    rejections (a side win is a rejection its tree rescued)."""
     import dsi
 
     texts = []
@@ -165,6 +166,7 @@ def run_texts(target, drafter, prompts, seeds: int, tokens: int, temperature: fl
             texts.append({"wall_s": out.stats.wall_time_s, "tokens": len(out.tokens),
                           "verifications": out.stats.verify_tasks,
                           "side_wins": out.stats.extra.get("tree_side_accepts", 0),
+                          "rejections": out.stats.rejections,
                           "floor": out.stats.extra.get("tree_floor"), "ids": list(out.tokens)})
     return {"label": label, "texts": texts}
 
@@ -302,7 +304,8 @@ def summarise(set_name: str, cost_name: str, configs, runs: dict[str, list[dict]
         entry = {"wall_s": sum(t["wall_s"] for t in texts), "tokens": tokens,
                  "tokens_per_s": tokens / sum(t["wall_s"] for t in texts),
                  "tokens_per_verification": tokens / max(sum(t["verifications"] for t in texts), 1),
-                 "side_wins": sum(t["side_wins"] for t in texts), "floor": texts[-1]["floor"],
+                 "side_wins": sum(t["side_wins"] for t in texts), "rejections": sum(t["rejections"] for t in texts),
+                 "floor": texts[-1]["floor"],
                  "rows_missed_in_timed_runs": misses_of.get(label, 0), "texts": texts}
         if label.endswith("chain"):
             chain_label = label
@@ -317,15 +320,16 @@ def summarise(set_name: str, cost_name: str, configs, runs: dict[str, list[dict]
 def print_table(row: dict) -> None:
     served = "served as stand-ins" if row["misses"] == "stand-in" else "computed"
     print(f"\n{row['prompts']}, {row['cost']} ({row['timed_misses']} rows missed in timed runs, {served})")
-    print("| configuration | tokens / s | tokens / verification (SI) | side wins | floor | rows missed | "
-          "/ chain (90% interval) |")
+    print("| configuration | tokens / s | tokens / verification (SI) | side wins (share of rejections rescued) | "
+          "floor | rows missed | / chain (90% interval) |")
     print("|---|---|---|---|---|---|---|")
     for label, e in row["configs"].items():
         ratio = ("" if "speedup_over_chain" not in e else
                  f"{e['speedup_over_chain']:.3f} ({e['interval_90'][0]:.3f}-{e['interval_90'][1]:.3f})")
         per_verification = f"{e['tokens_per_verification']:.2f}" if label.startswith("SI") else "-"
-        print(f"| {label} | {e['tokens_per_s']:.1f} | {per_verification} | {e['side_wins']} | {e['floor']} | "
-              f"{e['rows_missed_in_timed_runs']} | {ratio} |", flush=True)
+        rescued = e["side_wins"] / max(e["side_wins"] + e["rejections"], 1)
+        print(f"| {label} | {e['tokens_per_s']:.1f} | {per_verification} | {e['side_wins']} ({rescued:.2f}) | "
+              f"{e['floor']} | {e['rows_missed_in_timed_runs']} | {ratio} |", flush=True)
 
 
 if __name__ == "__main__":
