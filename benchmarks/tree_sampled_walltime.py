@@ -86,6 +86,11 @@ class Memoised:
     def vocab_size(self) -> int:
         return self.model.vocab_size
 
+    @property
+    def missed(self) -> int:
+        """Rows asked for that no earlier pass held: computed (``misses``) or served as stand-ins."""
+        return self.misses + self.stand_ins
+
     def new_session(self) -> MemoisedSession:
         return MemoisedSession(self)
 
@@ -248,11 +253,9 @@ def main() -> int:
             for _ in range(args.repeats):
                 for config in configs:
                     for _attempt in range(3):  # a run that computed a row is run again (its time is not the model's)
-                        before = (memo_target.misses + memo_drafter.misses
-                                  + memo_target.stand_ins + memo_drafter.stand_ins)
+                        before = memo_target.missed + memo_drafter.missed
                         run = run_texts(target, drafter, prompts, args.seeds, args.tokens, args.temperature, *config)
-                        missed = (memo_target.misses + memo_drafter.misses
-                                  + memo_target.stand_ins + memo_drafter.stand_ins - before)
+                        missed = memo_target.missed + memo_drafter.missed - before
                         timed_misses += missed
                         if not missed or args.misses == "stand-in":
                             break
