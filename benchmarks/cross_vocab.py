@@ -63,6 +63,7 @@ from dsi.errors import DraftUnavailable  # noqa: E402
 from dsi.models.base import extend_rows  # noqa: E402
 from dsi.models.crossvocab import VOCAB_MODES, bridge_drafter  # noqa: E402
 from dsi.models.loading import load_pair  # noqa: E402
+from dsi.models.merges import MERGE_LOOKAHEAD  # noqa: E402
 from dsi.models.replay import accept_pattern  # noqa: E402
 from dsi.sampling import SamplingParams  # noqa: E402
 
@@ -295,6 +296,8 @@ def main() -> int:
                         "default: every timed run starts cold and pays its prefill")
     p.add_argument("--deadline", type=float, default=None, metavar="S",
                    help="start no new configuration after S seconds (the rest is reported as skipped)")
+    p.add_argument("--merges", type=int, default=MERGE_LOOKAHEAD, help="intersection mode: shared tokens per "
+                   "position whose merged tokens the law reaches (dsi.models.merges; 0: plain TLI)")
     p.add_argument("--out")
     args = p.parse_args()
     began = time.perf_counter()
@@ -311,7 +314,7 @@ def main() -> int:
     texts = prompt_texts(args.prompts)
     prompts = [target.encode(text, chat=True) for _, text in texts]
     tie = near_tie_margin(args.backend, args.dtype)
-    bridged = bridge_drafter(target, drafter, args.vocab_mode)  # what build_decoder runs (latencies, patterns)
+    bridged = bridge_drafter(target, drafter, args.vocab_mode, merges=args.merges)  # what the decoders run
     # the decoders get this very drafter (build_decoder passes a bridged drafter through), so that a decoder
     # per run does not rebuild the vocabulary intersection (~1.5 s)
     intersection = getattr(getattr(bridged, "intersection", None), "size", None)

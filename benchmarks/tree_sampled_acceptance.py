@@ -46,6 +46,7 @@ def main() -> int:
     from dsi.cli.measure import PROMPT_SETS
     from dsi.evaluate.bench import emit_record
     from dsi.models.crossvocab import bridge_drafter, shares_vocabulary
+    from dsi.models.merges import MERGE_LOOKAHEAD
     from dsi.models.loading import load_pair
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -63,12 +64,15 @@ def main() -> int:
                         "(different texts per shape) instead of the paired expected count")
     parser.add_argument("--stride", type=int, default=3, help="expected mode: an iteration starts at every "
                         "stride-th position of the target's text")
+    parser.add_argument("--merges", type=int, default=MERGE_LOOKAHEAD, help="a drafter of another vocabulary: "
+                        "shared tokens per position whose merged tokens its law reaches (dsi.models.merges; 0: "
+                        "plain TLI)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     start = time.perf_counter()
     target, drafter = load_pair(args.target, args.drafter, backend="llama.cpp", progress=False)
     if not shares_vocabulary(target, drafter):  # another tokenizer: the token intersection (its law over target ids)
-        drafter = bridge_drafter(target, drafter, "intersection")
+        drafter = bridge_drafter(target, drafter, "intersection", merges=args.merges)
     if not args.engine:
         return expected_main(args, target, drafter, start)
     results = []
@@ -91,7 +95,8 @@ def main() -> int:
                         accepted += out.stats.accepted_tokens
                         drafted += out.stats.drafted_tokens
                 row[shape] = {"tokens_per_verification": tokens / verifications, "side_wins": side,
-                              "acceptance": accepted / max(drafted, 1), "nodes_per_verification": drafted / verifications}
+                              "acceptance": accepted / max(drafted, 1),
+                              "nodes_per_verification": drafted / verifications}
                 print(f"{name} B={budget} {shape}: {tokens / verifications:.2f} tokens / verification "
                       f"({side} side wins)", file=sys.stderr, flush=True)
             results.append(row)
@@ -99,6 +104,7 @@ def main() -> int:
           f"{args.seeds} seeds x {args.tokens} tokens per set ({time.perf_counter() - start:.0f} s)")
     print_table(results, args.trees, lambda r: (r["off"]["tokens_per_verification"], r["off"]["acceptance"]))
     emit_record({"benchmark": "tree_sampled_acceptance", "target": args.target, "drafter": args.drafter,
+                 "merges": args.merges,
                  "temperature": args.temperature, "tokens": args.tokens, "prompts_per_set": args.prompts,
                  "seeds": args.seeds, "results": results}, args.out)
     return 0
@@ -188,6 +194,7 @@ def expected_main(args, target, drafter, start: float) -> int:
           f"every {args.stride} positions ({time.perf_counter() - start:.0f} s)")
     print_table(results, args.trees, lambda r: (r["chain"]["tokens_per_verification"], r["chain_acceptance"]))
     emit_record({"benchmark": "tree_sampled_expected", "target": args.target, "drafter": args.drafter,
+                 "merges": args.merges,
                  "temperature": args.temperature, "tokens": args.tokens, "prompts_per_set": args.prompts,
                  "seeds": args.seeds, "stride": args.stride, "results": results}, args.out)
     return 0

@@ -196,6 +196,7 @@ def main() -> int:
     from dsi.evaluate.bench import emit_record
     from dsi.models import WithLatency
     from dsi.models.crossvocab import bridge_drafter, shares_vocabulary
+    from dsi.models.merges import MERGE_LOOKAHEAD
     from dsi.models.loading import load_pair
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -217,12 +218,15 @@ def main() -> int:
     parser.add_argument("--misses", choices=("stand-in", "compute"), default="stand-in",
                         help="a row a timed run needs that no fill computed (off the text's path): served from its "
                         "longest filled prefix at the emulated cost, or computed by the real model")
+    parser.add_argument("--merges", type=int, default=MERGE_LOOKAHEAD, help="a drafter of another vocabulary: "
+                        "shared tokens per position whose merged tokens its law reaches (dsi.models.merges; 0: "
+                        "plain TLI)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     start = time.perf_counter()
     real_target, real_drafter = load_pair(args.target, args.drafter, backend="llama.cpp", progress=False)
     if not shares_vocabulary(real_target, real_drafter):
-        real_drafter = bridge_drafter(real_target, real_drafter, "intersection")
+        real_drafter = bridge_drafter(real_target, real_drafter, "intersection", merges=args.merges)
     memo_target, memo_drafter = Memoised(real_target, args.target), Memoised(real_drafter, args.drafter)
     configs = [(label, method, args.k if k is None else k, servers, tree)
                for label, method, k, servers, tree in (CONFIGS if not args.trees else chosen(args.trees, args.servers))]
@@ -271,10 +275,18 @@ def main() -> int:
     print(f"{args.target} / {args.drafter}, rows memoised from llama.cpp, T = {args.temperature}, SI k = {args.k}, "
           f"{args.prompts} prompts x {args.seeds} seeds x {args.tokens} tokens per set, median of {args.repeats} "
           f"({time.perf_counter() - start:.0f} s)")
+    # what the real drafter ran for the rows it served (a bridged drafter: its own forwards, merges' lookaheads
+    # included), against the one forward per row the cost model charges
+    counters = dict(getattr(memo_drafter.session, "counters", {}))
+    drafter_work = {"rows": memo_drafter.misses, **counters}
+    if counters.get("drafter_model_forwards") and memo_drafter.misses:
+        print(f"the real drafter: {counters['drafter_model_forwards'] / memo_drafter.misses:.2f} forwards per row "
+              f"({counters.get('drafter_merge_forwards', 0)} of them merges' lookaheads, {memo_drafter.misses} rows)")
     emit_record({"benchmark": "tree_sampled_walltime", "target": args.target, "drafter": args.drafter,
+                 "merges": args.merges,
                  "temperature": args.temperature, "tokens": args.tokens, "prompts_per_set": args.prompts,
                  "seeds": args.seeds, "k": args.k, "repeats": args.repeats, "cost_models": COST_MODELS,
-                 "results": results}, args.out)
+                 "drafter_work": drafter_work, "results": results}, args.out)
     return 0
 
 

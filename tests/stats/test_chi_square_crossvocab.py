@@ -3,7 +3,8 @@
 Two small vocabularies that overlap in part: the target's tokens spell {a, b, ab, c}, the drafter's
 {b, a, ba, c, d} (other ids; "ab" is the target's own, "ba" and "d" the drafter's own). The drafter's
 logits reach the engines through a real :class:`~dsi.models.crossvocab.CrossVocabularySession`
-(the drafter's law restricted to the shared tokens, -inf elsewhere).
+(the drafter's law restricted to the shared tokens, -inf elsewhere; with merges, "ab" takes the part
+of a's mass the drafter gives b after a: :mod:`dsi.models.merges`).
 
 (a) Exactly, in float64: the law of the token the decision functions emit at one position (the
 draft drawn by :func:`dsi.sampling.draft_from_logits` from that row, then :func:`dsi.sampling.decide`)
@@ -38,13 +39,14 @@ D_TEXTS = ["b", "a", "ba", "c", "d"]  # drafter ids 0..4
 SHARED = [0, 1, 3]  # target ids of the intersection (a, b, c); "ab" (2) is the target's alone
 
 
-def wrapped_drafter(drafter: CallableLM, mode: str = "intersection", d_texts=D_TEXTS) -> CrossVocabularyDrafter:
+def wrapped_drafter(drafter: CallableLM, mode: str = "intersection", d_texts=D_TEXTS,
+                    merges: int = 3) -> CrossVocabularyDrafter:
     """The drafter as the engines get it from ``build_decoder`` (through its tokenizers)."""
     from dsi.models.crossvocab import bridge_drafter
 
     target = CallableLM(lambda ctx: np.zeros(len(T_TEXTS)), len(T_TEXTS))
     out = bridge_drafter(target, drafter, mode, target_tokenizer=PiecesTokenizer(T_TEXTS),
-                         drafter_tokenizer=PiecesTokenizer(d_texts))
+                         drafter_tokenizer=PiecesTokenizer(d_texts), merges=merges)
     assert isinstance(out, CrossVocabularyDrafter)
     return out
 
@@ -52,7 +54,8 @@ def wrapped_drafter(drafter: CallableLM, mode: str = "intersection", d_texts=D_T
 # ---- (a) the exact law of one decided position ---------------------------------------------------------
 
 
-def emitted_law(p: np.ndarray, drafter_row: np.ndarray, params: SamplingParams, monkeypatch) -> np.ndarray:
+def emitted_law(p: np.ndarray, drafter_row: np.ndarray, params: SamplingParams, monkeypatch,
+                drafts=SHARED) -> np.ndarray:
     """Exact law of the committed token at one position: the draft drawn from ``drafter_row`` (the
     wrapped drafter's logits in the target's ids) by draft_from_logits, then decide(p, draft, q).
 
@@ -70,7 +73,7 @@ def emitted_law(p: np.ndarray, drafter_row: np.ndarray, params: SamplingParams, 
 
     law = np.zeros_like(p)
     for x, mass_x in interval_law(draw, np.cumsum(q)).items():
-        assert q[x] > 0 and x in SHARED  # drafts are shared tokens only
+        assert q[x] > 0 and x in drafts  # drafts are shared tokens only (and merged ones, with merges)
         ratio = min(1.0, p[x] / q[x])
         for lo, hi in ((0.0, ratio), (ratio, 1.0)):
             if hi <= lo:
@@ -109,29 +112,63 @@ DRAFTER_ROWS = {
 }
 
 
+@pytest.mark.parametrize("merges", [0, 3])
 @pytest.mark.parametrize("params", PARAMS, ids=repr)
 @pytest.mark.parametrize("target_case", list(TARGET_ROWS))
 @pytest.mark.parametrize("drafter_case", list(DRAFTER_ROWS))
-def test_one_position_emits_exactly_the_target_law(params, target_case, drafter_case, monkeypatch):
+def test_one_position_emits_exactly_the_target_law(params, target_case, drafter_case, merges, monkeypatch):
     drafter_row = DRAFTER_ROWS[drafter_case]
-    wrapped = wrapped_drafter(CallableLM(lambda ctx: drafter_row, len(D_TEXTS)))
+    wrapped = wrapped_drafter(CallableLM(lambda ctx: drafter_row, len(D_TEXTS)), merges=merges)
     row = forward_rows(wrapped.new_session(), [0, 3, 2], 1)[-1]  # the session's row after "acab"  # [4]
-    assert row.shape == (4,) and np.isneginf(row[2])
-    np.testing.assert_array_equal(row[SHARED], drafter_row[[1, 0, 3]])  # a, b, c in the drafter's ids
+    assert row.shape == (4,)
+    if merges:
+        np.testing.assert_allclose(row, merged_row(drafter_row), rtol=1e-12)
+    else:
+        assert np.isneginf(row[2])
+        np.testing.assert_array_equal(row[SHARED], drafter_row[[1, 0, 3]])  # a, b, c in the drafter's ids
     p = process_logits(TARGET_ROWS[target_case], params)
-    law = emitted_law(p, row, params, monkeypatch)
+    law = emitted_law(p, row, params, monkeypatch, drafts=(0, 1, 2, 3) if merges else SHARED)
     np.testing.assert_allclose(law, p, rtol=0, atol=1e-12)
+
+
+def merged_row(drafter_row: np.ndarray) -> np.ndarray:
+    """The merged intersection logits (target ids a, b, ab, c) of a drafter whose row is ``drafter_row``
+    after every context: "ab" is "a" then "b", so it takes q(a) P(b), and "a" keeps q(a) (1 - P(b)); a
+    candidate only when a's probability is at least 1% of the likeliest shared token's."""
+    shared = drafter_row[[1, 0, 3]]  # a, b, c
+    if shared[0] < shared.max() + np.log(0.01):
+        return np.array([shared[0], shared[1], -np.inf, shared[2]])
+    going_on = np.exp(drafter_row[0] - np.logaddexp.reduce(drafter_row))  # P(b | ..., a) over all drafter tokens
+    return np.array([shared[0] + np.log1p(-going_on), shared[1], shared[0] + np.log(going_on), shared[2]])
 
 
 def test_the_intersection_law_is_the_drafter_s_restricted_and_renormalized():
     drafter_row = DRAFTER_ROWS["random"]
-    wrapped = wrapped_drafter(CallableLM(lambda ctx: drafter_row, len(D_TEXTS)))
+    wrapped = wrapped_drafter(CallableLM(lambda ctx: drafter_row, len(D_TEXTS)), merges=0)
     row = forward_rows(wrapped.new_session(), [1], 1)[-1]
     q = process_logits(row, SamplingParams(temperature=1.0))
     law = np.exp(drafter_row - drafter_row.max())
     shared = law[[1, 0, 3]] / law[[1, 0, 3]].sum()
     np.testing.assert_allclose(q[SHARED], shared, rtol=1e-13)
     assert q[2] == 0.0
+
+
+def test_merges_move_mass_from_a_shared_token_to_the_target_token_it_begins():
+    """With merges, "ab" (the target's alone) is drafted with the probability the drafter writes "a" and then
+    "b", read from the drafter's row after "a" (here another row than after the context: the drafter is
+    context-dependent), and "a" keeps the rest of its mass; b and c keep theirs, and the law sums to 1."""
+    after_a = np.log([0.6, 0.1, 0.1, 0.1, 0.1])  # b, a, ba, c, d: after "a", the drafter goes on with "b" at 0.6
+    elsewhere = np.log([0.2, 0.5, 0.1, 0.1, 0.1])
+    drafter = CallableLM(lambda ctx: after_a if ctx and ctx[-1] == 1 else elsewhere, len(D_TEXTS))
+    session = wrapped_drafter(drafter).new_session()
+    q = process_logits(forward_rows(session, [3], 1)[-1], SamplingParams(temperature=1.0))  # after "c"
+    restricted = np.array([0.5, 0.2, 0.1]) / 0.8  # a, b, c of the drafter's law after "c", renormalized
+    np.testing.assert_allclose(q, [restricted[0] * 0.4, restricted[1], restricted[0] * 0.6, restricted[2]],
+                               rtol=1e-12)
+    assert session.counters["drafter_merge_forwards"] == 1
+    forwards = session.counters["drafter_model_forwards"]
+    forward_rows(session, [3, 0], 1)  # after "c a": the lookahead computed that row already
+    assert session.counters["drafter_model_forwards"] == forwards + (session.counters["drafter_merge_forwards"] - 1)
 
 
 def test_greedy_decides_the_target_argmax_whatever_the_draft():
@@ -195,11 +232,15 @@ def assert_target_law(target, drafter, d_texts, prompt, method, lookahead, serve
                             num_target_servers=servers, vocab_mode=mode, target_tokenizer=PiecesTokenizer(T_TEXTS),
                             drafter_tokenizer=PiecesTokenizer(d_texts))
     try:
-        counts, accepted, rejected = sample_counts_checked(decoder, prompt, processing, law, vocab_intersection)
+        counts, accepted, rejected, lookaheads = sample_counts_checked(decoder, prompt, processing, law,
+                                                                       vocab_intersection)
     finally:
         decoder.close()
     assert counts.sum() == N_SAMPLES
     assert accepted > N_SAMPLES // 10 and rejected > N_SAMPLES // 10  # both branches, often
+    assert lookaheads > 0  # the law was extended to "ab" (a merge: "a" + "b"; its rows are kept across requests)
+    first = forward_rows(wrapped_drafter(drafter, d_texts=d_texts).new_session(), list(prompt), 1)[-1]
+    assert np.isfinite(first[2])  # "ab" can be drafted at the first position
     p_value = chi_square_p(counts, law)
     expected = np.array(list(law.values())) * N_SAMPLES
     assert p_value > ALPHA, f"p={p_value:.2e}: counts {counts} vs expected {np.round(expected, 1)}"
@@ -208,7 +249,7 @@ def assert_target_law(target, drafter, d_texts, prompt, method, lookahead, serve
 def sample_counts_checked(decoder, prompt, processing, law, vocab_intersection):
     index = {seq: i for i, seq in enumerate(law)}
     counts = np.zeros(len(law))
-    accepted = rejected = 0
+    accepted = rejected = lookaheads = 0
     for seed in range(N_SAMPLES):
         out = decoder.generate(make_request(prompt, LENGTH, SamplingParams(**processing, seed=seed), None,
                                             len(T_TEXTS)))
@@ -217,7 +258,9 @@ def sample_counts_checked(decoder, prompt, processing, law, vocab_intersection):
         rejected += out.stats.rejections
         extra = out.stats.extra
         assert (extra["vocab_mode"], extra["vocab_intersection"]) == ("intersection", vocab_intersection)
-    return counts, accepted, rejected
+        assert extra["vocab_merge_lookahead"] == 3 and extra["vocab_merges"] == 1  # "ab" = "a" + "b"
+        lookaheads += extra.get("drafter_merge_forwards", 0)
+    return counts, accepted, rejected, lookaheads
 
 
 def test_the_chi_square_check_detects_a_sampler_that_keeps_every_draft():

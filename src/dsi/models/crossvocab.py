@@ -16,8 +16,11 @@ session on the same text, and propose target tokens in one of two ways:
 - **intersection** (TLI, sampling and greedy): the drafter's next-token logits restricted to the
   tokens whose pieces both vocabularies share (:class:`~dsi.models.vocabulary.Intersection`), in
   the target's ids, -inf elsewhere: after softmax, the drafter's law restricted to the
-  intersection and renormalized. The engines sample the draft from exactly that law ``q`` and
-  verify it by ordinary rejection sampling, so the output keeps the target's law exactly.
+  intersection and renormalized. Where a likely shared token begins a target token the drafter
+  spells in two pieces (``":"`` + ``"\n"`` for ``":\n"``), part of its mass goes to that *merged*
+  token by the drafter's row after it (:mod:`dsi.models.merges`; ``merges=0`` turns it off). The
+  engines sample the draft from exactly that law ``q`` and verify it by ordinary rejection
+  sampling, so the output keeps the target's law exactly.
 
 Either way the engines verify every proposal against the target, so exactness never depends on
 the translation: a poor translation only costs acceptances. (SLRS, string-level rejection
@@ -47,6 +50,7 @@ This module knows nothing about the algorithm beyond the ``greedy`` flag of
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -62,6 +66,7 @@ from dsi.models.base import (
     path_tree_rows,
     tree_rows,
 )
+from dsi.models.merges import MERGE_LOOKAHEAD, MergeTable, merge_candidates, merge_logits
 from dsi.models.vocabulary import Intersection, Vocabulary, last_word_start, same_vocabulary
 from dsi.trees import ROOT, DraftTree
 
@@ -75,6 +80,7 @@ MAX_STEPS_PER_PROPOSAL = 16
 # ... and inside a long word (an identifier, a language without spaces), a target token that ends this
 # many bytes before the text does counts as settled too
 LONG_WORD_BYTES = 12
+LOOKAHEAD_ROWS_KEPT = 16  # the drafter rows a session keeps from its merges' lookahead forwards
 
 
 def check_mode_sampling(vocab_mode: str, params: Any) -> None:
@@ -90,9 +96,15 @@ class CrossVocabularyDrafter:
     """``drafter`` (a model over its own vocabulary) as a model over the target's ``vocab_size`` ids."""
 
     def __init__(self, drafter: LanguageModel, target_vocabulary: Vocabulary, drafter_vocabulary: Vocabulary,
-                 *, vocab_size: int, mode: str = "auto", drafter_eos_ids: Sequence[int] = ()) -> None:
+                 *, vocab_size: int, mode: str = "auto", drafter_eos_ids: Sequence[int] = (),
+                 merges: int = MERGE_LOOKAHEAD) -> None:
         if mode not in _TRANSLATING:
             raise ConfigError(f"mode={mode!r} must be one of {', '.join(_TRANSLATING)}")
+        if isinstance(merges, bool) or not isinstance(merges, int) or merges < 0:
+            raise ConfigError(f"merges={merges!r} must be an int >= 0 (the shared tokens per position whose "
+                              "merged tokens the intersection law reaches; 0: plain TLI)")
+        self.merges = merges
+        self._merge_table: MergeTable | None = None
         self.drafter = drafter
         self.target_vocabulary = target_vocabulary
         self.drafter_vocabulary = drafter_vocabulary
@@ -108,6 +120,14 @@ class CrossVocabularyDrafter:
         self.max_context = None  # the drafter's own limit applies to its tokens (its session raises)
 
     drafts_through_text = True  # its greedy guesses need its own sessions, one position at a time
+
+    @property
+    def merge_table(self) -> MergeTable:
+        """The target tokens the drafter spells as a shared token and one more (built on first use)."""
+        if self._merge_table is None:
+            self._merge_table = MergeTable.of(self.target_vocabulary, self.drafter_vocabulary, self._vocab_size,
+                                              sorted(self.drafter_eos_ids))
+        return self._merge_table
 
     @property
     def wrapped_model(self) -> object:
@@ -150,12 +170,17 @@ class CrossVocabularyDrafter:
     def request_info(self, params: Any) -> dict:
         """What the stats of a request report about the translation (``auto``: string mode where
         greedy drafting reads argmax ids, intersection rows where the drafts are processed)."""
-        return {"vocab_mode": self.mode_for(drafts_ids_only(self, params)),
-                "vocab_intersection": self.intersection.size}
+        mode = self.mode_for(drafts_ids_only(self, params))
+        info = {"vocab_mode": mode, "vocab_intersection": self.intersection.size}
+        if mode == "intersection":
+            info["vocab_merge_lookahead"] = self.merges
+            if self.merges:
+                info["vocab_merges"] = self.merge_table.size
+        return info
 
     def __repr__(self) -> str:
         return (f"CrossVocabularyDrafter({self.drafter!r}, mode={self.mode!r}, "
-                f"intersection={self.intersection.size})")
+                f"intersection={self.intersection.size}, merges={self.merges})")
 
 
 class CrossVocabularySession:
@@ -179,7 +204,10 @@ class CrossVocabularySession:
         self._spelled_counts: list[int] = []
         self._row: Any = None  # the drafter's output after _start + _d_tokens
         self._row_key: tuple | None = None  # (len(_d_tokens), greedy) of the row; None after any change
-        self.counters = {"drafter_reencodes": 0, "drafter_rolled_back_tokens": 0, "drafter_model_forwards": 0}
+        # raw drafter rows after a context (start + drafter tokens) that a merges' lookahead computed
+        self._lookahead: OrderedDict[tuple[int, ...], np.ndarray] = OrderedDict()
+        self.counters = {"drafter_reencodes": 0, "drafter_rolled_back_tokens": 0, "drafter_model_forwards": 0,
+                         "drafter_merge_forwards": 0}
 
     # ---- the ModelSession interface ------------------------------------------------------------
     @property
@@ -262,9 +290,11 @@ class CrossVocabularySession:
             ends.append(node)
         rows = tree_rows(self._inner, base, DraftTree(tuple(tokens), tuple(parents)), cancel)  # [1 + m, V_d]
         self.counters["drafter_model_forwards"] += 1
+        nodes = [ROOT, *ends]
+        raw = [rows[1 + node] for node in nodes]
+        merged = self._merged_rows(base, tokens, parents, child, nodes, raw, cancel, rows)
         out = []
-        for node in [ROOT, *ends]:
-            row = self._model.intersection.target_logits(rows[1 + node], self._model.vocab_size)
+        for row in merged:
             if not np.isfinite(row).any():
                 raise DraftUnavailable("the drafter gives every token both vocabularies share probability 0")
             out.append(row)
@@ -361,18 +391,85 @@ class CrossVocabularySession:
             context = self._start + tuple(self._d_tokens)
             if not context:
                 raise DraftUnavailable("the drafter has no context to continue (empty text, no start token)")
-            self.counters["drafter_model_forwards"] += 1
-            self._row = forward_rows(self._inner, context, 1, cancel, greedy=greedy)[-1]
+            kept = None if greedy else self._lookahead.get(context)
+            if kept is not None:  # a merges' lookahead computed this row already
+                self._row = kept
+            else:
+                self.counters["drafter_model_forwards"] += 1
+                self._row = forward_rows(self._inner, context, 1, cancel, greedy=greedy)[-1]
             self._row_key = key
         return self._row
 
     def _intersection_row(self, context: list[int], cancel: CancelFlag | None) -> np.ndarray:
-        """The drafter's logits after the target tokens ``context``, restricted to the intersection, in target ids."""
+        """The drafter's law after the target tokens ``context`` over target ids, as logits: restricted to the
+        intersection, with the merged tokens of its likeliest shared tokens (:mod:`dsi.models.merges`)."""
         self._align(context)
-        row = self._model.intersection.target_logits(self._drafter_row(cancel, greedy=False), self._model.vocab_size)
+        raw = self._drafter_row(cancel, greedy=False)
+        base = self._start + tuple(self._d_tokens)
+        row = self._merged_rows(base, [], [], {}, [ROOT], [raw], cancel)[0]
         if not np.isfinite(row).any():  # it gives no shared token a chance: nothing to draft here
             raise DraftUnavailable("the drafter gives every token both vocabularies share probability 0")
         return row
+
+    def _merged_rows(self, base: tuple[int, ...], tokens: list[int], parents: list[int],
+                     child: dict[tuple[int, int], int], nodes: list[int], raw: list[np.ndarray],
+                     cancel: CancelFlag | None, tree_raw: np.ndarray | None = None) -> list[np.ndarray]:
+        """The intersection rows (target ids) of the drafter rows ``raw`` after the nodes ``nodes`` of the
+        drafter tree ``tokens``/``parents`` below ``base`` (``ROOT``: ``base`` itself; ``child`` maps
+        ``(node, drafter token)`` to a node; ``tree_raw``: the tree's rows, row ``1 + i`` after node i), each
+        extended by its merges. The rows after the merges' first
+        pieces come from the tree itself, from the rows kept from earlier lookaheads, or else from one
+        forward of the drafter over all of them, whose rows are kept (the next draft reads one)."""
+        model = self._model
+        rows = [model.intersection.target_logits(r, model.vocab_size) for r in raw]
+        if not model.merges:
+            return rows
+        table = model.merge_table
+        wanted = []  # per row: the candidates' drafter ids
+        for row, r in zip(rows, raw, strict=True):
+            wanted.append(merge_candidates(table, r, float(np.max(row)), model.merges))
+        paths: dict[int, tuple[int, ...]] = {ROOT: ()}
+        for node, (token, parent) in enumerate(zip(tokens, parents, strict=True)):
+            paths[node] = paths[parent] + (token,)
+        found: dict[tuple[int, int], np.ndarray] = {}
+        missing: list[tuple[int, int]] = []
+        for node, candidates in zip(nodes, wanted, strict=True):
+            for a in candidates:
+                key = base + paths[node] + (a,)
+                inside = child.get((node, a))
+                kept = self._lookahead.get(key)
+                if kept is not None:
+                    self._lookahead.move_to_end(key)
+                    found[node, a] = kept
+                elif inside is not None and tree_raw is not None:
+                    found[node, a] = tree_raw[1 + inside]
+                else:
+                    missing.append((node, a))
+        if missing:
+            needed: set[int] = set()  # the tree nodes on the paths to the rows looked ahead from
+            for node, _ in missing:
+                while node != ROOT and node not in needed:
+                    needed.add(node)
+                    node = parents[node]
+            look_tokens, look_parents, renamed, where = [], [], {ROOT: ROOT}, {}
+            for node in sorted(needed):  # a parent comes before its children
+                renamed[node] = len(look_tokens)
+                look_tokens.append(tokens[node])
+                look_parents.append(renamed[parents[node]])
+            for node, a in missing:
+                where[node, a] = len(look_tokens)
+                look_tokens.append(a)
+                look_parents.append(renamed[node])
+            look = tree_rows(self._inner, base, DraftTree(tuple(look_tokens), tuple(look_parents)), cancel)
+            self.counters["drafter_model_forwards"] += 1
+            self.counters["drafter_merge_forwards"] += 1
+            for (node, a), at in where.items():
+                found[node, a] = row_after = np.array(look[1 + at])  # a copy: the tree's rows may be many
+                self._lookahead[base + paths[node] + (a,)] = row_after
+            while len(self._lookahead) > LOOKAHEAD_ROWS_KEPT:
+                self._lookahead.popitem(last=False)
+        return [merge_logits(row, table, candidates, [found[node, a] for a in candidates])
+                for row, node, candidates in zip(rows, nodes, wanted, strict=True)]
 
     def _propose(self, context: list[int], text: bytes | bytearray, cancel: CancelFlag | None) -> int:
         """String mode: the next target token of the drafter's greedy continuation of ``text``, the text of
@@ -411,12 +508,15 @@ def shares_vocabulary(target: LanguageModel, drafter: LanguageModel, target_toke
 
 
 def bridge_drafter(target: LanguageModel, drafter: LanguageModel, vocab_mode: str = "auto", *,
-                   target_tokenizer: Any = None, drafter_tokenizer: Any = None) -> LanguageModel:
+                   target_tokenizer: Any = None, drafter_tokenizer: Any = None,
+                   merges: int = MERGE_LOOKAHEAD) -> LanguageModel:
     """The drafter the engines should run: ``drafter`` itself when it shares the target's vocabulary
     (or ``vocab_mode="shared"``), else a :class:`CrossVocabularyDrafter` in ``vocab_mode``.
 
     Tokenizers default to the models' ``tokenizer`` attributes. ``"auto"`` translates only when the
     vocabularies differ; ``"string"`` and ``"intersection"`` translate even between equal ones.
+    ``merges``: how many likely shared tokens per position the intersection law extends to their merged
+    tokens (:mod:`dsi.models.merges`; 0: plain TLI). A drafter bridged already is returned as it is.
     """
     if vocab_mode not in VOCAB_MODES:
         raise ConfigError(f"vocab_mode={vocab_mode!r} must be one of {', '.join(VOCAB_MODES)}")
@@ -453,7 +553,7 @@ def bridge_drafter(target: LanguageModel, drafter: LanguageModel, vocab_mode: st
         Vocabulary.from_tokenizer(tt, target.vocab_size, name=getattr(target, "name", None)),
         Vocabulary.from_tokenizer(dt, drafter.vocab_size, name=getattr(drafter, "name", None)),
         vocab_size=target.vocab_size, mode="auto" if vocab_mode == "auto" else vocab_mode,
-        drafter_eos_ids=[t for t in eos if t is not None],
+        drafter_eos_ids=[t for t in eos if t is not None], merges=merges,
     )
     logger.info("drafter %s drafts across vocabularies (%s; %d shared tokens)", model.name, vocab_mode,
                 model.intersection.size)

@@ -670,12 +670,14 @@ class CountingSession:
 
 
 @pytest.mark.hf
+@pytest.mark.parametrize("merges", [0, 3])
 @pytest.mark.parametrize("target_name, drafter_name", [("words", "tiny_hf"), ("bytes", "words"), ("tiny_hf", "words")])
 def test_a_draft_tree_through_the_intersection_is_one_drafter_forward_with_every_node_s_own_row(target_name,
-                                                                                                drafter_name):
+                                                                                                drafter_name, merges):
     """The bridge's ``tree_rows``: every node's token spelled below its parent's spelling forms one tree of
-    drafter tokens, computed in one drafter tree forward; each node's row is exactly the row a session
-    reaching that path gives, and the session then holds the prefix and the tree's main path."""
+    drafter tokens, computed in one drafter tree forward (and one more for the merges' lookahead, if any node
+    needs one); each node's row is exactly the row a session reaching that path gives, and the session then
+    holds the prefix and the tree's main path."""
     needs_hf()
     from dsi.models.base import tree_rows
     from dsi.trees import DraftTree
@@ -686,7 +688,7 @@ def test_a_draft_tree_through_the_intersection_is_one_drafter_forward_with_every
     sessions = []
     counting.new_session = lambda: sessions.append(CountingSession(drafter)) or sessions[-1]
     wrapped = CrossVocabularyDrafter(counting, target_vocab, drafter_vocab, vocab_size=len(target_vocab),
-                                     mode="intersection")
+                                     mode="intersection", merges=merges)
     enc = lambda text: tiny_vocab.encode(target_name, text)  # noqa: E731
     prefix = enc("the quick bro")
     pieces = [enc(t) for t in ("wn", "w", " fox", "n fox", " dog", "ken")]
@@ -706,8 +708,11 @@ def test_a_draft_tree_through_the_intersection_is_one_drafter_forward_with_every
     tree = DraftTree(tuple(nodes), tuple(parents))
     session = wrapped.new_session()
     session.extend_rows(enc("the lazy dog"), None, 1, False)  # some other text first
+    before, lookaheads = sessions[0].tree_forwards, session.counters["drafter_merge_forwards"]
     rows = tree_rows(session, prefix, tree)
-    assert sessions[0].tree_forwards == 1
+    lookaheads = session.counters["drafter_merge_forwards"] - lookaheads
+    assert lookaheads == 0 if merges == 0 else lookaheads <= 1
+    assert sessions[0].tree_forwards - before == 1 + lookaheads
     for node in range(-1, len(tree)):
         fresh = wrapped.new_session()
         path = prefix + (tree.path_tokens(node) if node >= 0 else [])

@@ -1,0 +1,111 @@
+"""Merged tokens (dsi.models.merges): which target tokens are merges, which shared tokens a position looks
+ahead from, and how their mass is split; the law through a whole engine is tests/stats/test_chi_square_crossvocab.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import dsi
+from dsi.errors import ConfigError
+from dsi.models import CallableLM
+from dsi.models.crossvocab import CrossVocabularyDrafter, bridge_drafter
+from dsi.models.merges import MergeTable, merge_candidates, merge_logits
+from dsi.models.vocabulary import Vocabulary
+from dsi.sampling import SamplingParams, process_logits
+from tests.tiny_vocab import PiecesTokenizer
+
+T_TEXTS = ["a", "b", "ab", "c", "abc", "bc!", "!"]  # target ids 0..6
+D_TEXTS = ["c", "b", "a", "bc", "!", "<eos>"]  # drafter ids 0..5; "a", "b", "c", "!" shared
+
+
+def vocabularies():
+    return (Vocabulary.from_tokenizer(PiecesTokenizer(T_TEXTS)), Vocabulary.from_tokenizer(PiecesTokenizer(D_TEXTS)))
+
+
+def test_a_merge_is_a_target_token_outside_the_intersection_spelled_by_a_shared_token_and_one_drafter_token():
+    target, drafter = vocabularies()
+    table = MergeTable.of(target, drafter, len(T_TEXTS), drafter_stop_ids=[5])
+    merges = {(int(a), int(b), int(t)) for a, (bs, ts) in table.completions.items() for b, t in zip(bs, ts)}
+    # "ab" = a + b and "abc" = a + bc (not ab + c: "ab" is no drafter token); "bc!" = b + "c!"? no such drafter
+    # token, and "bc" + "!" starts with a drafter token the target lacks: not a merge
+    assert merges == {(2, 1, 2), (2, 3, 4)}
+    assert table.starters.tolist() == [2] and table.target_of == {2: 0} and table.size == 2
+
+
+def test_the_drafter_s_stop_token_never_completes_a_merge():
+    target = Vocabulary.from_tokenizer(PiecesTokenizer(["a", "a<eos>"]))
+    drafter = Vocabulary.from_tokenizer(PiecesTokenizer(["a", "<eos>"]))
+    assert MergeTable.of(target, drafter, 2).size == 1
+    assert MergeTable.of(target, drafter, 2, drafter_stop_ids=[1]).size == 0
+
+
+def test_candidates_are_the_likeliest_starters_within_the_floor_most_likely_first():
+    starters = np.array([1, 4, 6, 7])
+    table = MergeTable(starters, {int(a): (np.array([0]), np.array([0])) for a in starters},
+                       {int(a): int(a) for a in starters})
+    row = np.array([9.0, 1.0, 0.0, 0.0, 3.0, 0.0, 2.0, np.log(0.001)])
+    assert merge_candidates(table, row, shared_max=3.0, lookahead=3) == [4, 6, 1]
+    assert merge_candidates(table, row, shared_max=3.0, lookahead=2) == [4, 6]
+    assert merge_candidates(table, row, shared_max=3.0, lookahead=0) == []
+    assert merge_candidates(table, row, shared_max=3.0, lookahead=3, floor=0.3) == [4, 6]  # e^-1 > 0.3 > e^-2
+    assert merge_candidates(table, row, shared_max=-np.inf, lookahead=3) == []
+
+
+def test_the_split_keeps_every_other_token_and_the_total_mass():
+    target, drafter = vocabularies()
+    table = MergeTable.of(target, drafter, len(T_TEXTS))
+    row = np.array([0.5, -1.0, -np.inf, 0.2, -np.inf, -np.inf, -2.0])  # intersection logits in target ids
+    after_a = np.log([0.1, 0.3, 0.1, 0.2, 0.1, 0.2])  # drafter ids: b 0.3, bc 0.2
+    merged = merge_logits(row.copy(), table, [2], [after_a])
+    before, after = np.exp(row), np.exp(merged)
+    np.testing.assert_allclose(after.sum(), before.sum(), rtol=1e-12)
+    np.testing.assert_allclose(after[[0, 2, 4]], before[0] * np.array([0.5, 0.3, 0.2]), rtol=1e-12)
+    np.testing.assert_array_equal(merged[[1, 3, 5, 6]], row[[1, 3, 5, 6]])
+    # a drafter sure to go on with a merge leaves the shared token nothing
+    sure = np.array([-np.inf, 0.0, -np.inf, -np.inf, -np.inf, -np.inf])
+    assert np.isneginf(merge_logits(row.copy(), table, [2], [sure])[0])
+
+
+def test_merges_is_checked_and_reported():
+    target, drafter = vocabularies()
+    with pytest.raises(ConfigError, match="merges=-1 must be an int >= 0"):
+        CrossVocabularyDrafter(CallableLM(lambda ctx: np.zeros(6), 6), target, drafter, vocab_size=7, merges=-1)
+    model = bridge_drafter(CallableLM(lambda ctx: np.zeros(7), 7), CallableLM(lambda ctx: np.zeros(6), 6),
+                           "intersection", target_tokenizer=PiecesTokenizer(T_TEXTS),
+                           drafter_tokenizer=PiecesTokenizer(D_TEXTS), merges=2)
+    info = model.request_info(SamplingParams(temperature=1.0))
+    assert (info["vocab_merge_lookahead"], info["vocab_merges"]) == (2, 2)
+
+
+@pytest.mark.parametrize("merges", [0, 3])
+@pytest.mark.parametrize("method", ["si", "dsi"])
+def test_greedy_output_is_the_target_s_own_with_merged_drafts(method, merges, no_thread_leak):
+    """A target that writes "ab" and "abc", a drafter that writes "a" and then "b" (or "bc", less often): merges
+    draft "ab", which the target often writes; plain TLI drafts "a", which it never does. Greedy output is
+    non-SI's either way."""
+    text = [2, 2, 4, 2, 4, 4, 2, 2, 2, 4, 2, 2]
+
+    def target_row(ctx):  # the target writes ``text`` after the one-token prompt, then "c"
+        logits = np.zeros(len(T_TEXTS))
+        logits[text[len(ctx) - 1] if len(ctx) - 1 < len(text) else 3] = 5.0
+        return logits
+
+    def drafter_row(ctx):  # after "a": "b" (and "bc" a little less); else "a"
+        logits = np.zeros(len(D_TEXTS))
+        if ctx and ctx[-1] == 2:
+            logits[[1, 3]] = [3.0, 2.5]
+        else:
+            logits[2] = 3.0
+        return logits
+
+    target, drafter = CallableLM(target_row, len(T_TEXTS)), CallableLM(drafter_row, len(D_TEXTS))
+    bridged = bridge_drafter(target, drafter, "intersection", target_tokenizer=PiecesTokenizer(T_TEXTS),
+                             drafter_tokenizer=PiecesTokenizer(D_TEXTS), merges=merges)
+    plain = dsi.generate(target=target, prompt=[3], max_new_tokens=12, method="ar").tokens
+    out = dsi.generate(target=target, drafter=bridged, prompt=[3], max_new_tokens=12, method=method, lookahead=3)
+    assert out.tokens == plain == text
+    if merges:
+        assert out.stats.accepted_tokens >= 4 and out.stats.extra["drafter_merge_forwards"] > 0
+    else:
+        assert out.stats.accepted_tokens == 0 and out.stats.extra.get("drafter_merge_forwards", 0) == 0
