@@ -63,7 +63,6 @@ from dsi.errors import DraftUnavailable  # noqa: E402
 from dsi.models.base import extend_rows  # noqa: E402
 from dsi.models.crossvocab import VOCAB_MODES, bridge_drafter  # noqa: E402
 from dsi.models.loading import load_pair  # noqa: E402
-from dsi.models.merges import MERGE_LOOKAHEAD  # noqa: E402
 from dsi.models.replay import accept_pattern  # noqa: E402
 from dsi.sampling import SamplingParams  # noqa: E402
 
@@ -296,8 +295,9 @@ def main() -> int:
                         "default: every timed run starts cold and pays its prefill")
     p.add_argument("--deadline", type=float, default=None, metavar="S",
                    help="start no new configuration after S seconds (the rest is reported as skipped)")
-    p.add_argument("--merges", type=int, default=MERGE_LOOKAHEAD, help="intersection mode: shared tokens per "
-                   "position whose merged tokens the law reaches (dsi.models.merges; 0: plain TLI)")
+    p.add_argument("--merges", type=lambda v: v if v == "auto" else int(v), default="auto",
+                   help="intersection mode: shared tokens per position whose merged tokens the law reaches "
+                   "(dsi.models.merges; 0: plain TLI; auto, the default: by the drafter's row price)")
     p.add_argument("--out")
     args = p.parse_args()
     began = time.perf_counter()

@@ -27,6 +27,8 @@ the drafter's rank 1, 2-3, 4-10, 11-100 and beyond (averaged over positions by t
     python benchmarks/tree_sampled_rules.py
     python benchmarks/tree_sampled_rules.py --drafter smollm2-135m-instruct \
         --out docs/data/tree_sampled_rules_smollm2-2026-12-04.json
+    python benchmarks/tree_sampled_rules.py --drafter smollm2-135m-instruct --merges 0 \
+        --out docs/data/tree_sampled_rules_smollm2_tli-2026-12-04.json
 
 Prints the means per prompt set and one JSON line. A drafter of another vocabulary drafts through the token
 intersection (its law over the target's ids), as the engines run it.

@@ -11,6 +11,11 @@ the two cost models of ``tree_walltime.py``:
   tokens costs;
 - CPU-like: a target forward costs 8 ms + 3 ms per token it computes; the drafter 2 ms.
 
+A drafter of another vocabulary may run more than one real forward for a row (its merges look ahead from the
+likely shared tokens, dsi.models.merges, in a forward of their own whose rows the next drafts mostly read): an
+emulated drafter row then costs the real drafter's forwards per row in that set's fills, times the model's
+forward (``--drafter-cost per-row``: one forward a row, as before).
+
 A seeded request decides the same tokens whatever the timing (docs/architecture.md), so SI visits the same
 contexts on every run, and after untimed passes per configuration that fill the memory, the timed runs are
 the real pair's decisions at the emulated cost. DSI's drafter may run further ahead in one run than in
@@ -221,6 +226,9 @@ def main() -> int:
     parser.add_argument("--merges", type=int, default=MERGE_LOOKAHEAD, help="a drafter of another vocabulary: "
                         "shared tokens per position whose merged tokens its law reaches (dsi.models.merges; 0: "
                         "plain TLI)")
+    parser.add_argument("--drafter-cost", choices=("per-forward", "per-row"), default="per-forward",
+                        help="an emulated drafter row costs the real drafter's forwards per row in the fills (a "
+                        "bridged drafter's merges look ahead in forwards of their own), or one forward")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     start = time.perf_counter()
@@ -235,6 +243,7 @@ def main() -> int:
         prompts = [real_target.encode(text) for text in PROMPT_SETS[set_name][: args.prompts]]
         memo_target.forget(), memo_drafter.forget()
         filled: dict[str, list[list[int]]] = {}  # each configuration's texts, as the fills wrote them
+        forwards_before, rows_before = drafter_forwards(memo_drafter), memo_drafter.misses
         for cost_name in args.costs:  # fill the memory: untimed passes per configuration and cost model
             cost = COST_MODELS[cost_name]
             target = WithLatency(memo_target, **cost["target"])
@@ -246,10 +255,17 @@ def main() -> int:
             print(f"{set_name}: filled for {cost_name}: {len(memo_target.rows)} target rows "
                   f"({memo_target.miss_s:.0f} s), {len(memo_drafter.rows)} drafter rows ({memo_drafter.miss_s:.0f} s); "
                   f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+        # the real drafter's forwards per row in these fills (a bridged drafter's merges look ahead in forwards
+        # of their own): each emulated drafter row costs that many forwards (``--drafter-cost per-row``: one)
+        rows_filled = memo_drafter.misses - rows_before
+        per_row = ((drafter_forwards(memo_drafter) - forwards_before) / rows_filled
+                   if args.drafter_cost == "per-forward" and rows_filled and drafter_forwards(memo_drafter) else 1.0)
+        print(f"{set_name}: the real drafter ran {per_row:.2f} forwards per row; each emulated drafter row costs as "
+              "many", file=sys.stderr, flush=True)
         for cost_name in args.costs:
             cost = COST_MODELS[cost_name]
             target = WithLatency(memo_target, **cost["target"])
-            drafter = WithLatency(memo_drafter, **cost["drafter"])
+            drafter = WithLatency(memo_drafter, **{name: value * per_row for name, value in cost["drafter"].items()})
             runs: dict[str, list[dict]] = {label: [] for label, *_ in configs}
             timed_misses = 0
             misses_of: dict[str, int] = {}
@@ -270,6 +286,7 @@ def main() -> int:
                     misses_of[config[0]] = misses_of.get(config[0], 0) + missed
             memo_target.frozen = memo_drafter.frozen = False
             row = summarise(set_name, cost_name, configs, runs, timed_misses, misses_of, args.misses)
+            row["drafter_forwards_per_row"] = per_row
             results.append(row)
             print_table(row)
     print(f"{args.target} / {args.drafter}, rows memoised from llama.cpp, T = {args.temperature}, SI k = {args.k}, "
@@ -288,6 +305,11 @@ def main() -> int:
                  "seeds": args.seeds, "k": args.k, "repeats": args.repeats, "cost_models": COST_MODELS,
                  "drafter_work": drafter_work, "results": results}, args.out)
     return 0
+
+
+def drafter_forwards(memo: Memoised) -> int:
+    """The forwards the real drafter under ``memo`` has run (a bridged drafter counts them; 0 otherwise)."""
+    return int(getattr(memo.session, "counters", {}).get("drafter_model_forwards", 0))
 
 
 def chosen(trees: list[str], servers: list[int]) -> list[tuple]:

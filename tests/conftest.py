@@ -41,6 +41,11 @@ class Jitter:
     def vocab_size(self) -> int:
         return self.model.vocab_size
 
+    @property
+    def wrapped_model(self):
+        """The model whose forwards this one passes on (what it costs, where it runs)."""
+        return self.model
+
     def new_session(self):
         with self._lock:
             seed = next(self._seeds)

@@ -66,7 +66,7 @@ from dsi.models.base import (
     path_tree_rows,
     tree_rows,
 )
-from dsi.models.merges import MERGE_LOOKAHEAD, MergeTable, merge_candidates, merge_logits
+from dsi.models.merges import MergeTable, merge_candidates, merge_logits, merges_for
 from dsi.models.vocabulary import Intersection, Vocabulary, last_word_start, same_vocabulary
 from dsi.trees import ROOT, DraftTree
 
@@ -81,6 +81,7 @@ MAX_STEPS_PER_PROPOSAL = 16
 # many bytes before the text does counts as settled too
 LONG_WORD_BYTES = 12
 LOOKAHEAD_ROWS_KEPT = 16  # the drafter rows a session keeps from its merges' lookahead forwards
+PREFETCHED = 3  # a merges' lookahead forward also computes the rows after this many likeliest shared tokens
 
 
 def check_mode_sampling(vocab_mode: str, params: Any) -> None:
@@ -97,13 +98,14 @@ class CrossVocabularyDrafter:
 
     def __init__(self, drafter: LanguageModel, target_vocabulary: Vocabulary, drafter_vocabulary: Vocabulary,
                  *, vocab_size: int, mode: str = "auto", drafter_eos_ids: Sequence[int] = (),
-                 merges: int = MERGE_LOOKAHEAD) -> None:
+                 merges: int | str = "auto") -> None:
         if mode not in _TRANSLATING:
             raise ConfigError(f"mode={mode!r} must be one of {', '.join(_TRANSLATING)}")
-        if isinstance(merges, bool) or not isinstance(merges, int) or merges < 0:
-            raise ConfigError(f"merges={merges!r} must be an int >= 0 (the shared tokens per position whose "
-                              "merged tokens the intersection law reaches; 0: plain TLI)")
-        self.merges = merges
+        if merges != "auto" and (isinstance(merges, bool) or not isinstance(merges, int) or merges < 0):
+            raise ConfigError(f"merges={merges!r} must be 'auto' or an int >= 0 (the shared tokens per position "
+                              "whose merged tokens the intersection law reaches; 0: plain TLI)")
+        self._merges_asked = merges
+        self._merges: int | None = None if merges == "auto" else int(merges)
         self._merge_table: MergeTable | None = None
         self.drafter = drafter
         self.target_vocabulary = target_vocabulary
@@ -120,6 +122,17 @@ class CrossVocabularyDrafter:
         self.max_context = None  # the drafter's own limit applies to its tokens (its session raises)
 
     drafts_through_text = True  # its greedy guesses need its own sessions, one position at a time
+
+    @property
+    def merges(self) -> int:
+        """The shared tokens per position whose merged tokens the law reaches (:mod:`dsi.models.merges`).
+        ``"auto"`` resolves once, on first use (:func:`~dsi.models.merges.merges_for`):
+        :data:`~dsi.models.merges.MERGE_LOOKAHEAD` where a drafter forward costs about the same for a few tokens
+        as for one (a stated low row price, an accelerator), else 0 (a CPU, where the lookahead forwards cost
+        more than they buy: docs/results.md section 31)."""
+        if self._merges is None:
+            self._merges = merges_for(self.drafter)
+        return self._merges
 
     @property
     def merge_table(self) -> MergeTable:
@@ -180,7 +193,7 @@ class CrossVocabularyDrafter:
 
     def __repr__(self) -> str:
         return (f"CrossVocabularyDrafter({self.drafter!r}, mode={self.mode!r}, "
-                f"intersection={self.intersection.size}, merges={self.merges})")
+                f"intersection={self.intersection.size}, merges={self._merges_asked!r})")
 
 
 class CrossVocabularySession:
@@ -417,9 +430,9 @@ class CrossVocabularySession:
         """The intersection rows (target ids) of the drafter rows ``raw`` after the nodes ``nodes`` of the
         drafter tree ``tokens``/``parents`` below ``base`` (``ROOT``: ``base`` itself; ``child`` maps
         ``(node, drafter token)`` to a node; ``tree_raw``: the tree's rows, row ``1 + i`` after node i), each
-        extended by its merges. The rows after the merges' first
-        pieces come from the tree itself, from the rows kept from earlier lookaheads, or else from one
-        forward of the drafter over all of them, whose rows are kept (the next draft reads one)."""
+        extended by its merges. The rows after the merges' first pieces come from the tree itself, from the
+        rows kept from earlier lookaheads, or else from one forward of the drafter over all of them and the
+        likeliest shared tokens, whose rows are kept (the next draft reads one, most often)."""
         model = self._model
         rows = [model.intersection.target_logits(r, model.vocab_size) for r in raw]
         if not model.merges:
@@ -433,8 +446,15 @@ class CrossVocabularySession:
             paths[node] = paths[parent] + (token,)
         found: dict[tuple[int, int], np.ndarray] = {}
         missing: list[tuple[int, int]] = []
-        for node, candidates in zip(nodes, wanted, strict=True):
-            for a in candidates:
+        shared = model.intersection
+        for node, r, candidates in zip(nodes, raw, wanted, strict=True):
+            if not candidates:
+                continue
+            # the likeliest shared tokens' rows too, in the same forward: one is the next draft's row, most often
+            values = np.asarray(r)[shared.drafter_ids]  # [n shared]
+            count = min(PREFETCHED, values.size)
+            likeliest = shared.drafter_ids[np.argpartition(-values, count - 1)[:count]]
+            for a in [*candidates, *(int(t) for t in likeliest if int(t) not in candidates)]:
                 key = base + paths[node] + (a,)
                 inside = child.get((node, a))
                 kept = self._lookahead.get(key)
@@ -509,14 +529,15 @@ def shares_vocabulary(target: LanguageModel, drafter: LanguageModel, target_toke
 
 def bridge_drafter(target: LanguageModel, drafter: LanguageModel, vocab_mode: str = "auto", *,
                    target_tokenizer: Any = None, drafter_tokenizer: Any = None,
-                   merges: int = MERGE_LOOKAHEAD) -> LanguageModel:
+                   merges: int | str = "auto") -> LanguageModel:
     """The drafter the engines should run: ``drafter`` itself when it shares the target's vocabulary
     (or ``vocab_mode="shared"``), else a :class:`CrossVocabularyDrafter` in ``vocab_mode``.
 
     Tokenizers default to the models' ``tokenizer`` attributes. ``"auto"`` translates only when the
     vocabularies differ; ``"string"`` and ``"intersection"`` translate even between equal ones.
     ``merges``: how many likely shared tokens per position the intersection law extends to their merged
-    tokens (:mod:`dsi.models.merges`; 0: plain TLI). A drafter bridged already is returned as it is.
+    tokens (:mod:`dsi.models.merges`; 0: plain TLI; ``"auto"``: :attr:`CrossVocabularyDrafter.merges`). A
+    drafter bridged already is returned as it is.
     """
     if vocab_mode not in VOCAB_MODES:
         raise ConfigError(f"vocab_mode={vocab_mode!r} must be one of {', '.join(VOCAB_MODES)}")

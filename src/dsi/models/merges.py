@@ -24,8 +24,11 @@ and verify it by ordinary rejection sampling exactly as from TLI's: the output k
 the same tokens whatever the timing, the law being a function of the context. Only the acceptance moves.
 
 The lookahead row after ``a`` is the drafter's next row whenever ``a`` is drafted, so the session keeps it
-and a chain of drafts pays about one forward per position still (of up to ``lookahead`` tokens: one
-forward's price on a GPU).
+(with the rows after the likeliest shared tokens, computed in the same forward), and a chain of drafts pays
+1.24-1.31 drafter forwards per position on SmolLM2 -> Qwen (of up to 6 tokens each: one forward's price on a
+GPU). On a CPU a forward's cost grows with its tokens and the lookahead made a llama.cpp drafter's rows 2-2.6
+times dearer, so ``merges="auto"`` (the default) looks ahead only where the drafter's rows are cheap: a
+stated low row price, or a drafter on an accelerator (:func:`merges_for`).
 """
 
 from __future__ import annotations
@@ -35,10 +38,32 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dsi.models.costs import stated_costs
 from dsi.models.vocabulary import Vocabulary
 
 MERGE_LOOKAHEAD = 3  # shared tokens per position whose lookahead rows the law is extended from (0: plain TLI)
+# ``merges="auto"`` looks ahead where one more token in a drafter forward costs at most this much of a one-token
+# forward (a GPU; a CPU's llama.cpp drafter: a row 2-2.6 times dearer with merges, docs/results.md section 31)
+MERGE_MAX_ROW_PRICE = 0.1
 MERGE_FLOOR = 0.01  # ... each at least this fraction of the likeliest shared token's probability
+
+
+def merges_for(drafter: object) -> int:
+    """What ``merges="auto"`` means for ``drafter``: :data:`MERGE_LOOKAHEAD` where the drafter states a row price
+    (:func:`dsi.models.costs.stated_costs`: a latency model, a ``CallableLM``) of at most
+    :data:`MERGE_MAX_ROW_PRICE`, or, stating none, runs on an accelerator (a ``device`` other than the CPU, on it
+    or on a model it wraps); else 0 (llama.cpp and hf on the CPU, where a forward's cost grows with its tokens).
+    Never timed: the law, and so a seed's tokens, must not depend on a measurement."""
+    model: object | None = drafter
+    while model is not None:  # the drafter, or the first model it wraps that says
+        costs = stated_costs(model)
+        if costs is not None:
+            return MERGE_LOOKAHEAD if costs.row_price <= MERGE_MAX_ROW_PRICE else 0
+        device = getattr(model, "device", None)
+        if device is not None:
+            return MERGE_LOOKAHEAD if str(device).split(":")[0] not in ("cpu", "") else 0
+        model = getattr(model, "wrapped_model", None)
+    return 0
 
 
 @dataclass(frozen=True)

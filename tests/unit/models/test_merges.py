@@ -69,13 +69,42 @@ def test_the_split_keeps_every_other_token_and_the_total_mass():
 
 def test_merges_is_checked_and_reported():
     target, drafter = vocabularies()
-    with pytest.raises(ConfigError, match="merges=-1 must be an int >= 0"):
-        CrossVocabularyDrafter(CallableLM(lambda ctx: np.zeros(6), 6), target, drafter, vocab_size=7, merges=-1)
+    for bad in (-1, "some", 1.5, True):
+        with pytest.raises(ConfigError, match=f"merges={bad!r} must be 'auto' or an int >= 0"):
+            CrossVocabularyDrafter(CallableLM(lambda ctx: np.zeros(6), 6), target, drafter, vocab_size=7, merges=bad)
     model = bridge_drafter(CallableLM(lambda ctx: np.zeros(7), 7), CallableLM(lambda ctx: np.zeros(6), 6),
                            "intersection", target_tokenizer=PiecesTokenizer(T_TEXTS),
                            drafter_tokenizer=PiecesTokenizer(D_TEXTS), merges=2)
     info = model.request_info(SamplingParams(temperature=1.0))
     assert (info["vocab_merge_lookahead"], info["vocab_merges"]) == (2, 2)
+
+
+@pytest.mark.parametrize("token_s, looks_ahead", [(0.0, 3), (0.0005, 3), (0.002, 0)])
+def test_auto_looks_ahead_where_a_drafter_row_is_cheap(token_s, looks_ahead):
+    """``merges="auto"``: the drafter's stated row price (here a latency model: 10 ms a forward and ``token_s``
+    a token more) decides, at most 0.1 of a one-token forward (a GPU) or nothing (a CPU)."""
+    from dsi.models import WithLatency
+
+    target, drafter = vocabularies()
+    slow = WithLatency(CallableLM(lambda ctx: np.zeros(6), 6), 0.01, 0.01, token_s=token_s)
+    model = CrossVocabularyDrafter(slow, target, drafter, vocab_size=7, mode="intersection")
+    assert model.merges == looks_ahead
+    assert model.request_info(SamplingParams(temperature=1.0))["vocab_merge_lookahead"] == looks_ahead
+    assert "merges='auto'" in repr(model)
+
+
+def test_auto_without_a_stated_price_looks_ahead_on_an_accelerator_only():
+    """No stated costs: a drafter (or the model it wraps) on a GPU looks ahead, one on the CPU or that says
+    nothing (llama.cpp here) does not; never timed, so the law cannot follow a measurement."""
+    from types import SimpleNamespace
+
+    from dsi.models.merges import merges_for
+
+    assert merges_for(SimpleNamespace(device="cuda:0")) == 3
+    assert merges_for(SimpleNamespace(device="cpu")) == 0
+    assert merges_for(SimpleNamespace()) == 0
+    assert merges_for(SimpleNamespace(wrapped_model=SimpleNamespace(device="cuda"))) == 3
+    assert merges_for(SimpleNamespace(wrapped_model=CallableLM(lambda ctx: np.zeros(2), 2))) == 3  # states 0
 
 
 @pytest.mark.parametrize("merges", [0, 3])
