@@ -57,6 +57,7 @@ from typing import Any
 import numpy as np
 
 from dsi.errors import ConfigError, DraftUnavailable, VocabularyMismatchError
+from dsi.logprobs import top_ids
 from dsi.models.base import (
     CancelFlag,
     LanguageModel,
@@ -404,7 +405,7 @@ class CrossVocabularySession:
             context = self._start + tuple(self._d_tokens)
             if not context:
                 raise DraftUnavailable("the drafter has no context to continue (empty text, no start token)")
-            kept = None if greedy else self._lookahead.get(context)
+            kept = self._lookahead.get(context) if self._lookahead and not greedy else None
             if kept is not None:  # a merges' lookahead computed this row already
                 self._row = kept
             else:
@@ -418,7 +419,7 @@ class CrossVocabularySession:
         intersection, with the merged tokens of its likeliest shared tokens (:mod:`dsi.models.merges`)."""
         self._align(context)
         raw = self._drafter_row(cancel, greedy=False)
-        base = self._start + tuple(self._d_tokens)
+        base = self._start + tuple(self._d_tokens) if self._model.merges else ()  # the lookaheads' context
         row = self._merged_rows(base, [], [], {}, [ROOT], [raw], cancel)[0]
         if not np.isfinite(row).any():  # it gives no shared token a chance: nothing to draft here
             raise DraftUnavailable("the drafter gives every token both vocabularies share probability 0")
@@ -438,23 +439,21 @@ class CrossVocabularySession:
         if not model.merges:
             return rows
         table = model.merge_table
-        wanted = []  # per row: the candidates' drafter ids
-        for row, r in zip(rows, raw, strict=True):
-            wanted.append(merge_candidates(table, r, float(np.max(row)), model.merges))
+        shared = model.intersection
+        values = [np.asarray(r)[shared.drafter_ids] for r in raw]  # per row: the shared tokens' logits [n shared]
+        wanted = [merge_candidates(table, r, float(v.max()), model.merges)  # per row: the candidates' drafter ids
+                  for r, v in zip(raw, values, strict=True)]
         paths: dict[int, tuple[int, ...]] = {ROOT: ()}
         for node, (token, parent) in enumerate(zip(tokens, parents, strict=True)):
             paths[node] = paths[parent] + (token,)
         found: dict[tuple[int, int], np.ndarray] = {}
         missing: list[tuple[int, int]] = []
-        shared = model.intersection
-        for node, r, candidates in zip(nodes, raw, wanted, strict=True):
+        for node, v, candidates in zip(nodes, values, wanted, strict=True):
             if not candidates:
                 continue
             # the likeliest shared tokens' rows too, in the same forward: one is the next draft's row, most often
-            values = np.asarray(r)[shared.drafter_ids]  # [n shared]
-            count = min(PREFETCHED, values.size)
-            likeliest = shared.drafter_ids[np.argpartition(-values, count - 1)[:count]]
-            for a in [*candidates, *(int(t) for t in likeliest if int(t) not in candidates)]:
+            likeliest = [int(shared.drafter_ids[i]) for i in top_ids(v, PREFETCHED)]
+            for a in [*candidates, *(t for t in likeliest if t not in candidates)]:
                 key = base + paths[node] + (a,)
                 inside = child.get((node, a))
                 kept = self._lookahead.get(key)

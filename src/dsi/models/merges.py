@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dsi.logprobs import top_ids
 from dsi.models.costs import stated_costs
 from dsi.models.vocabulary import Vocabulary
 
@@ -113,11 +114,8 @@ def merge_candidates(table: MergeTable, drafter_row: np.ndarray, shared_max: flo
     if lookahead <= 0 or table.starters.size == 0 or not np.isfinite(shared_max):
         return []
     values = np.asarray(drafter_row[table.starters], dtype=np.float64)  # [n]
-    count = min(lookahead, values.size)
-    top = np.argpartition(-values, count - 1)[:count] if count < values.size else np.arange(values.size)
-    top = top[np.argsort(-values[top], kind="stable")]
     least = shared_max + np.log(floor)
-    return [int(table.starters[i]) for i in top if values[i] >= least]
+    return [int(table.starters[i]) for i in top_ids(values, lookahead) if values[i] >= least]
 
 
 def merge_logits(target_row: np.ndarray, table: MergeTable, candidates: Sequence[int],
