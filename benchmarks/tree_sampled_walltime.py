@@ -177,6 +177,7 @@ def run_texts(target, drafter, prompts, seeds: int, tokens: int, temperature: fl
                           "verifications": out.stats.verify_tasks,
                           "side_wins": out.stats.extra.get("tree_side_accepts", 0),
                           "rejections": out.stats.rejections,
+                          "continued_side_wins": out.stats.extra.get("tree_continued_sides", 0),
                           "floor": out.stats.extra.get("tree_floor"), "ids": list(out.tokens)})
     return {"label": label, "texts": texts}
 
@@ -218,7 +219,9 @@ def main() -> int:
     parser.add_argument("--sets", nargs="+", choices=("code", "prose"), default=["code", "prose"])
     parser.add_argument("--costs", nargs="+", choices=tuple(COST_MODELS), default=list(COST_MODELS))
     parser.add_argument("--trees", nargs="+", metavar="SHAPE",
-                        help="the trees compared with each chain instead of the default ones (DSI skips branches)")
+                        help="the trees compared with each chain instead of the default ones (DSI skips widths per "
+                        "depth and best-first)")
+    parser.add_argument("--dsi-only", action="store_true", help="with --trees: DSI's runs only, no SI")
     parser.add_argument("--servers", nargs="+", type=int, default=[2, 4], help="DSI's target servers (with --trees)")
     parser.add_argument("--misses", choices=("stand-in", "compute"), default="stand-in",
                         help="a row a timed run needs that no fill computed (off the text's path): served from its "
@@ -237,7 +240,7 @@ def main() -> int:
         real_drafter = bridge_drafter(real_target, real_drafter, "intersection", merges=args.merges)
     memo_target, memo_drafter = Memoised(real_target, args.target), Memoised(real_drafter, args.drafter)
     configs = [(label, method, args.k if k is None else k, servers, tree)
-               for label, method, k, servers, tree in (CONFIGS if not args.trees else chosen(args.trees, args.servers))]
+               for label, method, k, servers, tree in (CONFIGS if not args.trees else chosen(args.trees, args.servers, args.dsi_only))]
     results = []
     for set_name in args.sets:
         prompts = [real_target.encode(text) for text in PROMPT_SETS[set_name][: args.prompts]]
@@ -312,12 +315,15 @@ def drafter_forwards(memo: Memoised) -> int:
     return int(getattr(memo.session, "counters", {}).get("drafter_model_forwards", 0))
 
 
-def chosen(trees: list[str], servers: list[int]) -> list[tuple]:
-    """SI's chain and ``trees``, then per DSI server count its chain and the trees DSI's windows take."""
-    configs: list[tuple] = [("SI chain", "si", None, 1, None)] + [(f"SI {t}", "si", None, 1, t) for t in trees]
+def chosen(trees: list[str], servers: list[int], dsi_only: bool = False) -> list[tuple]:
+    """SI's chain and ``trees`` (unless ``dsi_only``), then per DSI server count its chain and the trees DSI's
+    windows take (widths per depth and ``best-first`` are SI's)."""
+    configs: list[tuple] = [] if dsi_only else ([("SI chain", "si", None, 1, None)]
+                                                + [(f"SI {t}", "si", None, 1, t) for t in trees])
     for sp in servers:
         configs.append((f"DSI SP={sp} chain", "dsi", "auto", sp, None))
-        configs += [(f"DSI SP={sp} {t}", "dsi", "auto", sp, t) for t in trees if not t.startswith("branches")]
+        configs += [(f"DSI SP={sp} {t}", "dsi", "auto", sp, t) for t in trees
+                    if "," not in t and not t.startswith("best")]
     return configs
 
 
@@ -341,7 +347,8 @@ def summarise(set_name: str, cost_name: str, configs, runs: dict[str, list[dict]
         entry = {"wall_s": sum(t["wall_s"] for t in texts), "tokens": tokens,
                  "tokens_per_s": tokens / sum(t["wall_s"] for t in texts),
                  "tokens_per_verification": tokens / max(sum(t["verifications"] for t in texts), 1),
-                 "side_wins": sum(t["side_wins"] for t in texts), "rejections": sum(t["rejections"] for t in texts),
+                 "side_wins": sum(t["side_wins"] for t in texts),
+                 "continued_side_wins": sum(t["continued_side_wins"] for t in texts), "rejections": sum(t["rejections"] for t in texts),
                  "floor": texts[-1]["floor"],
                  "rows_missed_in_timed_runs": misses_of.get(label, 0), "texts": texts}
         if label.endswith("chain"):
@@ -350,6 +357,9 @@ def summarise(set_name: str, cost_name: str, configs, runs: dict[str, list[dict]
             chain = row["configs"][chain_label]
             entry["speedup_over_chain"] = entry["tokens_per_s"] / chain["tokens_per_s"]
             entry["interval_90"] = paired_interval(chain["texts"], texts)
+            # "branches" in DSI commits the chain's tokens, seed for seed; other trees write their own after a side win
+            entry["texts_equal_to_chain"] = sum(a["ids"] == b["ids"] for a, b in
+                                                zip(repeats[0]["texts"], runs[chain_label][0]["texts"], strict=True))
         row["configs"][label] = entry
     return row
 
@@ -362,7 +372,8 @@ def print_table(row: dict) -> None:
     print("|---|---|---|---|---|---|---|")
     for label, e in row["configs"].items():
         ratio = ("" if "speedup_over_chain" not in e else
-                 f"{e['speedup_over_chain']:.3f} ({e['interval_90'][0]:.3f}-{e['interval_90'][1]:.3f})")
+                 f"{e['speedup_over_chain']:.3f} ({e['interval_90'][0]:.3f}-{e['interval_90'][1]:.3f}; "
+                 f"{e['texts_equal_to_chain']}/{len(e['texts'])} texts the chain's)")
         per_verification = f"{e['tokens_per_verification']:.2f}" if label.startswith("SI") else "-"
         rescued = e["side_wins"] / max(e["side_wins"] + e["rejections"], 1)
         print(f"| {label} | {e['tokens_per_s']:.1f} | {per_verification} | {e['side_wins']} ({rescued:.2f}) | "

@@ -23,8 +23,8 @@ chain's last draft. So:
 
 **Shapes.** ``"chain"`` (no tree), fixed :class:`Widths` (children per main-path node, depth by
 depth: ``"3,2,1"``), :class:`Dynamic` (``"auto"``: the chain's drafts, each position with the
-drafter's next likeliest tokens as side children where the drafter is unsure; ``"branches"``, SI only:
-the side children continue as the drafter's own chains), or :class:`BestFirst` (``"best-first"``:
+drafter's next likeliest tokens as side children where the drafter is unsure; ``"branches"``: the side
+children continue as the drafter's own chains, in DSI by one draft), or :class:`BestFirst` (``"best-first"``:
 EAGLE-2-style growth by cumulative drafter probability within a node budget).
 :func:`grow` builds a tree from a drafter oracle, ``propose(path tokens) -> (main token, [(token,
 drafter probability), ...] most likely first)``.
@@ -246,19 +246,21 @@ class Dynamic:
     hardware (``price``, :func:`floor_for_price`; :data:`DEFAULT_FLOOR` where that is not known); a number
     (``"auto:0.3"``) fixes it.
 
-    ``branches`` (``"branches"``, ``"branches:F"``; SI only): each side child continues as the drafter's own
+    ``branches`` (``"branches"``, ``"branches:F"``): in SI each side child continues as the drafter's own
     drafts, drafted in the same rounds as the main path (one batched drafter forward a round where the session
     computes a tree in one, :func:`grow`), a node kept while its branch's drafter probability since it left
     the main path (the side child's times the drafts' and side children's below it) stays at least the floor,
     so a branch node takes side children of its own where they keep that mass: the rule a side child meets,
     for the same reason (a node is reached about that often and costs a verified row). A rescue then goes on
-    past the side child instead of ending the window there. DSI's drafter drafts only the main path,
-    without waiting, so its windows take leaf side children (:func:`check_windowed` refuses this there)."""
+    past the side child instead of ending the window there. DSI's drafter drafts the main path without
+    waiting, so there each side child continues by one token: the drafter's draft after it, drafted in the
+    forward that drafts the main path's next token (a tree of the draft and its side children), a guess at
+    the target's token after a side child that wins, with the row after it (:mod:`dsi.engine.dsi`)."""
 
     top: int = 3
     floor: float | None = None
     price: float | None = None  # the row price the floor was set from (None: fixed, or not priced yet)
-    branches: bool = False  # ``"branches"`` (SI only): side children continue as the drafter's own chains
+    branches: bool = False  # ``"branches"``: side children continue as the drafter's own chains (DSI: one draft)
 
     def __post_init__(self) -> None:
         _check_top(self.top)
@@ -364,14 +366,11 @@ def parse_shape(text: str | None) -> TreeShape:
 
 def check_windowed(shape: TreeShape) -> None:
     """Refuse, naming it, a shape DSI's windows cannot take: widths per depth and ``"best-first"`` (a node
-    budget per window, which timing cuts), and ``"branches"`` (DSI's drafter drafts only the main path)."""
+    budget per window, which timing cuts). ``"branches"`` continues each side child by one token in DSI (the
+    drafter's draft after it, drafted in the main path's next forward; :mod:`dsi.engine.dsi`)."""
     if shape is None:
         return
     shape.sides(0, ())
-    if isinstance(shape, Dynamic) and shape.branches:
-        raise ConfigError(f"draft tree {shape.name!r} continues side children as the drafter's own chains within "
-                          "SI's k drafter rounds; DSI's drafter drafts the main path without waiting, so its windows "
-                          "take leaf side children: use 'auto' (or a width such as '2') with DSI, 'branches' with SI")
 
 
 def grow(shape: TreeShape, budget: int, propose: Callable[[list[int]], Proposal | None],

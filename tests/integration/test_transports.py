@@ -107,16 +107,20 @@ def test_logprobs_from_remote_servers_equal_those_of_threads(transport, no_threa
     assert runs[transport].logprobs == runs["threads"].logprobs and len(runs["threads"].logprobs) == 24
 
 
-@pytest.mark.parametrize("transport", ["processes", pytest.param("ray", marks=[pytest.mark.ray, pytest.mark.slow])])
-def test_tree_windows_travel_to_remote_servers(transport, no_thread_leak):
+@pytest.mark.parametrize("transport, tree", [
+    ("processes", "2"), ("processes", "branches:0.05"),
+    pytest.param("ray", "2", marks=[pytest.mark.ray, pytest.mark.slow]),
+])
+def test_tree_windows_travel_to_remote_servers(transport, tree, no_thread_leak):
     """Tree tasks (issue 24) are pickled with their tree and each path's rows are processed on the server:
-    the same tokens and logprobs as threads, greedy and sampled."""
+    the same tokens and logprobs as threads, greedy and sampled (``branches``: side children with the
+    drafter's draft after each, two levels below the main path)."""
     use(transport)
     target, drafter = synthetic()
     runs = {}
     for name in ("threads", transport):
         decoder = dsi.build_decoder(target=target, drafter=drafter, lookahead=3, num_target_servers=2, transport=name,
-                                    draft_tree="2")
+                                    draft_tree=tree)
         try:
             runs[name] = [decoder.generate(make_request(PROMPT, 24, PARAMS[p], None, target.vocab_size, logprobs=2))
                           for p in ("greedy, processed", "sampling, processed")]

@@ -45,6 +45,7 @@ def reference(target, tokens, sampling=None, logprobs=None):
     ("si", "2,2,1", 4, 1), ("si", "3,1,1", 3, 1), ("si", "auto", 5, 1), ("si", "auto", 1, 1), ("si", "best-first", 5, 1),
     ("si", "branches", 5, 1), ("si", "branches:0.05", 3, 1),
     ("dsi", "2", 1, 1), ("dsi", "3", 3, 2), ("dsi", "auto", 2, 3), ("dsi", "auto", "auto", 2), ("dsi", "2", "auto", 4),
+    ("dsi", "branches", 3, 2), ("dsi", "branches:0.05", "auto", 3),
 ])
 def test_greedy_tree_windows_equal_non_si(method, tree, lookahead, servers, no_thread_leak):
     target, drafter = noisy_pair()
@@ -65,7 +66,7 @@ def test_greedy_trees_with_penalties_and_stop_ids_equal_non_si(no_thread_leak):
     params = dsi.SamplingParams(presence_penalty=0.8, repetition_penalty=1.3, logit_bias={3: 1.0}, min_tokens=10,
                                 stop_token_ids=[7])
     expected = dsi.generate(target=target, prompt=PROMPT, method="ar", max_new_tokens=50, sampling=params).tokens
-    for method, tree, k in (("si", "2,2,2", 4), ("dsi", "auto", 3), ("dsi", "3", "auto")):
+    for method, tree, k in (("si", "2,2,2", 4), ("dsi", "auto", 3), ("dsi", "3", "auto"), ("dsi", "branches", 2)):
         out = dsi.generate(target=target, drafter=drafter, prompt=PROMPT, method=method, max_new_tokens=50,
                            lookahead=k, draft_tree=tree, sampling=params)
         assert out.tokens == expected, (method, tree, k)
@@ -100,6 +101,73 @@ def test_sampled_dsi_with_a_tree_is_the_same_for_any_sp_lookahead_and_window_pol
             adopted += out.stats.extra.get("tree_adopted_windows", 0)
         assert len(outputs) == 1, tree
         assert side_wins > adopted > 0, tree
+
+
+@pytest.mark.parametrize("wrap", ["path by path", "one forward"])
+def test_sampled_dsi_with_branches_commits_autos_tokens_for_any_sp_lookahead_and_window_policy(wrap,
+                                                                                              no_thread_leak):
+    """``"branches"`` decides as ``"auto"`` with its floor does (after a side child that won, the target's own
+    draw), and only adds the drafter's draft after each side child as a guess at that draw, with the row after
+    it: so its tokens are ``auto``'s, seed for seed, whether that draft and its row came with the window or
+    not; on a drafter that computes a tree in one forward (the latency model) the side children's drafts come
+    from the main path's forwards."""
+    from dsi.models import WithLatency
+
+    target, drafter = noisy_pair(seed=3)
+    jt = Jitter(target, 0.0015, 1)
+    jd = Jitter(drafter, 0.0005, 2) if wrap == "path by path" else WithLatency(drafter, 0.0005, 0.0005, cv=0.5)
+    for seed in (11, 12):
+        params = dsi.SamplingParams(temperature=0.9, seed=seed, frequency_penalty=0.3)
+        auto = dsi.generate(target=jt, drafter=jd, prompt=PROMPT, method="dsi", max_new_tokens=50, lookahead=3,
+                            num_target_servers=2, sampling=params, draft_tree="auto:0.05")
+        side_wins = continued = 0
+        for lookahead, servers in ((1, 1), (3, 1), (4, 3), ("auto", 1), ("auto", 3)):
+            out = dsi.generate(target=jt, drafter=jd, prompt=PROMPT, method="dsi", max_new_tokens=50,
+                               lookahead=lookahead, num_target_servers=servers, draft_tree="branches:0.05",
+                               sampling=params)
+            assert out.tokens == auto.tokens, (seed, lookahead, servers)
+            stats = out.stats
+            assert stats.accepted_tokens + stats.rejections + stats.bonus_tokens == 50
+            assert (stats.rejections, stats.extra["tree_side_accepts"]) == (auto.stats.rejections,
+                                                                          auto.stats.extra["tree_side_accepts"])
+            side_wins += stats.extra.get("tree_side_accepts", 0)
+            continued += stats.extra.get("tree_continued_sides", 0)
+        assert side_wins > continued > 0, seed
+
+
+def alternating_drafter(target):
+    """A drafter whose likeliest token is the target's second (and its second the target's first) after a
+    context of even length, and the target's own after an odd one."""
+    def logits(tokens):
+        row = np.asarray(target.next_logits(tuple(tokens)), dtype=np.float64).copy()
+        if len(tokens) % 2 == 0:
+            first, second = np.argsort(-row, kind="stable")[:2]
+            row[first], row[second] = row[second], row[first]
+        return row
+
+    return CallableLM(logits, VOCAB, name="alternating drafter")
+
+
+@pytest.mark.parametrize("lookahead, servers", [(4, 1), (4, 2), (6, 3)])
+def test_a_side_child_that_wins_is_followed_by_its_drafted_continuation_from_the_same_window(lookahead, servers,
+                                                                                              no_thread_leak):
+    """Every other draft is wrong and its side child right, and the drafter's draft after that child right
+    again: with ``"branches"`` the window that holds the child holds that draft and the row after it, so a side
+    win commits the child and the target's token after it (that draft) and goes on, its next position decided
+    by the row after it from the same result; greedy output stays non-SI's, no rejection, and fewer
+    verifications than leaf side children (``"2"``) need."""
+    target = random_lm(VOCAB, 7, sharpness=2.0)
+    drafter = alternating_drafter(target)
+    expected = reference(target, 40).tokens
+    jt, jd = Jitter(target, 0.002, 1), Jitter(drafter, 0.0002, 2)
+    kwargs = dict(prompt=PROMPT, method="dsi", max_new_tokens=40, lookahead=lookahead, num_target_servers=servers)
+    runs = {tree: dsi.generate(target=jt, drafter=jd, draft_tree=tree, **kwargs) for tree in ("branches:0.01", "2")}
+    for out in runs.values():
+        assert out.tokens == expected
+    stats = runs["branches:0.01"].stats
+    assert stats.rejections == 0 and stats.extra["tree_side_accepts"] > 0
+    assert stats.extra["tree_continued_sides"] > 0
+    assert stats.verify_tasks < runs["2"].stats.verify_tasks
 
 
 def second_choice_drafter(target):
@@ -165,7 +233,6 @@ def test_logprobs_with_trees_equal_non_si(method, tree, no_thread_leak):
     (dict(method="si", draft_tree=3), "must be None, 'off', 'auto', 'branches', 'best-first', widths"),
     (dict(method="si", draft_tree="wide"), "must be off, auto, branches, best-first, or widths"),
     (dict(method="dsi", draft_tree="best-first"), "'best-first' is for SI"),
-    (dict(method="dsi", draft_tree="branches"), "'branches' continues side children.*'branches' with SI"),
     (dict(method="si", draft_tree="branches:1.5"), "'branches:F' takes the least drafter probability"),
 ])
 def test_bad_draft_trees_are_refused_naming_the_value(kwargs, fragment):
@@ -175,6 +242,7 @@ def test_bad_draft_trees_are_refused_naming_the_value(kwargs, fragment):
 
 
 @pytest.mark.parametrize("method, tree, lookahead", [("dsi", "2", 3), ("dsi", "3", "auto"), ("dsi", "auto", 1),
+                                                    ("dsi", "branches:0.05", 3), ("dsi", "branches:0.05", "auto"),
                                                     ("si", "2", 5), ("si", "2", 4), ("si", "auto", 4),
                                                     ("si", "auto", 1)])
 def test_the_event_simulator_takes_the_engines_tree_decisions(method, tree, lookahead, no_thread_leak):
@@ -204,7 +272,8 @@ def test_the_event_simulator_takes_the_engines_tree_decisions(method, tree, look
                           lookahead=lookahead, num_target_servers=2 if method == "dsi" else None,
                           draft_tree=tree).stats
     sim = simulate(method, target_tpot=1.0, drafter_tpot=0.1, lookahead=lookahead, num_servers=2,
-                   matches=matches, rescues=rescues, si_tree=tree if method == "si" else "2").runs[0]
+                   matches=matches, rescues=rescues, si_tree=tree if method == "si" else "2",
+                   dsi_branches=tree.startswith("branches")).runs[0]
     assert sim.side_wins == engine.extra.get("tree_side_accepts", 0) > 0
     assert (sim.accepted, sim.rejections) == (engine.accepted_tokens, engine.rejections)
     if method == "si":

@@ -67,12 +67,13 @@ def test_sampling_with_penalties_bias_min_p_and_min_tokens_matches_the_processed
 @pytest.mark.parametrize("method, lookahead, servers, tree", [
     ("dsi", 1, 1, "3"), pytest.param("dsi", "auto", 3, "auto", marks=SLOW),
     pytest.param("si", 3, 1, "2,2", marks=SLOW), ("si", 3, 1, "auto"), pytest.param("si", 4, 1, "best-first", marks=SLOW),
-    ("si", 3, 1, "branches:0.05"),
+    ("si", 3, 1, "branches:0.05"), ("dsi", 2, 2, "branches:0.05"),
 ])
 def test_sampling_with_draft_trees_matches_the_target_law(method, lookahead, servers, tree, no_thread_leak):
     """Tree windows (issue 24): side children followed when the chain's correction is one of them, then
-    the target's own token after it (DSI), or the walk down a tree (SI); penalties make every path's
-    rows differ from the main path's."""
+    the target's own token after it (DSI; with ``branches`` the drafter's draft after each side child
+    guesses it, and the row after that draft decides the next position where it guessed right), or the
+    walk down a tree (SI); penalties make every path's rows differ from the main path's."""
     target = random_lm(VOCAB, seed=21, sharpness=1.0)
     drafter = random_lm(VOCAB, seed=99, sharpness=1.5)
     processing = dict(temperature=0.9, presence_penalty=0.5, repetition_penalty=1.2)

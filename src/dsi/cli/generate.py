@@ -58,9 +58,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "drafts with the drafter's next likeliest tokens where it is unsure (probability at least a "
                         "floor set from what one more verified token costs the target: 0.1 where it is almost "
                         "nothing, up to no side child; 'auto:F' fixes it; at most two a position); one width such "
-                        "as 2 gives that many children at every position; 'branches' (SI only) is 'auto' whose side "
-                        "children go on as the drafter's own drafts, drafted in the same k rounds, while their "
-                        "probability stays at the floor; "
+                        "as 2 gives that many children at every position; 'branches' is 'auto' whose side children "
+                        "go on as the drafter's own drafts (SI: in the same k rounds, while their probability stays "
+                        "at the floor; DSI: one draft below each, which decides as 'auto' does and saves a verification where it "
+                        "guessed the target's token after a side child); "
                         "'best-first' (SI only) grows an EAGLE-2-style tree of k nodes; widths per depth such as "
                         "3,2,1 (SI only) give the children below each node of the main path. Output stays exact "
                         "(default off: chains)")

@@ -35,9 +35,11 @@ from dsi.models.base import (
     extend_rows,
     forward_rows,
     session_counters,
+    tree_rows,
 )
 from dsi.sampling import Prefix, SamplingParams, draft_from_logits
 from dsi.engine.trees import draft_with_alternatives
+from dsi.trees import ROOT, DraftTree
 from dsi.transport.liveness import HISTORY, LivenessPolicy
 
 log = logging.getLogger(__name__)
@@ -71,8 +73,11 @@ class Draft:
     index: int  # position in the draft, 0 = first token after the committed context
     token: int
     q: np.ndarray | None  # [V] processed drafter distribution; None when greedy
-    # draft trees: the drafter's likeliest tokens at this position, (token, probability) most likely first
-    alternatives: tuple[tuple[int, float], ...] = ()
+    # draft trees: this position's side children (the tree shape's choice among the drafter's likeliest tokens)
+    sides: tuple[int, ...] = ()
+    # draft trees that continue side children: the drafter's draft after each side child of the previous
+    # position, (side child, token, q), drafted in the forward that drafted this token
+    after_sides: tuple[tuple[int, int, np.ndarray | None], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -100,6 +105,9 @@ class _Job:
     prompt_len: int = 0  # how much of the context is the prompt (penalties, min_tokens)
     alternatives: int = 0  # draft trees: report this many likeliest tokens with each draft (0: none)
     alternatives_floor: float = 0.0  # ... only those other than the draft with this drafter probability
+    # draft trees: a position's side children from its draft and likeliest tokens (the shape's ``sides``)
+    side_children: Callable[[int, tuple[tuple[int, float], ...]], list[int]] | None = None
+    continue_sides: bool = False  # draft each side child's next token too, in the main path's next forward
 
 
 class DraftWorker:
@@ -136,18 +144,24 @@ class DraftWorker:
         prompt_len: int = 0,
         alternatives: int = 0,
         alternatives_floor: float = 0.0,
+        side_children: Callable[[int, tuple[tuple[int, float], ...]], list[int]] | None = None,
+        continue_sides: bool = False,
     ) -> None:
         """Abandon the current drafts and start drafting ``limit`` tokens after ``context`` (the
         caller has capped ``limit`` at the drafter's room: :meth:`capped`); the first ``prompt_len``
         tokens of ``context`` are the request's prompt. ``alternatives``: each draft also reports the
         drafter's that many likeliest tokens (draft trees); with ``alternatives_floor`` > 0, only those
         other than the draft with at least that drafter probability
-        (:func:`dsi.engine.trees.draft_with_alternatives`)."""
+        (:func:`dsi.engine.trees.draft_with_alternatives`). ``side_children(token, alternatives)``: a
+        draft's side children, reported with it; with ``continue_sides``, the next forward computes the main
+        path's next row and the row after each side child in one tree (:func:`dsi.models.base.tree_rows`),
+        and the next draft reports the drafter's draft after each side child (``Draft.after_sides``): the
+        token the drafter would draft there after a restart on that side child, drawn the same way."""
         with self._cond:
             if self._job is not None:
                 self._job.cancel.set()
             self._job = _Job(epoch, context, limit, sampling, eos_token_ids, threading.Event(), prompt_len,
-                             alternatives, alternatives_floor)
+                             alternatives, alternatives_floor, side_children, continue_sides)
             self._cond.notify()
 
     def stop(self) -> None:
@@ -231,9 +245,10 @@ class DraftWorker:
                 ids_only = drafts_ids_only(self._model, params) and not job.alternatives
                 out = self._forward(lambda: forward_rows(session, job.context, 1, cancel, greedy=ids_only)[-1])
                 drafted: list[int] = []
+                after_sides: tuple[tuple[int, int, np.ndarray | None], ...] = ()
                 while True:
                     position = len(job.context) + count
-                    alternatives: tuple[tuple[int, float], ...] = ()
+                    sides: tuple[int, ...] = ()
                     if ids_only:
                         token, q = int(out), None
                     else:
@@ -241,23 +256,41 @@ class DraftWorker:
                         if job.alternatives:
                             token, q, ranked = draft_with_alternatives(out, params, position, prefix, job.alternatives,
                                                                        job.alternatives_floor)
-                            alternatives = tuple(ranked)
+                            if job.side_children is not None:
+                                sides = tuple(job.side_children(token, tuple(ranked)))
                         else:
                             token, q = draft_from_logits(out, params, position, prefix)
                     drafted.append(token)
                     if cancel.is_set():
                         raise TaskCancelled("drafts abandoned")
-                    self._on_event(Draft(job.epoch, count, token, q, alternatives))
+                    self._on_event(Draft(job.epoch, count, token, q, sides, after_sides))
                     count += 1
                     if count >= limit or token in job.eos_token_ids:
                         break
-                    out = self._forward(lambda: extend_rows(session, [token], cancel, 1, ids_only)[-1])
+                    if job.continue_sides and sides:
+                        out, after_sides = self._forward(lambda: self._with_sides(session, job, drafted, sides))
+                    else:
+                        out = self._forward(lambda: extend_rows(session, [token], cancel, 1, ids_only)[-1])
+                        after_sides = ()
         except ContextLengthError as exc:  # a declared limit reached: no more drafts, not a failure
             log.debug("drafter stopped after %d drafts at its context limit: %s", count, exc)
             limited = True
         except DraftUnavailable as exc:  # nothing to propose (e.g. a foreign drafter's text ended)
             log.debug("drafter stopped after %d drafts: %s", count, exc)
         self._on_event(DraftsDone(job.epoch, count, limited))
+
+    @staticmethod
+    def _with_sides(session, job: _Job, drafted: list[int], sides: tuple[int, ...]):
+        """The row after ``drafted`` (whose last token has ``sides`` beside it) and the drafter's draft after
+        each side child, from one tree forward: (row, ((side, token, q), ...))."""
+        before = (*job.context, *drafted[:-1])
+        tree = DraftTree((drafted[-1], *sides), (ROOT,) * (1 + len(sides)))
+        rows = tree_rows(session, before, tree, job.cancel)
+        position = len(before) + 1
+        after = tuple((side, *draft_from_logits(rows[2 + i], job.sampling, position,
+                                                Prefix((*before, side), job.prompt_len, job.eos_token_ids)))
+                      for i, side in enumerate(sides))
+        return rows[1], after
 
     def _forward(self, run):
         """Run one drafter forward, counting it and its time (also when it is cancelled)."""

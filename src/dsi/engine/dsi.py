@@ -27,8 +27,11 @@ output never depends on timing. Only the target commits EOS.
 
 With a draft tree (:mod:`dsi.trees`) window w >= 1 is the tree of its context's drafts from
 last_{w-1} on, each with its position's side children (every drafted position's side children go with
-the first window sent after its draft); a rejection whose correction is a side child commits it, and
-the next position is the target's own token from the row after it (:meth:`_DSIRun.apply`,
+the first window sent after its draft), and with ``"branches"`` each side child with the drafter's draft
+after it, where drafted by then. A rejection whose correction is a side child commits it, and the next
+position is the target's own token from the row after it; with ``"branches"`` the drafter's draft after
+the child starts the next epoch as a guess at that token, and the row after that draft, where the window
+carried it, decides the position after it from the same result (:meth:`_DSIRun.apply`,
 docs/architecture.md "Draft trees").
 """
 
@@ -55,7 +58,7 @@ from dsi.models.base import LanguageModel, check_sampling, counter_changes
 from dsi.sampling import SamplingParams, bonus, decide, decide_greedy
 from dsi.transport.base import ServerDied, TargetPool, TaskAborted, TaskFailed, TaskResult, VerifyTask
 from dsi.transport.liveness import LivenessPolicy
-from dsi.trees import ROOT, DraftTree, TreeShape, check_windowed
+from dsi.trees import ROOT, DraftTree, Dynamic, TreeShape, check_windowed
 from dsi.windows import WindowPacer, window_end
 
 log = logging.getLogger(__name__)
@@ -73,6 +76,8 @@ class _Window:
     # side child (relative position, token) -> row; None: a chain window (row r - first decides r)
     main_rows: dict[int, int] | None = None
     side_rows: dict[tuple[int, int], int] | None = None
+    # ... and the row after each side child's continuation (the drafter's draft after it), where it went too
+    continued_rows: dict[tuple[int, int], int] | None = None
 
     def row(self, r: int) -> int:
         """The row of this window's result that decides relative position ``r``."""
@@ -193,10 +198,14 @@ class _DSIRun:
         self.base: tuple[int, ...] = ()
         self.draft: list[int] = []
         self.qs: list = []
-        self.sides: list[list[int]] = []  # draft trees: the side children at each drafted position
+        self.sides: list[tuple[int, ...]] = []  # draft trees: the side children at each drafted position
         # draft trees: this epoch follows a side child that won, so its first position is the target's own
-        # draw (a bonus) from the row after that child, and gets no rescue
+        # draw (a bonus) from the row after that child, and gets no rescue ("auto" and widths)
         self.bonus_first = False
+        # draft trees that continue side children: relative position -> {side child: (its next draft, q)}
+        self.after_sides: dict[int, dict[int, tuple[int, np.ndarray | None]]] = {}
+        self.seeded = 0  # drafts this epoch began with (a side child's continuation), not the drafter's
+        self.aliases: dict[int, int] = {}  # task_id -> a second window index the task's result decides for
         self.drafter_done = False
         self.limit = 0
         self.windows: dict[int, _Window] = {}
@@ -246,8 +255,11 @@ class _DSIRun:
         discard results that arrived early for windows past the last decided position (their
         target time is wasted). Return how many tasks were dropped."""
         decided = len(self.out.tokens) - len(self.base)  # relative positions decided this epoch
-        unused = [w for w in self.windows.values() if w.result is not None and w.first >= decided]
-        self.stats.wasted_target_s += sum(w.result.compute_s for w in unused)
+        used = {w.task_id for w in self.windows.values() if w.result is not None and w.first < decided}
+        unused = {w.task_id: w.result for w in self.windows.values()
+                  if w.result is not None and w.task_id not in used}
+        self.stats.wasted_target_s += sum(result.compute_s for result in unused.values())
+        self.aliases.clear()
         return self.cancel_outstanding() + len(unused)
 
     def check_workers(self) -> None:
@@ -265,15 +277,16 @@ class _DSIRun:
     # ---- events ------------------------------------------------------------------------------
     def handle(self, event: object) -> None:
         if isinstance(event, Draft):
-            if event.epoch == self.epoch and event.index == len(self.draft):
+            if event.epoch == self.epoch and event.index + self.seeded == len(self.draft):
                 now = time.perf_counter()
                 if event.index > 0:
                     self.decoder.pacer.add_drafter(now - self._last_draft_at)
                 self._last_draft_at = now
+                if event.after_sides:
+                    self.after_sides[len(self.draft) - 1] = {side: (token, q) for side, token, q in event.after_sides}
                 self.draft.append(event.token)
                 self.qs.append(event.q)
-                if self.tree is not None:
-                    self.sides.append(self.tree.sides(event.token, event.alternatives))
+                self.sides.append(event.sides)
                 self.stats.drafted_tokens += 1
         elif isinstance(event, DraftsDone):
             if event.epoch == self.epoch:
@@ -293,6 +306,9 @@ class _DSIRun:
                 self.stats.wasted_target_s += event.compute_s
             else:
                 self.windows[index].result = event
+                alias = self.aliases.pop(event.task_id, None)
+                if alias is not None:
+                    self.windows[alias].result = event
         elif isinstance(event, TaskAborted):
             self.stats.target_forwards += 1
             self.stats.target_busy_s += event.compute_s
@@ -313,39 +329,63 @@ class _DSIRun:
             log.warning("the drafter failed on abandoned drafts: %s", event.error)
 
     # ---- windows -----------------------------------------------------------------------------
-    def restart(self, after_side: bool = False, adopt: _Window | None = None, adopt_row: int = 0) -> None:
+    def restart(self, after_side: bool = False, adopt: _Window | None = None, rows: tuple[int, int | None] = (0, None),
+                seed: tuple[int, np.ndarray | None] | None = None) -> None:
         """Start a new epoch on the committed tokens: zero-draft task + fresh drafting.
 
-        ``after_side``: the last committed token is a side child that won, so the new epoch's first position
-        is a bonus draw from the row after it. ``adopt``: a window of the old epoch that carries that child and
-        has not answered yet; it is kept (it computes that very row, ``adopt_row``, and was sent earlier than a
-        new zero-draft task would be) as the new epoch's window 0."""
+        ``after_side``: the last committed token is a side child that won, so the new epoch's first position is
+        the target's own draw from the row after it (a bonus). ``adopt``: a window of the old epoch whose tree
+        holds that child, kept as the new epoch's window 0 (it computes that row, ``rows[0]``, and was sent
+        earlier than a new zero-draft task would be). ``seed`` (``"branches"``): the drafter's draft after the
+        child, (token, q), drafted beside the main path: the new epoch's first draft, so its drafts go on if the
+        bonus is that token; ``rows[1]``, where ``adopt`` carried that draft too, is the row after it, and
+        ``adopt`` then decides position 1 as well (window 1), from the same result."""
         if adopt is not None:
-            self.windows = {i: w for i, w in self.windows.items() if w is not adopt}
+            self.windows = {i: w for i, w in self.windows.items() if w.task_id != adopt.task_id}
             self.outstanding.pop(adopt.task_id, None)
         self.stats.preempted_tasks += self.discard_epoch()
         self.epoch = next(self.decoder._epochs)
         self.base = tuple(self.out.tokens)
         self.draft, self.qs, self.sides, self.windows, self.lasts = [], [], [], {}, []
+        self.after_sides = {}
+        self.seeded = 0
         self.drafter_done = False
         self.bonus_first = after_side
         self.limit = self.out.remaining  # positions after base that may be committed
-        drafts = self.drafter.capped(len(self.base), self.limit)  # the drafter's context may allow fewer
+        if seed is not None:
+            self.draft, self.qs, self.sides, self.seeded = [seed[0]], [seed[1]], [()], 1
         if adopt is None:
             self.submit_window(0, 0, 0)
         else:
-            self.windows[0] = _Window(0, 0, adopt.task_id, adopt.result, main_rows={0: adopt_row})
+            self.windows[0] = _Window(0, 0, adopt.task_id, adopt.result, main_rows={0: rows[0]})
             if adopt.result is None:
                 self.outstanding[adopt.task_id] = 0
             self.stats.extra["tree_adopted_windows"] = self.stats.extra.get("tree_adopted_windows", 0) + 1
-        if drafts < self.limit:
+            if seed is not None and rows[1] is not None and self.limit > 1:
+                self.windows[1] = _Window(1, 1, adopt.task_id, adopt.result, main_rows={1: rows[1]})
+                self.lasts.append(1)
+                if adopt.result is None:
+                    self.aliases[adopt.task_id] = 1
+        wanted = self.limit - self.seeded
+        if self.seeded and (self.draft[0] in self.request.eos_token_ids or wanted <= 0):
+            self.drafter.stop()  # the seed ends the drafts: nothing to draft after it
+            self.drafter_done = True
+            return
+        drafts = self.drafter.capped(len(self.base) + self.seeded, wanted)  # the drafter's context may allow fewer
+        if drafts < wanted:
             self._count_context_limited()
         if drafts > 0:
-            self.drafter.restart(self.epoch, self.base, drafts, self.request.sampling, self.request.eos_token_ids,
-                                 len(self.request.prompt), self._alternatives(), ranking_floor(self.tree))
+            self.drafter.restart(self.epoch, self.base + tuple(self.draft), drafts, self.request.sampling,
+                                 self.request.eos_token_ids, len(self.request.prompt), self._alternatives(),
+                                 ranking_floor(self.tree), None if self.tree is None else self.tree.sides,
+                                 self._continues())
         else:  # no room for even one draft: no prefill; every position is the target's own token
             self.drafter.stop()
             self.drafter_done = True
+
+    def _continues(self) -> bool:
+        """Whether side children continue (``"branches"``): the drafter drafts the token after each."""
+        return isinstance(self.tree, Dynamic) and self.tree.branches
 
     def _alternatives(self) -> int:
         """How many likeliest tokens the drafter reports with each draft (what the tree's sides need)."""
@@ -387,21 +427,27 @@ class _DSIRun:
         its draft, and no window waits for a draft it does not decide."""
         tokens: list[int] = []
         parents: list[int] = []
-        main_rows, side_rows = {}, {}
+        main_rows, side_rows, continued_rows = {}, {}, {}
         parent = ROOT
         for r in range(window.first - 1, window.last):
             node = len(tokens)
             tokens.append(self.draft[r])
             parents.append(parent)
+            after = self.after_sides.get(r, {})
             for side in () if r == 0 and self.bonus_first else self.sides[r]:
-                side_rows[(r, side)] = row_of(len(tokens))
+                side_node = len(tokens)
+                side_rows[(r, side)] = row_of(side_node)
                 tokens.append(side)
                 parents.append(parent)
+                if side in after:  # "branches": the drafter's draft after the side child, under it
+                    continued_rows[(r, side)] = row_of(len(tokens))
+                    tokens.append(after[side][0])
+                    parents.append(side_node)
             main_rows[r + 1] = row_of(node)
             parent = node
         if not side_rows:
             return None
-        window.main_rows, window.side_rows = main_rows, side_rows
+        window.main_rows, window.side_rows, window.continued_rows = main_rows, side_rows, continued_rows
         return DraftTree(tuple(tokens), tuple(parents))
 
     def horizon(self) -> int:
@@ -432,7 +478,7 @@ class _DSIRun:
                 if last is None:
                     return
             else:
-                last = min(index * self.k, self.horizon())
+                last = min(first - 1 + self.k, self.horizon())
                 if first > last or drafted < last:
                     return
             self.submit_window(index, first, last)
@@ -477,18 +523,28 @@ class _DSIRun:
                     self.stats.accepted_tokens += 1
                     continue
                 if self.tree is not None and token in self.sides[r]:
-                    # the correction is a side child: the next position is the target's own token after it
+                    # the correction (the chain's too) is a side child: its window computed the row after it
                     self.stats.accepted_tokens += 1
                     self.stats.extra["tree_side_accepts"] = self.stats.extra.get("tree_side_accepts", 0) + 1
                     if self.out.finished:
                         return
                     # the window sent with that side child: this one, or the next for its last position
                     holder = window if r < window.last else self.windows.get(index + 1)
+                    # "branches": the drafter's draft after the child, drafted beside the main path (or None)
+                    guess = self.after_sides.get(r, {}).get(token) if self._continues() else None
                     if holder is None:  # not sent yet: the next epoch's zero-draft task computes that row
-                        self.restart(after_side=True)
+                        self.restart(after_side=True, seed=guess)
+                        continue
+                    if guess is not None:  # the new epoch starts with it, and its window holds the row after it
+                        after = (holder.continued_rows or {}).get((r, token))
+                        if after is not None:
+                            self.stats.extra["tree_continued_sides"] = (
+                                self.stats.extra.get("tree_continued_sides", 0) + 1)
+                        self.restart(after_side=True, adopt=holder, rows=(holder.side_rows[(r, token)], after),
+                                     seed=guess)
                         continue
                     if holder.result is None:  # still running: it becomes the next epoch's window 0
-                        self.restart(after_side=True, adopt=holder, adopt_row=holder.side_rows[(r, token)])
+                        self.restart(after_side=True, adopt=holder, rows=(holder.side_rows[(r, token)], None))
                         continue
                     side = holder.side_rows[(r, token)]
                     self.commit(self._bonus(holder.result, side, position + 1), holder.result, side)

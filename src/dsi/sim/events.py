@@ -317,9 +317,11 @@ class _DSIRun:
         max_window: int | None = None,
         noise: _Noise | None = None,
         rescues: np.ndarray | None = None,
+        branches: bool = False,
     ) -> None:
         self.matches = matches
         self.rescues = rescues  # draft trees: a rejection at p whose correction is one of p's side children
+        self.branches = branches  # "branches": a side child goes with the drafter's draft after it (engine.dsi)
         self.n = len(matches)
         self.k = k  # None: the event-driven policy
         self.max_window = max_window
@@ -402,9 +404,13 @@ class _DSIRun:
         if self.k is None:
             self.full_windows += bisect.bisect_right(self.lasts, self.epoch_accepted) - 1
 
-    def restart(self, now: float, after_side: bool = False, adopt: _Task | None = None) -> None:
+    def restart(self, now: float, after_side: bool = False, adopt: _Task | None = None, seeded: bool = False,
+                continued: bool = False) -> None:
         """A new epoch at ``committed``; ``after_side``: its first position is the target's own token after a side
-        child that won, computed by ``adopt`` (a window of the old epoch still running or queued) if given."""
+        child that won, computed by ``adopt`` (a window of the old epoch still running or queued) if given.
+        ``"branches"``: ``seeded``, the drafter's draft after the side child is this epoch's first draft, and
+        ``adopt`` may have answered already; ``continued``: ``adopt`` computed the row after that draft too,
+        and decides position 1 as well (window 1)."""
         self.count_full_windows()
         for task in self.windows.values():
             if task is adopt:
@@ -431,16 +437,20 @@ class _DSIRun:
         self.windows = {}
         self.lasts = [0]
         self.epoch_accepted = 0
-        self.drafts = 0
-        self.drafter_done = False
+        self.drafts = 1 if seeded else 0
+        self.drafter_done = seeded and self.base + 1 >= self.n
         self.bonus_first = after_side
         if adopt is None:
             self.submit(0, now)  # whatever the servers: it may queue
         else:
             adopt.epoch = self.epoch
             self.windows[0] = adopt
+            if continued and self.base + 1 < self.n:
+                self.windows[1] = adopt
+                self.lasts.append(1)
         # the drafter abandons its forward (if any) and drafts the rest of the request
-        self.push(now + (self.d_tpot if self.drafter_warm else self.d_ttft), _DRAFT, self.epoch)
+        if not self.drafter_done:
+            self.push(now + (self.d_tpot if self.drafter_warm else self.d_ttft), _DRAFT, self.epoch)
         self.submit_when_idle(now)  # no drafts yet: a no-op, kept for the policy's sake
 
     # -- drafts and windows --
@@ -465,10 +475,10 @@ class _DSIRun:
         k = self.k
         if k is None:
             self.submit_when_idle(now)
-        elif self.drafter_done or self.drafts >= len(self.windows) * k:  # else: no window is due
+        elif self.drafter_done or self.drafts >= self.lasts[-1] + k:  # else: no window is due
             while True:
                 index = len(self.windows)
-                first, last = (index - 1) * k + 1, index * k
+                first, last = self.lasts[-1] + 1, self.lasts[-1] + k
                 if self.drafts >= last:
                     if first > self.n - 1 - self.base:
                         break  # it would decide only positions past the end (k = 1): not sent
@@ -609,6 +619,15 @@ class _DSIRun:
                     self.finished_at = now
                     return
                 holder = task if r < lasts[index] else self.windows.get(index + 1)
+                if self.branches and self.drafts >= r + 2:
+                    # "branches": the drafter's draft after the side child (drafted with position r + 1) starts
+                    # the new epoch, its drafts going on if the target's token there is that draft; the holder
+                    # carried it, and computed the row after it, if it was in its context (window w's drafts:
+                    # positions up to lasts[w] - 1)
+                    held_by = index if r < lasts[index] else index + 1
+                    continued = holder is not None and r + 1 <= lasts[held_by] - 1
+                    self.restart(now, after_side=True, adopt=holder, seeded=True, continued=continued)
+                    continue
                 if holder is None or holder.state != "done":
                     self.restart(now, after_side=True, adopt=holder)
                     continue
@@ -736,6 +755,7 @@ def simulate(
     latency_cv: float = 0.0,
     rescues: Sequence[bool] | Sequence[Sequence[bool]] | np.ndarray | None = None,
     si_tree: str = "2",
+    dsi_branches: bool = False,
 ) -> EventSimResult:
     """Simulate ``method`` ("dsi", "si" or "ar") in the model of time of this module.
 
@@ -760,7 +780,11 @@ def simulate(
     is replaced by a zero-draft task. That token is never rescued; the epoch it starts goes on if its first
     draft is that token (``matches``). No window waits for a draft it does not decide. SI spends its
     ``k`` drafts as the tree ``si_tree`` (``"2"`` or ``"auto"``, see :func:`_si_run`). Side children cost
-    nothing on the target (a forward costs its TPOT whatever its tokens).
+    nothing on the target (a forward costs its TPOT whatever its tokens). ``dsi_branches``: DSI's
+    ``"branches"`` tree (:mod:`dsi.engine.dsi`): the same decisions, and where the drafter drafted the
+    position after the rescued one, its draft after the side child starts the new epoch (its drafts go on
+    if that draft is the target's token there, ``matches``), and the holding window, if that draft was in
+    its context, also decides the position after it.
     """
     if method not in METHODS:
         raise ConfigError(f"method={method!r} must be one of {', '.join(METHODS)}")
@@ -820,6 +844,6 @@ def simulate(
             runs.append(_si_run(pattern, k, t_ttft, t_tpot, d_ttft, d_tpot, noise, sides, si_tree))
         else:
             dsi = _DSIRun(pattern, k, num_servers, t_ttft, t_tpot, d_ttft, d_tpot, queue, delay, max_window, noise,
-                          sides)
+                          sides, dsi_branches)
             runs.append(dsi.run())
     return EventSimResult(method, n, AUTO if k is None else k, num_servers if method == "dsi" else 1, tuple(runs))

@@ -544,7 +544,7 @@ def test_string_mode_proposes_within_bounded_drafter_work(drafter_fn, context):
     assert drafter_fn is completes_the_emoji and token == EMOJI_T.index(b"\x99\x82")
 
 
-@pytest.mark.parametrize("method, lookahead, tree", [("si", 3, "2,2"), ("dsi", 2, "auto")])
+@pytest.mark.parametrize("method, lookahead, tree", [("si", 3, "2,2"), ("dsi", 2, "auto"), ("dsi", 2, "branches:0.05")])
 def test_draft_trees_branch_through_the_intersection_and_fall_back_to_chains_in_string_mode(
         method, lookahead, tree, no_thread_leak):
     """String mode proposes one settled target token per position, no law over alternatives: a chain,
@@ -727,12 +727,15 @@ def test_a_draft_tree_through_the_intersection_is_one_drafter_forward_with_every
 
 
 @pytest.mark.hf
+@pytest.mark.parametrize("method, lookahead", [("si", 4), ("dsi", 3)])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_si_trees_through_the_intersection_draft_a_round_in_one_forward_and_decide_as_path_by_path(temperature,
-                                                                                                   no_thread_leak):
-    """SI's ``branches`` tree with a drafter of another vocabulary: with a drafter that computes trees in one
-    forward (``WithLatency`` of zero latency) each round is one drafter forward, and the tokens are those of
-    the same drafter path by path (the rows are the same); greedy, non-SI's."""
+def test_branches_through_the_intersection_draft_in_one_forward_and_decide_as_path_by_path(method, lookahead,
+                                                                                           temperature,
+                                                                                           no_thread_leak):
+    """``branches`` with a drafter of another vocabulary: with a drafter that computes trees in one forward
+    (``WithLatency`` of zero latency) each round of SI's tree is one drafter forward, and DSI drafts the
+    token after each side child in the main path's forward; the tokens are those of the same drafter path
+    by path (the rows are the same); greedy, non-SI's; sampled DSI, ``auto``'s with the same floor."""
     needs_hf()
     from dsi.models import WithLatency
 
@@ -742,12 +745,19 @@ def test_si_trees_through_the_intersection_draft_a_round_in_one_forward_and_deci
     params = SamplingParams(temperature=temperature, seed=3)
     runs = {}
     for name, model in (("one forward", WithLatency(drafter, 0.0, 0.0)), ("path by path", drafter)):
-        runs[name] = dsi.generate(target=target, drafter=model, prompt=prompt, max_new_tokens=24, method="si",
-                                  lookahead=4, draft_tree="branches:0.05", sampling=params, vocab_mode="intersection",
-                                  target_tokenizer=target.tokenizer, drafter_tokenizer=drafter.tokenizer)
+        runs[name] = dsi.generate(target=target, drafter=model, prompt=prompt, max_new_tokens=24, method=method,
+                                  lookahead=lookahead, draft_tree="branches:0.05", sampling=params,
+                                  vocab_mode="intersection", target_tokenizer=target.tokenizer,
+                                  drafter_tokenizer=drafter.tokenizer)
     one, paths = runs["one forward"], runs["path by path"]
     assert one.tokens == paths.tokens
     assert one.stats.extra["draft_tree"] == "branches:0.05" and one.stats.extra["tree_windows"] > 0
-    assert one.stats.extra["drafter_model_forwards"] < paths.stats.extra["drafter_model_forwards"]
+    if method == "si":
+        assert one.stats.extra["drafter_model_forwards"] < paths.stats.extra["drafter_model_forwards"]
+    elif temperature > 0:
+        assert one.tokens == dsi.generate(target=target, drafter=drafter, prompt=prompt, max_new_tokens=24,
+                                          method="dsi", lookahead=lookahead, sampling=params,
+                                          draft_tree="auto:0.05", vocab_mode="intersection", target_tokenizer=target.tokenizer,
+                                          drafter_tokenizer=drafter.tokenizer).tokens
     if temperature == 0.0:
         assert one.tokens == dsi.generate(target=target, prompt=prompt, max_new_tokens=24, method="ar").tokens

@@ -224,3 +224,18 @@ def test_rescues_are_dsi_patterns_shaped_like_matches():
                      matches=[True, False, True, True, False, True]).runs[0]
     assert (chain.rejections, chain.side_wins) == (2, 0)
     assert (run.rejections, run.side_wins) == (0, 2) and run.latency < chain.latency
+
+
+@pytest.mark.parametrize("lookahead, servers", [(3, 1), (4, 2), (6, 4), ("auto", 1), ("auto", 2)])
+def test_dsi_branches_take_autos_decisions_sooner_where_the_draft_after_a_side_child_is_right(lookahead, servers):
+    """Every other draft wrong with its side child right, and the draft after that child right: ``"branches"``
+    makes ``auto``'s decisions (the same side wins, no rejection), and where the holding window carried that
+    draft it also decides the next position, so the request ends sooner with fewer verifications."""
+    matches, rescues = [False, True] * 20, [True, False] * 20
+    kwargs = dict(target_tpot=1.0, drafter_tpot=0.1, lookahead=lookahead, num_servers=servers, matches=matches,
+                  rescues=rescues)
+    auto = simulate("dsi", **kwargs).runs[0]
+    branches = simulate("dsi", dsi_branches=True, **kwargs).runs[0]
+    assert (branches.accepted, branches.rejections, branches.side_wins) == (auto.accepted, auto.rejections,
+                                                                           auto.side_wins) == (20, 0, 20)
+    assert branches.latency < 0.95 * auto.latency and branches.tasks < auto.tasks
