@@ -41,6 +41,7 @@ def build_decoder(
     target_servers: object = None,
     draft_tree: object = None,
     drafter_server: str | None = None,
+    merges: int | str = "auto",
 ) -> Decoder:
     """A decoder that keeps its workers (threads, caches) across requests; ``close()`` it.
 
@@ -70,7 +71,10 @@ def build_decoder(
     vocabulary drafts through text (string-level for greedy requests, the token intersection for
     sampling); ``"shared"``: one vocabulary required; ``"string"`` / ``"intersection"``: that
     translation. Translating needs both tokenizers: the models' ``tokenizer`` attributes, or
-    ``target_tokenizer`` / ``drafter_tokenizer``. Output stays exact in every mode.
+    ``target_tokenizer`` / ``drafter_tokenizer``. Output stays exact in every mode. ``merges`` (a drafter
+    of another vocabulary, intersection mode): how many likely shared tokens per position its law extends to
+    the target tokens they begin and the drafter spells in two (:mod:`dsi.models.merges`); ``"auto"``: 3
+    where the drafter's rows are cheap (an accelerator, a stated low row price), 0 (plain TLI) on a CPU.
 
     ``draft_tree`` (SI and DSI): spend each window's drafts as a tree instead of a chain (:mod:`dsi.trees`):
     None or ``"off"`` (chains), ``"auto"`` (the chain's drafts with side children where the drafter is
@@ -103,11 +107,12 @@ def build_decoder(
             num_target_servers=num_target_servers, transport=transport, transport_options=transport_options,
             max_window=max_window, vocab_mode=vocab_mode, target_tokenizer=target_tokenizer,
             drafter_tokenizer=drafter_tokenizer, draft_tree=draft_tree, drafter_server=drafter_server,
+            merges=merges,
         )
     engine.check_lookahead(method, lookahead, max_window)
     drafter = engine.drafter_placement(drafter, drafter_server, method)
     if drafter is not None:
-        drafter = engine.bridge(target, drafter, vocab_mode, target_tokenizer, drafter_tokenizer)
+        drafter = engine.bridge(target, drafter, vocab_mode, target_tokenizer, drafter_tokenizer, merges)
     engine.check_placement(num_target_servers, transport)
     from dsi.evaluate.autotune import build_auto_decoder  # measures with the engine: imported on use
 
@@ -153,6 +158,7 @@ def generate(
     logprobs_mode: str = "raw",
     draft_tree: object = None,
     drafter_server: str | None = None,
+    merges: int | str = "auto",
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt`` with non-SI, SI, DSI or ``"auto"``.
 
@@ -165,14 +171,14 @@ def generate(
     to keep them across calls. ``logprobs`` (N >= 0): the result's ``logprobs`` hold each new
     token's log-probability and the N most likely tokens of the row that decided it, the numbers
     non-SI reports (``logprobs_mode`` ``"raw"``, vLLM's default, or ``"processed"``: :mod:`dsi.logprobs`);
-    ``on_tokens`` then also gets them. ``draft_tree``, ``drafter_server``: see :func:`build_decoder`.
+    ``on_tokens`` then also gets them. ``draft_tree``, ``drafter_server``, ``merges``: see :func:`build_decoder`.
     """
     decoder = build_decoder(
         target=target, drafter=drafter, method=method, lookahead=lookahead, num_target_servers=num_target_servers,
         transport=transport, transport_options=transport_options, max_window=max_window,
         auto_options=auto_options, vocab_mode=vocab_mode, target_tokenizer=target_tokenizer,
         drafter_tokenizer=drafter_tokenizer, deterministic=deterministic, target_servers=target_servers,
-        draft_tree=draft_tree, drafter_server=drafter_server,
+        draft_tree=draft_tree, drafter_server=drafter_server, merges=merges,
     )
     return engine.run_once(decoder, prompt, max_new_tokens, vocab_size=target.vocab_size, sampling=sampling,
                            eos_token_id=eos_token_id, on_tokens=on_tokens, abort=abort, logprobs=logprobs,

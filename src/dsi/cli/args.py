@@ -78,17 +78,21 @@ NON_NEGATIVE = Number(float, 0)
 PROBABILITY = Number(float, 0, 1)  # a rate in [0, 1]
 
 
-def lookahead(text: str) -> int | str:
-    """``--lookahead``: an integer k >= 1, or ``auto`` (DSI's event-driven windows)."""
-    if text.strip().lower() == "auto":
-        return "auto"
-    try:
-        return COUNT(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"{text!r} must be an integer >= 1 or 'auto'") from None
+def auto_or(number: Number, what: str):
+    """A flag type taking ``auto`` (any case) or a ``number``; ``what`` says what the number is."""
+
+    def parse(text: str) -> int | str:
+        if text.strip().lower() == "auto":
+            return "auto"
+        try:
+            return number(text)
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(f"{text!r} must be {number.describe()} or 'auto' ({what})") from None
+
+    return parse
 
 
-LOOKAHEAD = lookahead
+LOOKAHEAD = auto_or(COUNT, "k drafts a window, or DSI's event-driven windows")  # --lookahead
 
 
 def draft_tree(text: str) -> str:
@@ -108,6 +112,9 @@ def draft_tree(text: str) -> str:
 
 
 DRAFT_TREE = draft_tree
+
+
+MERGES = auto_or(NATURAL, "shared tokens per position whose merged tokens are drafted; 0: none")  # --merges
 
 
 def engine_url(text: str) -> str:

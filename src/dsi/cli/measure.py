@@ -441,7 +441,7 @@ def run_acceptance(args: argparse.Namespace) -> int:
     prompts = _prompt_ids(target, args)
     eos = target.eos_token_ids
     target, drafter, engines = _over_engines(target, drafter, args)
-    drafter = bridge_drafter(target, drafter, args.vocab_mode)  # guesses in the target's ids
+    drafter = bridge_drafter(target, drafter, args.vocab_mode, merges=getattr(args, "merges", "auto"))  # target ids
     measured = measure_acceptance(target, drafter, prompts, args.max_new_tokens, eos)
     result = {
         "kind": "acceptance", "target": args.target, "drafter": args.drafter, **engines,

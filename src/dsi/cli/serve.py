@@ -145,8 +145,8 @@ def run_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key, **limits,
         model_name=args.served_model_name or default_name, max_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-        shutdown_grace_s=args.shutdown_timeout, vocab_mode=args.vocab_mode, max_logprobs=args.max_logprobs,
-        logprobs_mode=args.logprobs_mode, draft_tree=args.draft_tree,
+        shutdown_grace_s=args.shutdown_timeout, vocab_mode=args.vocab_mode, merges=args.merges,
+        max_logprobs=args.max_logprobs, logprobs_mode=args.logprobs_mode, draft_tree=args.draft_tree,
         target_servers=tuple(urls) if (urls := target_servers(args)) else None, drafter_server=drafter_server(args),
         synthetic=synthetic,
     )

@@ -149,11 +149,12 @@ def drafter_placement(drafter: object, drafter_server: object, method: str) -> L
 
 
 def bridge(target: object, drafter: object, vocab_mode: str, target_tokenizer: object = None,
-           drafter_tokenizer: object = None) -> LanguageModel:
-    """The drafter as the engine sees it, over the target's ids (:mod:`dsi.models.crossvocab`)."""
+           drafter_tokenizer: object = None, merges: int | str = "auto") -> LanguageModel:
+    """The drafter as the engine sees it, over the target's ids (:mod:`dsi.models.crossvocab`; ``merges``:
+    :mod:`dsi.models.merges`)."""
     require(vocab_mode in VOCAB_MODES, f"vocab_mode={vocab_mode!r} must be one of {', '.join(VOCAB_MODES)}")
     return bridge_drafter(check_model(target, "target"), check_model(drafter, "drafter"), vocab_mode,
-                          target_tokenizer=target_tokenizer, drafter_tokenizer=drafter_tokenizer)
+                          target_tokenizer=target_tokenizer, drafter_tokenizer=drafter_tokenizer, merges=merges)
 
 
 def build_decoder(
@@ -172,6 +173,7 @@ def build_decoder(
     target_servers: object = None,
     draft_tree: object = None,
     drafter_server: str | None = None,
+    merges: int | str = "auto",
 ) -> Decoder:
     """A decoder of ``method`` (``"dsi"``, ``"si"`` or ``"ar"``) that keeps its workers (threads,
     caches) across requests; ``close()`` it. The arguments are those of :func:`dsi.build_decoder`,
@@ -186,7 +188,7 @@ def build_decoder(
     tune_allocator()  # vocabulary-sized laws on fresh heap pages cost as much as their arithmetic
     drafter = drafter_placement(drafter, drafter_server, method)
     if drafter is not None and method != "ar":
-        drafter = bridge(target, drafter, vocab_mode, target_tokenizer, drafter_tokenizer)
+        drafter = bridge(target, drafter, vocab_mode, target_tokenizer, drafter_tokenizer, merges)
     check_placement(DEFAULT_TARGET_SERVERS if num_target_servers is None else num_target_servers, transport)
     target, num_target_servers, transport, transport_options = engine_placement(
         target, target_servers, num_target_servers, transport, transport_options)

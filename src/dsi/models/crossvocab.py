@@ -102,9 +102,7 @@ class CrossVocabularyDrafter:
                  merges: int | str = "auto") -> None:
         if mode not in _TRANSLATING:
             raise ConfigError(f"mode={mode!r} must be one of {', '.join(_TRANSLATING)}")
-        if merges != "auto" and (isinstance(merges, bool) or not isinstance(merges, int) or merges < 0):
-            raise ConfigError(f"merges={merges!r} must be 'auto' or an int >= 0 (the shared tokens per position "
-                              "whose merged tokens the intersection law reaches; 0: plain TLI)")
+        check_merges(merges)
         self._merges_asked = merges
         self._merges: int | None = None if merges == "auto" else int(merges)
         self._merge_table: MergeTable | None = None
@@ -526,6 +524,13 @@ def shares_vocabulary(target: LanguageModel, drafter: LanguageModel, target_toke
     return tt is None or dt is None or same_vocabulary(tt, dt)
 
 
+def check_merges(merges: object) -> None:
+    """Refuse, naming it, a ``merges`` that is neither ``"auto"`` nor an int >= 0."""
+    if merges != "auto" and (isinstance(merges, bool) or not isinstance(merges, int) or merges < 0):
+        raise ConfigError(f"merges={merges!r} must be 'auto' or an int >= 0 (the shared tokens per position "
+                          "whose merged tokens the intersection law reaches; 0: plain TLI)")
+
+
 def bridge_drafter(target: LanguageModel, drafter: LanguageModel, vocab_mode: str = "auto", *,
                    target_tokenizer: Any = None, drafter_tokenizer: Any = None,
                    merges: int | str = "auto") -> LanguageModel:
@@ -535,14 +540,19 @@ def bridge_drafter(target: LanguageModel, drafter: LanguageModel, vocab_mode: st
     Tokenizers default to the models' ``tokenizer`` attributes. ``"auto"`` translates only when the
     vocabularies differ; ``"string"`` and ``"intersection"`` translate even between equal ones.
     ``merges``: how many likely shared tokens per position the intersection law extends to their merged
-    tokens (:mod:`dsi.models.merges`; 0: plain TLI; ``"auto"``: :attr:`CrossVocabularyDrafter.merges`). A
+    tokens (:mod:`dsi.models.merges`; 0: plain TLI; ``"auto"``: :attr:`CrossVocabularyDrafter.merges`); a
+    number for a drafter that shares the target's vocabulary is refused (nothing would be merged). A
     drafter bridged already is returned as it is.
     """
     if vocab_mode not in VOCAB_MODES:
         raise ConfigError(f"vocab_mode={vocab_mode!r} must be one of {', '.join(VOCAB_MODES)}")
+    check_merges(merges)
     if isinstance(drafter, CrossVocabularyDrafter):  # bridged already (e.g. once for every decoder of a server)
         if vocab_mode not in ("auto", drafter.mode):
             raise ConfigError(f"vocab_mode={vocab_mode!r} for a drafter bridged already in mode {drafter.mode!r}; "
+                              "bridge the drafter's own model instead")
+        if merges != "auto" and merges != drafter.merges:
+            raise ConfigError(f"merges={merges!r} for a drafter bridged already with merges={drafter.merges}; "
                               "bridge the drafter's own model instead")
         return drafter
     tt = target_tokenizer if target_tokenizer is not None else getattr(target, "tokenizer", None)
@@ -556,6 +566,10 @@ def bridge_drafter(target: LanguageModel, drafter: LanguageModel, vocab_mode: st
                    "target and drafter tokenizers map tokens to different ids")
             raise VocabularyMismatchError(f"{why}; vocab_mode='shared' needs one vocabulary (vocab_mode='auto' "
                                           "drafts across tokenizers)")
+        if merges != "auto":
+            raise ConfigError(f"merges={merges!r} applies to a drafter of another vocabulary (its token "
+                              "intersection's law); this drafter shares the target's vocabulary and drafts its "
+                              "tokens as they are: drop merges, or pass vocab_mode='intersection'")
         return drafter
     if not tokenizers:
         missing = "target" if tt is None else "drafter"

@@ -122,7 +122,7 @@ class ServerState:
 
             drafter = drafter_engine(drafter, config.drafter_server)
         if drafter is not None and config.method != "ar":  # one translation shared by every slot's decoder
-            drafter = bridge_drafter(target, drafter, config.vocab_mode)
+            drafter = bridge_drafter(target, drafter, config.vocab_mode, merges=config.merges)
         self.drafter = drafter
         self.choice = None  # with method="auto": what it picked, once the first slot's decoder is built
         self.free_unused_drafter = free_unused_drafter

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from dsi.api import METHODS
 from dsi.engine.api import check_draft_tree, check_lookahead
 from dsi.errors import ConfigError, require
-from dsi.models.crossvocab import VOCAB_MODES, check_mode_sampling
+from dsi.models.crossvocab import VOCAB_MODES, check_merges, check_mode_sampling
 from dsi.sampling import SamplingParams
 from dsi.server.limits import DEFAULT_MAX_BODY_BYTES
 from dsi.server.protocol import MAX_SEED
@@ -63,6 +63,7 @@ class ServeConfig:
     retry_after_s: int = 1
     shutdown_grace_s: float = 5.0  # at shutdown, how long running requests may take to stop
     vocab_mode: str = "auto"  # how the drafter's tokens reach the target (dsi.models.crossvocab)
+    merges: int | str = "auto"  # a drafter of another vocabulary: its merged tokens' lookahead (dsi.models.merges)
     target_servers: tuple[str, ...] | None = None  # engines (URLs) that verify instead of local servers
     drafter_server: str | None = None  # an engine (URL) serving the drafter, whose tokens are streamed
     synthetic: tuple[str, str] | None = None  # (scenario, role) of a synthetic model served (dsi serve --synthetic)
@@ -93,6 +94,7 @@ class ServeConfig:
                 f"seed={self.seed!r} must be None or an integer in [0, 2**63 - 1]")
         defaults = SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)  # validates them
         require(self.vocab_mode in VOCAB_MODES, f"vocab_mode={self.vocab_mode!r} must be one of {', '.join(VOCAB_MODES)}")
+        check_merges(self.merges)
         if self.method != "ar":  # string-level drafting serves greedy requests only: the default must be one
             check_mode_sampling(self.vocab_mode, defaults)
         require(self.logprobs_mode in ("raw", "processed"),

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -173,3 +174,44 @@ def test_cli_measure_acceptance_with_a_drafter_of_another_tokenizer(dirs, capsys
     code = main(["measure", "acceptance", "--target", dirs[0], "--drafter", dirs[1], "--dtype", "fp32",
                  "--num-prompts", "1", "--max-new-tokens", "8", "--vocab-mode", "shared", "--json"])
     assert code == 2 and "vocab_mode='shared' needs one vocabulary" in capsys.readouterr().err
+
+
+# ---- --merges ------------------------------------------------------------------------------------------
+
+
+def test_merges_reach_the_engine_and_keep_greedy_output_exact(dirs, capsys):
+    """``--merges N`` sets how many likely shared tokens per position the intersection law extends to their
+    merged target tokens (reported as ``vocab_merge_lookahead``); greedy output stays non-SI's either way."""
+    reference = generate(capsys, dirs, "--method", "ar")
+    runs = {}
+    for merges in ("0", "3"):
+        doc = generate(capsys, dirs, "--method", "si", "--lookahead", "3", "--vocab-mode", "intersection",
+                       "--merges", merges)
+        assert doc["token_ids"] == reference["token_ids"]
+        runs[merges] = doc["stats"]
+    assert runs["0"]["vocab_merge_lookahead"] == 0 and "vocab_merges" not in runs["0"]
+    assert runs["3"]["vocab_merge_lookahead"] == 3 and runs["3"]["vocab_merges"] > 0
+
+
+@pytest.mark.parametrize("value", ["-1", "three", "1.5"])
+def test_a_bad_merges_value_is_refused_naming_it(dirs, capsys, value):
+    code = main(["generate", "--target", dirs[0], "--drafter", dirs[1], "--prompt", "x", "--merges", value])
+    err = capsys.readouterr().err
+    assert code == 2 and re.search(rf"--merges='?{re.escape(value)}'? must be an integer >= 0 or 'auto'", err), err
+
+
+def test_merges_with_a_drafter_of_the_targets_vocabulary_are_refused(dirs, capsys):
+    code = main(["generate", "--target", dirs[0], "--drafter", dirs[0], "--prompt", "x", "--dtype", "fp32",
+                 "--method", "si", "--merges", "3"])
+    err = capsys.readouterr().err
+    assert code == 2 and "merges=3 applies to a drafter of another vocabulary" in err
+
+
+def test_serve_config_takes_merges():
+    from dsi.errors import ConfigError
+    from dsi.server import ServeConfig
+
+    assert ServeConfig(merges=3).merges == 3 and ServeConfig().merges == "auto"
+    for bad in (-1, "3", True, 1.5):
+        with pytest.raises(ConfigError, match="must be 'auto' or an int >= 0"):
+            ServeConfig(merges=bad)

@@ -16,7 +16,8 @@ import pathlib
 
 import pytest
 
-from dsi.cli.args import DRAFT_TREE, ENGINE_URL, LOOKAHEAD, SCORING_PORT, Number, flag_message, input_file, output_dir, output_file
+from dsi.cli.args import (DRAFT_TREE, ENGINE_URL, LOOKAHEAD, MERGES, SCORING_PORT, Number, flag_message, input_file,
+                          output_dir, output_file)
 from dsi.cli.main import build_parser
 
 PATH_TYPES = (input_file, output_file, output_dir)
@@ -115,7 +116,7 @@ def _refused(capsys, parser, argv) -> str:
 
 def test_every_flag_with_a_value_is_typed_or_a_choice_or_listed():
     unchecked = sorted({f"{' '.join(path)} {_flag(a)}" for path, _, a in FLAGS
-                        if not (isinstance(a.type, Number) or a.type in (*PATH_TYPES, LOOKAHEAD, DRAFT_TREE, ENGINE_URL, SCORING_PORT)
+                        if not (isinstance(a.type, Number) or a.type in (*PATH_TYPES, LOOKAHEAD, DRAFT_TREE, MERGES, ENGINE_URL, SCORING_PORT)
                                 or a.choices)
                         and _flag(a) not in TEXT_FLAGS})
     assert not unchecked, f"flags without a checked type (use dsi.cli.args): {unchecked}"
@@ -141,16 +142,25 @@ def test_every_numeric_flag_refuses_what_is_outside_its_range_naming_flag_and_va
     assert isinstance(value, number.kind) and number.contains(value)
 
 
-@pytest.mark.parametrize("command", [p for p, _, a in FLAGS if a.type is LOOKAHEAD], ids=" ".join)
-def test_lookahead_flags_take_k_or_auto(capsys, command):
+AUTO_OR = {LOOKAHEAD: ("an integer >= 1", ("0", "-3", "fast", "2.5"), ("1", 1)),
+           MERGES: ("an integer >= 0", ("-1", "x", "1.5", ""), ("0", 0))}
+
+
+@pytest.mark.parametrize("command, kind", [(p, a.type) for p, _, a in FLAGS if a.type in AUTO_OR],
+                         ids=lambda v: " ".join(v) if isinstance(v, tuple) else "")
+def test_auto_or_number_flags_take_auto_or_their_number(capsys, command, kind):
+    """``--lookahead`` (k or DSI's event-driven windows) and ``--merges`` (a count, or chosen by the drafter's
+    hardware): ``auto`` in any case, or their number, anything else refused naming the value."""
     root = build_parser()
-    parser, action = next((parser, a) for p, parser, a in FLAGS if p == command and a.type is LOOKAHEAD)
-    base = _base(parser, command, action)
-    for text in ("0", "-3", "fast", "2.5"):
-        err = _refused(capsys, root, [*base, f"--lookahead={text}"])
-        assert f"--lookahead={_shown(text)} must be an integer >= 1 or 'auto'" in err, err
-    parsed = vars(root.parse_args([*base, "-k", "AUTO"]))["lookahead"]
-    assert parsed in ("auto", ["auto"])
+    parser, action = next((parser, a) for p, parser, a in FLAGS if p == command and a.type is kind)
+    base, flag = _base(parser, command, action), _flag(action)
+    number, bad, (text, value) = AUTO_OR[kind]
+    for given in bad:
+        err = _refused(capsys, root, [*base, f"{flag}={given}"])
+        assert f"{flag}={_shown(given)} must be {number} or 'auto'" in err, err
+    for given, want in (("AUTO", "auto"), (f" {text}", value)):
+        parsed = vars(root.parse_args([*base, flag, given]))[action.dest]
+        assert parsed in (want, [want])
 
 
 @pytest.mark.parametrize("command", [p for p, _, a in FLAGS if a.type is DRAFT_TREE], ids=" ".join)

@@ -107,12 +107,13 @@ def test_auto_without_a_stated_price_looks_ahead_on_an_accelerator_only():
     assert merges_for(SimpleNamespace(wrapped_model=CallableLM(lambda ctx: np.zeros(2), 2))) == 3  # states 0
 
 
+@pytest.mark.parametrize("via", ["bridge_drafter", "dsi.generate"])
 @pytest.mark.parametrize("merges", [0, 3])
 @pytest.mark.parametrize("method", ["si", "dsi"])
-def test_greedy_output_is_the_target_s_own_with_merged_drafts(method, merges, no_thread_leak):
+def test_greedy_output_is_the_target_s_own_with_merged_drafts(method, merges, via, no_thread_leak):
     """A target that writes "ab" and "abc", a drafter that writes "a" and then "b" (or "bc", less often): merges
     draft "ab", which the target often writes; plain TLI drafts "a", which it never does. Greedy output is
-    non-SI's either way."""
+    non-SI's either way; ``merges`` is the same through ``bridge_drafter`` and ``dsi.generate``."""
     text = [2, 2, 4, 2, 4, 4, 2, 2, 2, 4, 2, 2]
 
     def target_row(ctx):  # the target writes ``text`` after the one-token prompt, then "c"
@@ -129,12 +130,34 @@ def test_greedy_output_is_the_target_s_own_with_merged_drafts(method, merges, no
         return logits
 
     target, drafter = CallableLM(target_row, len(T_TEXTS)), CallableLM(drafter_row, len(D_TEXTS))
-    bridged = bridge_drafter(target, drafter, "intersection", target_tokenizer=PiecesTokenizer(T_TEXTS),
-                             drafter_tokenizer=PiecesTokenizer(D_TEXTS), merges=merges)
+    tokenizers = dict(target_tokenizer=PiecesTokenizer(T_TEXTS), drafter_tokenizer=PiecesTokenizer(D_TEXTS))
     plain = dsi.generate(target=target, prompt=[3], max_new_tokens=12, method="ar").tokens
-    out = dsi.generate(target=target, drafter=bridged, prompt=[3], max_new_tokens=12, method=method, lookahead=3)
+    if via == "bridge_drafter":
+        bridged = bridge_drafter(target, drafter, "intersection", merges=merges, **tokenizers)
+        out = dsi.generate(target=target, drafter=bridged, prompt=[3], max_new_tokens=12, method=method, lookahead=3)
+    else:
+        out = dsi.generate(target=target, drafter=drafter, prompt=[3], max_new_tokens=12, method=method, lookahead=3,
+                           vocab_mode="intersection", merges=merges, **tokenizers)
     assert out.tokens == plain == text
+    assert out.stats.extra["vocab_merge_lookahead"] == merges
     if merges:
         assert out.stats.accepted_tokens >= 4 and out.stats.extra["drafter_merge_forwards"] > 0
     else:
         assert out.stats.accepted_tokens == 0 and out.stats.extra.get("drafter_merge_forwards", 0) == 0
+
+
+def test_merges_are_refused_where_they_cannot_apply():
+    """A number for a drafter of the target's own vocabulary (nothing to merge), and one that contradicts a
+    drafter bridged already, are refused naming the value; ``"auto"`` is always accepted."""
+    same = CallableLM(lambda ctx: np.zeros(7), 7)
+    with pytest.raises(ConfigError, match="merges=3 applies to a drafter of another vocabulary"):
+        dsi.build_decoder(target=same, drafter=CallableLM(lambda ctx: np.ones(7), 7), method="si", merges=3)
+    dsi.build_decoder(target=same, drafter=CallableLM(lambda ctx: np.ones(7), 7), method="si", merges="auto").close()
+    bridged = bridge_drafter(same, CallableLM(lambda ctx: np.zeros(6), 6), "intersection",
+                             target_tokenizer=PiecesTokenizer(T_TEXTS), drafter_tokenizer=PiecesTokenizer(D_TEXTS),
+                             merges=2)
+    assert bridge_drafter(same, bridged, merges=2) is bridged and bridge_drafter(same, bridged) is bridged
+    with pytest.raises(ConfigError, match="merges=0 for a drafter bridged already with merges=2"):
+        bridge_drafter(same, bridged, merges=0)
+    with pytest.raises(ConfigError, match="merges='3' must be 'auto' or an int >= 0"):
+        dsi.generate(target=same, drafter=bridged, prompt=[1], max_new_tokens=2, method="si", merges="3")
