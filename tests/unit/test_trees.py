@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 
@@ -274,7 +275,16 @@ def _logits(prefix: tuple[int, ...], salt: bytes, vocab: int) -> np.ndarray:
 
 
 def _law(prefix, salt, vocab, params):
-    return process_logits(_logits(tuple(prefix), salt, vocab), params, Prefix(list(prefix), len(PROMPT)))
+    return _cached_law(tuple(prefix), salt, vocab, params)
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_law(prefix: tuple[int, ...], salt: bytes, vocab: int, params: SamplingParams) -> np.ndarray:
+    """A law is a function of its arguments, and the enumerations below ask for the same ones millions of
+    times: each computed once, read-only (a caller that wrote into one would fail)."""
+    law = process_logits(_logits(prefix, salt, vocab), params, Prefix(list(prefix), len(PROMPT)))
+    law.flags.writeable = False
+    return law
 
 
 def _explore(run):
