@@ -178,6 +178,7 @@ def run_texts(target, drafter, prompts, seeds: int, tokens: int, temperature: fl
                           "side_wins": out.stats.extra.get("tree_side_accepts", 0),
                           "rejections": out.stats.rejections,
                           "continued_side_wins": out.stats.extra.get("tree_continued_sides", 0),
+                          "side_guesses_right": out.stats.extra.get("tree_side_guesses_right", 0),
                           "floor": out.stats.extra.get("tree_floor"), "ids": list(out.tokens)})
     return {"label": label, "texts": texts}
 
@@ -348,7 +349,8 @@ def summarise(set_name: str, cost_name: str, configs, runs: dict[str, list[dict]
                  "tokens_per_s": tokens / sum(t["wall_s"] for t in texts),
                  "tokens_per_verification": tokens / max(sum(t["verifications"] for t in texts), 1),
                  "side_wins": sum(t["side_wins"] for t in texts),
-                 "continued_side_wins": sum(t["continued_side_wins"] for t in texts), "rejections": sum(t["rejections"] for t in texts),
+                 "continued_side_wins": sum(t["continued_side_wins"] for t in texts),
+                 "side_guesses_right": sum(t["side_guesses_right"] for t in texts), "rejections": sum(t["rejections"] for t in texts),
                  "floor": texts[-1]["floor"],
                  "rows_missed_in_timed_runs": misses_of.get(label, 0), "texts": texts}
         if label.endswith("chain"):

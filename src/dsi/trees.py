@@ -253,7 +253,7 @@ class Dynamic:
     so a branch node takes side children of its own where they keep that mass: the rule a side child meets,
     for the same reason (a node is reached about that often and costs a verified row). A rescue then goes on
     past the side child instead of ending the window there. DSI's drafter drafts the main path without
-    waiting, so there each side child continues by one token: the drafter's draft after it, drafted in the
+    waiting, so there each side child continues by one token: the drafter's likeliest token after it, drafted in the
     forward that drafts the main path's next token (a tree of the draft and its side children), a guess at
     the target's token after a side child that wins, with the row after it (:mod:`dsi.engine.dsi`)."""
 
@@ -367,7 +367,7 @@ def parse_shape(text: str | None) -> TreeShape:
 def check_windowed(shape: TreeShape) -> None:
     """Refuse, naming it, a shape DSI's windows cannot take: widths per depth and ``"best-first"`` (a node
     budget per window, which timing cuts). ``"branches"`` continues each side child by one token in DSI (the
-    drafter's draft after it, drafted in the main path's next forward; :mod:`dsi.engine.dsi`)."""
+    drafter's likeliest token after it, drafted in the main path's next forward; :mod:`dsi.engine.dsi`)."""
     if shape is None:
         return
     shape.sides(0, ())

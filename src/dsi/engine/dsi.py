@@ -27,10 +27,10 @@ output never depends on timing. Only the target commits EOS.
 
 With a draft tree (:mod:`dsi.trees`) window w >= 1 is the tree of its context's drafts from
 last_{w-1} on, each with its position's side children (every drafted position's side children go with
-the first window sent after its draft), and with ``"branches"`` each side child with the drafter's draft
-after it, where drafted by then. A rejection whose correction is a side child commits it, and the next
-position is the target's own token from the row after it; with ``"branches"`` the drafter's draft after
-the child starts the next epoch as a guess at that token, and the row after that draft, where the window
+the first window sent after its draft), and with ``"branches"`` each side child with the drafter's likeliest
+token after it, where drafted by then. A rejection whose correction is a side child commits it, and the next
+position is the target's own token from the row after it; with ``"branches"`` the drafter's likeliest token
+after the child starts the next epoch as a guess at that token, and the row after that draft, where the window
 carried it, decides the position after it from the same result (:meth:`_DSIRun.apply`,
 docs/architecture.md "Draft trees").
 """
@@ -76,7 +76,7 @@ class _Window:
     # side child (relative position, token) -> row; None: a chain window (row r - first decides r)
     main_rows: dict[int, int] | None = None
     side_rows: dict[tuple[int, int], int] | None = None
-    # ... and the row after each side child's continuation (the drafter's draft after it), where it went too
+    # ... and the row after each side child's continuation (the drafter's likeliest token after it), where it went too
     continued_rows: dict[tuple[int, int], int] | None = None
 
     def row(self, r: int) -> int:
@@ -336,7 +336,7 @@ class _DSIRun:
         ``after_side``: the last committed token is a side child that won, so the new epoch's first position is
         the target's own draw from the row after it (a bonus). ``adopt``: a window of the old epoch whose tree
         holds that child, kept as the new epoch's window 0 (it computes that row, ``rows[0]``, and was sent
-        earlier than a new zero-draft task would be). ``seed`` (``"branches"``): the drafter's draft after the
+        earlier than a new zero-draft task would be). ``seed`` (``"branches"``): the drafter's likeliest token after the
         child, (token, q), drafted beside the main path: the new epoch's first draft, so its drafts go on if the
         bonus is that token; ``rows[1]``, where ``adopt`` carried that draft too, is the row after it, and
         ``adopt`` then decides position 1 as well (window 1), from the same result."""
@@ -439,7 +439,7 @@ class _DSIRun:
                 side_rows[(r, side)] = row_of(side_node)
                 tokens.append(side)
                 parents.append(parent)
-                if side in after:  # "branches": the drafter's draft after the side child, under it
+                if side in after:  # "branches": the drafter's likeliest token after the side child, under it
                     continued_rows[(r, side)] = row_of(len(tokens))
                     tokens.append(after[side][0])
                     parents.append(side_node)
@@ -510,6 +510,9 @@ class _DSIRun:
                 self.commit(token, result, row)
                 self.stats.bonus_tokens += 1
                 if r < len(self.draft) and self.draft[r] == token:
+                    if self.seeded:  # "branches": the drafter's likeliest token after the side child was that draw
+                        self.stats.extra["tree_side_guesses_right"] = (
+                            self.stats.extra.get("tree_side_guesses_right", 0) + 1)
                     continue  # the drafts after it were drafted on it
             elif r < len(self.draft):
                 if params.greedy:
@@ -530,7 +533,7 @@ class _DSIRun:
                         return
                     # the window sent with that side child: this one, or the next for its last position
                     holder = window if r < window.last else self.windows.get(index + 1)
-                    # "branches": the drafter's draft after the child, drafted beside the main path (or None)
+                    # "branches": the drafter's likeliest token after the child, drafted beside the main path (or None)
                     guess = self.after_sides.get(r, {}).get(token) if self._continues() else None
                     if holder is None:  # not sent yet: the next epoch's zero-draft task computes that row
                         self.restart(after_side=True, seed=guess)

@@ -156,6 +156,12 @@ def draft_with_alternatives(row: np.ndarray, params: SamplingParams, position: i
     return main, None, alternatives if floor <= 0.0 else _unsure(alternatives, main, floor)
 
 
+def likeliest_draft(row: np.ndarray, params: SamplingParams, prefix: Prefix) -> int:
+    """The drafter's likeliest token from its raw logits ``row`` after ``prefix``: the argmax of the logits as
+    ``params`` process them (its greedy draft; the mode of a sampled request's law)."""
+    return int(np.argmax(_greedy_logits(row, params, prefix)))
+
+
 def _greedy_logits(row: np.ndarray, params: SamplingParams, prefix: Prefix) -> np.ndarray:
     """The logits a greedy draft is the argmax of and side children are ranked by: the raw ``row`` in its own
     dtype, or shaped by the processors where they can move the argmax."""

@@ -321,7 +321,7 @@ class _DSIRun:
     ) -> None:
         self.matches = matches
         self.rescues = rescues  # draft trees: a rejection at p whose correction is one of p's side children
-        self.branches = branches  # "branches": a side child goes with the drafter's draft after it (engine.dsi)
+        self.branches = branches  # "branches": a side child goes with the drafter's likeliest token after it
         self.n = len(matches)
         self.k = k  # None: the event-driven policy
         self.max_window = max_window
@@ -408,7 +408,7 @@ class _DSIRun:
                 continued: bool = False) -> None:
         """A new epoch at ``committed``; ``after_side``: its first position is the target's own token after a side
         child that won, computed by ``adopt`` (a window of the old epoch still running or queued) if given.
-        ``"branches"``: ``seeded``, the drafter's draft after the side child is this epoch's first draft, and
+        ``"branches"``: ``seeded``, the drafter's likeliest token after the side child is this epoch's first draft, and
         ``adopt`` may have answered already; ``continued``: ``adopt`` computed the row after that draft too,
         and decides position 1 as well (window 1)."""
         self.count_full_windows()
@@ -620,7 +620,7 @@ class _DSIRun:
                     return
                 holder = task if r < lasts[index] else self.windows.get(index + 1)
                 if self.branches and self.drafts >= r + 2:
-                    # "branches": the drafter's draft after the side child (drafted with position r + 1) starts
+                    # "branches": the drafter's likeliest token after the side child (drafted with position r + 1) starts
                     # the new epoch, its drafts going on if the target's token there is that draft; the holder
                     # carried it, and computed the row after it, if it was in its context (window w's drafts:
                     # positions up to lasts[w] - 1)
@@ -782,7 +782,7 @@ def simulate(
     ``k`` drafts as the tree ``si_tree`` (``"2"`` or ``"auto"``, see :func:`_si_run`). Side children cost
     nothing on the target (a forward costs its TPOT whatever its tokens). ``dsi_branches``: DSI's
     ``"branches"`` tree (:mod:`dsi.engine.dsi`): the same decisions, and where the drafter drafted the
-    position after the rescued one, its draft after the side child starts the new epoch (its drafts go on
+    position after the rescued one, its likeliest token after the side child starts the new epoch (its drafts go on
     if that draft is the target's token there, ``matches``), and the holding window, if that draft was in
     its context, also decides the position after it.
     """
