@@ -75,9 +75,9 @@ class Draft:
     q: np.ndarray | None  # [V] processed drafter distribution; None when greedy
     # draft trees: this position's side children (the tree shape's choice among the drafter's likeliest tokens)
     sides: tuple[int, ...] = ()
-    # draft trees that continue side children: the drafter's draft after each side child of the previous
-    # position, (side child, token, q), drafted in the forward that drafted this token
-    after_sides: tuple[tuple[int, int, np.ndarray | None], ...] = ()
+    # draft trees that continue side children: the drafter's likeliest token after each side child of the
+    # previous position, (side child, token), from the forward that drafted this token
+    after_sides: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -106,8 +106,8 @@ class _Job:
     alternatives: int = 0  # draft trees: report this many likeliest tokens with each draft (0: none)
     alternatives_floor: float = 0.0  # ... only those other than the draft with this drafter probability
     # draft trees: a position's side children from its draft and likeliest tokens (the shape's ``sides``)
-    side_children: Callable[[int, tuple[tuple[int, float], ...]], list[int]] | None = None
-    continue_sides: bool = False  # draft each side child's next token too, in the main path's next forward
+    side_children: Callable[[int, list[tuple[int, float]]], list[int]] | None = None
+    continue_sides: bool = False  # each side child's likeliest next token too, from the main path's next forward
 
 
 class DraftWorker:
@@ -144,7 +144,7 @@ class DraftWorker:
         prompt_len: int = 0,
         alternatives: int = 0,
         alternatives_floor: float = 0.0,
-        side_children: Callable[[int, tuple[tuple[int, float], ...]], list[int]] | None = None,
+        side_children: Callable[[int, list[tuple[int, float]]], list[int]] | None = None,
         continue_sides: bool = False,
     ) -> None:
         """Abandon the current drafts and start drafting ``limit`` tokens after ``context`` (the
@@ -155,8 +155,8 @@ class DraftWorker:
         (:func:`dsi.engine.trees.draft_with_alternatives`). ``side_children(token, alternatives)``: a
         draft's side children, reported with it; with ``continue_sides``, the next forward computes the main
         path's next row and the row after each side child in one tree (:func:`dsi.models.base.tree_rows`),
-        and the next draft reports the drafter's draft after each side child (``Draft.after_sides``): the
-        token the drafter would draft there after a restart on that side child, drawn the same way."""
+        and the next draft reports the drafter's likeliest token after each side child (``Draft.after_sides``,
+        :meth:`_with_sides`)."""
         with self._cond:
             if self._job is not None:
                 self._job.cancel.set()
@@ -245,7 +245,7 @@ class DraftWorker:
                 ids_only = drafts_ids_only(self._model, params) and not job.alternatives
                 out = self._forward(lambda: forward_rows(session, job.context, 1, cancel, greedy=ids_only)[-1])
                 drafted: list[int] = []
-                after_sides: tuple[tuple[int, int, np.ndarray | None], ...] = ()
+                after_sides: tuple[tuple[int, int], ...] = ()
                 while True:
                     position = len(job.context) + count
                     sides: tuple[int, ...] = ()
@@ -257,7 +257,7 @@ class DraftWorker:
                             token, q, ranked = draft_with_alternatives(out, params, position, prefix, job.alternatives,
                                                                        job.alternatives_floor)
                             if job.side_children is not None:
-                                sides = tuple(job.side_children(token, tuple(ranked)))
+                                sides = tuple(job.side_children(token, ranked))
                         else:
                             token, q = draft_from_logits(out, params, position, prefix)
                     drafted.append(token)
@@ -283,14 +283,14 @@ class DraftWorker:
     def _with_sides(session, job: _Job, drafted: list[int], sides: tuple[int, ...]):
         """The row after ``drafted`` (whose last token has ``sides`` beside it) and the drafter's likeliest
         token after each side child (the argmax of its processed row: its greedy draft there), from one tree
-        forward: (row, ((side, token, None), ...)). For a sampled request that token is a guess at the target's
+        forward: (row, ((side, token), ...)). For a sampled request that token is a guess at the target's
         draw after the child, more often right than a sampled draft and a fraction of its cost (an argmax, not a
         draw from the whole law); whether it is right never changes a committed token."""
         before = (*job.context, *drafted[:-1])
         tree = DraftTree((drafted[-1], *sides), (ROOT,) * (1 + len(sides)))
         rows = tree_rows(session, before, tree, job.cancel)
         after = tuple((side, likeliest_draft(rows[2 + i], job.sampling,
-                                             Prefix((*before, side), job.prompt_len, job.eos_token_ids)), None)
+                                             Prefix((*before, side), job.prompt_len, job.eos_token_ids)))
                       for i, side in enumerate(sides))
         return rows[1], after
 

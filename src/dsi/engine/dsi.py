@@ -203,7 +203,7 @@ class _DSIRun:
         # draw (a bonus) from the row after that child, and gets no rescue ("auto" and widths)
         self.bonus_first = False
         # draft trees that continue side children: relative position -> {side child: (its next draft, q)}
-        self.after_sides: dict[int, dict[int, tuple[int, np.ndarray | None]]] = {}
+        self.after_sides: dict[int, dict[int, int]] = {}
         self.seeded = 0  # drafts this epoch began with (a side child's continuation), not the drafter's
         self.aliases: dict[int, int] = {}  # task_id -> a second window index the task's result decides for
         self.drafter_done = False
@@ -283,7 +283,7 @@ class _DSIRun:
                     self.decoder.pacer.add_drafter(now - self._last_draft_at)
                 self._last_draft_at = now
                 if event.after_sides:
-                    self.after_sides[len(self.draft) - 1] = {side: (token, q) for side, token, q in event.after_sides}
+                    self.after_sides[len(self.draft) - 1] = dict(event.after_sides)
                 self.draft.append(event.token)
                 self.qs.append(event.q)
                 self.sides.append(event.sides)
@@ -330,14 +330,14 @@ class _DSIRun:
 
     # ---- windows -----------------------------------------------------------------------------
     def restart(self, after_side: bool = False, adopt: _Window | None = None, rows: tuple[int, int | None] = (0, None),
-                seed: tuple[int, np.ndarray | None] | None = None) -> None:
+                seed: int | None = None) -> None:
         """Start a new epoch on the committed tokens: zero-draft task + fresh drafting.
 
         ``after_side``: the last committed token is a side child that won, so the new epoch's first position is
         the target's own draw from the row after it (a bonus). ``adopt``: a window of the old epoch whose tree
         holds that child, kept as the new epoch's window 0 (it computes that row, ``rows[0]``, and was sent
         earlier than a new zero-draft task would be). ``seed`` (``"branches"``): the drafter's likeliest token after the
-        child, (token, q), drafted beside the main path: the new epoch's first draft, so its drafts go on if the
+        child, drafted beside the main path: the new epoch's first draft, so its drafts go on if the
         bonus is that token; ``rows[1]``, where ``adopt`` carried that draft too, is the row after it, and
         ``adopt`` then decides position 1 as well (window 1), from the same result."""
         if adopt is not None:
@@ -353,7 +353,8 @@ class _DSIRun:
         self.bonus_first = after_side
         self.limit = self.out.remaining  # positions after base that may be committed
         if seed is not None:
-            self.draft, self.qs, self.sides, self.seeded = [seed[0]], [seed[1]], [()], 1
+            # never tested against a row (the position is the target's draw), so it needs no law
+            self.draft, self.qs, self.sides, self.seeded = [seed], [None], [()], 1
         if adopt is None:
             self.submit_window(0, 0, 0)
         else:
@@ -441,7 +442,7 @@ class _DSIRun:
                 parents.append(parent)
                 if side in after:  # "branches": the drafter's likeliest token after the side child, under it
                     continued_rows[(r, side)] = row_of(len(tokens))
-                    tokens.append(after[side][0])
+                    tokens.append(after[side])
                     parents.append(side_node)
             main_rows[r + 1] = row_of(node)
             parent = node

@@ -50,14 +50,14 @@ def test_each_side_childs_continuation_is_the_drafters_likeliest_token_there(par
     assert all(not d.after_sides for d in plain) and not drafts[0].after_sides
     continued = 0
     for previous, draft in zip(drafts, drafts[1:]):
-        assert [side for side, _, _ in draft.after_sides] == list(previous.sides)
+        assert [side for side, _ in draft.after_sides] == list(previous.sides)
         before = CONTEXT + tuple(d.token for d in drafts[: previous.index])
-        for side, token, q in draft.after_sides:
+        for side, token in draft.after_sides:
             context = (*before, side)
             row = np.asarray(model.new_session().extend(list(context))[-1])
             want, want_q = draft_from_logits(row, params, len(context), Prefix(context, len(CONTEXT), frozenset()))
             # greedy: the chain's own draft there; sampled: the mode of the law the chain draws it from
-            assert token == (want if want_q is None else int(np.argmax(want_q))) and q is None
+            assert token == (want if want_q is None else int(np.argmax(want_q)))
             _, _, ranking = draft_with_alternatives(row, params, len(context), Prefix(context, len(CONTEXT),
                                                                                       frozenset()), 3)
             assert token == ranking[0][0]  # the drafter's likeliest token
