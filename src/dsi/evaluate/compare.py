@@ -107,8 +107,11 @@ def iter_compare(
     between requests, so repeats of a prompt reuse its cached prefix; with ``cold`` every timed run
     gets a decoder of its own instead (as ``transformers.generate`` starts every call), first run
     for two tokens after a one-token prompt that starts none of the prompts (its workers and
-    sessions start outside the timed call). A caller that stops iterating early closes the
-    decoder in use.
+    sessions start outside the timed call). Before its timed runs a config generates
+    ``warmup_tokens`` on the first prompt, or ``max_new_tokens`` where its decoder was built for it
+    (new workers: their first request of the timed length allocates what later ones reuse, and
+    must not fall inside one config's timed runs only). A caller that stops iterating early closes
+    the decoder in use.
     """
     params = sampling if sampling is not None else SamplingParams()
     firsts = {ids[0] for ids in prompt_ids}
@@ -130,7 +133,8 @@ def iter_compare(
         for config in configs:
             set_threads(target, config.threads, own[id(target)])
             set_threads(drafter, config.threads, own[id(drafter)])
-            if decoder is None or config.workers != workers or cold:
+            fresh = decoder is None or config.workers != workers or cold
+            if fresh:
                 if decoder is not None:
                     decoder.close()
                     decoder = None
@@ -139,7 +143,11 @@ def iter_compare(
             if config.method != "ar":
                 decoder.lookahead = config.lookahead
             if warmup_tokens:
-                decoder.generate(make_request(prompt_ids[0], warmup_tokens, params, None, target.vocab_size))
+                # A decoder built for this config warms up at the timed length: its workers' first
+                # request of a length allocates (on a GPU, cudaMalloc per new cache size) what later
+                # requests reuse, and a config that inherits warm workers must not win by that alone.
+                n = max(warmup_tokens, max_new_tokens) if fresh and not cold else warmup_tokens
+                decoder.generate(make_request(prompt_ids[0], n, params, None, target.vocab_size))
             runs = []
             for ids in prompt_ids:
                 run = MethodRun(config)
