@@ -200,6 +200,10 @@ class Widths:
 
 
 DEFAULT_FLOOR = 0.1  # the least drafter probability of an "auto" side child where rows cost nothing
+# ... in DSI, priced: its windows carry a few drafts (1.3-3.8 on average on the H200), so its trees stay within the 16 nodes an
+# H200 verifies at one token's cost even at this floor, where SI's k-draft trees would not (docs/results.md
+# sections 33-34: on SmolLM2's sampled code DSI's trees at 0.02 were 4% faster than at 0.1, no faster at 0.01)
+DSI_FLOOR = 0.02
 REACH = 0.6  # about how often a side child's window reaches its position where side children matter
 # A greedy side child is never the draft, so its drafter probability is at most 1/2, and it saves at most
 # (1/2 - floor) * REACH of a forward where it is found: from this priced floor up (rows at least 0.24 of a
@@ -214,7 +218,7 @@ REACH = 0.6  # about how often a side child's window reaches its position where 
 CHAIN_FLOOR = 0.45
 
 
-def floor_for_price(row_price: float) -> float:
+def floor_for_price(row_price: float, least: float = DEFAULT_FLOOR) -> float:
     """The least drafter probability an ``"auto"`` side child must have where one more verified row costs
     ``row_price`` of a one-token forward (:attr:`dsi.models.costs.ForwardCosts.row_price`).
 
@@ -223,13 +227,16 @@ def floor_for_price(row_price: float) -> float:
     enough for side children), and a rescue saves about a one-token forward (DSI's restarted epoch, SI's
     extra token); it costs ``row_price`` of one whenever its window is verified. So it pays where ``p *
     REACH`` exceeds the price: the floor is ``row_price / REACH`` rounded up to a step of 0.05 (so a measured
-    price rarely moves it), at least :data:`DEFAULT_FLOOR` and at most 1 (where no side child is added).
-    On emulated CPU-like costs (a row 0.27 of a forward) that is 0.5, the floor at which "auto" came within
-    2% of the chain on four recorded sets (docs/results.md section 22); on a GPU (rows nearly free), 0.1."""
+    price rarely moves it), at least ``least`` (:data:`DEFAULT_FLOOR`; DSI's decoders :data:`DSI_FLOOR`) and at
+    most 1 (where no side child is added). On emulated CPU-like costs (a row 0.27 of a forward) that is 0.5, the
+    floor at which "auto" came within 2% of the chain on four recorded sets (docs/results.md section 22); on a
+    GPU (rows nearly free), ``least``."""
     if not isinstance(row_price, int | float) or isinstance(row_price, bool) or not 0.0 <= row_price <= 1.0:
         raise ConfigError(f"row_price={row_price!r} must be a number in [0, 1] (a row's cost in one-token forwards)")
+    if not isinstance(least, int | float) or isinstance(least, bool) or not 0.0 < least <= 1.0:
+        raise ConfigError(f"least={least!r} must be a probability in (0, 1] (the floor where rows cost nothing)")
     stepped = math.ceil(round(row_price / REACH * 20, 6)) / 20
-    return min(1.0, max(DEFAULT_FLOOR, stepped))
+    return min(1.0, max(float(least), stepped))
 
 
 @dataclass(frozen=True)
@@ -286,14 +293,14 @@ class Dynamic:
         """The floor in force: ``floor``, or :data:`DEFAULT_FLOOR` before the decoder prices it."""
         return DEFAULT_FLOOR if self.floor is None else float(self.floor)
 
-    def priced(self, row_price: float | None) -> Dynamic:
-        """This shape with its floor set from ``row_price`` (None: not known, the default floor stays); a
-        fixed floor stays as it is."""
+    def priced(self, row_price: float | None, least: float = DEFAULT_FLOOR) -> Dynamic:
+        """This shape with its floor set from ``row_price`` and ``least`` (:func:`floor_for_price`; None: not
+        known, the default floor stays); a fixed floor stays as it is."""
         if self.fixed:
             return self
         if row_price is None:
             return Dynamic(self.top, branches=self.branches)
-        return Dynamic(self.top, floor_for_price(row_price), float(row_price), self.branches)
+        return Dynamic(self.top, floor_for_price(row_price, least), float(row_price), self.branches)
 
     def sides(self, main: int, ranked: Sequence[tuple[int, float]]) -> list[int]:
         """A position's side children: the likeliest tokens other than ``main`` with drafter probability

@@ -250,13 +250,15 @@ def test_the_event_simulator_takes_the_engines_tree_decisions(method, tree, look
     children, read off the models) makes the engine's decisions: the same accepted drafts, rejections and
     side wins, which depend on the tokens only (SI: the trees "2" and "auto", and the same number of
     verifications)."""
-    from dsi.engine.trees import draft_with_alternatives, tree_patterns
+    from dsi.engine.trees import draft_with_alternatives, priced_shape, tree_patterns
     from dsi.sim.events import simulate
-    from dsi.trees import parse_shape
+    from dsi.trees import DEFAULT_FLOOR, DSI_FLOOR, parse_shape
 
     target, drafter = noisy_pair(seed=6)
     out = reference(target, 60).tokens
-    shape = parse_shape(tree)
+    # the floor the engine's decoder prices (a CallableLM target's rows are free: DSI's least floor is lower)
+    shape = priced_shape(parse_shape(tree), target, drafter, "threads", {},
+                         DSI_FLOOR if method == "dsi" else DEFAULT_FLOOR)
     greedy = dsi.SamplingParams()
     matches, rescues, sides = [], [], []
     for p, token in enumerate(out):

@@ -61,8 +61,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-tree", type=DRAFT_TREE, default="off", metavar="off|auto[:F]|branches[:F]|best-first|W,W,...",
                    help="spend each window's drafts as a tree (with --method si or dsi): 'auto' verifies the chain's "
                         "drafts with the drafter's next likeliest tokens where it is unsure (probability at least a "
-                        "floor set from what one more verified token costs the target: 0.1 where it is almost "
-                        "nothing, up to no side child; 'auto:F' fixes it; at most two a position); one width such "
+                        "floor set from what one more verified token costs the target: where it is almost "
+                        "nothing 0.1 (SI) or 0.02 (DSI), up to no side child; 'auto:F' fixes it; at most two a position); one width such "
                         "as 2 gives that many children at every position; 'branches' is 'auto' whose side children "
                         "go on as the drafter's own drafts (SI: in the same k rounds, while their probability stays "
                         "at the floor; DSI: the drafter's likeliest token below each, which decides as 'auto' "

@@ -40,8 +40,8 @@ from dsi.models.base import LanguageModel, ModelSession, forward_rows, guessable
 from dsi.models.costs import forward_costs
 from dsi.sampling import Prefix, SamplingParams, bonus, decide, draft_from_logits, residual, shape_logits
 from dsi.transport.base import TaskResult
-from dsi.trees import (CHAIN_FLOOR, ROOT, BestFirst, DraftTree, Dynamic, Proposal, TreeShape, TreeWalk, Widths,
-                       walk)
+from dsi.trees import (CHAIN_FLOOR, DEFAULT_FLOOR, ROOT, BestFirst, DraftTree, Dynamic, Proposal, TreeShape,
+                       TreeWalk, Widths, walk)
 
 
 def can_branch(model: LanguageModel, greedy: bool) -> bool:
@@ -89,18 +89,19 @@ def request_shape(shape: TreeShape, model: LanguageModel, params: SamplingParams
 
 
 def priced_shape(shape: TreeShape, target: LanguageModel, drafter: LanguageModel, transport: str,
-                 options: dict | None) -> TreeShape:
+                 options: dict | None, least: float = DEFAULT_FLOOR) -> TreeShape:
     """``shape`` with an ``"auto"`` tree's floor set from what one more verified row costs the target servers
-    (:func:`dsi.trees.floor_for_price`): a cost the target states (latency models, callables) wherever its
-    servers run, or one timed here on a scratch session where they run this very model on this host (threads,
-    or processes on no other devices); elsewhere (Ray, other devices) it is not known and the default floor
-    stays. Other shapes, an ``"auto:F"`` floor, and a ``drafter`` that branches for no request (string mode
-    for greedy and sampled ones: :func:`request_shape` drafts chains) are returned as they are."""
+    (:func:`dsi.trees.floor_for_price`, at least ``least``: :data:`~dsi.trees.DSI_FLOOR` for DSI's decoders): a
+    cost the target states (latency models, callables) wherever its servers run, or one timed here on a scratch
+    session where they run this very model on this host (threads, or processes on no other devices); elsewhere
+    (Ray, other devices) it is not known and the default floor stays. Other shapes, an ``"auto:F"`` floor, and a
+    ``drafter`` that branches for no request (string mode for greedy and sampled ones: :func:`request_shape`
+    drafts chains) are returned as they are."""
     if not isinstance(shape, Dynamic) or shape.fixed or not (can_branch(drafter, True) or can_branch(drafter, False)):
         return shape
     here = transport == "threads" or (transport == "processes" and not (options or {}).get("devices"))
     costs = forward_costs(target, measure=here)
-    return shape.priced(None if costs is None else costs.row_price)
+    return shape.priced(None if costs is None else costs.row_price, least)
 
 
 def ranked(law: np.ndarray, count: int) -> list[tuple[int, float]]:

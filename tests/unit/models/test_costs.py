@@ -14,7 +14,7 @@ from dsi.errors import ConfigError
 from dsi.models import CallableLM, WithLatency
 from dsi.models.costs import ForwardCosts, forward_costs, measure_forward_costs
 from dsi.models.replay import ReplayLM
-from dsi.trees import DEFAULT_FLOOR, Dynamic, Widths, floor_for_price, parse_shape
+from dsi.trees import DEFAULT_FLOOR, DSI_FLOOR, Dynamic, Widths, floor_for_price, parse_shape
 
 VOCAB = 16
 
@@ -92,6 +92,11 @@ def test_the_floor_follows_the_price():
     assert floor_for_price(0.0) == DEFAULT_FLOOR and floor_for_price(0.05) == DEFAULT_FLOOR
     assert floor_for_price(0.273) == 0.5 and floor_for_price(0.3) == 0.5 and floor_for_price(0.31) == 0.55
     assert floor_for_price(0.64) == 1.0 and floor_for_price(1.0) == 1.0
+    # DSI's least floor where rows are free; a priced floor above it is the same
+    assert floor_for_price(0.0, DSI_FLOOR) == DSI_FLOOR == 0.02 and floor_for_price(0.273, DSI_FLOOR) == 0.5
+    for least in (0, -0.1, 1.5, True, "0.1"):
+        with pytest.raises(ConfigError, match=f"least={least!r} must be a probability in \\(0, 1\\]"):
+            floor_for_price(0.0, least)
     for bad in (-0.1, 1.5, "0.3", True):
         with pytest.raises(ConfigError, match="row_price=.* must be a number in \\[0, 1\\]"):
             floor_for_price(bad)
@@ -141,11 +146,39 @@ def test_auto_trees_branch_less_where_rows_cost(method, lookahead):
         reference = dsi.generate(target=CallableLM(_logits, VOCAB), prompt=prompt, method="ar", max_new_tokens=12)
         assert out.tokens == reference.tokens
         runs[name] = out.stats.extra
-    assert runs["gpu"]["tree_floor"] == DEFAULT_FLOOR and runs["cpu"]["tree_floor"] == 0.2
+    assert runs["gpu"]["tree_floor"] == (DSI_FLOOR if method == "dsi" else DEFAULT_FLOOR)
+    assert runs["cpu"]["tree_floor"] == 0.2
     assert runs["whole"]["tree_floor"] == 1.0 and runs["whole"]["tree_row_price"] == 1.0
     assert runs["gpu"]["tree_side_nodes"] > runs["cpu"]["tree_side_nodes"] > 0 == runs["whole"].get("tree_side_nodes", 0)
     assert runs["gpu"]["draft_tree"] == runs["cpu"]["draft_tree"] == "auto"
     assert runs["whole"]["draft_tree"] == "chain" and ">= 1" in runs["whole"]["draft_tree_fallback"]
+
+
+def test_dsi_branches_at_a_lower_floor_than_si_where_rows_are_free():
+    """DSI's windows carry a few drafts, so where a verified row is free its floor is DSI_FLOOR: a side child of
+    drafter probability 0.05 goes out with DSI's windows and not with SI's k-draft ones (floor 0.1); where a row
+    costs 0.11 of a forward both price the same floor (0.2). The output is the target's either way."""
+    def drafter_logits(context):
+        row = np.full(VOCAB, -20.0)
+        top = (sum(context) * 7 + len(context)) % VOCAB
+        row[top], row[(top + 1) % VOCAB] = np.log(0.9), np.log(0.05)
+        return row
+
+    prompt = [1, 2, 3]
+    reference = dsi.generate(target=CallableLM(_logits, VOCAB), prompt=prompt, method="ar", max_new_tokens=12).tokens
+    runs = {}
+    for method, lookahead in (("si", 4), ("dsi", "auto")):
+        for name, token_s in (("gpu", 0.0), ("cpu", 0.001)):
+            target = WithLatency(CallableLM(_logits, VOCAB), ttft=0.008, tpot=0.008, token_s=token_s)
+            out = dsi.generate(target=target, drafter=CallableLM(drafter_logits, VOCAB), prompt=prompt,
+                               method=method, lookahead=lookahead, num_target_servers=2, draft_tree="auto",
+                               max_new_tokens=12)
+            assert out.tokens == reference
+            runs[method, name] = out.stats.extra
+    assert (runs["si", "gpu"]["tree_floor"], runs["dsi", "gpu"]["tree_floor"]) == (DEFAULT_FLOOR, DSI_FLOOR)
+    assert runs["si", "gpu"].get("tree_side_nodes", 0) == 0 < runs["dsi", "gpu"]["tree_side_nodes"]
+    assert runs["si", "cpu"]["tree_floor"] == runs["dsi", "cpu"]["tree_floor"] == 0.2
+    assert runs["dsi", "cpu"].get("tree_side_nodes", 0) == 0
 
 
 def _near_tie_drafter(context):
