@@ -375,6 +375,7 @@ def main() -> int:
 
     results: list[dict] = [{} for _ in prompts]
     runner = iter_compare(target, drafter, prompts, configs, max_new_tokens=args.tokens, repeats=args.repeats,
+                          fresh_warmup_tokens=args.tokens,
                           eos_token_id=None, progress=tick)
     try:
         for index, (config, runs) in enumerate(runner):

@@ -97,6 +97,7 @@ def iter_compare(
     repeats: int = 1,
     eos_token_id=None,
     warmup_tokens: int = 4,
+    fresh_warmup_tokens: int | None = None,
     progress: Callable[[], None] | None = None,
     sampling: SamplingParams | None = None,
     cold: bool = False,
@@ -108,10 +109,11 @@ def iter_compare(
     gets a decoder of its own instead (as ``transformers.generate`` starts every call), first run
     for two tokens after a one-token prompt that starts none of the prompts (its workers and
     sessions start outside the timed call). Before its timed runs a config generates
-    ``warmup_tokens`` on the first prompt, or ``max_new_tokens`` where its decoder was built for it
-    (new workers: their first request of the timed length allocates what later ones reuse, and
-    must not fall inside one config's timed runs only). A caller that stops iterating early closes
-    the decoder in use.
+    ``warmup_tokens`` on the first prompt, or ``fresh_warmup_tokens`` (default ``warmup_tokens``)
+    where its decoder was built for it: a benchmark on a GPU passes the timed length, since new
+    workers' first request of that length allocates what later ones reuse (CUDA's caching
+    allocator), which must not fall inside one config's timed runs only (docs/results.md section
+    33). A caller that stops iterating early closes the decoder in use.
     """
     params = sampling if sampling is not None else SamplingParams()
     firsts = {ids[0] for ids in prompt_ids}
@@ -143,10 +145,8 @@ def iter_compare(
             if config.method != "ar":
                 decoder.lookahead = config.lookahead
             if warmup_tokens:
-                # A decoder built for this config warms up at the timed length: its workers' first
-                # request of a length allocates (on a GPU, cudaMalloc per new cache size) what later
-                # requests reuse, and a config that inherits warm workers must not win by that alone.
-                n = max(warmup_tokens, max_new_tokens) if fresh and not cold else warmup_tokens
+                fresh_n = warmup_tokens if fresh_warmup_tokens is None else fresh_warmup_tokens
+                n = fresh_n if fresh and not cold else warmup_tokens
                 decoder.generate(make_request(prompt_ids[0], n, params, None, target.vocab_size))
             runs = []
             for ids in prompt_ids:

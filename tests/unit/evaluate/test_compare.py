@@ -68,7 +68,8 @@ def test_a_decoder_built_for_a_config_warms_up_at_the_timed_length(monkeypatch, 
     """The first config on new workers must not pay their first long request inside its timed runs
     while a config that inherits the warm workers does not (the H200 run of 2026-12-04: the first
     prompt of every such config ran 1.5-2.5x slower than the others). A decoder built for a config
-    generates the timed length once before timing; one reused for the next config, a short warm-up."""
+    generates ``fresh_warmup_tokens`` (the GPU benchmark: the timed length) once before timing; one reused for
+    the next config, a short warm-up."""
     untimed = []
     real_build = compare_module.build_decoder
 
@@ -86,10 +87,14 @@ def test_a_decoder_built_for_a_config_warms_up_at_the_timed_length(monkeypatch, 
     monkeypatch.setattr(compare_module, "build_decoder", recording_build)
     target, drafter = synthetic_pair(0.8)
     configs = [MethodConfig("ar"), MethodConfig("si", 2), MethodConfig("si", 4), MethodConfig("dsi", 3, 2)]
-    compare(target, drafter, [[1, 2]], configs, max_new_tokens=12, repeats=1, warmup_tokens=3)
+    compare(target, drafter, [[1, 2]], configs, max_new_tokens=12, repeats=1, warmup_tokens=3,
+            fresh_warmup_tokens=12)
     # each config: one warm-up, then one timed run of 12
     assert untimed == [("ar", 12), ("ar", 12), ("si", 12), ("si", 12), ("si", 3), ("si", 12),
                        ("dsi", 12), ("dsi", 12)]
+    untimed.clear()  # by default (dsi demo, on a CPU) every warm-up is the short one
+    compare(target, drafter, [[1, 2]], configs[:2], max_new_tokens=12, repeats=1, warmup_tokens=3)
+    assert untimed == [("ar", 3), ("ar", 12), ("si", 3), ("si", 12)]
 
 
 def test_labels_name_the_transport_when_it_is_not_threads():
