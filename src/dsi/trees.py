@@ -200,9 +200,10 @@ class Widths:
 
 
 DEFAULT_FLOOR = 0.1  # the least drafter probability of an "auto" side child where rows cost nothing
-# ... in DSI, priced: its windows carry a few drafts (1.3-3.8 on average on the H200), so its trees stay within the 16 nodes an
-# H200 verifies at one token's cost even at this floor, where SI's k-draft trees would not (docs/results.md
-# sections 33-34: on SmolLM2's sampled code DSI's trees at 0.02 were 4% faster than at 0.1, no faster at 0.01)
+# ... in DSI, priced: its windows carry a few drafts (1.3-3.8 on average on the H200), so its trees stay within
+# the 16 nodes an H200 verifies at one token's cost even at this floor, where SI's k-draft trees would not
+# (docs/results.md sections 33-34: on SmolLM2's sampled code DSI's trees at 0.02 were 4% faster than at 0.1, no
+# faster at 0.01)
 DSI_FLOOR = 0.02
 REACH = 0.6  # about how often a side child's window reaches its position where side children matter
 # A greedy side child is never the draft, so its drafter probability is at most 1/2, and it saves at most
