@@ -166,6 +166,22 @@ def run_texts(target, drafter, prompts, seeds: int, tokens: int, temperature: fl
     """One configuration over every (prompt, seed): per text its wall time, tokens, verifications, side wins and
     rejections (a side win is a rejection its tree rescued)."""
     import dsi
+    import dsi.trees
+
+    tree, _, depth = (tree or "").partition("@")  # "branches@1": DSI's side chains that deep (dsi.trees.DSI_CHAIN_DEPTH)
+    tree = tree or None
+    shipped = dsi.trees.DSI_CHAIN_DEPTH
+    if depth:
+        dsi.trees.DSI_CHAIN_DEPTH = int(depth)
+    try:
+        return _run_texts(target, drafter, prompts, seeds, tokens, temperature, label, method, k, servers, tree)
+    finally:
+        dsi.trees.DSI_CHAIN_DEPTH = shipped
+
+
+def _run_texts(target, drafter, prompts, seeds: int, tokens: int, temperature: float, label: str, method: str,
+               k, servers: int, tree) -> dict:
+    import dsi
 
     texts = []
     for prompt in prompts:
@@ -178,6 +194,7 @@ def run_texts(target, drafter, prompts, seeds: int, tokens: int, temperature: fl
                           "side_wins": out.stats.extra.get("tree_side_accepts", 0),
                           "rejections": out.stats.rejections,
                           "continued_side_wins": out.stats.extra.get("tree_continued_sides", 0),
+                          "side_chain_rows": out.stats.extra.get("tree_side_chain_rows", 0),
                           "side_guesses_right": out.stats.extra.get("tree_side_guesses_right", 0),
                           "floor": out.stats.extra.get("tree_floor"), "ids": list(out.tokens)})
     return {"label": label, "texts": texts}
@@ -221,7 +238,7 @@ def main() -> int:
     parser.add_argument("--costs", nargs="+", choices=tuple(COST_MODELS), default=list(COST_MODELS))
     parser.add_argument("--trees", nargs="+", metavar="SHAPE",
                         help="the trees compared with each chain instead of the default ones (DSI skips widths per "
-                        "depth and best-first)")
+                        "depth and best-first; 'branches@D': DSI's side chains D tokens deep, dsi.trees.DSI_CHAIN_DEPTH)")
     parser.add_argument("--dsi-only", action="store_true", help="with --trees: DSI's runs only, no SI")
     parser.add_argument("--servers", nargs="+", type=int, default=[2, 4], help="DSI's target servers (with --trees)")
     parser.add_argument("--misses", choices=("stand-in", "compute"), default="stand-in",
@@ -350,7 +367,9 @@ def summarise(set_name: str, cost_name: str, configs, runs: dict[str, list[dict]
                  "tokens_per_verification": tokens / max(sum(t["verifications"] for t in texts), 1),
                  "side_wins": sum(t["side_wins"] for t in texts),
                  "continued_side_wins": sum(t["continued_side_wins"] for t in texts),
-                 "side_guesses_right": sum(t["side_guesses_right"] for t in texts), "rejections": sum(t["rejections"] for t in texts),
+                 "side_guesses_right": sum(t["side_guesses_right"] for t in texts),
+                 "side_chain_rows": sum(t.get("side_chain_rows", 0) for t in texts),
+                 "rejections": sum(t["rejections"] for t in texts),
                  "floor": texts[-1]["floor"],
                  "rows_missed_in_timed_runs": misses_of.get(label, 0), "texts": texts}
         if label.endswith("chain"):

@@ -205,6 +205,15 @@ DEFAULT_FLOOR = 0.1  # the least drafter probability of an "auto" side child whe
 # (docs/results.md sections 33-34: on SmolLM2's sampled code DSI's trees at 0.02 were 4% faster than at 0.1, no
 # faster at 0.01)
 DSI_FLOOR = 0.02
+# DSI's "branches": each side child continues as a side chain of up to this many tokens, one per drafter step, each
+# carried by the windows sent after it is drafted (a window whose chains grew is rooted at their position), so a
+# side child that wins goes on along its chain with the rows after it computed. One: the drafter's likeliest token
+# after the child, a guess at the target's draw there. Deeper chains were slower on SmolLM2 -> Qwen's code on the
+# GPU-like model (docs/results.md section 35: sampled 0.995 of the chain at 4 tokens against 1.097 at one; greedy
+# 1.028 / 1.101 / 1.143 at 4 / 2 / 1): the guess is the target's token after only half of the side children that
+# win, so a chain goes on past it for few of them, while every chain node costs the host a 152k-id row, and
+# the drafter's sampled nodes a processed law each
+DSI_CHAIN_DEPTH = 1
 REACH = 0.6  # about how often a side child's window reaches its position where side children matter
 # A greedy side child is never the draft, so its drafter probability is at most 1/2, and it saves at most
 # (1/2 - floor) * REACH of a forward where it is found: from this priced floor up (rows at least 0.24 of a
@@ -261,14 +270,16 @@ class Dynamic:
     so a branch node takes side children of its own where they keep that mass: the rule a side child meets,
     for the same reason (a node is reached about that often and costs a verified row). A rescue then goes on
     past the side child instead of ending the window there. DSI's drafter drafts the main path without
-    waiting, so there each side child continues by one token: the drafter's likeliest token after it, drafted in the
-    forward that drafts the main path's next token (a tree of the draft and its side children), a guess at
-    the target's token after a side child that wins, with the row after it (:mod:`dsi.engine.dsi`)."""
+    waiting, so there each side child continues as a side chain of up to :data:`DSI_CHAIN_DEPTH` tokens, one
+    per drafter step, drafted in the forwards that draft the main path (one tree forward each): first the
+    drafter's likeliest token after the child (a guess at the target's token after a side child that wins),
+    then its own drafts; the windows sent after each token carry it, so a side child that wins goes on along
+    its chain with the rows after it already computed (:mod:`dsi.engine.dsi`)."""
 
     top: int = 3
     floor: float | None = None
     price: float | None = None  # the row price the floor was set from (None: fixed, or not priced yet)
-    branches: bool = False  # ``"branches"``: side children continue as the drafter's own chains (DSI: one draft)
+    branches: bool = False  # ``"branches"``: side children continue as the drafter's own chains
 
     def __post_init__(self) -> None:
         _check_top(self.top)
@@ -374,8 +385,8 @@ def parse_shape(text: str | None) -> TreeShape:
 
 def check_windowed(shape: TreeShape) -> None:
     """Refuse, naming it, a shape DSI's windows cannot take: widths per depth and ``"best-first"`` (a node
-    budget per window, which timing cuts). ``"branches"`` continues each side child by one token in DSI (the
-    drafter's likeliest token after it, drafted in the main path's next forward; :mod:`dsi.engine.dsi`)."""
+    budget per window, which timing cuts). ``"branches"`` continues each side child in DSI as a side chain of up to
+    :data:`DSI_CHAIN_DEPTH` tokens, drafted in the main path's forwards (:mod:`dsi.engine.dsi`)."""
     if shape is None:
         return
     shape.sides(0, ())

@@ -103,15 +103,20 @@ def test_sampled_dsi_with_a_tree_is_the_same_for_any_sp_lookahead_and_window_pol
         assert side_wins > adopted > 0, tree
 
 
-@pytest.mark.parametrize("wrap", ["path by path", "one forward"])
-def test_sampled_dsi_with_branches_commits_autos_tokens_for_any_sp_lookahead_and_window_policy(wrap,
+@pytest.mark.parametrize("wrap, depth", [("path by path", 1), ("one forward", 1), ("one forward", 3)])
+def test_sampled_dsi_with_branches_commits_autos_tokens_for_any_sp_lookahead_and_window_policy(wrap, depth,
+                                                                                              monkeypatch,
                                                                                               no_thread_leak):
     """``"branches"`` decides as ``"auto"`` with its floor does (after a side child that won, the target's own
     draw), and only adds the drafter's draft after each side child as a guess at that draw, with the row after
     it: so its tokens are ``auto``'s, seed for seed, whether that draft and its row came with the window or
     not; on a drafter that computes a tree in one forward (the latency model) the side children's drafts come
-    from the main path's forwards."""
+    from the main path's forwards. Side chains deeper than one token (``depth``) seed the next epoch with the
+    drafts a restarted drafter would make there, with their side children, so the tokens are still ``auto``'s."""
+    import dsi.trees
     from dsi.models import WithLatency
+
+    monkeypatch.setattr(dsi.trees, "DSI_CHAIN_DEPTH", depth)
 
     target, drafter = noisy_pair(seed=3)
     jt = Jitter(target, 0.0015, 1)
@@ -132,20 +137,20 @@ def test_sampled_dsi_with_branches_commits_autos_tokens_for_any_sp_lookahead_and
                                                                           auto.stats.extra["tree_side_accepts"])
             side_wins += stats.extra.get("tree_side_accepts", 0)
             continued += stats.extra.get("tree_continued_sides", 0)
-        assert side_wins > continued > 0, seed
+        assert side_wins >= continued > 0, seed
 
 
-def alternating_drafter(target):
+def periodically_wrong_drafter(target, period: int):
     """A drafter whose likeliest token is the target's second (and its second the target's first) after a
-    context of even length, and the target's own after an odd one."""
+    context whose length is a multiple of ``period``, and the target's own after any other."""
     def logits(tokens):
         row = np.asarray(target.next_logits(tuple(tokens)), dtype=np.float64).copy()
-        if len(tokens) % 2 == 0:
+        if len(tokens) % period == 0:
             first, second = np.argsort(-row, kind="stable")[:2]
             row[first], row[second] = row[second], row[first]
         return row
 
-    return CallableLM(logits, VOCAB, name="alternating drafter")
+    return CallableLM(logits, VOCAB, name=f"drafter wrong every {period}")
 
 
 @pytest.mark.parametrize("lookahead, servers", [(4, 1), (4, 2), (6, 3)])
@@ -157,7 +162,7 @@ def test_a_side_child_that_wins_is_followed_by_its_drafted_continuation_from_the
     by the row after it from the same result; greedy output stays non-SI's, no rejection, and fewer
     verifications than leaf side children (``"2"``) need."""
     target = random_lm(VOCAB, 7, sharpness=2.0)
-    drafter = alternating_drafter(target)
+    drafter = periodically_wrong_drafter(target, 2)
     expected = reference(target, 40).tokens
     jt, jd = Jitter(target, 0.002, 1), Jitter(drafter, 0.0002, 2)
     kwargs = dict(prompt=PROMPT, method="dsi", max_new_tokens=40, lookahead=lookahead, num_target_servers=servers)
@@ -168,6 +173,46 @@ def test_a_side_child_that_wins_is_followed_by_its_drafted_continuation_from_the
     assert stats.rejections == 0 and stats.extra["tree_side_accepts"] > 0
     assert stats.extra["tree_continued_sides"] > 0
     assert stats.verify_tasks < runs["2"].stats.verify_tasks
+
+
+@pytest.mark.parametrize("lookahead, servers", [(3, 2), ("auto", 2), ("auto", 4)])
+def test_a_side_child_that_wins_goes_on_along_its_side_chain_decided_by_rows_already_computed(lookahead, servers,
+                                                                                              monkeypatch,
+                                                                                              no_thread_leak):
+    """Every fifth draft is wrong and its side child right, and the drafter right for the next four: with
+    ``"branches"`` each side child continues as a side chain, a token per drafter step, carried by the windows
+    sent after each token is drafted (their trees rooted at the child's position), so a side win commits the child
+    and goes on along its chain, positions after it decided by rows those windows computed: more than one such
+    row per side win (one, the row after the drafter's first token after the child, with chains one token deep),
+    and greedy output stays non-SI's with no rejection."""
+    import dsi.trees
+
+    target = random_lm(VOCAB, 7, sharpness=2.0)
+    drafter = periodically_wrong_drafter(target, 5)
+    expected = reference(target, 60).tokens
+    jt, jd = Jitter(target, 0.004, 1), Jitter(drafter, 0.0002, 2)
+    kwargs = dict(prompt=PROMPT, method="dsi", max_new_tokens=60, lookahead=lookahead, num_target_servers=servers,
+                  draft_tree="branches:0.01")
+    rows_per_win = {}
+    for depth in (1, 4):
+        monkeypatch.setattr(dsi.trees, "DSI_CHAIN_DEPTH", depth)
+        out = dsi.generate(target=jt, drafter=jd, **kwargs)
+        assert out.tokens == expected, depth
+        stats = out.stats
+        assert stats.rejections == 0 and stats.extra["tree_side_accepts"] >= 8, depth
+        carried = stats.extra["tree_continued_sides"]
+        assert carried > 0, depth
+        rows_per_win[depth] = stats.extra["tree_side_chain_rows"] / carried
+    assert rows_per_win[1] == 1.0
+    assert rows_per_win[4] > 1.5, rows_per_win
+
+
+def test_a_decoder_refuses_a_side_chain_depth_below_one():
+    from dsi.engine.dsi import DSIDecoder
+
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ConfigError, match=f"side_depth={bad!r} must be an int >= 1"):
+            DSIDecoder(None, "auto", None, side_depth=bad)
 
 
 def second_choice_drafter(target):

@@ -66,8 +66,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "position); one width such as 2 gives that many children at every position; 'branches' is "
                         "'auto' whose side children "
                         "go on as the drafter's own drafts (SI: in the same k rounds, while their probability stays "
-                        "at the floor; DSI: the drafter's likeliest token below each, which decides as 'auto' "
-                        "does and saves a verification where it guessed the target's token after a side child); "
+                        "at the floor; DSI: the drafter's likeliest token below each, carried by the windows sent "
+                        "after it, which decides as 'auto' does and saves a verification where it guessed the "
+                        "target's token after a side child); "
                         "'best-first' (SI only) grows an EAGLE-2-style tree of k nodes; widths per depth such as "
                         "3,2,1 (SI only) give the children below each node of the main path. Output stays exact "
                         "(default off: chains)")

@@ -68,6 +68,22 @@ def capped_drafts(model: LanguageModel, context_length: int, wanted: int) -> int
 
 
 @dataclass(frozen=True)
+class SideStep:
+    """The next token of a side chain: the side child ``side`` of the draft at index ``root`` continued by the
+    drafter. Its first token is the drafter's likeliest token after the child (a guess at the target's draw
+    there, ``q`` None); the next ones are the drafter's own drafts after it, drawn as the chain draws them
+    (:func:`dsi.sampling.draft_from_logits` at their absolute positions, ``q`` their processed law, None when
+    greedy), with the side children a main-path draft there would get (``sides``), so they are the drafts a
+    restart after the child would make."""
+
+    root: int
+    side: int
+    token: int
+    q: np.ndarray | None = None
+    sides: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class Draft:
     epoch: int
     index: int  # position in the draft, 0 = first token after the committed context
@@ -75,9 +91,9 @@ class Draft:
     q: np.ndarray | None  # [V] processed drafter distribution; None when greedy
     # draft trees: this position's side children (the tree shape's choice among the drafter's likeliest tokens)
     sides: tuple[int, ...] = ()
-    # draft trees that continue side children: the drafter's likeliest token after each side child of the
-    # previous position, (side child, token), from the forward that drafted this token
-    after_sides: tuple[tuple[int, int], ...] = ()
+    # draft trees that continue side children (DSI's ``"branches"``): the next token of each side chain that grew in
+    # the forward that drafted this token
+    side_steps: tuple[SideStep, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -107,7 +123,17 @@ class _Job:
     alternatives_floor: float = 0.0  # ... only those other than the draft with this drafter probability
     # draft trees: a position's side children from its draft and likeliest tokens (the shape's ``sides``)
     side_children: Callable[[int, list[tuple[int, float]]], list[int]] | None = None
-    continue_sides: bool = False  # each side child's likeliest next token too, from the main path's next forward
+    # side chains (DSI's "branches"): each side child continues by up to this many tokens, one per drafter step,
+    # computed with the main path's next row in one tree forward (0: side children stay leaves)
+    side_depth: int = 0
+
+
+def _grows(key: tuple[int, int], chain: list[int], job: _Job, limit: int) -> bool:
+    """Whether the side chain ``key`` (draft index, side child) with tokens ``chain`` after the child takes its next
+    token: shorter than the job's depth, not ended by EOS, and its next token at an index a draft may have."""
+    root, _ = key
+    return (len(chain) < job.side_depth and not (chain and chain[-1] in job.eos_token_ids)
+            and root + len(chain) + 1 < limit)
 
 
 class DraftWorker:
@@ -145,7 +171,7 @@ class DraftWorker:
         alternatives: int = 0,
         alternatives_floor: float = 0.0,
         side_children: Callable[[int, list[tuple[int, float]]], list[int]] | None = None,
-        continue_sides: bool = False,
+        side_depth: int = 0,
     ) -> None:
         """Abandon the current drafts and start drafting ``limit`` tokens after ``context`` (the
         caller has capped ``limit`` at the drafter's room: :meth:`capped`); the first ``prompt_len``
@@ -153,15 +179,15 @@ class DraftWorker:
         drafter's that many likeliest tokens (draft trees); with ``alternatives_floor`` > 0, only those
         other than the draft with at least that drafter probability
         (:func:`dsi.engine.trees.draft_with_alternatives`). ``side_children(token, alternatives)``: a
-        draft's side children, reported with it; with ``continue_sides``, the next forward computes the main
-        path's next row and the row after each side child in one tree (:func:`dsi.models.base.tree_rows`),
-        and the next draft reports the drafter's likeliest token after each side child (``Draft.after_sides``,
-        :meth:`_with_sides`)."""
+        draft's side children, reported with it; with ``side_depth`` > 0, each side child continues as a side
+        chain of up to that many tokens, one per drafter step: each forward computes the main path's next row
+        and the row after each growing chain in one tree (:func:`dsi.models.base.tree_rows`), and the next draft
+        reports the chains' new tokens (``Draft.side_steps``, :meth:`_with_chains`)."""
         with self._cond:
             if self._job is not None:
                 self._job.cancel.set()
             self._job = _Job(epoch, context, limit, sampling, eos_token_ids, threading.Event(), prompt_len,
-                             alternatives, alternatives_floor, side_children, continue_sides)
+                             alternatives, alternatives_floor, side_children, side_depth)
             self._cond.notify()
 
     def stop(self) -> None:
@@ -245,7 +271,8 @@ class DraftWorker:
                 ids_only = drafts_ids_only(self._model, params) and not job.alternatives
                 out = self._forward(lambda: forward_rows(session, job.context, 1, cancel, greedy=ids_only)[-1])
                 drafted: list[int] = []
-                after_sides: tuple[tuple[int, int], ...] = ()
+                steps: tuple[SideStep, ...] = ()
+                chains: dict[tuple[int, int], list[int]] = {}  # (draft index, side child) -> the chain after it
                 while True:
                     position = len(job.context) + count
                     sides: tuple[int, ...] = ()
@@ -263,15 +290,20 @@ class DraftWorker:
                     drafted.append(token)
                     if cancel.is_set():
                         raise TaskCancelled("drafts abandoned")
-                    self._on_event(Draft(job.epoch, count, token, q, sides, after_sides))
+                    self._on_event(Draft(job.epoch, count, token, q, sides, steps))
+                    if job.side_depth > 0:
+                        chains.update(((count, side), []) for side in sides if side not in job.eos_token_ids)
                     count += 1
                     if count >= limit or token in job.eos_token_ids:
                         break
-                    if job.continue_sides and sides:
-                        out, after_sides = self._forward(lambda: self._with_sides(session, job, drafted, sides))
+                    growing = [key for key, chain in chains.items() if _grows(key, chain, job, limit)]
+                    if growing:
+                        out, steps = self._forward(lambda: self._with_chains(session, job, drafted, chains, growing))
+                        for step in steps:
+                            chains[(step.root, step.side)].append(step.token)
                     else:
                         out = self._forward(lambda: extend_rows(session, [token], cancel, 1, ids_only)[-1])
-                        after_sides = ()
+                        steps = ()
         except ContextLengthError as exc:  # a declared limit reached: no more drafts, not a failure
             log.debug("drafter stopped after %d drafts at its context limit: %s", count, exc)
             limited = True
@@ -280,19 +312,49 @@ class DraftWorker:
         self._on_event(DraftsDone(job.epoch, count, limited))
 
     @staticmethod
-    def _with_sides(session, job: _Job, drafted: list[int], sides: tuple[int, ...]):
-        """The row after ``drafted`` (whose last token has ``sides`` beside it) and the drafter's likeliest
-        token after each side child (the argmax of its processed row: its greedy draft there), from one tree
-        forward: (row, ((side, token), ...)). For a sampled request that token is a guess at the target's
-        draw after the child, more often right than a sampled draft and a fraction of its cost (an argmax, not a
-        draw from the whole law); whether it is right never changes a committed token."""
-        before = (*job.context, *drafted[:-1])
-        tree = DraftTree((drafted[-1], *sides), (ROOT,) * (1 + len(sides)))
-        rows = tree_rows(session, before, tree, job.cancel)
-        after = tuple((side, likeliest_draft(rows[2 + i], job.sampling,
-                                             Prefix((*before, side), job.prompt_len, job.eos_token_ids)))
-                      for i, side in enumerate(sides))
-        return rows[1], after
+    def _with_chains(session, job: _Job, drafted: list[int], chains: dict[tuple[int, int], list[int]],
+                     growing: list[tuple[int, int]]) -> tuple[np.ndarray, tuple[SideStep, ...]]:
+        """The row after ``drafted`` and the next token of each ``growing`` side chain, from one tree forward
+        rooted at the earliest chain's position: the main path from there (the session keeps it, as
+        :func:`~dsi.models.base.extend_rows` would), and under each side child its chain so far. A chain's
+        first token is the drafter's likeliest token after the child (the argmax of its processed row: a guess
+        at the target's draw after a child that wins, more often right than a sampled draft and a fraction of
+        its cost); the next ones are the chain's own drafts (:class:`SideStep`). Whether they are right never
+        changes a committed token."""
+        newest = len(drafted) - 1
+        start = min([newest, *(root for root, _ in growing)])
+        before = (*job.context, *drafted[:start])
+        tokens: list[int] = []
+        parents: list[int] = []
+        for index in range(start, newest + 1):  # the main path first: each node's first child
+            parents.append(ROOT if index == start else len(tokens) - 1)
+            tokens.append(drafted[index])
+        ends = []
+        for root, side in growing:
+            parent = ROOT if root == start else root - start - 1  # the main node before the side child
+            for token in (side, *chains[(root, side)]):
+                tokens.append(token)
+                parents.append(parent)
+                parent = len(tokens) - 1
+            ends.append(parent)
+        rows = tree_rows(session, before, DraftTree(tuple(tokens), tuple(parents)), job.cancel)
+        steps = []
+        for (root, side), end in zip(growing, ends, strict=True):
+            chain = chains[(root, side)]
+            context = (*job.context, *drafted[:root], side, *chain)
+            prefix = Prefix(context, job.prompt_len, job.eos_token_ids)
+            sides: tuple[int, ...] = ()
+            if not chain:
+                token, q = likeliest_draft(rows[1 + end], job.sampling, prefix), None
+            elif job.alternatives:  # its side children, as the main path's draft there would have them
+                token, q, ranked = draft_with_alternatives(rows[1 + end], job.sampling, len(context), prefix,
+                                                           job.alternatives, job.alternatives_floor)
+                if job.side_children is not None:
+                    sides = tuple(job.side_children(token, ranked))
+            else:
+                token, q = draft_from_logits(rows[1 + end], job.sampling, len(context), prefix)
+            steps.append(SideStep(root, side, token, q, sides))
+        return rows[1 + newest - start], tuple(steps)
 
     def _forward(self, run):
         """Run one drafter forward, counting it and its time (also when it is cancelled)."""

@@ -27,12 +27,13 @@ output never depends on timing. Only the target commits EOS.
 
 With a draft tree (:mod:`dsi.trees`) window w >= 1 is the tree of its context's drafts from
 last_{w-1} on, each with its position's side children (every drafted position's side children go with
-the first window sent after its draft), and with ``"branches"`` each side child with the drafter's likeliest
-token after it, where drafted by then. A rejection whose correction is a side child commits it, and the next
-position is the target's own token from the row after it; with ``"branches"`` the drafter's likeliest token
-after the child starts the next epoch as a guess at that token, and the row after that draft, where the window
-carried it, decides the position after it from the same result (:meth:`_DSIRun.apply`,
-docs/architecture.md "Draft trees").
+the first window sent after its draft), and with ``"branches"`` each side child with its side chain as far as
+drafted by then (the drafter's likeliest token after the child, then its own drafts; a later window whose
+chains grew is rooted at their position and carries them again). A rejection whose correction is a side child
+commits it, and the next position is the target's own token from the row after it; with ``"branches"`` the
+child's side chain starts the next epoch (its first token a guess at that draw), and the rows after its
+tokens, from the window that carried most of it, decide the positions after it as the main path's would be
+(:meth:`_DSIRun.apply`, docs/architecture.md "Draft trees").
 """
 
 from __future__ import annotations
@@ -53,11 +54,12 @@ from dsi.engine.request import Output, Request, TokenCallback
 from dsi.engine.result import GenerationResult
 from dsi.engine.stats import GenerationStats
 from dsi.engine.trees import ranking_floor, request_shape, row_of, side_count
-from dsi.errors import TaskCancelled, WorkerError
+from dsi.errors import ConfigError, TaskCancelled, WorkerError
 from dsi.models.base import LanguageModel, check_sampling, counter_changes
 from dsi.sampling import SamplingParams, bonus, decide, decide_greedy
 from dsi.transport.base import ServerDied, TargetPool, TaskAborted, TaskFailed, TaskResult, VerifyTask
 from dsi.transport.liveness import LivenessPolicy
+from dsi import trees as tree_shapes
 from dsi.trees import ROOT, DraftTree, Dynamic, TreeShape, check_windowed
 from dsi.windows import WindowPacer, window_end
 
@@ -76,8 +78,9 @@ class _Window:
     # side child (relative position, token) -> row; None: a chain window (row r - first decides r)
     main_rows: dict[int, int] | None = None
     side_rows: dict[tuple[int, int], int] | None = None
-    # ... and the row after each side child's continuation (the drafter's likeliest token after it), where it went too
-    continued_rows: dict[tuple[int, int], int] | None = None
+    # ... and the rows after each side child's chain (DSI's "branches"), as far as it went with this window
+    continued_rows: dict[tuple[int, int], list[int]] | None = None
+    root: int = 0  # a tree window: the relative position its tree starts at (its prefix is base + draft[:root])
 
     def row(self, r: int) -> int:
         """The row of this window's result that decides relative position ``r``."""
@@ -96,8 +99,12 @@ class DSIDecoder:
 
     def __init__(self, drafter: LanguageModel, lookahead: int | str, pool_factory, trace: bool = False,
                  max_window: int | None = None, target: LanguageModel | None = None, liveness: object = None,
-                 draft_tree: TreeShape = None) -> None:
+                 draft_tree: TreeShape = None, side_depth: int | None = None) -> None:
         check_windowed(draft_tree)  # refuses a shape DSI cannot branch by (widths per depth, branches)
+        side_depth = tree_shapes.DSI_CHAIN_DEPTH if side_depth is None else side_depth
+        if not isinstance(side_depth, int) or isinstance(side_depth, bool) or side_depth < 1:
+            raise ConfigError(f"side_depth={side_depth!r} must be an int >= 1 (the tokens a side chain continues by)")
+        self.side_depth = side_depth  # "branches": how far each side child's chain goes (dsi.trees.DSI_CHAIN_DEPTH)
         self.lookahead = lookahead  # k, or "auto" for event-driven windows (read at each request)
         self.draft_tree = draft_tree  # side children at each position (dsi.trees); None: chains
         self.max_window = max_window  # event-driven: the most drafts one window carries (None: no cap)
@@ -202,9 +209,11 @@ class _DSIRun:
         # draft trees: this epoch follows a side child that won, so its first position is the target's own
         # draw (a bonus) from the row after that child, and gets no rescue ("auto" and widths)
         self.bonus_first = False
-        # draft trees that continue side children: relative position -> {side child: (its next draft, q)}
-        self.after_sides: dict[int, dict[int, int]] = {}
-        self.seeded = 0  # drafts this epoch began with (a side child's continuation), not the drafter's
+        # side chains (DSI's "branches"): (relative position, side child) -> the chain's tokens after the child and
+        # their drafter laws and side children (the first, a guess at the target's draw after the child, has neither)
+        self.chains: dict[tuple[int, int], list[tuple[int, np.ndarray | None, tuple[int, ...]]]] = {}
+        self.chains_sent: dict[tuple[int, int], int] = {}  # ... and how much of each a window has carried
+        self.seeded = 0  # drafts this epoch began with (a side child's chain), not the drafter's
         self.aliases: dict[int, int] = {}  # task_id -> a second window index the task's result decides for
         self.drafter_done = False
         self.limit = 0
@@ -282,8 +291,9 @@ class _DSIRun:
                 if event.index > 0:
                     self.decoder.pacer.add_drafter(now - self._last_draft_at)
                 self._last_draft_at = now
-                if event.after_sides:
-                    self.after_sides[len(self.draft) - 1] = dict(event.after_sides)
+                for step in event.side_steps:
+                    self.chains.setdefault((step.root + self.seeded, step.side), []).append(
+                        (step.token, step.q, step.sides))
                 self.draft.append(event.token)
                 self.qs.append(event.q)
                 self.sides.append(event.sides)
@@ -329,46 +339,69 @@ class _DSIRun:
             log.warning("the drafter failed on abandoned drafts: %s", event.error)
 
     # ---- windows -----------------------------------------------------------------------------
-    def restart(self, after_side: bool = False, adopt: _Window | None = None, rows: tuple[int, int | None] = (0, None),
-                seed: int | None = None) -> None:
+    def restart(self, after_side: bool = False, adopt: _Window | None = None, side_row: int = 0,
+                seed: Sequence[tuple[int, np.ndarray | None, tuple[int, ...]]] = (),
+                chain: tuple[_Window, list[int]] | None = None
+                ) -> None:
         """Start a new epoch on the committed tokens: zero-draft task + fresh drafting.
 
         ``after_side``: the last committed token is a side child that won, so the new epoch's first position is
         the target's own draw from the row after it (a bonus). ``adopt``: a window of the old epoch whose tree
-        holds that child, kept as the new epoch's window 0 (it computes that row, ``rows[0]``, and was sent
-        earlier than a new zero-draft task would be). ``seed`` (``"branches"``): the drafter's likeliest token after the
-        child, drafted beside the main path: the new epoch's first draft, so its drafts go on if the
-        bonus is that token; ``rows[1]``, where ``adopt`` carried that draft too, is the row after it, and
-        ``adopt`` then decides position 1 as well (window 1), from the same result."""
-        if adopt is not None:
-            self.windows = {i: w for i, w in self.windows.items() if w.task_id != adopt.task_id}
-            self.outstanding.pop(adopt.task_id, None)
+        holds that child, kept as the new epoch's window 0 (it computes that row, ``side_row``, and was sent
+        earlier than a new zero-draft task would be). ``seed`` (``"branches"``): the child's side chain, drafted
+        beside the main path, (token, drafter law, side children): the new epoch's first drafts, so they go on if
+        the bonus is the chain's first token (the drafter's likeliest there, a guess: that position is the
+        target's draw, so it needs no law), the next ones tested as drafts, with the side children the main
+        path's drafts there would have had (so where the tree branches, and so the tokens, never depend on
+        whether a chain was seeded). ``chain``: the window that carried most of that chain
+        and the rows after its tokens there: it becomes window 1, deciding positions 1 .. len(rows) from the
+        rows it has (the same task as window 0's, or a later one)."""
+        keep = {w.task_id for w in (adopt, None if chain is None else chain[0]) if w is not None}
+        if keep:
+            self.windows = {i: w for i, w in self.windows.items() if w.task_id not in keep}
+            for task_id in keep:
+                self.outstanding.pop(task_id, None)
         self.stats.preempted_tasks += self.discard_epoch()
         self.epoch = next(self.decoder._epochs)
         self.base = tuple(self.out.tokens)
         self.draft, self.qs, self.sides, self.windows, self.lasts = [], [], [], {}, []
-        self.after_sides = {}
+        self.chains, self.chains_sent = {}, {}
         self.seeded = 0
         self.drafter_done = False
         self.bonus_first = after_side
         self.limit = self.out.remaining  # positions after base that may be committed
-        if seed is not None:
-            # never tested against a row (the position is the target's draw), so it needs no law
-            self.draft, self.qs, self.sides, self.seeded = [seed], [None], [()], 1
+        seed = list(seed)[: self.limit]
+        for end, (token, _, _) in enumerate(seed):  # nothing is drafted after EOS
+            if token in self.request.eos_token_ids:
+                seed = seed[: end + 1]
+                break
+        if seed:
+            self.draft = [token for token, _, _ in seed]
+            self.qs = [None] + [q for _, q, _ in seed[1:]]
+            self.sides, self.seeded = [()] + [sides for _, _, sides in seed[1:]], len(seed)
         if adopt is None:
             self.submit_window(0, 0, 0)
         else:
-            self.windows[0] = _Window(0, 0, adopt.task_id, adopt.result, main_rows={0: rows[0]})
+            self.windows[0] = _Window(0, 0, adopt.task_id, adopt.result, main_rows={0: side_row})
             if adopt.result is None:
                 self.outstanding[adopt.task_id] = 0
             self.stats.extra["tree_adopted_windows"] = self.stats.extra.get("tree_adopted_windows", 0) + 1
-            if seed is not None and rows[1] is not None and self.limit > 1:
-                self.windows[1] = _Window(1, 1, adopt.task_id, adopt.result, main_rows={1: rows[1]})
-                self.lasts.append(1)
-                if adopt.result is None:
-                    self.aliases[adopt.task_id] = 1
+            holder, rows = chain if chain is not None else (None, [])
+            ended = bool(seed) and seed[-1][0] in self.request.eos_token_ids  # no position after its EOS
+            rows = rows[: min(len(seed) - ended, self.limit - 1)]  # row p - 1 (after the chain's p-th token) decides p
+            if holder is not None and rows:
+                self.windows[1] = _Window(1, len(rows), holder.task_id, holder.result,
+                                          main_rows={p: row for p, row in enumerate(rows, start=1)})
+                self.lasts.append(len(rows))
+                if holder.result is None:
+                    if holder.task_id == adopt.task_id:
+                        self.aliases[holder.task_id] = 1
+                    else:
+                        self.outstanding[holder.task_id] = 1
+                self.stats.extra["tree_side_chain_rows"] = (self.stats.extra.get("tree_side_chain_rows", 0)
+                                                           + len(rows))
         wanted = self.limit - self.seeded
-        if self.seeded and (self.draft[0] in self.request.eos_token_ids or wanted <= 0):
+        if self.seeded and (self.draft[-1] in self.request.eos_token_ids or wanted <= 0):
             self.drafter.stop()  # the seed ends the drafts: nothing to draft after it
             self.drafter_done = True
             return
@@ -379,13 +412,13 @@ class _DSIRun:
             self.drafter.restart(self.epoch, self.base + tuple(self.draft), drafts, self.request.sampling,
                                  self.request.eos_token_ids, len(self.request.prompt), self._alternatives(),
                                  ranking_floor(self.tree), None if self.tree is None else self.tree.sides,
-                                 self._continues())
+                                 self.decoder.side_depth if self._continues() else 0)
         else:  # no room for even one draft: no prefill; every position is the target's own token
             self.drafter.stop()
             self.drafter_done = True
 
     def _continues(self) -> bool:
-        """Whether side children continue (``"branches"``): the drafter drafts the token after each."""
+        """Whether side children continue (``"branches"``): the drafter drafts a side chain after each."""
         return isinstance(self.tree, Dynamic) and self.tree.branches
 
     def _alternatives(self) -> int:
@@ -415,40 +448,53 @@ class _DSIRun:
         else:
             self.stats.extra["tree_windows"] = self.stats.extra.get("tree_windows", 0) + 1
             self.stats.extra["tree_side_nodes"] = self.stats.extra.get("tree_side_nodes", 0) + len(window.side_rows)
-            prefix = self.base + tuple(self.draft[: first - 1])
+            prefix = self.base + tuple(self.draft[: window.root])
             self.pool.submit(self.request.tree_task(task_id, prefix, tree))
 
     def _window_tree(self, window: _Window) -> DraftTree | None:
-        """The tree of a window deciding relative positions ``first..last``, after ``base + draft[:first - 1]``:
-        the drafts of its context from ``first - 1`` on (``draft[first - 1 : last]``, the main path), each with
-        its position's side children; None when it has no side child (the window goes as a chain). Sets the
-        window's rows: ``first..last`` are decided by the rows after the main drafts before them, and a
-        rejected draft at ``p`` in ``first - 1 .. last - 1`` whose correction is a side child finds the row
-        after that child here. So every drafted position's side children go with the first window sent after
-        its draft, and no window waits for a draft it does not decide."""
+        """The tree of a window deciding relative positions ``first..last``: the drafts of its context from
+        ``first - 1`` on (``draft[first - 1 : last]``, the main path), each with its position's side children
+        (and with ``"branches"`` each side child's chain as far as drafted); None when it has no side child
+        (the window goes as a chain). Sets the window's rows: ``first..last`` are decided by the rows after the
+        main drafts before them, and a rejected draft at ``p`` whose correction is a side child finds the row
+        after that child here (and the rows after its chain). So every drafted position's side children go with
+        the first window sent after its draft, and no window waits for a draft it does not decide. A side chain
+        of an earlier undecided position that grew since a window last carried it goes too: the tree is then
+        rooted at that position, the main path from there (its nodes cost the target no extra time where a
+        verified row is free, which is where ``"branches"`` is priced to branch)."""
+        decided = len(self.out.tokens) - len(self.base)
+        start = window.first - 1
+        for (r, side), chain in self.chains.items():
+            if decided <= r < start and len(chain) > self.chains_sent.get((r, side), 0):
+                start = min(start, r)
         tokens: list[int] = []
         parents: list[int] = []
         main_rows, side_rows, continued_rows = {}, {}, {}
         parent = ROOT
-        for r in range(window.first - 1, window.last):
+        for r in range(start, window.last):
             node = len(tokens)
             tokens.append(self.draft[r])
             parents.append(parent)
-            after = self.after_sides.get(r, {})
             for side in () if r == 0 and self.bonus_first else self.sides[r]:
                 side_node = len(tokens)
                 side_rows[(r, side)] = row_of(side_node)
                 tokens.append(side)
                 parents.append(parent)
-                if side in after:  # "branches": the drafter's likeliest token after the side child, under it
-                    continued_rows[(r, side)] = row_of(len(tokens))
-                    tokens.append(after[side])
-                    parents.append(side_node)
-            main_rows[r + 1] = row_of(node)
+                chain = self.chains.get((r, side), ())
+                if chain:  # "branches": the side chain under the child, as far as drafted
+                    rows = continued_rows[(r, side)] = []
+                    for token, _, _ in chain:
+                        rows.append(row_of(len(tokens)))
+                        tokens.append(token)
+                        parents.append(len(tokens) - 2)
+                    self.chains_sent[(r, side)] = len(chain)
+            if r + 1 >= window.first:
+                main_rows[r + 1] = row_of(node)
             parent = node
         if not side_rows:
             return None
         window.main_rows, window.side_rows, window.continued_rows = main_rows, side_rows, continued_rows
+        window.root = start
         return DraftTree(tuple(tokens), tuple(parents))
 
     def horizon(self) -> int:
@@ -534,21 +580,25 @@ class _DSIRun:
                         return
                     # the window sent with that side child: this one, or the next for its last position
                     holder = window if r < window.last else self.windows.get(index + 1)
-                    # "branches": the drafter's likeliest token after the child, drafted beside the main path (or None)
-                    guess = self.after_sides.get(r, {}).get(token) if self._continues() else None
+                    if holder is not None and (r, token) not in (holder.side_rows or {}):
+                        # a window adopted from a side chain, deciding seeded drafts, carries no side children
+                        holder = None
+                    # "branches": the side chain drafted after the child, beside the main path (or none)
+                    chain = self.chains.get((r, token), []) if self._continues() else []
                     if holder is None:  # not sent yet: the next epoch's zero-draft task computes that row
-                        self.restart(after_side=True, seed=guess)
+                        self.restart(after_side=True, seed=chain)
                         continue
-                    if guess is not None:  # the new epoch starts with it, and its window holds the row after it
-                        after = (holder.continued_rows or {}).get((r, token))
-                        if after is not None:
+                    if chain:  # the new epoch starts with it; the window that carried most of it has its rows
+                        carrier = max((w for w in self.windows.values() if (r, token) in (w.continued_rows or {})),
+                                      key=lambda w: (len(w.continued_rows[(r, token)]), -w.task_id), default=None)
+                        if carrier is not None:
                             self.stats.extra["tree_continued_sides"] = (
                                 self.stats.extra.get("tree_continued_sides", 0) + 1)
-                        self.restart(after_side=True, adopt=holder, rows=(holder.side_rows[(r, token)], after),
-                                     seed=guess)
+                        self.restart(after_side=True, adopt=holder, side_row=holder.side_rows[(r, token)], seed=chain,
+                                     chain=None if carrier is None else (carrier, carrier.continued_rows[(r, token)]))
                         continue
                     if holder.result is None:  # still running: it becomes the next epoch's window 0
-                        self.restart(after_side=True, adopt=holder, rows=(holder.side_rows[(r, token)], None))
+                        self.restart(after_side=True, adopt=holder, side_row=holder.side_rows[(r, token)])
                         continue
                     side = holder.side_rows[(r, token)]
                     self.commit(self._bonus(holder.result, side, position + 1), holder.result, side)

@@ -323,7 +323,7 @@ def _measure_and_choose(target, drafter, transport, options, max_servers, prompt
         tpot = one_token_s + (rows - 1) * slope
         result = simulate(method, target_tpot=tpot, drafter_tpot=max(drafter_s, 1e-9), lookahead=lookahead,
                           num_servers=servers, matches=pattern,
-                          rescues=None if tree is None else list(trees[tree].rescues),
+                          rescues=None if tree is None else list(trees[method][tree].rescues),
                           si_tree=tree if method == "si" and tree is not None else "2")
         return float(result.mean)
 
@@ -335,8 +335,8 @@ def _measure_and_choose(target, drafter, transport, options, max_servers, prompt
     for k in LOOKAHEADS:
         candidates.append(Candidate("si", k, 1, si_fit * simulated("si", k, 1, t1, si_d, k + 1),
                                     si["wall_s"] if k == SI_CALIBRATION_K else None))
-        for tree in (t for t in SI_TREES if t in trees and (k >= 2 or t == "auto")):
-            rows = k * (1.0 + trees[tree].mean_sides) + 1 if tree == "auto" else k + 1
+        for tree in (t for t in SI_TREES if t in trees.get("si", {}) and (k >= 2 or t == "auto")):
+            rows = k * (1.0 + trees["si"][tree].mean_sides) + 1 if tree == "auto" else k + 1
             candidates.append(Candidate("si", k, 1, si_fit * simulated("si", k, 1, t1, si_d, rows, tree),
                                         draft_tree=tree))
     # DSI: this placement's forwards as they ran next to each other; a tree window's rows: its drafts and
@@ -350,8 +350,8 @@ def _measure_and_choose(target, drafter, transport, options, max_servers, prompt
         candidates.append(Candidate("dsi", "auto", sp, run["wall_s"], run["wall_s"]))
         for k in LOOKAHEADS:
             candidates.append(Candidate("dsi", k, sp, fit * simulated("dsi", k, sp, one_token, d_sp, k + 1)))
-        for tree in (t for t in DSI_TREES if t in trees):
-            grow = 1.0 + trees[tree].mean_sides
+        for tree in (t for t in DSI_TREES if t in trees.get("dsi", {})):
+            grow = 1.0 + trees["dsi"][tree].mean_sides
             candidates.append(Candidate("dsi", "auto", sp, fit * simulated("dsi", "auto", sp, one_token, d_sp,
                                                                            window * grow + 1, tree), draft_tree=tree))
             for k in LOOKAHEADS:
@@ -417,26 +417,33 @@ def pick_run(candidates: Sequence[Candidate], margin: float) -> Candidate:
 
 def _patterns(drafter, prompt: list[int], reference: list[int], weigh_trees: bool, target=None,
               transport: str = "threads", options: dict | None = None) -> tuple[list[bool], dict]:
-    """The accept pattern on the calibration output, and each tree shape's
+    """The accept pattern on the calibration output, and per method (``"si"``, ``"dsi"``) each tree shape's
     :class:`~dsi.engine.trees.TreePattern` for the shapes whose side children rescue at least one rejection
     there ({} without trees, or where the drafter cannot branch): one drafter forward for all of them. The
-    ``"auto"`` tree branches as its decoders will, with the floor the ``target``'s cost per verified row sets
-    (:func:`~dsi.engine.trees.priced_shape`)."""
+    ``"auto"`` tree branches as each method's decoders will, with the floor the ``target``'s cost per verified
+    row sets (:func:`~dsi.engine.trees.priced_shape`), at least SI's least floor or DSI's
+    (:data:`~dsi.trees.DSI_FLOOR`)."""
     from dsi.engine.trees import can_branch, priced_shape, tree_patterns
-    from dsi.trees import parse_shape
+    from dsi.trees import DEFAULT_FLOOR, DSI_FLOOR, parse_shape
 
     if not weigh_trees or not can_branch(drafter, True):
         return accept_pattern(drafter, prompt, reference), {}
-    names = list(dict.fromkeys(SI_TREES + DSI_TREES))
-    shapes = [parse_shape(name) if target is None else priced_shape(parse_shape(name), target, drafter, transport,
-                                                                    options) for name in names]
-    patterns = tree_patterns(drafter, prompt, reference, shapes)
-    return list(patterns[0].matches), {name: p for name, p in zip(names, patterns, strict=True) if any(p.rescues)}
+    wanted = [("si", name, DEFAULT_FLOOR) for name in SI_TREES] + [("dsi", name, DSI_FLOOR) for name in DSI_TREES]
+    shapes = [parse_shape(name) if target is None else
+              priced_shape(parse_shape(name), target, drafter, transport, options, least) for _, name, least in wanted]
+    distinct = list(dict.fromkeys(shapes))  # one pattern per distinct shape (a width is the same for both methods)
+    patterns = dict(zip(distinct, tree_patterns(drafter, prompt, reference, distinct), strict=True))
+    trees: dict[str, dict] = {}
+    for (method, name, _), shape in zip(wanted, shapes, strict=True):
+        if any(patterns[shape].rescues):
+            trees.setdefault(method, {})[name] = patterns[shape]
+    return list(patterns[distinct[0]].matches), trees
 
 
 def _tree_verdict(ranked: list[Candidate], pick: Candidate, trees: dict) -> str:
     """Trees against chains in words: the rescues seen, and the best tree against the best chain."""
-    rescued = ", ".join(f"{sum(p.rescues)} with tree={name}" for name, p in trees.items())
+    rescued = ", ".join(f"{sum(p.rescues)} with {method.upper()}'s tree={name}"
+                        for method, patterns in trees.items() for name, p in patterns.items())
     rivals = [c for c in ranked if c is not pick and c.method != "ar"
               and (c.draft_tree is None) == (pick.draft_tree is not None)]
     if not rivals:

@@ -261,10 +261,12 @@ def test_a_cached_choice_builds_the_same_workers_as_the_method_by_hand(tmp_path,
     hand.close()
 
 
-def hedging_pair(right: float, *, target_s: float, token_s: float = 0.0, drafter_s: float = 0.001, seed: int = 4):
+def hedging_pair(right: float, *, target_s: float, token_s: float = 0.0, drafter_s: float = 0.001, seed: int = 4,
+                 second: float = 2.5):
     """A random target and a drafter whose first choice is the target's token at a fraction ``right`` of
     contexts (seeded per context) and whose second choice is it everywhere else: the pair draft trees are
-    made for (every rejection has its correction among the side children)."""
+    made for (every rejection has its correction among the side children). ``second``: the second choice's
+    logit (the first's is 3, the others' about 0: 2.5 gives it a drafter probability of about 0.26)."""
     from dsi.models import CallableLM, WithLatency
     from tests.conftest import random_lm
 
@@ -276,8 +278,8 @@ def hedging_pair(right: float, *, target_s: float, token_s: float = 0.0, drafter
         rng = np.random.default_rng([seed, len(tokens), *tokens])
         logits = rng.normal(0.0, 0.1, vocab)
         other = (best + 1 + int(rng.integers(vocab - 1))) % vocab
-        first, second = (best, other) if rng.random() < right else (other, best)
-        logits[first], logits[second] = 3.0, 2.5
+        first, runner_up = (best, other) if rng.random() < right else (other, best)
+        logits[first], logits[runner_up] = 3.0, second
         return logits
 
     drafter = CallableLM(drafter_logits, vocab, name=f"hedging(right={right})")
@@ -341,10 +343,21 @@ def test_a_drafter_that_cannot_branch_is_weighed_with_chains_only(tmp_path, no_t
 
     out = dsi.generate(target=target, prompt=[5, 6], method="ar", max_new_tokens=16).tokens
     matches, trees = autotune._patterns(drafter, [5, 6], out, True)
-    assert set(trees) == {"2", "auto"}
+    assert {method: set(names) for method, names in trees.items()} == {"si": {"2", "auto"}, "dsi": {"2", "auto"}}
     assert matches == accept_pattern(drafter, [5, 6], out)  # the same forward gives the accept pattern
     assert autotune._patterns(ThroughText(drafter), [5, 6], out, True) == (matches, {})
     assert autotune._patterns(drafter, [5, 6], out, False) == (matches, {})
+
+
+def test_dsis_auto_tree_is_weighed_at_dsis_floor_where_a_verified_row_is_free(no_thread_leak):
+    """Where a verified row costs the target nothing, SI's ``auto`` tree branches at a drafter probability of 0.1
+    and DSI's at :data:`dsi.trees.DSI_FLOOR` (0.02), as their decoders do: a drafter whose second choice (about
+    0.05 likely) is the target's token wherever its first is not is weighed with DSI's ``auto`` tree only."""
+    target, drafter = hedging_pair(0.5, target_s=0.010, second=0.6)
+    out = dsi.generate(target=target, prompt=[5, 6], method="ar", max_new_tokens=16).tokens
+    _, trees = autotune._patterns(drafter, [5, 6], out, True, target)
+    assert set(trees["dsi"]) == {"2", "auto"} and set(trees["si"]) == {"2"}, trees
+    assert trees["dsi"]["auto"].rescues == trees["dsi"]["2"].rescues  # the second choice, where it reaches 0.02
 
 
 def test_of_the_runs_within_the_margin_the_simplest_is_picked_and_never_a_prediction():
