@@ -168,7 +168,8 @@ def run_texts(target, drafter, prompts, seeds: int, tokens: int, temperature: fl
     import dsi
     import dsi.trees
 
-    tree, _, depth = (tree or "").partition("@")  # "branches@1": DSI's side chains that deep (dsi.trees.DSI_CHAIN_DEPTH)
+    # "branches@1": DSI's side chains that deep (dsi.trees.DSI_CHAIN_DEPTH, restored after the runs)
+    tree, _, depth = (tree or "").partition("@")
     tree = tree or None
     shipped = dsi.trees.DSI_CHAIN_DEPTH
     if depth:
@@ -238,7 +239,8 @@ def main() -> int:
     parser.add_argument("--costs", nargs="+", choices=tuple(COST_MODELS), default=list(COST_MODELS))
     parser.add_argument("--trees", nargs="+", metavar="SHAPE",
                         help="the trees compared with each chain instead of the default ones (DSI skips widths per "
-                        "depth and best-first; 'branches@D': DSI's side chains D tokens deep, dsi.trees.DSI_CHAIN_DEPTH)")
+                        "depth and best-first; 'branches@D': DSI's side chains D tokens deep, "
+                        "dsi.trees.DSI_CHAIN_DEPTH)")
     parser.add_argument("--dsi-only", action="store_true", help="with --trees: DSI's runs only, no SI")
     parser.add_argument("--servers", nargs="+", type=int, default=[2, 4], help="DSI's target servers (with --trees)")
     parser.add_argument("--misses", choices=("stand-in", "compute"), default="stand-in",
