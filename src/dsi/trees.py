@@ -205,6 +205,14 @@ DEFAULT_FLOOR = 0.1  # the least drafter probability of an "auto" side child whe
 # (docs/results.md sections 33-34: on SmolLM2's sampled code DSI's trees at 0.02 were 4% faster than at 0.1, no
 # faster at 0.01)
 DSI_FLOOR = 0.02
+
+
+def least_floor(method: str) -> float:
+    """The least floor an ``"auto"`` tree of ``method``'s decoders is priced at: :data:`DSI_FLOOR` for DSI,
+    :data:`DEFAULT_FLOOR` for SI."""
+    return DSI_FLOOR if method == "dsi" else DEFAULT_FLOOR
+
+
 # DSI's "branches": each side child continues as a side chain of up to this many tokens, one per drafter step, each
 # carried by the windows sent after it is drafted (a window whose chains grew is rooted at their position), so a
 # side child that wins goes on along its chain with the rows after it computed. One: the drafter's likeliest token

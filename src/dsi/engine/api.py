@@ -26,7 +26,7 @@ from dsi.models.base import LanguageModel
 from dsi.models.crossvocab import VOCAB_MODES, bridge_drafter
 from dsi.sampling import SamplingParams
 from dsi.transport import TRANSPORTS, make_pool
-from dsi.trees import DEFAULT_FLOOR, DSI_FLOOR, BestFirst, Dynamic, TreeShape, Widths, check_windowed, parse_shape
+from dsi.trees import BestFirst, Dynamic, TreeShape, Widths, check_windowed, least_floor, parse_shape
 
 ENGINE_METHODS = ("dsi", "si", "ar")  # what the engine runs; dsi.api adds "auto" (the fastest of them here)
 
@@ -198,8 +198,7 @@ def build_decoder(
         return AutoregressiveDecoder(target)
     if drafter is None:
         raise ConfigError(f"method={method!r} needs a drafter model")
-    shape = priced_shape(shape, target, drafter, transport, transport_options,
-                         DSI_FLOOR if method == "dsi" else DEFAULT_FLOOR)
+    shape = priced_shape(shape, target, drafter, transport, transport_options, least_floor(method))
     if method == "si":
         return SpeculativeDecoder(target, drafter, lookahead, shape)
     options = dict(transport_options or {})

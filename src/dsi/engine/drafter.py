@@ -128,6 +128,19 @@ class _Job:
     side_depth: int = 0
 
 
+def _draft_at(row: np.ndarray, job: _Job, position: int, prefix: Prefix) -> tuple[int, np.ndarray | None,
+                                                                                   tuple[int, ...]]:
+    """The draft at ``position`` from the drafter's raw logits ``row`` after ``prefix`` (the chain's own:
+    :func:`dsi.sampling.draft_from_logits`), its processed law (None when greedy), and, where the job's tree
+    asks for them, its side children (the shape's choice among its likeliest tokens)."""
+    if not job.alternatives:
+        token, q = draft_from_logits(row, job.sampling, position, prefix)
+        return token, q, ()
+    token, q, ranked = draft_with_alternatives(row, job.sampling, position, prefix, job.alternatives,
+                                               job.alternatives_floor)
+    return token, q, () if job.side_children is None else tuple(job.side_children(token, ranked))
+
+
 def _grows(key: tuple[int, int], chain: list[int], job: _Job, limit: int) -> bool:
     """Whether the side chain ``key`` (draft index, side child) with tokens ``chain`` after the child takes its next
     token: shorter than the job's depth, not ended by EOS, and its next token at an index a draft may have."""
@@ -280,13 +293,7 @@ class DraftWorker:
                         token, q = int(out), None
                     else:
                         prefix = Prefix((*job.context, *drafted), job.prompt_len, job.eos_token_ids)
-                        if job.alternatives:
-                            token, q, ranked = draft_with_alternatives(out, params, position, prefix, job.alternatives,
-                                                                       job.alternatives_floor)
-                            if job.side_children is not None:
-                                sides = tuple(job.side_children(token, ranked))
-                        else:
-                            token, q = draft_from_logits(out, params, position, prefix)
+                        token, q, sides = _draft_at(out, job, position, prefix)
                     drafted.append(token)
                     if cancel.is_set():
                         raise TaskCancelled("drafts abandoned")
@@ -343,16 +350,10 @@ class DraftWorker:
             chain = chains[(root, side)]
             context = (*job.context, *drafted[:root], side, *chain)
             prefix = Prefix(context, job.prompt_len, job.eos_token_ids)
-            sides: tuple[int, ...] = ()
-            if not chain:
-                token, q = likeliest_draft(rows[1 + end], job.sampling, prefix), None
-            elif job.alternatives:  # its side children, as the main path's draft there would have them
-                token, q, ranked = draft_with_alternatives(rows[1 + end], job.sampling, len(context), prefix,
-                                                           job.alternatives, job.alternatives_floor)
-                if job.side_children is not None:
-                    sides = tuple(job.side_children(token, ranked))
+            if chain:  # drafted as the main path's draft there would be, with its side children
+                token, q, sides = _draft_at(rows[1 + end], job, len(context), prefix)
             else:
-                token, q = draft_from_logits(rows[1 + end], job.sampling, len(context), prefix)
+                token, q, sides = likeliest_draft(rows[1 + end], job.sampling, prefix), None, ()
             steps.append(SideStep(root, side, token, q, sides))
         return rows[1 + newest - start], tuple(steps)
 

@@ -424,17 +424,18 @@ def _patterns(drafter, prompt: list[int], reference: list[int], weigh_trees: boo
     row sets (:func:`~dsi.engine.trees.priced_shape`), at least SI's least floor or DSI's
     (:data:`~dsi.trees.DSI_FLOOR`)."""
     from dsi.engine.trees import can_branch, priced_shape, tree_patterns
-    from dsi.trees import DEFAULT_FLOOR, DSI_FLOOR, parse_shape
+    from dsi.trees import least_floor, parse_shape
 
     if not weigh_trees or not can_branch(drafter, True):
         return accept_pattern(drafter, prompt, reference), {}
-    wanted = [("si", name, DEFAULT_FLOOR) for name in SI_TREES] + [("dsi", name, DSI_FLOOR) for name in DSI_TREES]
+    wanted = [("si", name) for name in SI_TREES] + [("dsi", name) for name in DSI_TREES]
     shapes = [parse_shape(name) if target is None else
-              priced_shape(parse_shape(name), target, drafter, transport, options, least) for _, name, least in wanted]
+              priced_shape(parse_shape(name), target, drafter, transport, options, least_floor(method))
+              for method, name in wanted]
     distinct = list(dict.fromkeys(shapes))  # one pattern per distinct shape (a width is the same for both methods)
     patterns = dict(zip(distinct, tree_patterns(drafter, prompt, reference, distinct), strict=True))
     trees: dict[str, dict] = {}
-    for (method, name, _), shape in zip(wanted, shapes, strict=True):
+    for (method, name), shape in zip(wanted, shapes, strict=True):
         if any(patterns[shape].rescues):
             trees.setdefault(method, {})[name] = patterns[shape]
     return list(patterns[distinct[0]].matches), trees
