@@ -3,7 +3,8 @@ second benchmark, at T = 0.7; ``tree_walltime.py`` times greedy requests on reco
 
 A sampled request is not decided by a recording (each seed writes its own text), so here the rows are the real
 pair's: :class:`Memoised` serves each model's row at a context from memory (float32, as llama.cpp gives it; the
-memory is emptied between prompt sets), computing it once with the real model (llama.cpp; ``--drafter
+memory is emptied between prompt sets; a draft tree's rows in one copy, as a backend's tree kernel returns them,
+since section 36 of docs/results.md), computing it once with the real model (llama.cpp; ``--drafter
 smollm2-135m-instruct`` drafts through the token intersection). Both models are wrapped in ``WithLatency`` on
 the two cost models of ``tree_walltime.py``:
 
@@ -119,6 +120,18 @@ class Memoised:
                 self.miss_s += time.perf_counter() - start
             return np.stack([self.rows[key] for key in keys])
 
+    def tree_rows_after(self, prefix: tuple[int, ...], tree) -> np.ndarray | None:
+        """A draft tree's rows after ``prefix`` (:func:`dsi.models.base.tree_rows`) gathered in one copy, as a
+        backend's tree kernel returns them, or None where a node's row is not held and not ``frozen`` (the caller
+        computes them path by path)."""
+        keys = [prefix] + [prefix + tuple(tree.path_tokens(node)) for node in range(len(tree))]
+        with self.lock:
+            if not self.frozen and any(key not in self.rows for key in keys):
+                return None
+            held = [self.rows.get(key) for key in keys]
+            self.stand_ins += sum(row is None for row in held)
+            return np.stack([self._nearest(key) if row is None else row for key, row in zip(keys, held, strict=True)])
+
     def _nearest(self, key: tuple[int, ...]) -> np.ndarray:
         """The row of ``key``'s longest prefix held (the prompt's rows always are, once filled)."""
         for end in range(len(key) - 1, 0, -1):
@@ -152,6 +165,21 @@ class MemoisedSession:
         context = tuple(self._tokens) + tuple(int(t) for t in tokens)
         rows = self._model.rows_after(context, len(tokens))
         self._tokens = list(context)
+        return rows
+
+    def tree_rows(self, prefix, tree, cancel=None, *, greedy: bool = False, top: int | None = None) -> np.ndarray:
+        """A draft tree's rows in one copy where every node's row is held (a real backend's tree kernel copies
+        its rows out once; path by path, each path's rows would be copied twice), else path by path."""
+        from dsi.errors import TaskCancelled
+        from dsi.models.base import path_tree_rows
+
+        if cancel is not None and cancel.is_set():
+            raise TaskCancelled("forward cancelled")
+        prefix = tuple(int(t) for t in prefix)
+        rows = None if greedy else self._model.tree_rows_after(prefix, tree)
+        if rows is None:
+            return path_tree_rows(self, prefix, tree, cancel, greedy=greedy, top=top)
+        self._tokens = list(prefix) + tree.path_tokens(tree.main_path()[-1]) if tree.main_path() else list(prefix)
         return rows
 
     def truncate(self, length: int) -> None:

@@ -222,6 +222,12 @@ def least_floor(method: str) -> float:
 # win, so a chain goes on past it for few of them, while every chain node costs the host a 152k-id row, and
 # the drafter's sampled nodes a processed law each
 DSI_CHAIN_DEPTH = 1
+# DSI's "auto" grows those side chains too where a verified row costs at most this much of a one-token forward: a
+# chain's node pays where its side child wins and the guess is the target's draw, about half the side wins
+# (section 35: 18 of 36, 56 of 98), so it needs half the price a side child at DSI's least floor pays (REACH is
+# defined below: 0.02 * 0.6 / 2 = 0.006). A GPU's memory-bound forward is there (the H200 verifies 16 nodes at
+# one token's cost); a CPU's forward, linear in tokens, is far above it
+CHAIN_PRICE = 0.006
 REACH = 0.6  # about how often a side child's window reaches its position where side children matter
 # A greedy side child is never the draft, so its drafter probability is at most 1/2, and it saves at most
 # (1/2 - floor) * REACH of a forward where it is found: from this priced floor up (rows at least 0.24 of a
@@ -282,7 +288,9 @@ class Dynamic:
     per drafter step, drafted in the forwards that draft the main path (one tree forward each): first the
     drafter's likeliest token after the child (a guess at the target's token after a side child that wins),
     then its own drafts; the windows sent after each token carry it, so a side child that wins goes on along
-    its chain with the rows after it already computed (:mod:`dsi.engine.dsi`)."""
+    its chain with the rows after it already computed (:mod:`dsi.engine.dsi`). DSI's ``"auto"`` grows those side
+    chains too where its floor was priced from a nearly free row (:func:`grows_side_chains`), so its default tree
+    on a GPU is ``"branches"``'s."""
 
     top: int = 3
     floor: float | None = None
@@ -357,6 +365,14 @@ def _check_top(top: object) -> None:
 
 
 TreeShape = Widths | Dynamic | BestFirst | None  # None: a chain
+
+
+def grows_side_chains(shape: TreeShape) -> bool:
+    """Whether DSI's windows continue ``shape``'s side children as side chains (:data:`DSI_CHAIN_DEPTH`):
+    ``"branches"`` always, ``"auto"`` where its floor was priced from a verified row costing at most
+    :data:`CHAIN_PRICE` of a one-token forward (``"auto:F"`` and a price not known: no chains). The tokens are
+    the same either way (a side chain only moves time, docs/architecture.md)."""
+    return isinstance(shape, Dynamic) and (shape.branches or (shape.price is not None and shape.price <= CHAIN_PRICE))
 
 
 def parse_shape(text: str | None) -> TreeShape:

@@ -207,6 +207,32 @@ def test_a_side_child_that_wins_goes_on_along_its_side_chain_decided_by_rows_alr
     assert rows_per_win[4] > 1.5, rows_per_win
 
 
+def test_dsis_auto_tree_grows_side_chains_only_where_a_verified_row_is_nearly_free(no_thread_leak):
+    """DSI's ``"auto"`` continues its side children as side chains (as ``"branches"`` does) where its floor was
+    priced from a row costing at most ``CHAIN_PRICE`` of a forward (a latency model whose forward costs the same
+    for any number of tokens), not where a row costs more (a twentieth of the forward: floor 0.1, leaf side
+    children), nor at a fixed floor; the tokens are non-SI's in all three."""
+    from dsi.models import WithLatency
+    from dsi.trees import CHAIN_PRICE
+
+    target = random_lm(VOCAB, 7, sharpness=2.0)
+    drafter = periodically_wrong_drafter(target, 5)
+    expected = reference(target, 50).tokens
+    runs = {}
+    for label, token_s, tree in (("free", 0.0, "auto"), ("priced", 0.0002, "auto"), ("fixed", 0.0, "auto:0.02")):
+        out = dsi.generate(target=WithLatency(target, ttft=0.004, tpot=0.004, token_s=token_s),
+                           drafter=Jitter(drafter, 0.0002, 2), prompt=PROMPT, method="dsi", max_new_tokens=50,
+                           lookahead="auto", num_target_servers=2, draft_tree=tree)
+        assert out.tokens == expected, label
+        runs[label] = out.stats.extra
+    assert runs["free"]["tree_row_price"] == 0.0 and runs["free"]["tree_floor"] == 0.02
+    assert runs["free"]["tree_side_chain_depth"] == 1 and runs["free"]["tree_continued_sides"] > 0
+    assert runs["priced"]["tree_row_price"] > CHAIN_PRICE and runs["priced"]["tree_floor"] == 0.1
+    for label in ("priced", "fixed"):
+        assert runs[label]["tree_side_accepts"] > 0, label  # still a tree: its side children win
+        assert "tree_side_chain_depth" not in runs[label] and "tree_continued_sides" not in runs[label], label
+
+
 def test_a_decoder_refuses_a_side_chain_depth_below_one():
     from dsi.engine.dsi import DSIDecoder
 

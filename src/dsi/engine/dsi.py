@@ -25,15 +25,16 @@ after ``committed`` is not run at all, and every position is a bonus (non-SI on 
 A position whose draft is still being computed waits for it (at most one drafter step), so the
 output never depends on timing. Only the target commits EOS.
 
-With a draft tree (:mod:`dsi.trees`) window w >= 1 is the tree of its context's drafts from
-last_{w-1} on, each with its position's side children (every drafted position's side children go with
-the first window sent after its draft), and with ``"branches"`` each side child with its side chain as far as
-drafted by then (the drafter's likeliest token after the child, then its own drafts; a later window whose
-chains grew is rooted at their position and carries them again). A rejection whose correction is a side child
-commits it, and the next position is the target's own token from the row after it; with ``"branches"`` the
-child's side chain starts the next epoch (its first token a guess at that draw), and the rows after its
-tokens, from the window that carried most of it, decide the positions after it as the main path's would be
-(:meth:`_DSIRun.apply`, docs/architecture.md "Draft trees").
+With a draft tree (:mod:`dsi.trees`) window w >= 1 is the tree of its context's drafts from last_{w-1} on,
+each with its position's side children (every drafted position's side children go with the first window sent
+after its draft), and with ``"branches"`` (and ``"auto"`` where a verified row is nearly free,
+:func:`dsi.trees.grows_side_chains`) each side child with its side chain as far as drafted by then (the
+drafter's likeliest token after the child, then its own drafts; a later window whose chains grew is rooted at
+their position and carries them again). A rejection whose correction is a side child commits it, and the next
+position is the target's own token from the row after it; with ``"branches"`` the child's side chain starts
+the next epoch (its first token a guess at that draw), and the rows after its tokens, from the window that
+carried most of it, decide the positions after it as the main path's would be (:meth:`_DSIRun.apply`,
+docs/architecture.md "Draft trees").
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ from dsi.sampling import SamplingParams, bonus, decide, decide_greedy
 from dsi.transport.base import ServerDied, TargetPool, TaskAborted, TaskFailed, TaskResult, VerifyTask
 from dsi.transport.liveness import LivenessPolicy
 from dsi import trees as tree_shapes
-from dsi.trees import ROOT, DraftTree, Dynamic, TreeShape, check_windowed
+from dsi.trees import ROOT, DraftTree, TreeShape, check_windowed
 from dsi.windows import WindowPacer, window_end
 
 log = logging.getLogger(__name__)
@@ -198,6 +199,8 @@ class _DSIRun:
         )
         self.out = Output(request, self.stats, on_tokens, abort)
         self.tree = request_shape(decoder.draft_tree, decoder._drafter_model, request.sampling, self.stats)
+        if self._continues():  # how far each side child's chain goes ("branches", "auto" where rows are nearly free)
+            self.stats.extra["tree_side_chain_depth"] = decoder.side_depth
         self._drafter_forwards_at_start = self.drafter.forwards
         self._drafter_busy_at_start = self.drafter.busy_s
         self._drafter_counters_at_start = self.drafter.counters()
@@ -418,8 +421,9 @@ class _DSIRun:
             self.drafter_done = True
 
     def _continues(self) -> bool:
-        """Whether side children continue (``"branches"``): the drafter drafts a side chain after each."""
-        return isinstance(self.tree, Dynamic) and self.tree.branches
+        """Whether side children continue (``"branches"``, and ``"auto"`` where a verified row is nearly free:
+        :func:`dsi.trees.grows_side_chains`): the drafter drafts a side chain after each."""
+        return tree_shapes.grows_side_chains(self.tree)
 
     def _alternatives(self) -> int:
         """How many likeliest tokens the drafter reports with each draft (what the tree's sides need)."""

@@ -32,6 +32,7 @@ from dsi.models.base import (
     context_limit,
     extend_rows,
     path_tree_rows,
+    tree_rows,
 )
 from dsi.models.costs import ForwardCosts
 
@@ -150,12 +151,13 @@ class LatencySession:
     def tree_rows(self, prefix: Sequence[int], tree, cancel: CancelFlag | None = None, *, greedy: bool = False,
                   top: int | None = None) -> np.ndarray:
         """A draft tree's rows (:func:`dsi.models.base.tree_rows`) in one forward's time, as a tree
-        attention mask gives them: a tree of n nodes costs what a chain of n tokens costs. With
-        ``one_forward_trees=False``, one timed forward per root-to-leaf path (a backend without the kernel)."""
+        attention mask gives them: a tree of n nodes costs what a chain of n tokens costs. The rows are the inner
+        session's tree kernel's where it has one, else computed path by path. With ``one_forward_trees=False``, one
+        timed forward per root-to-leaf path (a backend without the kernel)."""
         if not self.one_forward_trees:
             return path_tree_rows(self, prefix, tree, cancel, greedy=greedy, top=top)
         computed = len(prefix) - min(common_prefix_length(self._inner.tokens, prefix), len(prefix) - 1) + len(tree)
-        return self._timed(lambda: path_tree_rows(self._inner, prefix, tree, cancel, greedy=greedy, top=top), cancel,
+        return self._timed(lambda: tree_rows(self._inner, prefix, tree, cancel, greedy=greedy, top=top), cancel,
                            computed)
 
     def _timed(self, run, cancel: CancelFlag | None, computed: int) -> np.ndarray:

@@ -14,7 +14,8 @@ from dsi.errors import ConfigError
 from dsi.models import CallableLM, WithLatency
 from dsi.models.costs import ForwardCosts, forward_costs, measure_forward_costs
 from dsi.models.replay import ReplayLM
-from dsi.trees import DEFAULT_FLOOR, DSI_FLOOR, Dynamic, Widths, floor_for_price, parse_shape
+from dsi.trees import (CHAIN_PRICE, DEFAULT_FLOOR, DSI_FLOOR, BestFirst, Dynamic, Widths, floor_for_price,
+                       grows_side_chains, parse_shape)
 
 VOCAB = 16
 
@@ -100,6 +101,22 @@ def test_the_floor_follows_the_price():
     for bad in (-0.1, 1.5, "0.3", True):
         with pytest.raises(ConfigError, match="row_price=.* must be a number in \\[0, 1\\]"):
             floor_for_price(bad)
+
+
+def test_dsi_grows_side_chains_for_branches_and_for_auto_only_where_rows_are_nearly_free():
+    # "auto" where the price is known to be at most CHAIN_PRICE; never where it is not known or the floor is fixed
+    assert CHAIN_PRICE == pytest.approx(DSI_FLOOR * 0.6 / 2)
+    assert grows_side_chains(Dynamic(floor=DSI_FLOOR, price=0.0))
+    assert grows_side_chains(Dynamic(floor=0.02, price=0.006))
+    assert not grows_side_chains(Dynamic(floor=0.02, price=0.0061))
+    assert not grows_side_chains(Dynamic(floor=0.5, price=0.27))
+    assert not grows_side_chains(Dynamic()) and not grows_side_chains(Dynamic(floor=0.02))  # not priced, "auto:0.02"
+    assert grows_side_chains(Dynamic(branches=True))
+    assert grows_side_chains(Dynamic(floor=0.5, price=0.27, branches=True))
+    assert not any(grows_side_chains(shape) for shape in (None, Widths((2,)), BestFirst()))
+    # a GPU-like latency model (a forward costs the same for any number of tokens) prices DSI's "auto" into chains
+    gpu = WithLatency(CallableLM(_logits, VOCAB), ttft=0.02, tpot=0.02)
+    assert grows_side_chains(priced_shape(Dynamic(), gpu, DRAFTER, "threads", {}, DSI_FLOOR))
 
 
 def test_priced_shape_prices_auto_only_and_only_where_it_can_know():

@@ -139,6 +139,38 @@ def test_a_latency_model_charges_a_tree_as_one_forward_and_a_cpu_like_one_per_to
         WithLatency(CallableLM(_next_logits, VOCAB), ttft=0.0, tpot=0.1, one_forward_trees="no")
 
 
+def test_a_latency_model_verifies_a_tree_with_its_inner_sessions_own_tree_kernel():
+    """WithLatency times a tree as one forward and takes its rows from the wrapped session's own ``tree_rows``
+    where it has one (a real backend's kernel), with the session left holding the main path; without one, path
+    by path (the same rows here)."""
+    from dsi.models.base import path_tree_rows
+    from dsi.models.latency import WithLatency
+
+    class Kernel(CallableLM):
+        def __init__(self):
+            super().__init__(_next_logits, VOCAB)
+            self.trees = 0
+
+        def new_session(self):
+            session = super().new_session()
+            model = self
+
+            def own(prefix, tree, cancel=None, *, greedy=False, top=None):
+                model.trees += 1
+                return path_tree_rows(session, prefix, tree, cancel, greedy=greedy, top=top) + 1.0  # marked
+
+            session.tree_rows = own
+            return session
+
+    kernel = Kernel()
+    session = WithLatency(kernel, ttft=0.0, tpot=0.001).new_session()
+    rows = tree_rows(session, PREFIX, TREE)
+    plain = tree_rows(CallableLM(_next_logits, VOCAB).new_session(), PREFIX, TREE)
+    assert kernel.trees == 1
+    np.testing.assert_array_equal(rows, plain + 1.0)  # the kernel's rows, not rows computed path by path
+    assert session.tokens == tuple(PREFIX + TREE.path_tokens(TREE.main_path()[-1]))
+
+
 @pytest.mark.parametrize("family, attention", [("llama", "sdpa"), ("llama", "eager"), ("gpt2", "sdpa")])
 def test_hf_verifies_a_tree_in_one_forward_and_keeps_exactly_the_main_path(family, attention):
     """A 4D tree mask with position ids by depth: one model forward for the whole tree (from a warm session
