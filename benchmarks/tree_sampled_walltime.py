@@ -179,7 +179,8 @@ class MemoisedSession:
         rows = None if greedy else self._model.tree_rows_after(prefix, tree)
         if rows is None:
             return path_tree_rows(self, prefix, tree, cancel, greedy=greedy, top=top)
-        self._tokens = list(prefix) + tree.path_tokens(tree.main_path()[-1]) if tree.main_path() else list(prefix)
+        main = tree.main_path()  # the session keeps the prefix and the tree's main path, as tree_rows leaves it
+        self._tokens = list(prefix) + (tree.path_tokens(main[-1]) if main else [])
         return rows
 
     def truncate(self, length: int) -> None:
