@@ -6,7 +6,11 @@ For one model, the largest logit difference of the same position computed:
 - after a prefill of the prompt at once, in two chunks, and one token at a time;
 - after a cache hit (a longer sequence truncated back) against a fresh session;
 - one token at a time after other sequences against one token at a time in a fresh session (the
-  deterministic mode's canonical cut).
+  deterministic mode's canonical cut);
+- llama.cpp, past 256 tokens (``--long N``, default 300): a whole sequence's rows one token at a time on
+  2 threads against one token at a time on 1 thread and against forwards of 2 and 3 tokens, with flash
+  attention auto and off (the CPU flash attention splits a one-token forward's KV across the threads
+  once the cache view reaches 512 cells).
 
 llama.cpp (raw ``llama.h`` calls, so runtime settings can be varied): each combination of weight
 repacking (``use_extra_bufts``), flash attention (auto/off/on) and threads (2/1), micro-batches of one
@@ -79,7 +83,7 @@ def cuts(feed, trunc, fresh, toks) -> dict[str, float]:
     return out
 
 
-def llama(path: str) -> dict:
+def llama(path: str, long: int = 300) -> dict:
     from llama_cpp import llama_cpp as ll
 
     ll.llama_backend_init()
@@ -159,7 +163,50 @@ def llama(path: str) -> dict:
         speed[f"repack={repack}"] = times
         close()
         ll.llama_model_free(model)
-    return {"model": path, "rows": rows, "forward_ms_by_tokens": speed}
+    return {"model": path, "rows": rows, "forward_ms_by_tokens": speed, "long": long_rows(ll, path, long)}
+
+
+def long_rows(ll, path: str, n: int) -> dict:
+    """Rows of an ``n``-token sequence computed in forwards of 1, 2 or 3 tokens, on 2 or 1 threads, with
+    flash attention auto (-1) and off (0): the largest difference from one token a forward on 2 threads,
+    and the first position that differs."""
+    p = ll.llama_model_default_params()
+    p.n_gpu_layers = 0
+    model = ll.llama_model_load_from_file(path.encode(), p)
+    vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(model))
+    toks = [int(t) for t in np.random.default_rng(0).integers(min(100, vocab // 4), min(vocab, 20000), n)]
+
+    def rows(fa: int, threads: int, size: int) -> np.ndarray:
+        cp = ll.llama_context_default_params()
+        cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = max(512, n + 8), 512, 512, 1
+        cp.n_threads = cp.n_threads_batch = threads
+        cp.flash_attn_type, cp.no_perf = fa, True
+        ctx = ll.llama_init_from_model(model, cp)
+        batch = ll.llama_batch_init(512, 0, 1)
+        out = []
+        for start in range(0, n, size):
+            chunk = toks[start:start + size]
+            batch.n_tokens = len(chunk)
+            for i, t in enumerate(chunk):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = t, start + i, 1
+                batch.seq_id[i][0], batch.logits[i] = 0, True
+            assert ll.llama_decode(ctx, batch) == 0
+            out += [np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, i), shape=(vocab,)).astype(np.float64)
+                    for i in range(len(chunk))]
+        ll.llama_batch_free(batch)
+        ll.llama_free(ctx)
+        return np.array(out)
+
+    found = {}
+    for fa in (-1, 0):
+        ref = rows(fa, 2, 1)
+        for threads, size in ((1, 1), (2, 2), (2, 3), (1, 3)):
+            gap = np.abs(rows(fa, threads, size) - ref).max(axis=1)
+            differing = np.nonzero(gap)[0]
+            found[f"flash_attn={fa} threads={threads} tokens a forward={size}"] = {
+                "max": float(gap.max()), "first_position": int(differing[0]) if len(differing) else None}
+    ll.llama_model_free(model)
+    return {"tokens": n, "against": "one token a forward, 2 threads, the same flash attention", "rows": found}
 
 
 def hf(hidden: int) -> dict:
@@ -193,11 +240,12 @@ def main() -> int:
     parser.add_argument("backend", choices=["llama.cpp", "hf"])
     parser.add_argument("gguf", nargs="?", help="llama.cpp: the GGUF file")
     parser.add_argument("--hidden", type=int, default=256, help="hf: hidden size of the random model")
+    parser.add_argument("--long", type=int, default=300, help="llama.cpp: tokens of the long-sequence probe")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.backend == "llama.cpp" and not args.gguf:
         parser.error("llama.cpp needs the GGUF file")
-    doc = llama(args.gguf) if args.backend == "llama.cpp" else hf(args.hidden)
+    doc = llama(args.gguf, args.long) if args.backend == "llama.cpp" else hf(args.hidden)
     names = list(next(iter(doc["rows"].values())))
     print("| setting | " + " | ".join(names) + " |")
     print("|---" * (len(names) + 1) + "|")
@@ -205,6 +253,9 @@ def main() -> int:
         print(f"| {setting} | " + " | ".join(f"{values[n]:.3g}" for n in names) + " |")
     for setting, times in doc.get("forward_ms_by_tokens", {}).items():
         print(f"{setting}: forward ms by new tokens " + ", ".join(f"{n}: {t:.1f}" for n, t in times.items()))
+    for setting, found in doc.get("long", {}).get("rows", {}).items():
+        print(f"{doc['long']['tokens']} tokens, {setting}: max {found['max']:.3g} from one token a forward on 2 "
+              f"threads, first at position {found['first_position']}")
     doc["date"] = time.strftime("%Y-%m-%d")
     from dsi.evaluate.bench import emit_record
 

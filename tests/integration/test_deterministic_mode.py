@@ -120,6 +120,92 @@ def test_llama_cpp_rows_are_the_same_bits_however_the_forward_is_cut(gguf_path):
         one_thread.close()
 
 
+LONG = [int(t) for t in np.random.default_rng(0).integers(5, 300, 620)]  # past 256 tokens: a 512-cell KV view
+
+
+@pytest.fixture(scope="module")
+def long_gguf_path(tmp_path_factory):
+    pytest.importorskip("llama_cpp")
+    from tests.tiny_gguf import write_tiny_gguf
+
+    path, _, _ = write_tiny_gguf(tmp_path_factory.mktemp("det") / "q8-long.gguf", seed=0, layers=2, hidden=64,
+                                 quant="Q8_0", max_positions=1024)
+    return path
+
+
+def _one_by_one_rows(path, threads: int, deterministic: bool) -> np.ndarray:
+    """LONG's rows, every token in a forward of its own (float64), on ``threads`` llama.cpp threads."""
+    from dsi.models.llamacpp import LlamaCppModel
+
+    model = LlamaCppModel(path, threads=threads, deterministic=deterministic, n_ctx=1024)
+    try:
+        session = model.new_session()
+        return np.stack([np.asarray(session.extend([t])[0], np.float64) for t in LONG])
+    finally:
+        model.close()
+
+
+def test_llama_cpp_one_token_rows_past_256_tokens_depend_on_the_thread_count_with_flash_attention(long_gguf_path):
+    """What the mode turns off: llama.cpp's CPU flash attention splits a one-token forward's KV across the
+    threads once the cache view reaches 512 cells, and merges the parts in another order than one thread
+    sums them. The first 256 positions agree; later ones do not."""
+    two, one = (_one_by_one_rows(long_gguf_path, threads, deterministic=False) for threads in (2, 1))
+    per_position = np.abs(two - one).max(axis=1)
+    assert per_position[:256].max() == 0.0
+    assert per_position[256:].max() > 0.0
+
+
+def test_llama_cpp_rows_in_the_mode_do_not_depend_on_the_thread_count_past_256_tokens(long_gguf_path):
+    from dsi.models.llamacpp import LlamaCppModel
+
+    two, one = (_one_by_one_rows(long_gguf_path, threads, deterministic=True) for threads in (2, 1))
+    assert np.array_equal(two, one)
+    model = LlamaCppModel(long_gguf_path, threads=2, deterministic=True, n_ctx=1024)
+    try:  # the mode's batched call cuts into the same one-token forwards
+        batched = np.asarray(model.new_session().extend(LONG), np.float64)
+    finally:
+        model.close()
+    assert np.array_equal(batched, one)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_hf_rows_in_the_mode_do_not_depend_on_the_thread_count(tmp_path, dtype):
+    from dsi.models.hf import HFModel
+
+    folder = make_model_dir(tmp_path / "long", seed=0, layers=2, hidden=64, positions=512)
+    rows = []
+    for threads in (2, 1):
+        model = HFModel.load(str(folder), dtype=dtype, progress=False, threads=threads)
+        model.deterministic = True
+        rows.append(np.asarray(model.new_session().extend(LONG[:300]), np.float64))
+    assert np.array_equal(rows[0], rows[1])
+
+
+def test_a_llama_cpp_session_follows_a_switch_into_the_mode_with_the_tokens_it_held(long_gguf_path):
+    """A session made before the switch held rows computed with flash attention in batches; at its next
+    forward it makes a context for the mode and recomputes its tokens, so what follows is the mode's."""
+    from dsi.models.llamacpp import LlamaCppModel
+
+    reference = _one_by_one_rows(long_gguf_path, 1, deterministic=True)
+    model = LlamaCppModel(long_gguf_path, threads=2, n_ctx=1024)
+    try:
+        session = model.new_session()
+        default = np.asarray(session.extend(LONG[:600]), np.float64)
+        assert not np.array_equal(default, reference[:600])  # the default's batched rows are other bits
+        model.deterministic = True
+        rows = np.asarray(session.extend(LONG[600:]), np.float64)
+        assert session.tokens == tuple(LONG)
+        assert np.array_equal(rows, reference[600:])
+        model.deterministic = False  # and back: the session keeps its tokens, recomputed as the default does
+        fresh = model.new_session()
+        fresh.extend(LONG)
+        after = session.extend([7])[0]
+        assert session.tokens == (*LONG, 7)
+        assert np.array_equal(after, fresh.extend([7])[0])
+    finally:
+        model.close()
+
+
 def test_the_mode_is_off_by_default_and_switchable_on_both_backends(gguf_path, hf_dir):
     from dsi.models.llamacpp import LlamaCppModel
 

@@ -10,13 +10,16 @@ on earlier requests, so without care the output would too (docs/results.md secti
 The canonical cut. In deterministic mode a backend computes every token in a forward of its own,
 in order: the KV of position i and the row of position i are then computed by the same one-token
 forward over the same KV, whatever batch the caller asked for, whatever the session held before
-(a cache hit only skips forwards that were computed the same way) and however many threads run it.
+(a cache hit only skips forwards that were computed the same way) and however many threads run it
+(llama.cpp runs the mode without flash attention, whose CPU kernel splits a one-token forward's KV
+across the threads past 256 tokens: docs/results.md section 37).
 So every window of every method sees exactly non-SI's rows: greedy SI and DSI equal non-SI token for
 token, and a seeded request gives the same tokens whatever ran before and however windows were cut.
 
 What it costs: a verification forward over k + 1 tokens is cut into k + 1 one-token forwards. On the
 embedded pair on this project's 2-core CPU (llama.cpp) that costs non-SI 4% (its prompt is read a
-token at a time), SI 38% and DSI 51%; on a GPU, where a verification costs about one forward, far
+token at a time), SI 38% and DSI 51% (SI 99% and DSI 88% on a day this machine's one-token forwards were
+slower: docs/results.md section 37); on a GPU, where a verification costs about one forward, far
 more. So the mode is opt-in (``deterministic=True``, ``--deterministic``). Without it, non-SI and SI
 still give the same tokens for the same request whatever ran before: they start each request from an
 empty cache (:func:`start_fresh_unless_deterministic`), and their forwards depend on the request

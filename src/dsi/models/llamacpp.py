@@ -16,9 +16,12 @@ What a session does with llama.cpp:
   nodes, so a preempted forward stops mid-forward (``llama_decode`` returns 2); the session then
   removes what the aborted batch wrote and is exactly as before the call;
 - ``threads``: llama.cpp threads per session (``llama_set_n_threads``), settable at any time;
-- ``deterministic`` (settable at any time): every token is fed in a ``llama_decode`` of its own, so
-  a row's logits and every KV cell are a function of the tokens alone, bitwise, whatever batches the
-  caller asks for and whatever the session computed before (see :mod:`dsi.models.determinism`).
+- ``deterministic`` (settable at any time): every token is fed in a ``llama_decode`` of its own, with
+  flash attention off, so a row's logits and every KV cell are a function of the tokens alone,
+  bitwise, whatever batches the caller asks for, whatever the session computed before and however many
+  threads compute it (see :mod:`dsi.models.determinism`). Flash attention is a context setting, so a
+  session whose model switched mode rebuilds its context at its next forward, recomputing the tokens it
+  held.
 
 Text: the vocabulary, special tokens and chat template come from the GGUF
 (:class:`GGUFTokenizer`, with the Hugging Face tokenizer methods the rest of dsi uses). The chat
@@ -46,9 +49,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_N_CTX = 4096  # KV cells per session when the caller does not say (the GGUF's own may be 32k+)
 N_BATCH = 512  # tokens per llama_decode call
-# the deterministic mode (one token per llama_decode) is off unless asked for: it costs non-SI 4%, but
-# SI 38% and DSI 51% on the embedded pair here, whose verification forwards it cuts into single
-# tokens (docs/results.md section 11)
+# the deterministic mode (one token per llama_decode) is off unless asked for: it costs non-SI 4-16%, but
+# SI 38-99% and DSI 51-88% on the embedded pair here, whose verification forwards it cuts into single
+# tokens (docs/results.md sections 11 and 37)
 DETERMINISTIC_DEFAULT = False
 _ABORTED = 2  # llama_decode's return code after the abort callback said stop
 MAX_TREE_PATHS = 16  # root-to-leaf paths of a draft tree verified in one forward (more: one forward per path)
@@ -257,15 +260,35 @@ class LlamaCppSession:
         ll = owner._ll
         self._ll = ll
         self._owner = owner
+        self._n_batch = min(N_BATCH, owner.n_ctx)
+        self._tokens: list[int] = []
+        self._cancel: CancelFlag | None = None
+        self._abort = ll.ggml_abort_callback(self._should_abort)  # kept alive with the session
+        self._open_context()
+        self._batch = ll.llama_batch_init(self._n_batch, 0, 1 + MAX_TREE_PATHS)  # a token may be in every sequence
+        self._closed = False
+
+    def _open_context(self) -> None:
+        """A ``llama_context`` for the owner's current threads and mode (an empty cache).
+
+        In deterministic mode flash attention is off: llama.cpp's CPU flash attention splits the KV of a
+        one-token forward across the threads once the cache view reaches 512 cells (past 256 tokens) and
+        merges the parts, so the row would depend on the thread count (measured: docs/results.md section
+        37). Without flash attention every reduction runs whole in one thread. Off it costs a prompt read
+        at once 3-5% on the embedded pair here, a one-token forward nothing measurable."""
+        ll, owner = self._ll, self._owner
         params = ll.llama_context_default_params()
         params.n_ctx = owner.n_ctx
-        params.n_batch = params.n_ubatch = min(N_BATCH, owner.n_ctx)
+        params.n_batch = params.n_ubatch = self._n_batch
         # sequence 0 is the session's text; 1.. are a draft tree's paths during one tree forward (tree_rows):
         # one unified KV cache, so a cell may belong to several sequences (a prefix shared by every path)
         params.n_seq_max = 1 + MAX_TREE_PATHS
         params.kv_unified = True
         # llama.cpp's own default is a fixed 4 threads; None here means every core, as for torch
         params.n_threads = params.n_threads_batch = owner.threads or os.cpu_count() or 1
+        self._canonical = owner.deterministic
+        if self._canonical:
+            params.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
         params.no_perf = True
         ctx = ll.llama_init_from_model(owner._model, params)
         if not ctx:
@@ -273,14 +296,20 @@ class LlamaCppSession:
                              "(out of memory? lower n_ctx)")
         self._ctx = ctx
         self._memory = ll.llama_get_memory(ctx)
-        self._n_batch = int(params.n_batch)
         self._threads = owner.threads
-        self._tokens: list[int] = []
-        self._cancel: CancelFlag | None = None
-        self._batch = ll.llama_batch_init(self._n_batch, 0, 1 + MAX_TREE_PATHS)  # a token may be in every sequence
-        self._abort = ll.ggml_abort_callback(self._should_abort)  # kept alive with the session
         ll.llama_set_abort_callback(ctx, self._abort, ctypes.c_void_p())
-        self._closed = False
+
+    def _follow_mode(self) -> None:
+        """Before a forward: if the owner switched the deterministic mode since this session's context was
+        made, make a new context for it and recompute the tokens held (in the new mode's cut)."""
+        if self._canonical == self._owner.deterministic:
+            return
+        held = list(self._tokens)
+        self._ll.llama_free(self._ctx)
+        self._tokens = []
+        self._open_context()
+        if held:
+            self.extend_rows(held, None, 1, greedy=True)
 
     def _should_abort(self, _data: Any) -> bool:
         flag = self._cancel
@@ -318,6 +347,7 @@ class LlamaCppSession:
         bad = [t for t in new if not 0 <= t < vocab]
         if bad:
             raise ConfigError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        self._follow_mode()
         if self._owner.threads != self._threads:
             self._threads = self._owner.threads
             n = self._threads or os.cpu_count() or 1
@@ -326,7 +356,7 @@ class LlamaCppSession:
         first_row = len(new) - num_rows
         out = np.empty(num_rows, np.int64) if greedy else np.empty((num_rows, vocab), np.float32)
         self._cancel = cancel
-        step = 1 if self._owner.deterministic else self._n_batch  # one token a forward: the canonical cut
+        step = 1 if self._canonical else self._n_batch  # one token a forward: the canonical cut
         try:
             for offset in range(0, len(new), step):
                 if cancel is not None and cancel.is_set():
@@ -381,9 +411,10 @@ class LlamaCppSession:
         more than :data:`MAX_TREE_PATHS` paths, or one larger than a batch."""
         paths = tree.paths()
         prefix = [int(t) for t in prefix]
+        self._follow_mode()
         keep = min(common_prefix_length(self._tokens, prefix), len(prefix) - 1)
         fresh = prefix[keep:]
-        if (self._owner.deterministic or not paths or len(paths) > MAX_TREE_PATHS
+        if (self._canonical or not paths or len(paths) > MAX_TREE_PATHS
                 or len(fresh) + len(tree) > self._n_batch):
             return path_tree_rows(self, prefix, tree, cancel, greedy=greedy, top=top)
         vocab = self._owner.vocab_size
