@@ -286,8 +286,8 @@ class LlamaCppSession:
         params.kv_unified = True
         # llama.cpp's own default is a fixed 4 threads; None here means every core, as for torch
         params.n_threads = params.n_threads_batch = owner.threads or os.cpu_count() or 1
-        self._canonical = owner.deterministic
-        if self._canonical:
+        canonical = owner.deterministic
+        if canonical:
             params.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
         params.no_perf = True
         ctx = ll.llama_init_from_model(owner._model, params)
@@ -295,6 +295,7 @@ class LlamaCppSession:
             raise ModelError(f"llama.cpp could not make a context of {owner.n_ctx} tokens for {owner.name} "
                              "(out of memory? lower n_ctx)")
         self._ctx = ctx
+        self._canonical = canonical
         self._memory = ll.llama_get_memory(ctx)
         self._threads = owner.threads
         ll.llama_set_abort_callback(ctx, self._abort, ctypes.c_void_p())
@@ -304,10 +305,10 @@ class LlamaCppSession:
         made, make a new context for it and recompute the tokens held (in the new mode's cut)."""
         if self._canonical == self._owner.deterministic:
             return
-        held = list(self._tokens)
-        self._ll.llama_free(self._ctx)
+        held, old = list(self._tokens), self._ctx
+        self._open_context()  # the old context stays the session's if this fails
+        self._ll.llama_free(old)
         self._tokens = []
-        self._open_context()
         if held:
             self.extend_rows(held, None, 1, greedy=True)
 
