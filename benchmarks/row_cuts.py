@@ -95,9 +95,9 @@ def llama(path: str, long: int = 300) -> dict:
         p.n_gpu_layers, p.use_extra_bufts = 0, repack
         return ll.llama_model_load_from_file(path.encode(), p)
 
-    def session(model, fa: int, threads: int, ubatch: int = 512):
+    def session(model, fa: int, threads: int, ubatch: int = 512, n_ctx: int = 512):
         cp = ll.llama_context_default_params()
-        cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = 512, 512, ubatch, 1
+        cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = n_ctx, 512, ubatch, 1
         cp.n_threads = cp.n_threads_batch = threads
         cp.flash_attn_type, cp.no_perf = fa, True
         ctx = ll.llama_init_from_model(model, cp)
@@ -125,7 +125,7 @@ def llama(path: str, long: int = 300) -> dict:
 
         return feed, trunc, close, vocab
 
-    rows, speed = {}, {}
+    rows, speed, long_found = {}, {}, {}
     for repack in (True, False):
         model = load(repack)
         for fa, threads in itertools.product((-1, 0, 1), (2, 1)):
@@ -148,6 +148,7 @@ def llama(path: str, long: int = 300) -> dict:
                 runs.append(time.perf_counter() - began)
             speed["repack=True n_ubatch=1"] = {6: 1000 * sorted(runs)[2]}
             close()
+            long_found = long_rows(lambda fa, threads, m=model: session(m, fa, threads, n_ctx=max(512, long + 8)), long)
         feed, trunc, close, vocab = session(model, -1, 2)
         toks = [int(t) for t in np.random.default_rng(1).integers(min(100, vocab // 4), min(vocab, 20000), 200)]
         feed(toks[:40])
@@ -163,39 +164,20 @@ def llama(path: str, long: int = 300) -> dict:
         speed[f"repack={repack}"] = times
         close()
         ll.llama_model_free(model)
-    return {"model": path, "rows": rows, "forward_ms_by_tokens": speed, "long": long_rows(ll, path, long)}
+    return {"model": path, "rows": rows, "forward_ms_by_tokens": speed, "long": long_found}
 
 
-def long_rows(ll, path: str, n: int) -> dict:
+def long_rows(open_session, n: int) -> dict:
     """Rows of an ``n``-token sequence computed in forwards of 1, 2 or 3 tokens, on 2 or 1 threads, with
     flash attention auto (-1) and off (0): the largest difference from one token a forward on 2 threads,
-    and the first position that differs."""
-    p = ll.llama_model_default_params()
-    p.n_gpu_layers = 0
-    model = ll.llama_model_load_from_file(path.encode(), p)
-    vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(model))
-    toks = [int(t) for t in np.random.default_rng(0).integers(min(100, vocab // 4), min(vocab, 20000), n)]
+    and the first position that differs. ``open_session(fa, threads) -> (feed, trunc, close, vocab)``."""
 
     def rows(fa: int, threads: int, size: int) -> np.ndarray:
-        cp = ll.llama_context_default_params()
-        cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = max(512, n + 8), 512, 512, 1
-        cp.n_threads = cp.n_threads_batch = threads
-        cp.flash_attn_type, cp.no_perf = fa, True
-        ctx = ll.llama_init_from_model(model, cp)
-        batch = ll.llama_batch_init(512, 0, 1)
-        out = []
-        for start in range(0, n, size):
-            chunk = toks[start:start + size]
-            batch.n_tokens = len(chunk)
-            for i, t in enumerate(chunk):
-                batch.token[i], batch.pos[i], batch.n_seq_id[i] = t, start + i, 1
-                batch.seq_id[i][0], batch.logits[i] = 0, True
-            assert ll.llama_decode(ctx, batch) == 0
-            out += [np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, i), shape=(vocab,)).astype(np.float64)
-                    for i in range(len(chunk))]
-        ll.llama_batch_free(batch)
-        ll.llama_free(ctx)
-        return np.array(out)
+        feed, _, close, vocab = open_session(fa, threads)
+        toks = [int(t) for t in np.random.default_rng(0).integers(min(100, vocab // 4), min(vocab, 20000), n)]
+        out = [row for start in range(0, n, size) for row in feed(toks[start:start + size])]
+        close()
+        return np.array(out, np.float64)
 
     found = {}
     for fa in (-1, 0):
@@ -205,7 +187,6 @@ def long_rows(ll, path: str, n: int) -> dict:
             differing = np.nonzero(gap)[0]
             found[f"flash_attn={fa} threads={threads} tokens a forward={size}"] = {
                 "max": float(gap.max()), "first_position": int(differing[0]) if len(differing) else None}
-    ll.llama_model_free(model)
     return {"tokens": n, "against": "one token a forward, 2 threads, the same flash attention", "rows": found}
 
 
