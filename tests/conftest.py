@@ -128,3 +128,66 @@ def interval_law(fn, cdf_points):
             out = fn((lo + hi) / 2)
             law[out] = law.get(out, 0.0) + (hi - lo)
     return law
+
+
+# ---- what the run computes on ------------------------------------------------------------------------------
+
+CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def _cpu_line() -> str:
+    """The CPU's model, vendor, cores and the flags that pick BLAS and ggml kernels (1: present, 0: absent)."""
+    import platform
+
+    info: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                info.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    flags = set(info.get("flags", "").split())
+    shown = " ".join(f"{flag}={int(flag in flags)}" for flag in CPU_FLAGS) if flags else "flags unknown"
+    model = info.get("model name") or platform.processor() or platform.machine()
+    return f"cpu: {model} ({info.get('vendor_id', 'vendor unknown')}), {os.cpu_count()} cores; {shown}"
+
+
+def _torch_line() -> str | None:
+    import importlib.util
+    import re
+
+    if importlib.util.find_spec("torch") is None:
+        return None
+    import torch
+
+    config = torch.__config__.show()
+    blas = re.search(r"BLAS_INFO=(\w+)", config)
+    mkl = re.search(r"Math Kernel Library Version ([\w.]+)", config)
+    onednn = re.search(r"MKL-DNN (v[\w.]+)", config)
+    capability = re.search(r"CPU capability usage: (\w+)", config)
+    backend = re.search(r"ATen parallel backend: (\w+)", torch.__config__.parallel_info())
+    return (f"torch {torch.__version__}: BLAS {blas.group(1) if blas else '?'}"
+            f"{f' (MKL {mkl.group(1)})' if mkl else ''}, oneDNN {onednn.group(1) if onednn else 'no'}, "
+            f"CPU capability {capability.group(1) if capability else '?'}, {backend.group(1) if backend else '?'} "
+            f"backend, {torch.get_num_threads()} intra-op threads; MKL_CBWR={os.environ.get('MKL_CBWR', 'unset')}")
+
+
+def _llama_cpp_line() -> str | None:
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None
+    try:
+        import llama_cpp
+
+        return f"llama.cpp {llama_cpp.__version__}: {llama_cpp.llama_print_system_info().decode().strip(' |')}"
+    except Exception as exc:  # noqa: BLE001 - a header never stops the run
+        return f"llama.cpp: system info unavailable ({type(exc).__name__}: {exc})"
+
+
+def pytest_report_header(config):
+    """The CPU kind and the kernels' libraries, printed once at the start: some numbers in these tests are
+    the CPU's (MKL's fp32 products and ggml's repacked kernels round differently on AMD and Intel), so a
+    failure report says where it ran."""
+    return [line for line in (_cpu_line(), _torch_line(), _llama_cpp_line()) if line]

@@ -85,6 +85,57 @@ class Strike:
             self.engine.signal(self.sig)
 
 
+def answered_requests(engine: EngineProcess) -> int:
+    """How many scoring requests ``engine`` has answered, from its Prometheus metrics (``dsi serve``: its
+    completions and scoring-channel requests; vLLM: its finished requests)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(engine.url.removesuffix("/v1") + "/metrics", timeout=5).read().decode()
+    count = 0.0
+    for line in text.splitlines():
+        if line.startswith("vllm:request_success_total") or (
+                line.startswith("dsi_requests_total") and ('endpoint="scoring"' in line
+                                                           or 'endpoint="/v1/completions"' in line)):
+            count += float(line.split()[-1])
+    return int(count)
+
+
+class StrikeAfter:
+    """Sends ``sig`` to ``engine``'s process group once it has answered ``more`` scoring requests beyond
+    those it had answered when armed (:meth:`arm`), from a thread of its own: a fault mid-request for runs
+    that take no callback (the CLI, a server). ``struck_at`` is the ``time.monotonic()`` of the signal."""
+
+    def __init__(self, engine: EngineProcess, sig: int, more: int = 2) -> None:
+        self.engine, self.sig, self.more = engine, sig, more
+        self.struck_at: float | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def arm(self) -> StrikeAfter:
+        start = answered_requests(self.engine)
+
+        def watch() -> None:
+            import time
+
+            while not self._stop.wait(0.005):
+                try:
+                    if answered_requests(self.engine) >= start + self.more:
+                        self.engine.signal(self.sig)
+                        self.struck_at = time.monotonic()
+                        return
+                except OSError:
+                    pass
+
+        self._thread = threading.Thread(target=watch, name="test-strike", daemon=True)
+        self._thread.start()
+        return self
+
+    def disarm(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+
+
 def start_dsi_serve(model_dir: str, *extra: str, name: str = "tiny") -> EngineProcess:
     """``dsi serve --method ar`` on a tiny hf model (fp32, one thread), as a target server."""
     port = free_port()

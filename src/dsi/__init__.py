@@ -13,6 +13,7 @@ from dsi.engine import GenerationAborted, GenerationResult, GenerationStats, Req
 from dsi.errors import (
     ConfigError,
     ContextLengthError,
+    DecoderClosed,
     DSIError,
     ModelError,
     VocabularyMismatchError,
@@ -26,6 +27,7 @@ __all__ = [
     "ConfigError",
     "ContextLengthError",
     "DSIError",
+    "DecoderClosed",
     "GenerationAborted",
     "GenerationResult",
     "GenerationStats",

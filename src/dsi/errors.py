@@ -50,6 +50,10 @@ class ServerLost(WorkerError):
     task re-queued on the others, the server restarted within its budget), never as a wrong answer."""
 
 
+class DecoderClosed(DSIError, RuntimeError):
+    """A decoder (or a pool) was used after ``close()``."""
+
+
 class TaskCancelled(DSIError):
     """Raised inside a model forward that noticed its cancel flag; never escapes the engine."""
 

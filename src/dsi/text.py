@@ -17,11 +17,16 @@ grow without end (and the total work quadratic) in the plain algorithm:
 - text that keeps ending in U+FFFD (an invalid byte sequence, or the character U+FFFD itself):
   a UTF-8 character spans at most 4 bytes, so once more than :data:`MAX_PENDING` tokens are
   pending the text is released as it renders, U+FFFD included.
+
+The ids themselves are checked by ``decode`` (a model's ``decode`` refuses ids outside its vocabulary
+with :class:`~dsi.errors.ConfigError`); a push whose decode raises leaves the window as it was.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
+
+from dsi.errors import ConfigError
 
 Decode = Callable[[Sequence[int]], str]
 
@@ -33,16 +38,20 @@ class IncrementalDetokenizer:
     """Stable text of a growing token sequence, in linear total work (see the module docstring)."""
 
     def __init__(self, decode: Decode, prompt_ids: Sequence[int] = ()) -> None:
+        if not callable(decode):
+            raise ConfigError(f"decode={decode!r} must be callable: token ids -> text")
         self._decode = decode
         # only the left context of the first token is kept, not the whole prompt
-        self._ids: list[int] = list(prompt_ids[-LEFT_CONTEXT:])  # the window
+        self._ids: list[int] = _as_list(prompt_ids, "prompt_ids")[-LEFT_CONTEXT:]  # the window
         self._read = len(self._ids)
 
     def push(self, tokens: Sequence[int]) -> str:
-        """Add tokens; return the newly stable text (possibly empty)."""
-        self._ids.extend(tokens)
-        before = self._decode(self._ids[: self._read])
-        after = self._decode(self._ids)
+        """Add tokens; return the newly stable text (possibly empty). A decode that fails (an id it
+        refuses) leaves the detokenizer as it was."""
+        ids = self._ids + _as_list(tokens, "tokens")
+        before = self._decode(ids[: self._read])
+        after = self._decode(ids)
+        self._ids = ids
         incomplete = after.endswith("\ufffd")
         if len(after) > len(before) and not incomplete:
             return self._advance(after[len(before) :])
@@ -65,3 +74,10 @@ class IncrementalDetokenizer:
         del self._ids[: self._read]
         self._read = len(self._ids)
         return text
+
+
+def _as_list(ids: object, name: str) -> list:
+    """``ids`` (a sequence of token ids) as a list; its elements are the decode's to check."""
+    if isinstance(ids, str | bytes | bytearray | Mapping | Set) or not isinstance(ids, Iterable):
+        raise ConfigError(f"{name}={ids!r:.60} ({type(ids).__name__}) must be a sequence of token ids")
+    return list(ids)

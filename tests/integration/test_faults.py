@@ -86,12 +86,12 @@ def bounded(call, bound: float = BOUND_S):
 class Rig:
     """A decoder on one transport, with the bookkeeping the cases share."""
 
-    def __init__(self, transport: str, marker_dir, draft_tree: str | None = None) -> None:
+    def __init__(self, transport: str, marker_dir, draft_tree: str | None = None, liveness: object = LIVENESS) -> None:
         self.transport = transport
         drafter = CallableLM(SyntheticDrafter(SyntheticTarget(VOCAB, seed=5), 0.7, seed=6), VOCAB)
         self.decoder = dsi.build_decoder(
             target=faulty_target(marker_dir), drafter=drafter, method="dsi", lookahead=3, num_target_servers=2,
-            transport=transport, transport_options={"liveness": LIVENESS}, draft_tree=draft_tree,
+            transport=transport, transport_options={"liveness": liveness}, draft_tree=draft_tree,
         )
         self.nonce = 0
         self.pids: set[int] = set()
@@ -171,6 +171,7 @@ def test_a_fault_gets_a_bounded_answer_and_the_decoder_serves_on(rig, fault, cap
     if expected == "ok":
         assert error is None, f"{fault}: the re-queued task should have completed: {error!r}"
         assert result.tokens == reference(prompt), f"{fault}: wrong output after the fault"
+        assert result.finish_reason == "length" and result.stats.new_tokens == NEW_TOKENS
     else:
         assert isinstance(error, WorkerError), f"{fault}: expected a WorkerError, got {error!r} / {result!r}"
         assert expected in str(error), f"{fault}: {error}"
@@ -224,6 +225,26 @@ def test_tree_windows_survive_a_server_that_dies_or_freezes_once(fault, tmp_path
         assert result.tokens == reference(prompt)
         assert result.stats.extra["tree_windows"] > 0
         assert seconds < 15.0
+        rig.check_next_request()
+    finally:
+        rig.decoder.close()
+
+
+@pytest.mark.parametrize("transport", ["processes", pytest.param("ray", marks=pytest.mark.ray)])
+@pytest.mark.parametrize("fault", ["kill-once", "systemexit-once"])
+def test_a_server_lost_mid_request_with_the_default_liveness_never_shortens_the_answer(transport, fault, tmp_path):
+    """Issue 49's class: a server process or actor lost while it runs a task of the request, with the pool's
+    default liveness settings (as the CLI and dsi serve run it): the answer is whole and the target's own."""
+    if transport == "ray":
+        ray_cluster()
+    rig = Rig(transport, tmp_path, liveness=None)
+    try:
+        prompt = fault_prompt(fault, 1)
+        result, error, _ = rig.generate(prompt)
+        assert error is None, f"{fault}: {error!r}"
+        assert (tmp_path / f"{fault}-1").exists(), "the fault never struck"  # (on a task the request may no
+        # longer have needed: a rejection made it stale; then the request did not wait for it)
+        assert result.finish_reason == "length" and result.tokens == reference(prompt)
         rig.check_next_request()
     finally:
         rig.decoder.close()

@@ -11,6 +11,7 @@ import pytest
 from dsi.errors import ConfigError, ContextLengthError, ModelError, TaskCancelled
 from dsi.models import CallableLM, WithLatency, common_prefix_length, extend_rows, forward_rows, synthetic_pair
 from dsi.models.base import context_limit
+from tests.bad_ids import bad_ids
 
 
 def counting_model(vocab=6):
@@ -38,13 +39,13 @@ def test_forward_rows_reuses_the_cache_and_truncates():
     forward_rows(session, (1, 2, 3, 4, 5), 1)  # shares (1, 2, 3): only two new tokens run
     assert calls == [(1, 2, 3, 4), (1, 2, 3, 4, 5)]
     calls.clear()
-    forward_rows(session, (1, 2, 9), 1)  # diverges at position 2: truncate to (1, 2)
-    assert calls == [(1, 2, 9)] and session.tokens == (1, 2, 9)
+    forward_rows(session, (1, 2, 5), 1)  # diverges at position 2: truncate to (1, 2)
+    assert calls == [(1, 2, 5)] and session.tokens == (1, 2, 5)
     calls.clear()
-    forward_rows(session, (1, 2, 9), 2)  # asking for 2 rows recomputes the last 2 positions
-    assert calls == [(1, 2), (1, 2, 9)]
+    forward_rows(session, (1, 2, 5), 2)  # asking for 2 rows recomputes the last 2 positions
+    assert calls == [(1, 2), (1, 2, 5)]
     with pytest.raises(ConfigError, match="num_rows=4"):
-        forward_rows(session, (1, 2, 9), 4)
+        forward_rows(session, (1, 2, 5), 4)
 
 
 def test_callable_session_cancel_leaves_session_unchanged():
@@ -53,9 +54,9 @@ def test_callable_session_cancel_leaves_session_unchanged():
     def next_logits(ctx):
         if len(ctx) == 3:
             flag.set()
-        return np.zeros(4)
+        return np.zeros(8)
 
-    session = CallableLM(next_logits, 4).new_session()
+    session = CallableLM(next_logits, 8).new_session()
     session.extend([1])
     with pytest.raises(TaskCancelled):
         session.extend([2, 3, 4, 5], flag)
@@ -63,7 +64,7 @@ def test_callable_session_cancel_leaves_session_unchanged():
 
 
 def test_with_latency_charges_ttft_then_tpot():
-    model = WithLatency(CallableLM(lambda ctx: np.zeros(4), 4), ttft=0.05, tpot=0.01)
+    model = WithLatency(CallableLM(lambda ctx: np.zeros(8), 8), ttft=0.05, tpot=0.01)
     session = model.new_session()
     t0 = time.perf_counter()
     session.extend([1, 2, 3])
@@ -152,3 +153,42 @@ def test_greedy_rows_of_a_session_with_nan_logits_are_a_model_error():
     with pytest.raises(ModelError, match="NaN logits"):
         extend_rows(NaNSession(), [1, 2], None, 1, greedy=True)
     assert np.isnan(extend_rows(NaNSession(), [1, 2], None, 1, greedy=False)).any()  # sampling checks its rows
+
+
+@pytest.mark.parametrize("tokens, message", bad_ids(6, "tokens"))
+def test_callable_sessions_refuse_bad_ids_before_the_function_sees_them(tokens, message):
+    model, calls = counting_model()
+    session = model.new_session()
+    session.extend([1, 2])
+    calls.clear()
+    with pytest.raises(ConfigError, match=message):
+        session.extend(tokens)
+    assert calls == [] and session.tokens == (1, 2)
+
+
+def test_callable_sessions_take_numpy_ids_and_check_lengths():
+    model, calls = counting_model()
+    session = model.new_session()
+    rows = session.extend(np.array([1, 2, 3], dtype=np.int32))
+    assert session.tokens == (1, 2, 3) and all(type(t) is int for ctx in calls for t in ctx)
+    session.truncate(np.int64(1))
+    np.testing.assert_array_equal(session.extend([np.int64(2), np.uint8(3)]), rows[1:])
+    for length in (1.5, True, None, -1, 4):
+        with pytest.raises(ConfigError, match=rf"truncate length={length!r} must be an integer in \[0, 3\]"):
+            session.truncate(length)
+    for num_rows in (0, 4, 1.5, True):
+        with pytest.raises(ConfigError, match=rf"num_rows={num_rows!r} must be an integer in \[1, len\(tokens\)=3\]"):
+            extend_rows(session, [1, 2, 3], None, num_rows)
+        with pytest.raises(ConfigError, match=rf"num_rows={num_rows!r} must be an integer in \[1, len\(context\)=3\]"):
+            forward_rows(session, (1, 2, 3), num_rows)
+    assert session.tokens == (1, 2, 3)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(acceptance=True), r"acceptance=True must be a number in \[0, 1\]"),
+    (dict(acceptance=0.5, seed=-1), r"seed=-1 must be an integer >= 0"),
+    (dict(acceptance=0.5, seed=1.5), r"seed=1.5 must be an integer >= 0"),
+])
+def test_synthetic_pair_refuses_what_would_fail_later(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        synthetic_pair(**kwargs)

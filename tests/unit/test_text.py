@@ -98,3 +98,42 @@ def test_invalid_bytes_are_released_after_a_bounded_wait():
     detok = IncrementalDetokenizer(skipping_decode)
     pieces = [detok.push([0x80]) for _ in range(50)]
     assert sum(len(p) for p in pieces) >= 50 - 10 and set("".join(pieces)) == {"\ufffd"}
+
+
+# ---- bad ids: refused by the decode, and the detokenizer goes on as if they had not been pushed ------
+
+
+def checked_decode(ids):
+    """``byte_decode`` refusing what a model's ``decode`` refuses: anything but token ids 0..255."""
+    from dsi.errors import ConfigError
+
+    for i, token in enumerate(ids):
+        if type(token) is not int or not 0 <= token < 256:
+            raise ConfigError(f"ids[{i}]={token!r} is no token id in [0, 256)")
+    return byte_decode(ids)
+
+
+@pytest.mark.parametrize("bad", [[300], [-1], [1.5], [None], ["a"]])
+def test_a_push_the_decode_refuses_leaves_the_window_as_it_was(bad):
+    from dsi.errors import ConfigError
+
+    detok = IncrementalDetokenizer(checked_decode, list(b"prompt: "))
+    assert detok.push(list(b"he")) == "he"
+    with pytest.raises(ConfigError, match=r"ids\[\d+\]="):
+        detok.push(bad)
+    assert detok.push(list(b"llo")) == "llo"  # the refused ids are not in the window
+    assert detok.flush() == ""
+
+
+@pytest.mark.parametrize("bad", [5, None, "abc", b"abc", {1: 2}])
+def test_tokens_and_prompt_ids_must_be_sequences_of_ids(bad):
+    from dsi.errors import ConfigError
+
+    detok = IncrementalDetokenizer(byte_decode, list(b"ok"))
+    with pytest.raises(ConfigError, match=r"tokens=.* must be a sequence of token ids"):
+        detok.push(bad)
+    assert detok.push(list(b"!")) == "!"
+    with pytest.raises(ConfigError, match=r"prompt_ids=.* must be a sequence of token ids"):
+        IncrementalDetokenizer(byte_decode, bad)
+    with pytest.raises(ConfigError, match=r"decode=.* must be callable"):
+        IncrementalDetokenizer(None, [])

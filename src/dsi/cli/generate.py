@@ -285,10 +285,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_logprobs_args(p)
     p.add_argument("--n", type=COUNT, default=1, metavar="N",
                    help="independent samples of the same prompt, as the OpenAI field n: choice i samples with a seed "
-                        "derived from --seed and i, as dsi serve does (greedy: one run, N equal copies)")
+                        "derived from --seed and i, as dsi serve does (greedy: one run, N equal copies); with --json "
+                        "one object whose \"choices\" holds each choice's token_ids, text and stats with its index")
     p.add_argument("--json", action="store_true",
-                   help="print one JSON object (token_ids, text, stats; with --n > 1 a list of choices) instead of "
-                        "text")
+                   help="print one JSON object (token_ids, text, stats; with --n > 1 those are per choice, under "
+                        "\"choices\") instead of text")
     p.set_defaults(func=run_generate)
 
     d = subparsers.add_parser(

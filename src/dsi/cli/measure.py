@@ -1,9 +1,9 @@
 """``dsi measure``: the inputs of the DSI paper's simulations, measured on real models.
 
 - ``dsi measure latency --model MODEL``: TTFT = one forward over the prompt; TPOT =
-  (generate time - TTFT) / (new tokens - 1), greedy with the KV cache, after a warm-up
-  (DSI.md section 6). Exactly ``--max-new-tokens`` tokens are generated per prompt (EOS does not
-  stop a latency run, so every prompt contributes the same number of steps).
+  (generate time - TTFT) / (new tokens - 1), greedy with the KV cache, after a warm-up (as the
+  paper measured it: Timor et al., ICLR 2025). Exactly ``--max-new-tokens`` tokens are generated
+  per prompt (EOS does not stop a latency run, so every prompt contributes the same number of steps).
 - ``dsi measure acceptance --target MODEL --drafter MODEL``: the paper's method. The target
   generates greedily (stopping at EOS); at every prefix the drafter predicts one token (greedy).
   The match flags are cut into runs of consecutive matches, split at each mismatch (the last run
@@ -279,7 +279,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sub = parser.add_subparsers(dest="measure_command", metavar="WHAT")
     parser.set_defaults(func=lambda args: _usage(parser))
 
-    def common(p: argparse.ArgumentParser, max_new: int) -> None:
+    def common(p: argparse.ArgumentParser, max_new: int, tokens_help: str) -> None:
         p.add_argument("--prompts", default="code",
                        help="built-in set (code, prose) or a file: JSON lines {\"prompt\": ...} or one prompt per line "
                             "(default: code)")
@@ -288,7 +288,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         add_backend_args(p, threads_help="threads of the model: torch's intra-op threads (hf; default: the number "
                                          "of cores) or llama.cpp's threads per session (default: the backend's)")
         p.add_argument("--max-new-tokens", type=Number(int, 2), default=max_new, metavar="N",
-                       help=f"new tokens per prompt (default {max_new})")
+                       help=f"{tokens_help} (default {max_new})")
         p.add_argument("--out", type=output_file, default=None, metavar="FILE",
                        help="also write the JSON result to FILE")
         p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -297,22 +297,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          description="TTFT = one forward over the prompt; TPOT = (generate time - TTFT) / "
                                      "(new tokens - 1); greedy, after a warm-up.")
     lat.add_argument("--model", required=True, metavar="MODEL",
-                     help="directory, .gguf file, hub id or embedded name (default-target, default-drafter)")
+                     help="the model to time (required): a checkpoint directory, a .gguf file, a hub id, or an "
+                          "embedded model's name such as qwen2.5-coder-1.5b-instruct (alias default-target), "
+                          "qwen2.5-coder-0.5b-instruct (default-drafter) or smollm2-135m-instruct")
     lat.add_argument("--role", choices=["target", "drafter"], default=None, help="label the result for dsi plan")
     lat.add_argument("--target-servers", metavar="URL",
                      help="measure the engine at URL serving --model as DSI verifies on it (a scoring request per "
                           "forward: docs/engines.md); --model is the local copy it is checked against")
     lat.add_argument("--drafter-server", metavar="URL", type=ENGINE_URL,
                      help="measure the engine at URL serving --model as DSI drafts on it (streamed tokens)")
-    common(lat, 32)
+    common(lat, 32, "new tokens per prompt, exactly: EOS does not stop a latency run")
     lat.set_defaults(func=run_latency)
 
     acc = sub.add_parser("acceptance", help="acceptance rate of a target/drafter pair (the paper's method)",
                          description="The target generates greedily; at each prefix the drafter predicts one "
                                      "token; a = 1 - 1/(1 + mean run length of consecutive matches).")
-    acc.add_argument("--target", default="default-target", metavar="MODEL", help="target MODEL (default: embedded)")
+    acc.add_argument("--target", default="default-target", metavar="MODEL",
+                     help="target MODEL: a checkpoint directory, a .gguf file, a hub id or an embedded model's name "
+                          "(default: the embedded target, qwen2.5-coder-1.5b-instruct)")
     acc.add_argument("--drafter", default="default-drafter", metavar="MODEL",
-                     help="drafter MODEL (default: embedded); it may have another tokenizer (--vocab-mode)")
+                     help="drafter MODEL (default: the embedded drafter, qwen2.5-coder-0.5b-instruct); it may have "
+                          "another tokenizer (--vocab-mode)")
     acc.add_argument("--vocab-mode", choices=["auto", "shared", "string", "intersection"], default="auto",
                      help="how a drafter of another vocabulary guesses: 'auto' (default) and 'string' through its "
                           "own greedy text re-tokenized for the target, 'intersection' through the tokens both "
@@ -320,7 +325,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     acc.add_argument("--target-servers", metavar="URL", help="the target's rows from the engine at URL (docs/engines.md)")
     acc.add_argument("--drafter-server", metavar="URL", type=ENGINE_URL,
                      help="the drafter's guesses streamed from the engine at URL")
-    common(acc, 64)
+    common(acc, 64, "new tokens per prompt at most: the target's greedy generation stops at EOS")
     acc.set_defaults(func=run_acceptance)
 
 

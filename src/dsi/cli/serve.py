@@ -3,10 +3,12 @@
 Takes every model and engine option of ``dsi generate`` (same parsers) plus the server's; the
 sampling options of ``generate`` become the defaults of requests that omit them. Binds to
 loopback unless ``--host`` says otherwise. SIGINT / SIGTERM: stop accepting connections, answer
-queued requests 503, let running ones finish for up to ``--shutdown-timeout`` seconds, cancel the
-rest, close every decoder, exit 0 (:mod:`dsi.server.runner`). fastapi / uvicorn are imported only when the command runs.
-Every option is checked (an API key included) before any model is loaded. The model id shown to
-clients (``--served-model-name``) defaults to a name, never a local path (:func:`served_name`).
+queued requests 503, let running ones finish for up to ``--shutdown-timeout`` seconds, abort the
+rest (each still ends its answer: a stream its last events and ``[DONE]``), close every decoder,
+exit 0 (:mod:`dsi.server.runner`). fastapi / uvicorn are imported only when the command runs.
+Every option is checked (an API key included) before any model is loaded. The API key may come from
+the environment instead of the command line, where ``ps`` shows it (:func:`api_key`). The model id
+shown to clients (``--served-model-name``) defaults to a name, never a local path (:func:`served_name`).
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
+import os
 import socket
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from dsi.cli.args import COUNT, NATURAL, NON_NEGATIVE, SCORING_PORT, Number
@@ -34,6 +38,8 @@ from dsi.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
+API_KEY_VARIABLES = ("DSI_API_KEY", "VLLM_API_KEY")  # read in this order when --api-key is not given
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from dsi.evaluate.bench import SCENARIOS
@@ -41,7 +47,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, Prometheus metrics)",
         description="Serve a target/drafter pair over HTTP with the OpenAI API (/v1/completions, "
-        "/v1/chat/completions, /v1/models) plus /health and /metrics. Needs: pip install 'dsi[server]'.",
+        "/v1/chat/completions, /v1/models), vLLM's /tokenize, /detokenize and /version, plus /health and /metrics. "
+                    "Needs: pip install 'dsi[server]'.",
     )
     add_model_args(p)
     add_engine_args(p)
@@ -73,7 +80,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--max-body-bytes", type=COUNT, default=None,
                    help="largest request body in bytes; larger ones get 413 (default 16777216: 16 MiB)")
     g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1 endpoints (printable ASCII, no surrounding spaces)")
+                   help="require 'Authorization: Bearer KEY' on the /v1 endpoints, /tokenize and /detokenize "
+                        "(printable ASCII, no surrounding spaces). Default: the environment variable DSI_API_KEY, "
+                        "else VLLM_API_KEY (as vLLM), else none; prefer them, since ps shows the command line")
     g.add_argument("--served-model-name", default=None,
                    help="model id in the API, /health and responses (default: the --target name without its "
                         "directories, e.g. 'my-7b' for ./models/my-7b)")
@@ -90,7 +99,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--synthetic-role", choices=("target", "drafter"), default="target",
                    help="with --synthetic: serve the scenario's target (default) or its drafter")
     g.add_argument("--shutdown-timeout", type=NON_NEGATIVE, default=10.0,
-                   help="on SIGINT/SIGTERM, seconds running requests may take before they are cancelled (default 10)")
+                   help="on SIGINT/SIGTERM, seconds running requests may take before they are aborted (default 10); "
+                        "an aborted stream still ends with a chunk per choice (finish_reason 'abort'), an error "
+                        "event and [DONE], a plain request with a 503")
     p.set_defaults(func=run_serve)
 
 
@@ -106,6 +117,34 @@ def served_name(target: str) -> str:
         return target
     name = path.resolve().name
     return name[: -len(".gguf")] if name.lower().endswith(".gguf") and len(name) > 5 else name
+
+
+def api_key(flag: str | None, environ: Mapping[str, str] = os.environ) -> str | None:
+    """The API key: ``--api-key`` if given, else ``DSI_API_KEY``, else
+    ``VLLM_API_KEY`` (vLLM's variable, for drop-in use), else none. Checked here
+    (:func:`~dsi.server.config.check_api_key`, naming its source, never the key); a variable set but
+    empty is refused rather than read as "no key", which would serve without one."""
+    from dsi.server.config import check_api_key
+
+    if flag is not None:
+        key, source = flag, "--api-key"
+    else:
+        source = next((name for name in API_KEY_VARIABLES if name in environ), "")
+        key = environ[source] if source else None
+        if key == "":
+            raise ConfigError(f"{source} is set but empty: set it to the key, or unset it to serve without one")
+    check_api_key(key, source or "--api-key")
+    return key
+
+
+def engine_summary(method: str, lookahead: int | str, sp: int) -> str:
+    """How the start-up line describes the engine: non-SI has no lookahead, and only DSI (or auto,
+    which may pick it) has target servers in parallel."""
+    if method == "ar":
+        return "ar"
+    if method == "si":
+        return f"si, k={lookahead}"
+    return f"{method}, k={lookahead}, SP={sp}"
 
 
 def _is_loopback(host: str) -> bool:
@@ -130,6 +169,7 @@ def run_serve(args: argparse.Namespace) -> int:
         from dsi.server.runner import make_server
     except ImportError as exc:
         raise ConfigError(f"dsi serve needs the server extra: pip install 'dsi[server]' ({exc})") from exc
+    key = api_key(args.api_key)
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise ConfigError(f"--served-model-name={args.served_model_name!r} must name the model (clients send it)")
     limits = {} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}
@@ -142,7 +182,7 @@ def run_serve(args: argparse.Namespace) -> int:
         method=args.method, lookahead=args.lookahead, max_window=args.max_window, num_target_servers=server_count(args),
         transport=args.transport, auto_options=auto_options(args),
         transport_options=transport_options(args), max_concurrent=args.max_concurrent, max_queue=args.max_queue,
-        api_key=args.api_key, **limits,
+        api_key=key, **limits,
         model_name=args.served_model_name or default_name, max_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         shutdown_grace_s=args.shutdown_timeout, vocab_mode=args.vocab_mode, merges=args.merges,
@@ -152,7 +192,7 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     if not _is_loopback(args.host):
         log.warning("dsi serve: listening on %s, reachable from other machines%s", args.host,
-                    "" if args.api_key else "; consider --api-key")
+                    "" if key else "; consider --api-key or DSI_API_KEY")
     sock = _bind(args.host, args.port)
     scoring = None
     try:
@@ -178,8 +218,8 @@ def run_serve(args: argparse.Namespace) -> int:
     shown = f"[{host}]" if ":" in host else host
     server = make_server(app, graceful_s=args.shutdown_timeout, log_level="info" if args.verbose else "warning",
                          access_log=bool(args.verbose))
-    print(f"dsi serve: {config.model_name!r} ({config.method}, k={config.lookahead}, SP={config.num_target_servers}, "
-          f"{config.max_concurrent} slot(s)) on http://{shown}:{port}/v1"
+    engine = engine_summary(config.method, config.lookahead, config.num_target_servers)
+    print(f"dsi serve: {config.model_name!r} ({engine}, {config.max_concurrent} slot(s)) on http://{shown}:{port}/v1"
           + (f", scoring channel on port {scoring.getsockname()[1]}" if scoring is not None else ""),
           file=sys.stderr, flush=True)
     try:

@@ -67,8 +67,10 @@ def _register_simulate(subparsers) -> None:
         help="offline sample stream: pcg64 (default) or legacy (the authors' exact stream)",
     )
     e = p.add_argument_group("event simulator (time units; default: target 1, drafter c)")
-    e.add_argument("--target-tpot", type=NON_NEGATIVE, default=1.0, help="target time per output token (default 1)")
-    e.add_argument("--target-ttft", type=NON_NEGATIVE, default=None, help="target time to first token (default: TPOT)")
+    e.add_argument("--target-tpot", type=POSITIVE, default=1.0,
+                   help="target time per output token, > 0: the event simulator's unit (default 1)")
+    e.add_argument("--target-ttft", type=POSITIVE, default=None,
+                   help="target time to first token, > 0 (default: its TPOT)")
     e.add_argument("--drafter-tpot", type=NON_NEGATIVE, default=None,
                    help="drafter time per token (default: c x target TPOT)")
     e.add_argument("--drafter-ttft", type=NON_NEGATIVE, default=None,
@@ -253,11 +255,12 @@ def _register_heatmap(subparsers) -> None:
         "heatmap",
         help="Figure 1: speedups of SI and DSI over the (c, a) plane",
         description=(
-            "Figure 1 of the paper from the offline simulator: for every (c, a) on an ndim x ndim "
-            "grid, each method's best lookahead in 1..ndim (DSI only where Equation 1 holds with "
-            "SP <= --max-sp). A fifth panel compares DSI's event-driven policy with its best fixed "
+            "Figure 1 of the paper from the offline simulator: for every (c, a) on an (ndim + 1) x (ndim + 1) "
+            "grid, each method's best lookahead in 1..ndim (only lookaheads where Equation 1 holds with "
+            "SP <= --max-sp, for SI too unless --si-all-k; a cell with none is blank and counted as "
+            "'no valid k'). A fifth panel compares DSI's event-driven policy with its best fixed "
             "lookahead in the event simulator (shorter runs: --event-tokens x --event-repeats). "
-            "Writes heatmap.csv, heatmap.png and heatmap.pdf."
+            "Writes heatmap.csv, heatmap.png and heatmap.pdf (docs/simulator.md section 5)."
         ),
     )
     p.add_argument("--ndim", type=Number(int, 2), default=20,
@@ -293,7 +296,8 @@ def _register_heatmap(subparsers) -> None:
         help=f"repeats of the event-simulator panel (default {EVENT_REPEATS})",
     )
     p.add_argument("--no-event-panel", action="store_true", help="skip the event-simulator panel (fixed_auto)")
-    p.add_argument("--format", action="append", choices=("png", "pdf"), help="figure formats (default png and pdf)")
+    p.add_argument("--format", action="append", choices=("png", "pdf"),
+                   help="figure format (repeatable; default png and pdf)")
     p.add_argument("--no-plot", action="store_true", help="write the CSV only (no matplotlib needed)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
@@ -333,11 +337,20 @@ def cmd_heatmap(args: argparse.Namespace) -> int:
         f"simulated {summary['configs']} configurations ({summary['valid_dsi_configs']} valid for DSI) x "
         f"{summary['repeats']} repeats x {summary['tokens']} tokens in {summary['simulation_seconds']:.2f} s"
     )
+    cells, si_cells = summary["cells"], summary["cells"] - summary["cells_si_no_valid_k"]
     print(
-        f"SI slower than non-SI in {summary['cells_si_slower_than_nonsi']} of {summary['cells']} cells; "
-        f"DSI slower than SI in {summary['cells_dsi_slower_than_si']}, than non-SI in "
-        f"{summary['cells_dsi_slower_than_nonsi']}"
+        f"SI slower than non-SI in {summary['cells_si_slower_than_nonsi']} of {si_cells} cells"
+        f"{' with a valid k' if si_cells < cells else ''}; DSI slower than SI in "
+        f"{summary['cells_dsi_slower_than_si']}, than non-SI in {summary['cells_dsi_slower_than_nonsi']}"
     )
+    if summary["cells_no_valid_k"]:
+        print(
+            f"no valid k in {summary['cells_no_valid_k']} of {cells} cells: no k <= {summary['ndim']} meets Equation 1 "
+            f"with SP <= {summary['max_sp']}; blank (grey) in the "
+            + ("offline panels" if summary["cells_si_no_valid_k"] else "DSI panels (--si-all-k gives SI a k there)")
+            + ", left out of the counts and ratios here"
+            + ("; the event-simulator panel lets tasks queue, so it has them" if summary["event_panel"] else "")
+        )
     if summary["event_panel"]:
         print(
             f"event simulator ({summary['event_tokens']} tokens x {summary['event_repeats']} repeats, "
@@ -345,8 +358,8 @@ def cmd_heatmap(args: argparse.Namespace) -> int:
             f"the best fixed k in {summary['cells_event_driven_faster']} cells, slower in "
             f"{summary['cells_event_driven_slower']}, equal in the rest"
         )
-    rows = [[p, summary[f"min_{p}"], summary[f"max_{p}"]] for p in panels]
-    print(format_table(["panel", "min ratio", "max ratio"], rows))
+    rows = [["-" if summary[f"{m}_{p}"] is None else summary[f"{m}_{p}"] for m in ("min", "max")] for p in panels]
+    print(format_table(["panel", "min ratio", "max ratio"], [[p, *r] for p, r in zip(panels, rows, strict=True)]))
     for f in files:
         print(f"wrote {f}")
     return 0
@@ -358,7 +371,8 @@ def _register_table(subparsers) -> None:
         "table",
         help="Table 1: the paper's DSI/SI speedups beside the offline, event and engine results",
         description=(
-            "Table 1 of the paper (DSI.md section 6): published DSI/SI, the offline simulator, the "
+            "Table 1 of the paper (Timor et al., ICLR 2025, Table 1; docs/simulator.md section 6): "
+            "published DSI/SI, the offline simulator, the "
             "event simulator, and the real engine on the wall clock with latency-emulated synthetic "
             "pairs (with each run's engine/ideal ratio). Writes table1.md, table1.csv, table1.png."
         ),
@@ -432,7 +446,9 @@ def _register_plan(subparsers) -> None:
         help="choose the lookahead and number of target servers for a drafter/target pair",
         description=(
             "Equation 1, then the event simulator: the fastest (lookahead, target servers) within "
-            "--max-servers, with its predicted latency per token and speedups over SI and non-SI; "
+            "--max-servers (ties: fewer servers, then less queueing, then the smaller lookahead; a plan "
+            "that queues names the fastest lookahead that does not), with its predicted latency per "
+            "token and speedups over SI and non-SI; "
             "beside it, for each number of servers, DSI's event-driven policy (no lookahead: a "
             "window whenever a target server is idle) and which of the two is faster. "
             "Inputs from flags or from JSON files written by dsi measure (--from, repeatable); "
@@ -442,9 +458,9 @@ def _register_plan(subparsers) -> None:
     p.add_argument("--drafter-tpot", type=POSITIVE, default=None, metavar="MS", help="drafter time per token, ms")
     p.add_argument("--target-tpot", type=POSITIVE, default=None, metavar="MS", help="target time per token, ms")
     p.add_argument("--drafter-ttft", type=NON_NEGATIVE, default=None, metavar="MS",
-                   help="drafter time to first token, ms")
+                   help="drafter time to first token, ms (default: its TPOT)")
     p.add_argument("--target-ttft", type=NON_NEGATIVE, default=None, metavar="MS",
-                   help="target time to first token, ms")
+                   help="target time to first token, ms (default: its TPOT)")
     p.add_argument("--acceptance", type=PROBABILITY, default=None, metavar="A", help="acceptance rate in [0, 1]")
     p.add_argument(
         "--from",
@@ -504,7 +520,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
         f"({plan.speedup_vs_si:.2f}x vs SI at k={plan.si_lookahead}: {plan.si_per_token_ms:.2f} ms/token; "
         f"{plan.speedup_vs_nonsi:.2f}x vs non-SI: {plan.nonsi_per_token_ms:.2f} ms/token)"
     )
-    best = sorted(plan.candidates, key=lambda c: c.latency_ms)[:5]
+    for c in plan.ties:
+        print(f"  as fast: k={c.lookahead} with {c.num_servers} server(s), {c.queue_wait_ms:.0f} ms of queue wait "
+              f"(ties go to fewer servers, then no queueing, then smaller k)")
+    alt = plan.fastest_meeting_equation1
+    if not b.meets_equation1:
+        print(f"  k={b.lookahead} queues (Equation 1 wants {b.required_sp} servers; {b.queue_wait_ms:.0f} ms of queue "
+              "wait in all) but is faster than "
+              + ("every k that does not" if alt is None else
+                 f"k={alt.lookahead}, the fastest that does not ({alt.num_servers} server(s), {alt.per_token_ms:.2f} "
+                 f"ms/token, {100 * (alt.latency_ms / b.latency_ms - 1):.1f}% slower)"))  # fmt: skip
+    best = plan.ranked[:5]
     rows = [[c.lookahead, c.num_servers, c.required_sp, c.per_token_ms, c.queue_wait_ms, c.utilisation] for c in best]
     print(format_table(["k", "servers", "Eq.1 SP", "ms/token", "queue wait ms", "utilisation"], rows))
     ev = plan.event_driven

@@ -32,11 +32,18 @@ ENGINE_METHODS = ("dsi", "si", "ar")  # what the engine runs; dsi.api adds "auto
 
 
 class Decoder(Protocol):
+    """What every decoder offers; one request at a time, calls from several threads serialised, closing
+    once, usable as a context manager (the contract: :mod:`dsi.engine.lifecycle`)."""
+
     method: str
 
     def generate(
         self, request: Request, on_tokens: TokenCallback | None = None, abort: threading.Event | None = None
     ) -> GenerationResult: ...
+
+    def __enter__(self) -> Decoder: ...
+
+    def __exit__(self, *exc: object) -> None: ...
 
     def healthy(self) -> bool:
         """Whether the decoder can serve another request (after a failed one, a server rebuilds it

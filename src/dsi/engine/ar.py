@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dsi.engine.lifecycle import DecoderLifecycle, check_request, model_errors
 from dsi.engine.request import Output, Request, TokenCallback
 from dsi.engine.result import GenerationResult
 from dsi.engine.stats import GenerationStats
@@ -21,18 +22,26 @@ from dsi.sampling import bonus
 from dsi.transport.server import read_rows
 
 
-class AutoregressiveDecoder:
-    """Non-SI decoding on one session of ``target`` (kept across requests for cache reuse)."""
+class AutoregressiveDecoder(DecoderLifecycle):
+    """Non-SI decoding on one session of ``target`` (kept across requests for cache reuse); one request
+    at a time (:mod:`dsi.engine.lifecycle`)."""
 
     method = "ar"
 
     def __init__(self, target: LanguageModel) -> None:
+        super().__init__()
         self._model = target
         self._session = target.new_session()
 
     def generate(
         self, request: Request, on_tokens: TokenCallback | None = None, abort: threading.Event | None = None
     ) -> GenerationResult:
+        with self._turn(abort):
+            return self._generate(request, on_tokens, abort)
+
+    def _generate(self, request: Request, on_tokens: TokenCallback | None,
+                  abort: threading.Event | None) -> GenerationResult:
+        check_request(request, self._model)
         # refuses what the target cannot serve exactly (engines; whole rows for logprobs)
         check_sampling(self._model, request.sampling, request.logprobs is not None)
         stats = GenerationStats(method=self.method)
@@ -43,7 +52,8 @@ class AutoregressiveDecoder:
             task = request.verify_task(0, out.tokens, 1)
             start = time.perf_counter()
             # an argmax id where greedy decoding reads the raw row (and no logprobs); else the row [1, V]
-            rows = forward_rows(self._session, task.context, 1, greedy=task.ids_only, top=task.row_top)
+            with model_errors("target"):
+                rows = forward_rows(self._session, task.context, 1, greedy=task.ids_only, top=task.row_top)
             elapsed = time.perf_counter() - start
             stats.target_busy_s += elapsed
             stats.completed_target_s += elapsed
@@ -63,12 +73,13 @@ class AutoregressiveDecoder:
         (``[len(tokens) - first + 1, V]``), on the decoder's target session: its cache from earlier
         requests is reused, so only what differs from them is computed (``dsi serve``'s
         ``prompt_logprobs``, what a dsi verifying on this server asks)."""
-        return forward_rows(self._session, tokens, len(tokens) - first + 1, cancel)
+        with self._turn(), model_errors("target"):
+            return forward_rows(self._session, tokens, len(tokens) - first + 1, cancel)
 
     def healthy(self) -> bool:
         """Always: its sessions re-align with each request's context, so a failed request leaves
         nothing broken behind."""
         return True
 
-    def close(self) -> None:
+    def _release(self) -> None:
         self._session.close()

@@ -264,7 +264,8 @@ class DraftWorker:
                 except TaskCancelled:
                     continue
                 except Exception as exc:
-                    log.exception("drafter failed")
+                    # the request raises it (WorkerError, cause chained): the traceback only for debugging
+                    log.debug("drafter failed", exc_info=True)
                     self._on_event(DrafterFailed(job.epoch, f"{type(exc).__name__}: {exc}", exc))
                 with self._cond:
                     if self._job is job:

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dsi.engine.drafter import Draft, DrafterFailed, DraftsDone, DraftWorker, request_info
+from dsi.engine.lifecycle import DecoderLifecycle, check_request
 from dsi.engine.request import Output, Request, TokenCallback
 from dsi.engine.result import GenerationResult
 from dsi.engine.stats import GenerationStats
@@ -88,11 +89,11 @@ class _Window:
         return r - self.first if self.main_rows is None else self.main_rows[r]
 
 
-class DSIDecoder:
+class DSIDecoder(DecoderLifecycle):
     """DSI over ``pool`` (SP target servers) and a drafter thread on ``drafter``.
 
-    Build it once and call :meth:`generate` for each request (one request at a time), then
-    :meth:`close`. The pool must have been created with this decoder's :attr:`events`
+    Build it once and call :meth:`generate` for each request (one request at a time: calls from several
+    threads are serialised, :mod:`dsi.engine.lifecycle`), then :meth:`close`. The pool must have been created with this decoder's :attr:`events`
     queue's ``put`` as its ``on_event`` callback (see :func:`dsi.engine.api.build_decoder`).
     """
 
@@ -101,6 +102,7 @@ class DSIDecoder:
     def __init__(self, drafter: LanguageModel, lookahead: int | str, pool_factory, trace: bool = False,
                  max_window: int | None = None, target: LanguageModel | None = None, liveness: object = None,
                  draft_tree: TreeShape = None, side_depth: int | None = None) -> None:
+        super().__init__()
         check_windowed(draft_tree)  # refuses a shape DSI cannot branch by (widths per depth, branches)
         side_depth = tree_shapes.DSI_CHAIN_DEPTH if side_depth is None else side_depth
         if not isinstance(side_depth, int) or isinstance(side_depth, bool) or side_depth < 1:
@@ -130,6 +132,12 @@ class DSIDecoder:
     def generate(
         self, request: Request, on_tokens: TokenCallback | None = None, abort: threading.Event | None = None
     ) -> GenerationResult:
+        with self._turn(abort):
+            return self._generate(request, on_tokens, abort)
+
+    def _generate(self, request: Request, on_tokens: TokenCallback | None,
+                  abort: threading.Event | None) -> GenerationResult:
+        check_request(request, self._target_model)
         # refuses what the target cannot serve exactly (whole rows for logprobs)
         check_sampling(self._target_model, request.sampling, request.logprobs is not None)
         if not self._drafter.is_alive():  # a drafter frozen (abandoned) or dead in an earlier request: a new one
@@ -150,6 +158,10 @@ class DSIDecoder:
 
         Between requests, so the events of the queue are this task's or stale (a previous request's
         late drafts and results, which are dropped as its own loop drops them)."""
+        with self._turn():
+            return self._score(tokens, first, cancel)
+
+    def _score(self, tokens: Sequence[int], first: int, cancel: threading.Event | None) -> np.ndarray:
         task = VerifyTask(next(self._task_ids), tuple(int(t) for t in tokens), len(tokens) - first + 1,
                           SamplingParams(temperature=0.0), logprobs_mode="raw")
         self.pool.submit(task)
@@ -176,7 +188,7 @@ class DSIDecoder:
         usable; only a pool with no server left (all given up) calls for a new decoder."""
         return self.pool.alive_servers() > 0
 
-    def close(self) -> None:
+    def _release(self) -> None:
         self._drafter.close()
         self.pool.close()
 
@@ -329,7 +341,7 @@ class _DSIRun:
             self.outstanding.pop(event.task_id, None)
         elif isinstance(event, ServerDied):  # its running task was re-queued by the pool
             self.stats.extra["dead_servers"] = self.stats.extra.get("dead_servers", 0) + 1
-            log.warning("target server %d died: %s", event.server_id, event.error)
+            log.debug("target server %d died: %s", event.server_id, event.error)  # the pool logged it
             if self.pool.alive_servers() == 0:
                 raise WorkerError(f"no target server is alive (server {event.server_id} died last: {event.error})")
         elif isinstance(event, TaskFailed):

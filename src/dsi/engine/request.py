@@ -110,6 +110,7 @@ class Output:
         if token in self.request.eos_token_ids:
             self.finished = True
             self.stats.finish_reason = "stop"
+            self.stats.stop_token = token
         elif self.new_count >= self.request.max_new_tokens:
             self.finished = True
             self.stats.finish_reason = "length"
@@ -121,6 +122,7 @@ class Output:
 
     def check_abort(self) -> None:
         if self._abort is not None and self._abort.is_set():
+            self.stats.finish_reason = "abort"
             raise GenerationAborted("generation aborted by the caller", self.finalize(), self.stats)
 
     def new_tokens(self) -> list[int]:

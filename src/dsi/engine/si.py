@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from dsi.engine.drafter import capped_drafts, request_info
+from dsi.engine.lifecycle import DecoderLifecycle, check_request, model_errors
 from dsi.engine.request import Output, Request, TokenCallback
 from dsi.engine.result import GenerationResult
 from dsi.engine.stats import GenerationStats
@@ -42,14 +43,16 @@ from dsi.transport.server import run_verify_task
 from dsi.trees import TreeShape, grow
 
 
-class SpeculativeDecoder:
+class SpeculativeDecoder(DecoderLifecycle):
     """SI with lookahead ``k`` on one target session and one drafter session; with ``draft_tree`` (a
-    :data:`dsi.trees.TreeShape`), each iteration spends its k drafts as a tree (:mod:`dsi.engine.trees`)."""
+    :data:`dsi.trees.TreeShape`), each iteration spends its k drafts as a tree (:mod:`dsi.engine.trees`).
+    One request at a time (:mod:`dsi.engine.lifecycle`)."""
 
     method = "si"
 
     def __init__(self, target: LanguageModel, drafter: LanguageModel, lookahead: int,
                  draft_tree: TreeShape = None) -> None:
+        super().__init__()
         self.lookahead = lookahead
         self.draft_tree = draft_tree
         self._target_model = target
@@ -60,6 +63,12 @@ class SpeculativeDecoder:
     def generate(
         self, request: Request, on_tokens: TokenCallback | None = None, abort: threading.Event | None = None
     ) -> GenerationResult:
+        with self._turn(abort):
+            return self._generate(request, on_tokens, abort)
+
+    def _generate(self, request: Request, on_tokens: TokenCallback | None,
+                  abort: threading.Event | None) -> GenerationResult:
+        check_request(request, self._target_model)
         params = request.sampling
         # refuses what the target cannot serve exactly (engines; whole rows for logprobs)
         check_sampling(self._target_model, params, request.logprobs is not None)
@@ -114,7 +123,8 @@ class SpeculativeDecoder:
         """One verification, as a DSI target server runs it (greedy: the argmax ids of the processed rows;
         sampling: the processed laws too; logprob rows when asked), counted in ``stats``."""
         start = time.perf_counter()
-        result = run_verify_task(self._target, task, 0, None)
+        with model_errors("target"):
+            result = run_verify_task(self._target, task, 0, None)
         elapsed = time.perf_counter() - start
         stats.target_busy_s += elapsed
         stats.completed_target_s += elapsed
@@ -128,8 +138,9 @@ class SpeculativeDecoder:
         """One SI iteration whose ``count`` drafts form a tree: grow it, verify it in one tree task, commit
         the walk (the chain's tokens; then the target's own after a leaf)."""
         start = time.perf_counter()
-        drafter = TreeDrafter.for_shape(self._drafter, request, base, shape)
-        tree = grow(shape, count, drafter.propose, drafter.propose_many, drafter.probability)
+        with model_errors("drafter"):
+            drafter = TreeDrafter.for_shape(self._drafter, request, base, shape)
+            tree = grow(shape, count, drafter.propose, drafter.propose_many, drafter.probability)
         stats.drafter_forwards += drafter.forwards
         stats.drafter_busy_s += time.perf_counter() - start
         stats.drafted_tokens += len(tree)
@@ -138,7 +149,8 @@ class SpeculativeDecoder:
         result = self._verify(request.tree_task(0, base, tree), stats)
         stats.extra["tree_windows"] = stats.extra.get("tree_windows", 0) + 1
         stats.extra["tree_side_nodes"] = stats.extra.get("tree_side_nodes", 0) + len(tree) - len(tree.main_path())
-        walked = decide_tree(tree, result, drafter, request.sampling, len(base))
+        with model_errors("drafter"):  # the walk may read the drafter's laws of side children
+            walked = decide_tree(tree, result, drafter, request.sampling, len(base))
         logprobs = result.logprobs
         for index, token in enumerate(walked.tokens(tree)):
             row = parent_row(walked, index)
@@ -168,21 +180,22 @@ class SpeculativeDecoder:
         params = request.sampling
         start = time.perf_counter()
         try:
-            stats.drafter_forwards += 1
-            ids_only = drafts_ids_only(self._drafter_model, params)
-            out = forward_rows(self._drafter, base, 1, greedy=ids_only)[-1]  # an id, or a row [V]
-            while True:
-                if ids_only:
-                    token, q = int(out), None
-                else:
-                    context = base + tuple(drafts)
-                    token, q = draft_from_logits(out, params, len(context), request.prefix(context))
-                drafts.append(token)
-                qs.append(q)
-                if len(drafts) >= count or token in request.eos_token_ids:
-                    break
+            with model_errors("drafter"):  # (its context limit and DraftUnavailable pass through)
                 stats.drafter_forwards += 1
-                out = extend_rows(self._drafter, [token], None, 1, ids_only)[-1]
+                ids_only = drafts_ids_only(self._drafter_model, params)
+                out = forward_rows(self._drafter, base, 1, greedy=ids_only)[-1]  # an id, or a row [V]
+                while True:
+                    if ids_only:
+                        token, q = int(out), None
+                    else:
+                        context = base + tuple(drafts)
+                        token, q = draft_from_logits(out, params, len(context), request.prefix(context))
+                    drafts.append(token)
+                    qs.append(q)
+                    if len(drafts) >= count or token in request.eos_token_ids:
+                        break
+                    stats.drafter_forwards += 1
+                    out = extend_rows(self._drafter, [token], None, 1, ids_only)[-1]
         except ContextLengthError:  # the drafter's declared limit: no more drafts this iteration
             limited = True
         except DraftUnavailable:  # nothing to propose here (a drafter of another vocabulary): no more drafts now
@@ -196,13 +209,14 @@ class SpeculativeDecoder:
         (``[len(tokens) - first + 1, V]``), on the decoder's target session: its cache from earlier
         requests is reused, so only what differs from them is computed (``dsi serve``'s
         ``prompt_logprobs``, what a dsi verifying on this server asks)."""
-        return forward_rows(self._target, tokens, len(tokens) - first + 1, cancel)
+        with self._turn(), model_errors("target"):
+            return forward_rows(self._target, tokens, len(tokens) - first + 1, cancel)
 
     def healthy(self) -> bool:
         """Always: its sessions re-align with each request's context, so a failed request leaves
         nothing broken behind."""
         return True
 
-    def close(self) -> None:
+    def _release(self) -> None:
         self._target.close()
         self._drafter.close()

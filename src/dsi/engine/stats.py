@@ -34,10 +34,11 @@ class GenerationStats:
     drafter_busy_s: float = 0.0  # summed drafter forward time (DSI: including abandoned forwards)
     wasted_target_s: float = 0.0  # target server time on tasks whose results were not used
     num_target_servers: int = 1
-    lookahead: int | str = 0  # k, or "auto" (DSI's event-driven windows)
+    lookahead: int | str | None = None  # k, or "auto" (DSI's event-driven windows); None: non-SI (no drafts)
     wall_time_s: float = 0.0
     time_to_first_token_s: float = 0.0
-    finish_reason: str = "length"  # "length" | "stop"
+    finish_reason: str = "length"  # "length" | "stop" (EOS or a stop id: stop_token) | "abort" (the caller's flag)
+    stop_token: int | None = None  # with "stop": the token that ended the output (an EOS or a stop id)
     extra: dict = field(default_factory=dict)
 
     @property

@@ -526,6 +526,12 @@ class AutoDecoder:
     def close(self) -> None:
         self.inner.close()
 
+    def __enter__(self) -> AutoDecoder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.inner.close()
+
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
 

@@ -11,6 +11,10 @@ Cancellation is cooperative: ``extend`` receives a flag (anything with ``is_set(
 slices). On cancellation it raises :class:`dsi.errors.TaskCancelled` and leaves the session
 exactly as it was before the call.
 
+Every id, length and text a caller passes is checked in Python before a tokenizer, torch or llama.cpp
+sees it (:func:`check_token_ids`, :func:`check_int`, :func:`check_text`): a bad one is a
+:class:`dsi.errors.ConfigError` naming it and what is allowed, never a crash in native code.
+
 A model may declare the most tokens one of its sessions can hold as ``max_context`` (an int, or
 None for no limit; see :func:`context_limit`); a session asked to go beyond it raises
 :class:`dsi.errors.ContextLengthError` before running anything.
@@ -29,7 +33,7 @@ This module knows nothing about torch, sampling or the algorithm.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -94,9 +98,69 @@ class LanguageModel(Protocol):
     def new_session(self) -> ModelSession: ...
 
 
+# ---- argument checks: what a caller passes is checked here, before any tokenizer, torch or llama.cpp sees it
+# (llama.cpp indexes its vocabulary with std::vector::at, so an id outside it aborts the whole process)
+
+
+def check_int(value: object, name: str, low: int, high: int | None = None) -> int:
+    """``value`` as a Python int in ``[low, high]`` (``high`` None: no upper bound); numpy integers are
+    accepted, bool, float, str, None... are not. :class:`ConfigError` naming the value otherwise."""
+    if isinstance(value, int | np.integer) and not isinstance(value, bool):
+        value = int(value)
+        if value >= low and (high is None or value <= high):
+            return value
+    allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
+    raise ConfigError(f"{name}={_short(value)} must be an integer {allowed}")
+
+
+def check_text(text: object, name: str = "text") -> str:
+    """``text`` if it is a ``str``; :class:`ConfigError` naming it otherwise (a tokenizer takes text, not ids)."""
+    if not isinstance(text, str):
+        raise ConfigError(f"{name}={_short(text)} ({type(text).__name__}) must be a str")
+    return text
+
+
+def check_token_ids(ids: object, vocab_size: int, name: str = "ids", of: str = "") -> list[int]:
+    """``ids`` as a list of Python ints, each a token id in ``[0, vocab_size)``.
+
+    ``ids`` may be any sequence of integers (a list, a tuple, a range, a 1-D integer numpy array;
+    numpy integer elements too). :class:`ConfigError` names the first offending value, its index and
+    the allowed range for: an id outside the vocabulary or negative; an element that is no integer
+    (float, str, bool, None, a nested list); a str, bytes, mapping, set or scalar in place of the
+    sequence; a numpy array of another dtype or shape. ``name`` names the argument, ``of`` the model."""
+    where = f" of {of}" if of else ""
+    allowed = f"a token id{where} is an integer in [0, {vocab_size})"
+    if isinstance(ids, np.ndarray):
+        if ids.ndim != 1 or (ids.dtype.kind not in "iu" and ids.dtype != object):
+            raise ConfigError(f"{name} is a numpy array of dtype {ids.dtype} and shape {ids.shape}; "
+                              f"it must be one-dimensional of integers ({allowed})")
+        ids = ids.tolist()
+    elif isinstance(ids, str | bytes | bytearray | Mapping | Set) or not isinstance(ids, Iterable):
+        raise ConfigError(f"{name}={_short(ids)} ({type(ids).__name__}) must be a sequence of token ids, "
+                          f"e.g. a list of ints ({allowed})")
+    out = list(ids)
+    for i, token in enumerate(out):
+        if type(token) is not int:  # the common case costs one test
+            if not isinstance(token, int | np.integer) or isinstance(token, bool | np.bool_):
+                raise ConfigError(f"{name}[{i}]={_short(token)} ({type(token).__name__}) is not a token id; {allowed}")
+            out[i] = int(token)
+    if out and (min(out) < 0 or max(out) >= vocab_size):
+        i, token = next((i, t) for i, t in enumerate(out) if not 0 <= t < vocab_size)
+        raise ConfigError(f"{name}[{i}]={token} is outside the vocabulary [0, {vocab_size}){where}")
+    return out
+
+
+def _short(value: object, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def encode_prompt(tokenizer: Any, name: str, text: str, *, chat: bool = False, system: str | None = None) -> list[int]:
     """Token ids of ``text`` by a Hugging Face-style ``tokenizer``; with ``chat``, of its chat template
     applied to one user message (after a ``system`` one if given). ``name`` names the model in errors."""
+    check_text(text)
+    if system is not None:
+        check_text(system, "system")
     if not chat:
         return list(tokenizer.encode(text))
     if not getattr(tokenizer, "chat_template", None):
@@ -161,8 +225,8 @@ def extend_rows(
     the others ``-inf``).
     """
     n = len(tokens) if num_rows is None else num_rows
-    if not 1 <= n <= len(tokens):
-        raise ConfigError(f"num_rows={n} must be in [1, len(tokens)={len(tokens)}]")
+    if not isinstance(n, int | np.integer) or isinstance(n, bool) or not 1 <= n <= len(tokens):
+        raise ConfigError(f"num_rows={n!r} must be an integer in [1, len(tokens)={len(tokens)}]")
     own = getattr(session, "extend_rows", None)
     if own is not None:
         if top is not None and getattr(session, "takes_top", False):
@@ -194,8 +258,8 @@ def forward_rows(
     With ``greedy``, only the argmax token id of each of those rows.  # [num_rows] int64
     ``top``: as in :func:`extend_rows`.
     """
-    if not 1 <= num_rows <= len(context):
-        raise ConfigError(f"{num_rows=} must be in [1, len(context)={len(context)}]")
+    if not isinstance(num_rows, int | np.integer) or isinstance(num_rows, bool) or not 1 <= num_rows <= len(context):
+        raise ConfigError(f"{num_rows=} must be an integer in [1, len(context)={len(context)}]")
     keep = min(common_prefix_length(session.tokens, context), len(context) - num_rows)
     if keep < len(session.tokens):
         session.truncate(keep)

@@ -4,7 +4,8 @@ The function receives the whole context as a tuple of token ids and returns the 
 next token, ``[vocab_size]``. There is no real cache: the session keeps the token list and
 calls the function once per new position, checking the cancel flag between positions. With
 ``max_context``, a session refuses (:class:`~dsi.errors.ContextLengthError`) to hold more tokens,
-like a real model with a fixed number of positions.
+like a real model with a fixed number of positions. The function only ever sees token ids in
+``[0, vocab_size)`` (:func:`~dsi.models.base.check_token_ids` refuses others first).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from dsi.errors import ConfigError, ContextLengthError, TaskCancelled
-from dsi.models.base import CancelFlag, check_logits
+from dsi.models.base import CancelFlag, check_int, check_logits, check_token_ids
 from dsi.models.costs import ForwardCosts
 
 NextLogits = Callable[[tuple[int, ...]], np.ndarray]
@@ -67,6 +68,7 @@ class CallableSession:
 
     def extend(self, tokens: Sequence[int], cancel: CancelFlag | None = None) -> np.ndarray:
         vocab, limit = self._model.vocab_size, self._model.max_context
+        tokens = check_token_ids(tokens, vocab, "tokens", self._model.name)
         if limit is not None and len(self._tokens) + len(tokens) > limit:
             raise ContextLengthError(f"{len(self._tokens) + len(tokens)} tokens exceed max_context={limit} "
                                      f"of {self._model!r}")
@@ -75,15 +77,13 @@ class CallableSession:
         for i, token in enumerate(tokens):
             if cancel is not None and cancel.is_set():
                 raise TaskCancelled("forward cancelled")
-            context.append(int(token))
+            context.append(token)
             rows[i] = check_logits(self._model.next_logits(tuple(context)), vocab, repr(self._model))
         self._tokens = context
         return rows
 
     def truncate(self, length: int) -> None:
-        if not 0 <= length <= len(self._tokens):
-            raise ConfigError(f"truncate {length=} must be in [0, {len(self._tokens)}]")
-        del self._tokens[length:]
+        del self._tokens[check_int(length, "truncate length", 0, len(self._tokens)):]
 
     def close(self) -> None:
         self._tokens = []

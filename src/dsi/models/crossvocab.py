@@ -61,6 +61,8 @@ from dsi.logprobs import top_ids
 from dsi.models.base import (
     CancelFlag,
     LanguageModel,
+    check_int,
+    check_token_ids,
     common_prefix_length,
     drafts_ids_only,
     forward_rows,
@@ -227,8 +229,7 @@ class CrossVocabularySession:
         return tuple(self._tokens)
 
     def truncate(self, length: int) -> None:
-        if not 0 <= length <= len(self._tokens):
-            raise ConfigError(f"length={length} must be in [0, {len(self._tokens)}]")
+        length = check_int(length, "length", 0, len(self._tokens))
         del self._tokens[length:]
         del self._t_ends[length:]
         del self._t_text[self._t_ends[-1] if self._t_ends else 0:]
@@ -236,6 +237,7 @@ class CrossVocabularySession:
     def extend(self, tokens: Sequence[int], cancel: CancelFlag | None = None) -> np.ndarray:
         """The intersection logits after each prefix, ``[len(tokens), vocab_size]`` (in every mode: logit
         rows are the intersection law's; one drafter alignment per row, so meant for short calls)."""
+        tokens = check_token_ids(tokens, self._model.vocab_size, "tokens", "the target (a drafter's bridge)")
         rows = []
         saved = len(self._tokens)
         try:
@@ -254,7 +256,8 @@ class CrossVocabularySession:
         if num_rows != 1:
             rows = self.extend(tokens, cancel)[-num_rows:]
             return np.argmax(rows, axis=-1).astype(np.int64) if greedy else rows
-        context = [*self._tokens, *(int(t) for t in tokens)]
+        tokens = check_token_ids(tokens, self._model.vocab_size, "tokens", "the target (a drafter's bridge)")
+        context = [*self._tokens, *tokens]
         if self._model.mode_for(greedy) == "string":
             text = self._t_text + self._target_vocab.spelling(tokens)
             out = np.array([self._propose(context, text, cancel)], dtype=np.int64)

@@ -172,7 +172,9 @@ def short_names() -> list[str]:
 
 
 def canonical_name(spec: str) -> str | None:
-    """The canonical short name for ``spec`` (case-insensitive), or None if it is not one."""
+    """The canonical short name for ``spec`` (case-insensitive), or None if it is not one (or no str)."""
+    if not isinstance(spec, str):
+        return None
     key = spec.strip().lower()
     if key in MODELS:
         return key

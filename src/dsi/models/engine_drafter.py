@@ -53,7 +53,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from dsi.errors import ConfigError, ContextLengthError, ServerLost, TaskCancelled
-from dsi.models.base import CancelFlag, LanguageModel
+from dsi.models.base import CancelFlag, LanguageModel, check_int, check_token_ids
 from dsi.models.engines import (
     CANCEL_POLL_S,
     CONNECT_TIMEOUT_S,
@@ -289,7 +289,7 @@ class StreamingSession:
                     ) -> np.ndarray:
         """The last ``num_rows`` rows after ``self.tokens + tokens``: argmax ids with ``greedy``, else
         rows holding the engine's top log-probabilities (``-inf`` elsewhere)."""
-        context = self._tokens + tuple(int(t) for t in tokens)
+        context = self._tokens + tuple(check_token_ids(tokens, self._drafter.vocab_size, "tokens", self._drafter.url))
         drafter = self._drafter
         limit = drafter.max_context
         if limit is not None and len(context) > limit:
@@ -354,9 +354,7 @@ class StreamingSession:
             stream.close()
 
     def truncate(self, length: int) -> None:
-        if not 0 <= length <= len(self._tokens):
-            raise ConfigError(f"truncate({length}) outside [0, {len(self._tokens)}]")
-        self._tokens = self._tokens[:length]  # the stream stays open: a context on it still reads it
+        self._tokens = self._tokens[: check_int(length, "length", 0, len(self._tokens))]  # the stream stays open: a context on it still reads it
 
     def close(self) -> None:
         self._close_stream()

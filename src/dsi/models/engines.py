@@ -60,7 +60,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from dsi.errors import ConfigError, ContextLengthError, ModelError, ServerLost, TaskCancelled
-from dsi.models.base import CancelFlag, LanguageModel
+from dsi.models.base import CancelFlag, LanguageModel, check_int, check_token_ids
 from dsi.models.scoring_channel import (
     BUSY,
     MODE_ARGMAX,
@@ -549,7 +549,8 @@ class EngineSession:
                     top: int | None = None) -> np.ndarray:
         """The last ``num_rows`` rows of a forward of ``tokens`` (see :func:`dsi.models.base.extend_rows`):
         argmax ids with ``greedy``; else logit rows holding the ``top`` largest logits (all with None)."""
-        context = self._tokens + tuple(int(t) for t in tokens)
+        # checked here: an id an engine refuses (or fails on) would be taken for a lost server
+        context = self._tokens + tuple(check_token_ids(tokens, self._target.vocab_size, "tokens", self.engine.url))
         limit = self._target.max_context
         if limit is not None and len(context) > limit:
             raise ContextLengthError(f"{len(context)} tokens exceed the context of {limit} tokens that "
@@ -597,9 +598,7 @@ class EngineSession:
             raise ServerLost(message) from None  # shutting down, or its forward failed: as a 5xx
 
     def truncate(self, length: int) -> None:
-        if not 0 <= length <= len(self._tokens):
-            raise ConfigError(f"truncate({length}) outside [0, {len(self._tokens)}]")
-        self._tokens = self._tokens[:length]
+        self._tokens = self._tokens[: check_int(length, "length", 0, len(self._tokens))]
 
     def close(self) -> None:
         self._conn.close()

@@ -16,7 +16,9 @@ share the read-only weights; each has its own cache. The cancel flag is kept in 
 ``threading.local``, so the hooks (registered once per model) only see the flag of the thread
 whose forward they run in. ``threads`` (torch intra-op threads per worker) is applied with
 ``torch.set_num_threads`` in the worker thread before each forward: with torch's OpenMP backend
-that setting belongs to the calling thread (see docs/models.md for the measurements).
+that setting belongs to the calling thread (see docs/models.md for the measurements). In the
+deterministic mode a CPU forward runs on one intra-op thread instead, and the thread's setting is
+given back after it (:meth:`HFModel._intra_op_threads`).
 
 Tested with transformers 5.x (5.24) and torch 2.13 (CPU); the cache argument of ``forward`` is
 ``cache=`` from 5.2x on and ``past_key_values=`` before, both are handled.
@@ -39,7 +41,14 @@ import torch
 from torch import nn
 
 from dsi.errors import ConfigError, ContextLengthError, ModelError, TaskCancelled
-from dsi.models.base import CancelFlag, common_prefix_length, encode_prompt, path_tree_rows
+from dsi.models.base import (
+    CancelFlag,
+    check_int,
+    check_token_ids,
+    common_prefix_length,
+    encode_prompt,
+    path_tree_rows,
+)
 from dsi.models.determinism import check_deterministic
 from dsi.models.hf_checkpoint import checkpoint_dir
 from dsi.models.sources import resolve_source
@@ -292,7 +301,7 @@ class HFModel:
                         del module._forward_pre_hooks[key]
             model = model.to(dev)
         clone = HFModel(model, self.tokenizer, name=self.name, role=self.role, threads=self.threads,
-                        source_dir=self.source_dir)
+                        source_dir=self.source_dir, deterministic=self.deterministic)
         clone._replicas = self._replicas  # every replica knows all the others
         clone._lock = self._lock
         return clone
@@ -301,14 +310,16 @@ class HFModel:
 
     @property
     def deterministic(self) -> bool:
-        """Whether each token is computed in a forward of its own, so that a row depends on the tokens
-        alone, bitwise (:mod:`dsi.models.determinism`); off by default here: a verification forward
-        over k + 1 tokens costs far less than k + 1 forwards with transformers."""
+        """Whether each token is computed in a forward of its own (on a CPU on one intra-op thread), so
+        that a row depends on the tokens alone, bitwise (:mod:`dsi.models.determinism`); off by default
+        here: a verification forward over k + 1 tokens costs far less than k + 1 forwards with transformers."""
         return self._deterministic
 
     @deterministic.setter
     def deterministic(self, value: bool | None) -> None:
-        self._deterministic = check_deterministic(value, False)  # sessions follow at their next forward
+        value = check_deterministic(value, False)
+        for model in {id(m): m for m in [self, *getattr(self, "_replicas", {}).values()]}.values():
+            model._deterministic = value  # replicas on other devices too; sessions follow at their next forward
 
     @property
     def max_context(self) -> int | None:
@@ -322,6 +333,8 @@ class HFModel:
 
     def check_length(self, prompt_len: int, max_new_tokens: int = 0) -> None:
         """Raise :class:`ConfigError` if the prompt plus new tokens exceed the model's context."""
+        prompt_len = check_int(prompt_len, "prompt_len", 0)
+        max_new_tokens = check_int(max_new_tokens, "max_new_tokens", 0)
         limit = self.max_context
         if limit is not None and prompt_len + max_new_tokens > limit:
             raise ConfigError(
@@ -358,7 +371,11 @@ class HFModel:
         return encode_prompt(self._need_tokenizer(), self.name, text, chat=chat, system=system)
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
-        return self._need_tokenizer().decode(list(ids), skip_special_tokens=skip_special_tokens)
+        """The text of token ``ids``, each checked to be an id of a logit row or of the tokenizer (ids the
+        tokenizer does not know, a padded row's, decode to nothing); :class:`ConfigError` otherwise."""
+        tokenizer = self._need_tokenizer()
+        ids = check_token_ids(ids, max(self.vocab_size, len(tokenizer)), of=self.name)
+        return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     # -- cancellation ----------------------------------------------------------------------------------
 
@@ -377,28 +394,54 @@ class HFModel:
         The output layer runs only for the rows asked for where the model supports it
         (``logits_to_keep``). This is the forward's one host-device synchronisation.
         """
-        if self.threads is not None and torch.get_num_threads() != self.threads:
-            torch.set_num_threads(self.threads)
         n = ids.shape[1]
         rows = n if num_rows is None else num_rows
         kwargs = {self._cache_kwarg: cache, **extra}
         if self._keep_kwarg is not None and rows < n:
             kwargs[self._keep_kwarg] = max(rows, 1)  # 0 would mean "every row"
-        self._local.cancel = cancel
+        with self._intra_op_threads():
+            self._local.cancel = cancel
+            try:
+                out = self.model(input_ids=ids, use_cache=True, **kwargs)
+            finally:
+                self._local.cancel = None
+            if rows == 0:
+                return None
+            logits = out.logits[0, -rows:]  # [rows, V]
+            if greedy:  # argmax of bf16 = argmax of its float32 copy; a row with NaN (no order) is marked -1
+                ids = torch.where(torch.isnan(logits).any(dim=-1), -1, logits.argmax(dim=-1)).cpu()  # [rows] int64
+                if bool((ids < 0).any()):
+                    raise ModelError(f"{self.name} returned NaN logits (rows "
+                                     f"{torch.nonzero(ids < 0).flatten().tolist()} of the last {rows}); its forward "
+                                     "is numerically broken")
+                return ids
+            return logits.float().cpu()  # [rows, V]
+
+    @contextlib.contextmanager
+    def _intra_op_threads(self) -> Any:
+        """The calling thread's torch intra-op threads for one forward.
+
+        Outside the deterministic mode: ``threads`` (kept afterwards, None: torch's setting as it is). In the
+        mode on a CPU: one thread, whatever ``threads`` says, and the thread's setting back afterwards. A CPU
+        kernel's reduction order may depend on its thread count (MKL's fp32 products, ATen's attention and
+        parallel reductions; by up to 1.2e-7 in a tiny fp32 Llama's rows on an AMD EPYC, 1.7e-6 in a 125M
+        one's), and the methods of one comparison run with different counts (the auto-tuner gives DSI's
+        workers a share of the cores, non-SI all of them): one thread is one fixed order. With torch's OpenMP
+        backend the setting belongs to the calling thread, so forwards of other sessions running at the same
+        time in other threads keep theirs (tests/integration/test_deterministic_mode.py checks both)."""
+        if not (self.deterministic and self.device.type == "cpu"):
+            if self.threads is not None and torch.get_num_threads() != self.threads:
+                torch.set_num_threads(self.threads)
+            yield
+            return
+        before = torch.get_num_threads()
+        if before != 1:
+            torch.set_num_threads(1)
         try:
-            out = self.model(input_ids=ids, use_cache=True, **kwargs)
+            yield
         finally:
-            self._local.cancel = None
-        if rows == 0:
-            return None
-        logits = out.logits[0, -rows:]  # [rows, V]
-        if greedy:  # argmax of bf16 = argmax of its float32 copy; a row with NaN (no order) is marked -1
-            ids = torch.where(torch.isnan(logits).any(dim=-1), -1, logits.argmax(dim=-1)).cpu()  # [rows] int64
-            if bool((ids < 0).any()):
-                raise ModelError(f"{self.name} returned NaN logits (rows {torch.nonzero(ids < 0).flatten().tolist()} "
-                                 f"of the last {rows}); its forward is numerically broken")
-            return ids
-        return logits.float().cpu()  # [rows, V]
+            if before != 1:
+                torch.set_num_threads(before)
 
     @property
     def one_forward_trees(self) -> bool:
@@ -462,20 +505,17 @@ class HFSession:
         return self._owner
 
     def extend(self, tokens: Sequence[int], cancel: CancelFlag | None = None) -> np.ndarray:
+        tokens = check_token_ids(tokens, self._owner.vocab_size, "tokens", self._owner.name)
         return self.extend_rows(tokens, cancel, len(tokens), False)
 
     def extend_rows(self, tokens: Sequence[int], cancel: CancelFlag | None, num_rows: int, greedy: bool) -> np.ndarray:
         """The session interface's fast path (:func:`dsi.models.base.extend_rows`)."""
         owner = self._owner
-        new = [int(t) for t in tokens]
         vocab = owner.vocab_size
+        new = check_token_ids(tokens, vocab, "tokens", owner.name)
         if not new:
             return np.empty((0,) if greedy else (0, vocab), dtype=np.int64 if greedy else np.float32)
-        if not 1 <= num_rows <= len(new):
-            raise ConfigError(f"num_rows={num_rows} must be in [1, {len(new)}]")
-        bad = [t for t in new if not 0 <= t < vocab]
-        if bad:
-            raise ConfigError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab}) of {owner.name}")
+        num_rows = check_int(num_rows, "num_rows", 1, len(new))
         limit = owner.max_context
         if limit is not None and len(self._tokens) + len(new) > limit:
             raise ContextLengthError(
@@ -507,15 +547,15 @@ class HFSession:
         the main path only, as if they alone had been run. Falls back to one extension per path where the
         model cannot take such a mask (:attr:`HFModel.one_forward_trees`)."""
         owner = self._owner
+        prefix = check_token_ids(prefix, owner.vocab_size, "prefix", owner.name)
+        if not prefix:
+            raise ConfigError("a tree is verified after a prefix of at least one token")
+        nodes = check_token_ids(tree.tokens, owner.vocab_size, "tree.tokens", owner.name)
         if not owner.one_forward_trees or len(tree) == 0:
             return path_tree_rows(self, prefix, tree, cancel, greedy=greedy, top=top)
-        prefix = [int(t) for t in prefix]
         keep = min(common_prefix_length(self._tokens, prefix), len(prefix) - 1)  # the root row is computed
         fresh = prefix[keep:]
-        new = fresh + [int(t) for t in tree.tokens]
-        bad = [t for t in new if not 0 <= t < owner.vocab_size]
-        if bad:
-            raise ConfigError(f"token ids {bad[:5]} are outside the vocabulary [0, {owner.vocab_size}) of {owner.name}")
+        new = fresh + nodes
         depth = max(tree.depth(i) for i in range(len(tree)))
         if owner.max_context is not None and len(prefix) + depth > owner.max_context:
             raise ContextLengthError(f"{len(prefix) + depth} tokens exceed max_context={owner.max_context} of "
@@ -550,8 +590,7 @@ class HFSession:
         return out.numpy()
 
     def truncate(self, length: int) -> None:
-        if not isinstance(length, int) or not 0 <= length <= len(self._tokens):
-            raise ConfigError(f"truncate length={length!r} must be in [0, {len(self._tokens)}]")
+        length = check_int(length, "truncate length", 0, len(self._tokens))
         if length == len(self._tokens):
             return
         with torch.inference_mode(), self._on_stream():

@@ -42,7 +42,15 @@ from typing import Any
 import numpy as np
 
 from dsi.errors import ConfigError, ContextLengthError, ModelError, TaskCancelled
-from dsi.models.base import CancelFlag, common_prefix_length, encode_prompt, path_tree_rows
+from dsi.models.base import (
+    CancelFlag,
+    check_int,
+    check_text,
+    check_token_ids,
+    common_prefix_length,
+    encode_prompt,
+    path_tree_rows,
+)
 from dsi.models.determinism import check_deterministic
 
 log = logging.getLogger(__name__)
@@ -225,6 +233,8 @@ class LlamaCppModel:
 
     def check_length(self, prompt_len: int, max_new_tokens: int = 0) -> None:
         """Raise :class:`ConfigError` if the prompt plus new tokens exceed a session's context."""
+        prompt_len = check_int(prompt_len, "prompt_len", 0)
+        max_new_tokens = check_int(max_new_tokens, "max_new_tokens", 0)
         if prompt_len + max_new_tokens > self.n_ctx:
             raise ConfigError(
                 f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} exceeds the context of "
@@ -247,7 +257,8 @@ class LlamaCppModel:
         return encode_prompt(self.tokenizer, self.name, text, chat=chat, system=system)
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        """The text of token ``ids`` (each checked to be in ``[0, vocab_size)``: :class:`ConfigError` otherwise)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def __repr__(self) -> str:
         return f"LlamaCppModel({self.name!r}, vocab_size={self._n_vocab}, n_ctx={self.n_ctx}, threads={self._threads})"
@@ -333,21 +344,20 @@ class LlamaCppSession:
         return self._owner
 
     def extend(self, tokens: Sequence[int], cancel: CancelFlag | None = None) -> np.ndarray:
+        tokens = check_token_ids(tokens, self._owner.vocab_size, "tokens", self._owner.name)
         return self.extend_rows(tokens, cancel, len(tokens), greedy=False)
 
     def extend_rows(self, tokens: Sequence[int], cancel: CancelFlag | None, num_rows: int, greedy: bool) -> np.ndarray:
         """Process ``tokens``; the last ``num_rows`` logit rows ``[num_rows, V]`` (float32), or with
         ``greedy`` their argmax ids ``[num_rows]`` (int64). Only those rows are computed."""
-        new = [int(t) for t in tokens]
-        if not 1 <= num_rows <= len(new):
-            raise ConfigError(f"num_rows={num_rows} must be in [1, len(tokens)={len(new)}]")
+        vocab = self._owner.vocab_size
+        new = check_token_ids(tokens, vocab, "tokens", self._owner.name)  # llama.cpp aborts on a bad id
+        if not new:
+            raise ConfigError(f"tokens=[] of {self._owner.name}: a forward needs at least one token")
+        num_rows = check_int(num_rows, "num_rows", 1, len(new))
         if len(self._tokens) + len(new) > self._owner.n_ctx:
             raise ContextLengthError(f"{len(self._tokens) + len(new)} tokens exceed n_ctx={self._owner.n_ctx} "
                                      f"of {self._owner.name}")
-        vocab = self._owner.vocab_size
-        bad = [t for t in new if not 0 <= t < vocab]
-        if bad:
-            raise ConfigError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         self._follow_mode()
         if self._owner.threads != self._threads:
             self._threads = self._owner.threads
@@ -410,18 +420,18 @@ class LlamaCppSession:
         ancestors. Afterwards sequences 1..P are removed: the cache keeps the prefix and the main path.
         Falls back to one extension per path in deterministic mode (one token a forward), for a tree of
         more than :data:`MAX_TREE_PATHS` paths, or one larger than a batch."""
+        vocab = self._owner.vocab_size
+        prefix = check_token_ids(prefix, vocab, "prefix", self._owner.name)  # llama.cpp aborts on a bad id
+        if not prefix:
+            raise ConfigError("a tree is verified after a prefix of at least one token")
+        check_token_ids(tree.tokens, vocab, "tree.tokens", self._owner.name)
         paths = tree.paths()
-        prefix = [int(t) for t in prefix]
         self._follow_mode()
         keep = min(common_prefix_length(self._tokens, prefix), len(prefix) - 1)
         fresh = prefix[keep:]
         if (self._canonical or not paths or len(paths) > MAX_TREE_PATHS
                 or len(fresh) + len(tree) > self._n_batch):
             return path_tree_rows(self, prefix, tree, cancel, greedy=greedy, top=top)
-        vocab = self._owner.vocab_size
-        bad = [t for t in [*fresh, *tree.tokens] if not 0 <= int(t) < vocab]
-        if bad:
-            raise ConfigError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         depth = max(len(path) for path in paths)
         if len(prefix) + depth > self._owner.n_ctx or keep + len(fresh) + len(tree) > self._owner.n_ctx:
             raise ContextLengthError(f"a tree of {len(tree)} nodes after {len(prefix)} tokens exceeds "
@@ -479,8 +489,7 @@ class LlamaCppSession:
         del self._tokens[length:]
 
     def truncate(self, length: int) -> None:
-        if not 0 <= length <= len(self._tokens):
-            raise ConfigError(f"truncate({length}) must be within [0, {len(self._tokens)}]")
+        length = check_int(length, "truncate length", 0, len(self._tokens))
         if length < len(self._tokens):
             self._remove_from(length)
 
@@ -501,6 +510,7 @@ class GGUFTokenizer:
         self._ll = ll
         self._vocab = vocab
         self._size = model.vocab_size
+        self._model_name = model.name  # for errors
         self._text_vocab: dict[str, int] | None = None
         self._pieces: list[bytes] | None = None
         self.eos_token_id = _token_or_none(ll.llama_vocab_eos(vocab))
@@ -523,7 +533,8 @@ class GGUFTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text`` (special tokens written in the text are recognised, as in HF)."""
-        data = text.encode("utf-8")
+        data = check_text(text).encode("utf-8")
+        add_special_tokens = bool(add_special_tokens)
         room = len(data) + 8
         buf = (self._ll.llama_token * room)()
         n = self._ll.llama_tokenize(self._vocab, data, len(data), buf, room, add_special_tokens, True)
@@ -536,7 +547,9 @@ class GGUFTokenizer:
         return list(buf[:n])
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        ids = [int(t) for t in ids]
+        """The text of token ``ids``, each checked here first: llama.cpp reads an id outside ``[0, len(self))``
+        with ``std::vector::at``, whose exception aborts the process (:class:`ConfigError` instead)."""
+        ids = check_token_ids(ids, self._size, of=self._model_name)
         if not ids:
             return ""
         tokens = (self._ll.llama_token * len(ids))(*ids)

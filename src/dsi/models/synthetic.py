@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from dsi.errors import ConfigError
+from dsi.models.base import check_int
 from dsi.models.callable import CallableLM
 from dsi.models.latency import WithLatency
 
@@ -75,10 +76,10 @@ def synthetic_pair(
     wrap a model in :class:`WithLatency`; ``target_cv > 0`` makes every target forward's latency
     random (lognormal, mean ``target_tpot``, coefficient of variation ``target_cv``).
     """
-    if not isinstance(acceptance, int | float) or not 0.0 <= acceptance <= 1.0:
-        raise ConfigError(f"acceptance={acceptance!r} must be in [0, 1]")
-    if not isinstance(vocab_size, int) or vocab_size < 2:
-        raise ConfigError(f"vocab_size={vocab_size!r} must be an integer >= 2")
+    if not isinstance(acceptance, int | float) or isinstance(acceptance, bool) or not 0.0 <= acceptance <= 1.0:
+        raise ConfigError(f"acceptance={acceptance!r} must be a number in [0, 1]")
+    vocab_size = check_int(vocab_size, "vocab_size", 2)
+    seed = check_int(seed, "seed", 0)  # numpy seeds the generators with it: a non-negative integer
     target_fn = SyntheticTarget(vocab_size, seed)
     drafter_fn = SyntheticDrafter(target_fn, float(acceptance), seed + 1)
     target = CallableLM(target_fn, vocab_size, name=f"synthetic-target(seed={seed})")

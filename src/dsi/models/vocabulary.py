@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from dsi.errors import ConfigError
+from dsi.models.base import check_int
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +112,8 @@ class Vocabulary:
         or cut to ``size`` ids (a model's logit rows may outnumber its tokenizer's tokens)."""
         if tokenizer is None:
             raise ConfigError("a tokenizer is needed to translate between vocabularies (the model has none)")
+        if size is not None:
+            size = check_int(size, "size", 0)
         pieces = list(_pieces_of(tokenizer))
         if size is not None:
             pieces = (pieces + [None] * size)[:size]
@@ -127,7 +130,13 @@ class Vocabulary:
         return cls(pieces, encode_text, start, name or getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
 
     def piece(self, token: int) -> bytes:
-        """The bytes ``token`` spells (empty when unknown)."""
+        """The bytes ``token`` spells (empty when unknown: an integer outside the vocabulary); a ``token``
+        that is no integer (float, str, bool, None...) is a :class:`ConfigError`."""
+        if type(token) is not int:
+            if not isinstance(token, int | np.integer) or isinstance(token, bool):
+                raise ConfigError(f"token={token!r:.60} ({type(token).__name__}) is not a token id: an integer "
+                                  f"in [0, {len(self.pieces)}) of {self.name}")
+            token = int(token)
         if 0 <= token < len(self.pieces):
             return self.pieces[token] or b""
         return b""
@@ -143,6 +152,7 @@ class Vocabulary:
         byte for byte (a normalizer, an added prefix space), the text is spelled byte by byte where
         single-byte tokens exist.
         """
+        data = _check_bytes(data)
         if not data:
             return []
         single = self.by_piece.get(data)
@@ -178,6 +188,7 @@ class Vocabulary:
         boundary cut before ``data``) as the longest pieces spelling them, then this tokenizer's tokens
         of the whole UTF-8 text that follows up to the first broken or unfinished character, kept while
         their pieces spell ``data`` (a normalizer may give other bytes back: those are dropped)."""
+        data = _check_bytes(data)
         out: list[int] = []
         at = 0
         while at < len(data):
@@ -230,6 +241,12 @@ class Vocabulary:
             if token is not None:
                 return token
         return None
+
+
+def _check_bytes(data: object) -> bytes:
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise ConfigError(f"data={data!r:.60} ({type(data).__name__}) must be bytes (text: encode it as UTF-8)")
+    return bytes(data)
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,15 @@
 :func:`create_app` takes already-loaded models and a :class:`ServeConfig`; the app builds
 ``max_concurrent`` decoders at startup (lifespan) and closes them at shutdown, after cancelling
 whatever is still queued or running. Endpoints: ``GET /v1/models``, ``POST /v1/completions``,
-``POST /v1/chat/completions`` (both with server-sent-event streaming), ``GET /health``,
-``GET /metrics`` (Prometheus). With an API key, the ``/v1`` endpoints need
-``Authorization: Bearer <key>``; ``/health`` and ``/metrics`` stay open (bind to loopback or put
-them behind your proxy).
+``POST /v1/chat/completions`` (both with server-sent-event streaming), vLLM's ``POST /tokenize``,
+``POST /detokenize`` and ``GET /version``, ``GET /health``, ``GET /metrics`` (Prometheus). With an
+API key, the ``/v1`` endpoints and the tokenizer's need ``Authorization: Bearer <key>``;
+``/health``, ``/metrics`` and ``/version`` stay open (bind to loopback or put them behind your proxy).
+
+At shutdown (:mod:`~dsi.server.runner`), requests still running when the grace period ends are
+aborted (:meth:`ServerState.abort_running`), and each handler answers for itself: a stream ends
+with a chunk per unfinished choice (``finish_reason: "abort"``, as vLLM), an ``error`` event and
+``[DONE]``; a plain request gets a 503 JSON error. No connection is cut mid-message.
 
 What one request may cost is bounded before it reaches the queue: its body (413 over
 ``max_body_bytes``, :mod:`~dsi.server.limits`), how many requests are being read and tokenised
@@ -33,11 +38,13 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import replace
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dsi import __version__
 from dsi.api import build_chosen_decoder, build_decoder
 from dsi.errors import ConfigError
 from dsi.models.base import LanguageModel
@@ -76,6 +83,7 @@ log = logging.getLogger(__name__)
 CLIENT_GONE = "client disconnected"
 SHUTTING_DOWN = "server shutting down"
 HANDLER_CANCELLED = "request handler cancelled (shutdown timeout)"
+ABORTED = "abort"  # finish_reason of a choice cut short by the server (vLLM's word; OpenAI has none)
 PREPARE_THREADS = 2  # parse and tokenise two requests at once (the tokenizer itself is serialised)
 
 
@@ -209,6 +217,19 @@ class ServerState:
         if jobs:
             await asyncio.wait([asyncio.ensure_future(job.wait_finished()) for job in jobs], timeout=timeout)
 
+    async def abort_running(self, timeout: float) -> int:
+        """Abort the requests still running (after the grace period): each decoder stops within a step,
+        and each request's handler then answers (a stream with its last events and ``[DONE]``, a plain
+        request with a 503). Waits up to ``timeout`` seconds for the jobs to end; returns how many it aborted."""
+        jobs = [job for job in self.jobs if not job.done]
+        for job in jobs:
+            job.cancel(SHUTTING_DOWN)
+        if jobs:
+            log.warning("dsi serve: aborting %d request(s) still running at the end of the shutdown grace period",
+                        len(jobs))
+            await asyncio.wait([asyncio.ensure_future(job.wait_finished()) for job in jobs], timeout=timeout)
+        return len(jobs)
+
     async def stop(self) -> None:
         """Cancel queued and running requests, wait for the slots, close every decoder."""
         self.closing = True
@@ -252,7 +273,7 @@ class ServerState:
             self.preparing -= 1
             self.metrics.preparing.set(self.preparing)
 
-    async def prepare(self, step: Callable[[list[bytearray]], Prepared], body: list[bytearray]) -> Prepared:
+    async def prepare(self, step: Callable[[list[bytearray]], Any], body: list[bytearray]) -> Any:
         """Run ``step`` (a :class:`Preparer` method) on a preparation thread; a completion of token ids
         in a body of at most :data:`INLINE_PREPARE_BYTES` (what a dsi verifying or drafting on this
         server sends) is prepared here on the event loop instead: it needs no tokenizer, and parsing it
@@ -316,7 +337,8 @@ def _sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/version",
+             "/health", "/metrics")
 
 
 def _endpoint(path: str) -> str:
@@ -472,7 +494,9 @@ def create_app(
         """Server-sent events: each choice's ``opening(i)``, a ``delta(i, text, logprob entries)`` chunk
         per piece of stable text of choice i (the choices interleave as they run), ``finish(i, outcome,
         usage)`` as each ends (``usage``: every choice's outcome, on the last one, without
-        include_usage), then with include_usage ``closing(outcomes)``; or the first error; then ``[DONE]``."""
+        include_usage), then with include_usage ``closing(outcomes)``; or the first error; then ``[DONE]``.
+        A request cancelled by the server (shutdown) first ends each unfinished choice: its held-back
+        text, then ``finish(i, ...)`` with ``finish_reason`` "abort"; then the error."""
         watcher = asyncio.create_task(_watch_disconnect(request, jobs))
         merged: asyncio.Queue = asyncio.Queue()
 
@@ -480,11 +504,23 @@ def create_app(
             async for item in job.deltas():
                 await merged.put((job, *item))
 
+        index = {job: i for i, job in enumerate(jobs)}  # greedy: one job, every choice
+
+        def aborted(job: Job, outcome: Outcome, done: dict[int, Outcome]) -> Iterator[str]:
+            """The last chunks of the choices not finished when ``job`` was cancelled (``done``: by job index)."""
+            for i in range(prepared.n):
+                owner = jobs[i] if len(jobs) > 1 else jobs[0]
+                if index[owner] in done:
+                    continue
+                if owner is job and (outcome.tail or outcome.tail_logprobs):
+                    yield _sse(delta(i, outcome.tail, outcome.tail_logprobs))
+                ended = outcome if owner is job else Outcome(ABORTED, [])
+                yield _sse(finish(i, replace(ended, finish_reason=ABORTED), None))
+
         async def events() -> AsyncIterator[str]:
             status, finished = 200, False
             pumps = [asyncio.create_task(forward(job)) for job in jobs]
             choices = range(prepared.n)
-            index = {job: i for i, job in enumerate(jobs)}  # greedy: one job, every choice
             try:
                 for i in choices:
                     for chunk in opening(i):
@@ -501,6 +537,9 @@ def create_app(
                     error = _failure(outcome, job)
                     if error is not None:
                         status = error.status
+                        if outcome.finish_reason == "cancelled":  # cut short by the server: say so per choice
+                            for event in aborted(job, outcome, outcomes):
+                                yield event
                         yield _sse(error.body())
                         break
                     outcomes[index[job]] = outcome
@@ -556,8 +595,8 @@ def create_app(
     def running_method() -> dict:
         """What the slots run: the configured method, or once ``method="auto"`` has chosen, its pick."""
         choice = state.choice
-        if choice is None:
-            return {"method": config.method, "lookahead": config.lookahead,
+        if choice is None:  # non-SI drafts nothing: no lookahead (null, as in each response's dsi object)
+            return {"method": config.method, "lookahead": None if config.method == "ar" else config.lookahead,
                     "num_target_servers": config.num_target_servers, "draft_tree": config.draft_tree or "off"}
         return {"method": choice.method, "lookahead": None if choice.method == "ar" else choice.lookahead,
                 "num_target_servers": choice.num_target_servers if choice.method == "dsi" else 1,
@@ -589,6 +628,32 @@ def create_app(
                            param="model", code="model_not_found")
         count(request, 200)
         return JSONResponse(dump(model_card()))
+
+    async def tokenizer_answer(request: Request, step: Callable[[list[bytearray]], dict]) -> JSONResponse:
+        """vLLM's /tokenize and /detokenize: authorised, bounded and run like a generation request's preparation."""
+        authorize(request)
+        check_json_content_type(request.headers.get("content-type"))
+        with state.admitted():
+            body = [await read_body(request.receive, content_length(request.scope))]
+            answer = await state.prepare(step, body)
+        count(request, 200)
+        return JSONResponse(answer)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        """vLLM's: ``{"prompt"}`` or ``{"messages"}`` -> ``{"count", "max_model_len", "tokens"}``."""
+        return await tokenizer_answer(request, state.preparer.tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        """vLLM's: ``{"tokens"}`` -> ``{"prompt"}``."""
+        return await tokenizer_answer(request, state.preparer.detokenize)
+
+    @app.get("/version")
+    async def version(request: Request) -> JSONResponse:
+        """vLLM's ``{"version"}``: here dsi's version. Open, like /health (it tells nothing of the model)."""
+        count(request, 200)
+        return JSONResponse({"version": __version__})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

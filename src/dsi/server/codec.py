@@ -41,13 +41,17 @@ class Codec(Protocol):
     eos_token_ids: tuple[int, ...]
     max_context: int | None
 
-    def encode(self, text: str, limit: int | None = None) -> list[int]:
-        """Token ids of a prompt; :class:`PromptTooLong` if there are more than ``limit``."""
+    def encode(self, text: str, limit: int | None = None, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a prompt (with the tokenizer's special tokens, e.g. BOS, unless told not to);
+        :class:`PromptTooLong` if there are more than ``limit``."""
 
-    def encode_chat(self, messages: list[dict[str, str]], limit: int | None = None) -> list[int]:
-        """Token ids of the chat template applied to ``messages`` (same ``limit``)."""
+    def encode_chat(self, messages: list[dict[str, str]], limit: int | None = None, add_generation_prompt: bool = True,
+                    add_special_tokens: bool = False) -> list[int]:
+        """Token ids of the chat template applied to ``messages`` (same ``limit``); ``add_special_tokens``:
+        the tokenizer's special tokens on top of the template's own."""
 
-    def decode(self, ids: Sequence[int]) -> str: ...
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """The text of ``ids`` (valid ids only: the caller checks them against the vocabulary)."""
 
 
 def _cut(text: str, size: int) -> str:
@@ -97,32 +101,37 @@ class HFCodec:
         self.eos_token_ids: tuple[int, ...] = tuple(model.eos_token_ids)
         self.max_context: int | None = model.max_context
 
-    def encode(self, text: str, limit: int | None = None) -> list[int]:
+    def encode(self, text: str, limit: int | None = None, add_special_tokens: bool = True) -> list[int]:
         def encode(part: str) -> list[int]:
             with self._lock:
-                return self._model.encode(part)
+                if add_special_tokens:
+                    return self._model.encode(part)
+                return list(self._model.tokenizer.encode(part, add_special_tokens=False))
 
         return encode_within(encode, text, limit)
 
-    def encode_chat(self, messages: list[dict[str, str]], limit: int | None = None) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, str]], limit: int | None = None, add_generation_prompt: bool = True,
+                    add_special_tokens: bool = False) -> list[int]:
         tok = self._model.tokenizer
         if not getattr(tok, "chat_template", None):  # no model path in the message: clients see it
             raise ConfigError("the served model's tokenizer has no chat template; use /v1/completions")
         with self._lock:
             try:
-                text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
             except Exception as exc:  # noqa: BLE001 - jinja raises TemplateError and others
                 raise ConfigError(f"the chat template rejected the messages: {exc}") from exc
 
         def encode(part: str) -> list[int]:
             with self._lock:
-                return list(tok.encode(part, add_special_tokens=False))
+                return list(tok.encode(part, add_special_tokens=add_special_tokens))
 
         return encode_within(encode, text, limit)
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         with self._lock:
-            return self._model.decode(ids)
+            if skip_special_tokens:
+                return self._model.decode(ids)
+            return self._model.decode(ids, skip_special_tokens=False)
 
 
 class IdsCodec:
@@ -134,7 +143,7 @@ class IdsCodec:
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_context = max_context
 
-    def encode(self, text: str, limit: int | None = None) -> list[int]:
+    def encode(self, text: str, limit: int | None = None, add_special_tokens: bool = True) -> list[int]:
         try:
             ids = [int(part) for part in text.split(",") if part.strip()]
         except ValueError:
@@ -144,8 +153,9 @@ class IdsCodec:
             raise PromptTooLong(len(ids), limit, True)
         return ids
 
-    def encode_chat(self, messages: list[dict[str, str]], limit: int | None = None) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, str]], limit: int | None = None, add_generation_prompt: bool = True,
+                    add_special_tokens: bool = False) -> list[int]:
         raise ConfigError("this model has no tokenizer and no chat template; use /v1/completions with token ids")
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return ",".join(str(int(t)) for t in ids)

@@ -17,24 +17,25 @@ from dsi.server.limits import DEFAULT_MAX_BODY_BYTES
 from dsi.server.protocol import MAX_SEED
 
 
-def check_api_key(key: object) -> None:
+def check_api_key(key: object, source: str = "--api-key") -> None:
     """Raise :class:`ConfigError` unless ``key`` is None or a key a client can send and match.
 
     The key travels in an HTTP header (``Authorization: Bearer <key>``), which carries ASCII
     reliably and nothing else, and the server strips the whitespace around the token: a key
     with a character outside printable ASCII, or with surrounding whitespace, could never match.
-    The message names the position of the first bad character, never the key.
+    The message names where the key came from (``source``: the option or environment variable)
+    and the position of the first bad character, never the key.
     """
     if key is None:
         return
     if not isinstance(key, str) or key == "":
-        raise ConfigError("api_key (--api-key) must be a non-empty string or None")
+        raise ConfigError(f"api_key ({source}) must be a non-empty string or None")
     if key != key.strip():
-        raise ConfigError("api_key (--api-key) has leading or trailing whitespace, which clients cannot send "
+        raise ConfigError(f"api_key ({source}) has leading or trailing whitespace, which clients cannot send "
                           "in the Authorization header; remove it")
     bad = next((i for i, c in enumerate(key) if not " " <= c <= "~"), None)
     if bad is not None:
-        raise ConfigError(f"api_key (--api-key) has a character at position {bad} that is not printable ASCII; "
+        raise ConfigError(f"api_key ({source}) has a character at position {bad} that is not printable ASCII; "
                           "HTTP headers cannot carry it reliably, so no client could match the key. "
                           "Use ASCII letters, digits and punctuation")
 

@@ -7,11 +7,19 @@ back through an ``asyncio.Queue``: text deltas while tokens are committed (strea
 start of a stop string, and on a stop string sets the request's abort flag, so the decoder stops
 at once and preempts its verification tasks. :meth:`Job.cancel` (client gone, shutdown) sets the
 same flag, or takes the request out of the queue if it has no slot yet.
+
+Logprobs follow the text that is returned: with stop strings, each token is detokenised on its
+own so that its text's start in the output is known, and only the tokens whose text starts
+before the text released (before the stop string, once one appears) have their logprobs sent.
+A token that straddles the cut is kept (part of its text is returned); the tokens of the stop
+string, and any committed after it in the same step, are not. Tokens that are detokenised
+together (the bytes of one character) are told apart by decoding that run alone, at the cut only.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import threading
 import time
@@ -31,6 +39,8 @@ from dsi.server.prepare import PromptScoring
 from dsi.server.scheduler import RequestCancelled, Scheduler, Slot
 from dsi.transport.server import read_rows
 from dsi.text import IncrementalDetokenizer
+
+RUN_CONTEXT = 5  # tokens before a run decoded with it, so that its first token renders as in the output
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +103,9 @@ class Outcome:
     queue_time_s: float = 0.0
     prompt_logprobs: list | None = None  # vLLM's prompt_logprobs, when asked
     echo_logprobs: list[TokenLogprob] | None = None  # echo with logprobs: prompt positions 1.. (0 has no row)
-    logprobs: list[TokenLogprob] | None = None  # one per token of ``tokens``, when the request asked
+    # when the request asked: one per token of ``tokens``, up to the last whose text is returned (a stop
+    # string's tokens are left out, as the text leaves the string out)
+    logprobs: list[TokenLogprob] | None = None
     tail_logprobs: list[TokenLogprob] | None = None  # those of the tokens whose text is ``tail``
 
     @property
@@ -135,6 +147,11 @@ class Job:
         self._tokens: list[int] = []
         self._entries: list[TokenLogprob] = []  # their logprobs, when the request asks
         self._streamed = 0  # entries already sent with streamed text
+        # with stop strings and logprobs: per token, the output's stable length when it was detokenised (the
+        # start of its text, or of the run of tokens detokenised together that it belongs to; module doc)
+        self._starts: list[int] | None = [] if self.stop and request.logprobs is not None else None
+        self._length = 0  # characters of output detokenised so far (kept with _starts)
+        self._released = 0  # characters of output let through the stop strings (sent, or returned)
         self._stopped_at: int | None = None  # tokens committed when a stop string appeared
         self._last_token_at: float | None = None
 
@@ -236,21 +253,54 @@ class Job:
             self.metrics.itl.observe(now - self._last_token_at)
         self._last_token_at = now
         self._tokens.extend(tokens)
-        text = self._detok.push(tokens)
+        text = self._detokenize(tokens)
         if not text:
             return
         out = self._stops.feed(text)
+        self._released += len(out)
         if self._stops.matched is not None:
             self._stopped_at = len(self._tokens)
             self.abort.set()
         if out and self.stream:
             self._post(("text", (out, self._take_entries())))
 
+    def _detokenize(self, tokens: list[int]) -> str:
+        """The new stable text of ``tokens``; with ``_starts``, one token at a time, noting where each starts."""
+        if self._starts is None:
+            return self._detok.push(tokens)
+        pieces = []
+        for token in tokens:
+            self._starts.append(self._length)
+            piece = self._detok.push([token])
+            self._length += len(piece)
+            pieces.append(piece)
+        return "".join(pieces)
+
+    def _covering(self, length: int) -> int:
+        """How many tokens have text starting within the first ``length`` characters of the output."""
+        if self._starts is None:
+            return len(self._tokens)
+        n = bisect.bisect_left(self._starts, length)  # the tokens whose run starts before ``length``
+        run = bisect.bisect_left(self._starts, self._starts[n - 1]) if n else 0
+        if n - run <= 1:  # the last run is one token (the usual case): its text starts where its run does
+            return n
+        # the last run's tokens were detokenised together: where does each one's text start?
+        start, tokens = self._starts[run], self._tokens
+        left = (list(self.request.prompt[-RUN_CONTEXT:]) + tokens[:run])[-RUN_CONTEXT:]
+        before = self.codec.decode(left)
+
+        def offset(j: int) -> int:  # where token j's text starts: after the complete characters before it
+            text = self.codec.decode(left + tokens[run:j])
+            return start + len(text[len(before):].rstrip("\ufffd"))
+
+        return run + 1 + bisect.bisect_left(range(run + 1, n), length, key=offset)
+
     def _take_entries(self) -> list[TokenLogprob] | None:
-        """The logprobs of the tokens committed since the last streamed text (None: not asked)."""
+        """The logprobs of the tokens whose text was released since the last streamed text (None: not asked)."""
         if self.request.logprobs is None:
             return None
-        entries, self._streamed = self._entries[self._streamed:len(self._tokens)], len(self._tokens)
+        upto = max(self._streamed, self._covering(self._released))
+        entries, self._streamed = self._entries[self._streamed:upto], upto
         return entries
 
     def _generate(self, slot: Slot) -> Outcome:
@@ -279,6 +329,7 @@ class Job:
         if self._stopped_at is None:
             tail = self._stops.feed(self._detok.flush())
             tail += self._stops.flush()
+            self._released += len(tail)
         tokens = self._tokens if self._stopped_at is None else self._tokens[: self._stopped_at]
         if self._stops.matched is not None:
             reason = "stop"
@@ -287,7 +338,8 @@ class Job:
             reason = "stop"
         logprobs = tail_logprobs = None
         if self.request.logprobs is not None:
-            logprobs = self._entries[: len(tokens)]
+            cut = stop is not None or self._stops.matched is not None  # the text ends before a stop string
+            logprobs = self._entries[: self._covering(min(self._released, len(text))) if cut else len(tokens)]
             tail_logprobs = logprobs[self._streamed:]
         return Outcome(reason, list(tokens), text=text, tail=tail, stats=stats, prompt_logprobs=scored,
                        echo_logprobs=echoed, logprobs=logprobs, tail_logprobs=tail_logprobs)

@@ -12,11 +12,14 @@ engine's business), cheapest first and before anything is decoded:
 3. a token-id prompt: its length, then every id against the vocabulary (400), and only then is
    it decoded (for ``echo``); a text prompt or chat is tokenised within the room the context
    leaves (:func:`dsi.server.codec.encode_within` gives up early on a prompt far too long);
-4. the exact prompt length with ``max_tokens`` (400 ``context_length_exceeded``), sampling
-   parameters (422).
+4. the exact prompt length with ``max_tokens`` (400 ``context_length_exceeded``), ``min_tokens``
+   against ``max_tokens`` (400, as vLLM), sampling parameters (422).
 
 The result, a :class:`Prepared`, holds only what the request needs afterwards: not the body,
-nor the prompt text (unless it is echoed). Does not know: HTTP, the queue, the engine slots.
+nor the prompt text (unless it is echoed). vLLM's ``/tokenize`` and ``/detokenize`` are answered
+here too (:meth:`Preparer.tokenize`, :meth:`Preparer.detokenize`), with the same checks: the
+context bounds the work, and ids are checked against the vocabulary before anything decodes them.
+Does not know: HTTP, the queue, the engine slots.
 """
 
 from __future__ import annotations
@@ -36,9 +39,13 @@ from dsi.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     load_json,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_STOP_TOKEN_IDS,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TooManyNumbers,
     unsupported_option,
     validate_request,
 )
@@ -90,6 +97,15 @@ class Prepared:
     @property
     def prompt_tokens(self) -> int:
         return len(self.request.prompt)
+
+
+def check_min_tokens(min_tokens: int | None, max_tokens: int, param: str, sent: bool = True) -> None:
+    """400 naming both values if ``min_tokens`` asks for more tokens than ``max_tokens`` allows (vLLM
+    refuses it too); ``sent``: whether the request gave ``param`` (else it is the server's default)."""
+    if min_tokens is not None and min_tokens > max_tokens:
+        given = f"{param}={max_tokens}" + ("" if sent else " (this server's default, clipped to the context)")
+        raise APIError(400, f"min_tokens={min_tokens} must be <= {given}: lower min_tokens or raise {param}",
+                       param="min_tokens", code="invalid_value")
 
 
 class Preparer:
@@ -164,14 +180,67 @@ class Preparer:
         ids = self._encode(self.codec.encode_chat, req.template_messages(), room, max_tokens, param, "messages")
         return self._prepared(req, ids, max_tokens, param, "messages", "")
 
+    # ---- vLLM's tokenizer endpoints ----------------------------------------------------------
+    def tokenize(self, body: list[bytearray]) -> dict:
+        """vLLM's ``/tokenize``: ``{"count", "max_model_len", "tokens"}`` of a prompt or (with ``messages``)
+        a chat, tokenised as the generation endpoints tokenise them; longer than the context: 400."""
+        value = load_json(body.pop(), self._max_numbers)
+        chat = "messages" in value
+        req = validate_request(TokenizeChatRequest if chat else TokenizeCompletionRequest, value)
+        self._check_model(req.model)
+        if req.return_token_strs:
+            raise APIError(400, "return_token_strs is not supported: ask /detokenize for the text of the ids",
+                           param="return_token_strs", code="unsupported_parameter")
+        if chat and req.continue_final_message:
+            raise APIError(400, "continue_final_message is not supported", param="continue_final_message",
+                           code="unsupported_parameter")
+        prompt_param = "messages" if chat else "prompt"
+        limit = self.max_context
+        try:
+            if chat:
+                ids = self.codec.encode_chat(req.template_messages(), limit,
+                                             add_generation_prompt=req.add_generation_prompt,
+                                             add_special_tokens=req.add_special_tokens)
+            else:
+                ids = self.codec.encode(req.prompt, limit, add_special_tokens=req.add_special_tokens)
+        except PromptTooLong as exc:
+            has = f"{exc.count} tokens" if exc.exact else f"at least {exc.count} tokens"
+            raise APIError(400, f"the prompt of {has} exceeds the model's context of {limit} tokens (max_model_len)",
+                           param=prompt_param, code="context_length_exceeded") from None
+        except ConfigError as exc:
+            raise APIError(400, str(exc), param=prompt_param) from exc
+        return {"count": len(ids), "max_model_len": self.max_context, "tokens": ids}
+
+    def detokenize(self, body: list[bytearray]) -> dict:
+        """vLLM's ``/detokenize``: ``{"prompt"}``, the text of ``tokens`` (special tokens written out, as
+        vLLM does). Every id is checked against the vocabulary first (400): none reaches the tokenizer."""
+        try:
+            req = validate_request(DetokenizeRequest, load_json(body.pop(), self._max_numbers))
+        except TooManyNumbers:
+            raise APIError(400, f"tokens: more ids than the model's context of {self.max_context} tokens",
+                           param="tokens", code="context_length_exceeded") from None
+        self._check_model(req.model)
+        ids, ctx, vocab = req.tokens, self.max_context, self.vocab_size
+        if ctx is not None and len(ids) > ctx:
+            raise APIError(400, f"tokens: {len(ids)} ids, more than the model's context of {ctx} tokens",
+                           param="tokens", code="context_length_exceeded")
+        bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"tokens[{bad}]={ids[bad]} is outside the vocabulary [0, {vocab})",
+                           param="tokens", code="invalid_value")
+        return {"prompt": self.codec.decode(ids, skip_special_tokens=False)}
+
     # ---- checks, cheapest first --------------------------------------------------------------
     def _check_common(self, req: Any) -> None:
         error = unsupported_option(req)
         if error is not None:
             raise error
+        self._check_model(req.model)
+
+    def _check_model(self, model: str | None) -> None:
         name = self.config.model_name
-        if req.model is not None and req.model != name:
-            raise APIError(404, f"the model {req.model!r} does not exist; this server serves {name!r}",
+        if model is not None and model != name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {name!r}",
                            param="model", code="model_not_found")
 
     def _room(self, max_tokens: int | None, param: str) -> int | None:
@@ -257,6 +326,9 @@ class Preparer:
                 raise self._too_long(len(ids), True, None, param, prompt_param)
         elif ctx is not None and len(ids) + max_tokens > ctx:
             raise self._too_long(len(ids), True, max_tokens, param, prompt_param)
+        # max_tokens=0 (echo, scoring the prompt) reaches here as 1: the request is made for one token
+        generated = 0 if req.max_tokens == 0 else max_tokens
+        check_min_tokens(req.min_tokens, generated, param, sent=getattr(req, param) is not None)
         sampling = self._sampling(req)
         logprobs = self._logprobs(req)
         try:

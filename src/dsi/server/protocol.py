@@ -5,8 +5,10 @@ Requests are parsed from the raw body with :func:`parse_request` (:func:`load_js
 and forbid unknown fields: an option we do not
 implement is a 400 naming it, never a silent ignore. Options of the OpenAI API that we support
 only at their default value (``best_of``, ``suffix``, ...) are declared and
-checked by :func:`unsupported_option`. Responses follow the OpenAI objects and add a ``dsi``
-object with the run's speculation statistics.
+checked by :func:`unsupported_option`; fields that do not change generation (``user``, and
+``store`` / ``metadata`` of OpenAI's stored completions) are accepted and ignored. vLLM's
+``/tokenize`` and ``/detokenize`` requests are here too. Responses follow the OpenAI objects and
+add a ``dsi`` object with the run's speculation statistics.
 
 Status codes: malformed JSON (or not UTF-8, or nested too deep), an unsupported option or a
 batched prompt -> 400; a well-formed body whose fields have the wrong type or range (numbers that
@@ -28,6 +30,7 @@ MAX_STOP_CHARS = 1000  # text that could begin a stop string is held back and se
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_STOP_TOKEN_IDS = 64
 MAX_CHOICES = 16  # n: each choice is a generation of its own
+MAX_METADATA_ENTRIES, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's limits
 
 
 class APIError(Exception):
@@ -79,6 +82,9 @@ class _GenerationRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user identifier; it does not change generation
+    # OpenAI's stored completions (some SDK integrations send them): accepted and ignored, nothing is stored
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
     # logit processing (dsi.sampling.SamplingParams: exact under speculation)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
@@ -102,6 +108,22 @@ class _GenerationRequest(_Strict):
             raise ValueError("stop strings must not be empty")
         if any(len(s) > MAX_STOP_CHARS for s in stops):
             raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
+        return value
+
+    @field_validator("metadata")
+    @classmethod
+    def _check_metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        if value is None:
+            return value
+        if len(value) > MAX_METADATA_ENTRIES:
+            raise ValueError(f"at most {MAX_METADATA_ENTRIES} metadata entries are allowed, got {len(value)}")
+        key = next((k for k in value if len(k) > MAX_METADATA_KEY_CHARS), None)
+        if key is not None:
+            raise ValueError(f"a metadata key may have at most {MAX_METADATA_KEY_CHARS} characters, got {len(key)}")
+        long = next((v for v in value.values() if len(v) > MAX_METADATA_VALUE_CHARS), None)
+        if long is not None:
+            raise ValueError(f"a metadata value may have at most {MAX_METADATA_VALUE_CHARS} characters, "
+                             f"got {len(long)}")
         return value
 
     @field_validator("logit_bias")
@@ -145,10 +167,8 @@ class CompletionRequest(_GenerationRequest):
     @field_validator("prompt")
     @classmethod
     def _check_prompt(cls, value: str | list) -> str | list:
-        if isinstance(value, str):
+        if isinstance(value, str) or not value:  # an empty prompt is a 400 (empty_prompt) once tokenised
             return value
-        if not value:
-            raise ValueError("prompt must not be empty")
         if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
             return value
         if all(isinstance(p, str) for p in value):
@@ -159,13 +179,13 @@ class CompletionRequest(_GenerationRequest):
 
     def batch_size(self) -> int:
         """How many prompts the request holds (a list of strings or of id lists is a batch)."""
-        if isinstance(self.prompt, str) or not isinstance(self.prompt[0], str | list):
+        if isinstance(self.prompt, str) or not self.prompt or not isinstance(self.prompt[0], str | list):
             return 1
         return len(self.prompt)
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt: text or token ids (a batch of one is unwrapped)."""
-        if isinstance(self.prompt, str) or not isinstance(self.prompt[0], str | list):
+        if isinstance(self.prompt, str) or not self.prompt or not isinstance(self.prompt[0], str | list):
             return self.prompt
         return self.prompt[0]
 
@@ -202,6 +222,36 @@ class ChatCompletionRequest(_GenerationRequest):
 
     def template_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+class TokenizeCompletionRequest(_Strict):
+    """vLLM's ``POST /tokenize`` of a text prompt."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True  # as /v1/completions tokenises a prompt (the tokenizer's BOS...)
+    return_token_strs: bool = False  # vLLM's; only false is supported
+
+
+class TokenizeChatRequest(_Strict):
+    """vLLM's ``POST /tokenize`` of a chat: the chat template applied to ``messages``."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True  # as /v1/chat/completions renders it
+    continue_final_message: bool = False  # vLLM's; only false is supported
+    add_special_tokens: bool = False  # on top of the template's own (vLLM's default: none)
+    return_token_strs: bool = False
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's ``POST /detokenize``: the text of token ids."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 def _param(loc: tuple) -> str | None:

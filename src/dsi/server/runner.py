@@ -3,9 +3,13 @@
 On SIGINT / SIGTERM (or ``server.should_exit = True``): requests still waiting in the queue are
 answered 503 at once, and running requests get ``graceful_s`` seconds to finish *while the listener
 stays open*: a new request, and ``/health``, are answered 503 meanwhile (a load balancer sees the
-server going, not a refused connection). Then the listening socket is closed, uvicorn cancels what
-still runs (which aborts their decoders), and the app's lifespan shutdown closes every decoder.
-Unlike plain uvicorn, the signal is not re-raised afterwards, so the process exits normally.
+server going, not a refused connection). Then the app aborts what still runs (their decoders stop
+within a step) and each request answers for itself: a stream ends with a last chunk per choice
+(``finish_reason: "abort"``), an ``error`` event and ``data: [DONE]``, a plain request gets a 503
+JSON error. Only then is the listening socket closed; uvicorn waits up to :data:`ABORT_S` more
+seconds for those answers to be sent (it cancels a handler only past that, which cuts its
+connection), and the app's lifespan shutdown closes every decoder. Unlike plain uvicorn, the signal
+is not re-raised afterwards, so the process exits normally.
 """
 
 from __future__ import annotations
@@ -14,13 +18,14 @@ import contextlib
 import signal
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
 
 from dsi.errors import ConfigError
+
+ABORT_S = 5.0  # after the grace period: how long aborted requests have to stop and send their last answer
 
 
 def listen(host: str, port: int, backlog: int, what: str) -> socket.socket:
@@ -43,11 +48,10 @@ class DSIServer(uvicorn.Server):
         state = getattr(getattr(self.config.app, "state", None), "dsi", None)  # the app's ServerState
         if state is not None:
             state.drain()
-            began = time.monotonic()
-            grace = self.config.timeout_graceful_shutdown
-            await state.wait_running(grace)  # the listener still answers: 503 to anything new
-            if grace is not None:  # what is left of the grace period, for uvicorn's own wait
-                self.config.timeout_graceful_shutdown = max(0.0, grace - (time.monotonic() - began))
+            await state.wait_running(self.config.timeout_graceful_shutdown)  # the listener still answers 503
+            # what still runs is aborted, never cancelled mid-write: each handler sends its own last answer
+            await state.abort_running(ABORT_S)
+            self.config.timeout_graceful_shutdown = ABORT_S  # uvicorn's own wait: for those answers to go out
         await super().shutdown(sockets=sockets)
 
     @contextlib.contextmanager

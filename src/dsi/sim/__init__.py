@@ -1,6 +1,6 @@
 """Simulators of DSI, SI and non-SI; pure numpy (no torch, no engine import).
 
-- :mod:`dsi.sim.offline`: the paper's offline simulator (DSI.md section 5), vectorised over
+- :mod:`dsi.sim.offline`: the paper's offline simulator (docs/simulator.md section 1), vectorised over
   configurations and repeats; Equation 1 (:func:`required_sp`).
 - :mod:`dsi.sim.events`: an event simulator of the real algorithm (TTFT/TPOT, queueing,
   preemption; DSI with a fixed lookahead or event-driven, ``lookahead="auto"``; optional random

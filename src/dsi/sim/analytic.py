@@ -10,7 +10,7 @@ acceptance rate (i.i.d. per draft), ``k`` lookahead, ``S`` (or ``N``) tokens to 
   SI's expectation in the event simulator when TTFT = TPOT), by dynamic programming over the
   number of tokens left, end effects included.
 - :func:`offline_dsi_expected_time`: the exact expectation of the offline simulator's DSI
-  (DSI.md section 5 accounting).
+  (the accounting of docs/simulator.md section 1).
 - :func:`event_dsi_expected_time`: the exact expectation of the event simulator's DSI in its
   ideal regime (TTFT = TPOT, ``c <= T``, servers never queue, no preemption delay).
 - :func:`proposition1_bound`: Proposition 1's upper bound on E[DSI time].
@@ -83,7 +83,7 @@ def si_expected_time(c: float, a: float, k: int, tokens: int, failure_cost: floa
 
 
 def offline_dsi_expected_time(c: float, a: float, k: int, tokens: int, failure_cost: float = 1.0) -> float:
-    """Exact E[DSI cost] of the offline simulator (DSI.md section 5), by DP over tokens left.
+    """Exact E[DSI cost] of the offline simulator (docs/simulator.md section 1), by DP over tokens left.
 
     A segment starting with ``L`` tokens left ends at the first rejected draft offset ``j``
     (probability ``a^j (1 - a)``, ``j <= L - 2``; ``j + 1`` tokens) or accepts all ``L - 1``
@@ -138,5 +138,5 @@ def proposition1_bound(t1: float, t2: float, p: float, tokens: int) -> float:
 
 
 def dsi_lower_bound(c: float, k: int, tokens: int, failure_cost: float = 1.0) -> float:
-    """Section 5's sanity bound ``(floor(S / (k + 1)) - 1) c + T <= DSI``."""
+    """The offline simulator's sanity bound ``(floor(S / (k + 1)) - 1) c + T <= DSI`` (docs/simulator.md, 1)."""
     return (math.floor(tokens / (k + 1)) - 1) * c + failure_cost

@@ -1,4 +1,4 @@
-"""Event simulator of the real algorithms (DSI.md section 2): DSI, SI and non-SI in seconds.
+"""Event simulator of the real algorithms (docs/architecture.md, "The DSI orchestrator"): DSI, SI and non-SI in seconds.
 
 It follows the engine (:mod:`dsi.engine`) step by step, with every overhead of a real
 implementation (threads, queues, Python) set to zero, so its latency is the *ideal* that the
@@ -27,7 +27,7 @@ Model of time
   - fixed lookahead ``k``: after every ``k`` drafts window ``m`` is sent with ``last_m = m k``;
     when drafting is done the final partial window is submitted (a window that would decide
     only positions past the end is not sent);
-  - event-driven (``lookahead="auto"``, DSI.md section 8; the policy is :mod:`dsi.windows`,
+  - event-driven (``lookahead="auto"``, the policy is :mod:`dsi.windows`,
     the engine's own): a window is sent when a target server is idle and undispatched drafts
     exist; it carries all of them, ``last_w = min(drafts, last_{w-1} + max_window, horizon)``
     where the horizon ``tokens - 1 - i`` is the last relative position still to decide, but not

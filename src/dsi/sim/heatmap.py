@@ -12,6 +12,12 @@ Panels (each a ratio of times, > 1 means the second method is faster):
 ``nonsi_si`` = non-SI / SI, ``si_dsi`` = SI / DSI, ``nonsi_dsi`` = non-SI / DSI and
 ``min_dsi`` = min(SI, non-SI) / DSI. Ratios below 1 (slowdowns) are drawn in red.
 
+A cell where no ``k`` in ``1..ndim`` meets Equation 1 with ``max_sp`` servers (``c = 0.01`` needs
+``k >= 15`` with 7) has no valid configuration: its mean costs are NaN, its ``k`` and servers the
+sentinel 0, and every panel that reads it is NaN there, drawn as a grey "no valid k" cell and
+counted as such (``cells_no_valid_k``), never as a slowdown. With ``si_all_k`` SI has a ``k`` in
+every cell, so ``nonsi_si`` is filled there while the DSI panels stay blank.
+
 The fifth panel, ``fixed_auto`` = best fixed k / event-driven, compares DSI's two policies in the
 *event simulator* (both sides; the offline simulator has no event-driven policy): per cell, DSI
 with the best fixed ``k`` in ``1..ndim``, each with ``min(max_sp, Equation 1)`` servers (tasks
@@ -74,11 +80,11 @@ class HeatmapResult:
     a: np.ndarray  # [na]
     lookaheads: np.ndarray  # [nk]
     nonsi: float
-    si: np.ndarray  # [nc, na] best mean cost
-    k_si: np.ndarray  # [nc, na]
-    dsi: np.ndarray  # [nc, na] best mean cost over Eq. 1-valid k (nan if none)
-    k_dsi: np.ndarray  # [nc, na]
-    sp_dsi: np.ndarray  # [nc, na] Equation 1 servers of the chosen k
+    si: np.ndarray  # [nc, na] best mean cost (NaN where SI has no valid k; with si_all_k never)
+    k_si: np.ndarray  # [nc, na] its k (0: none)
+    dsi: np.ndarray  # [nc, na] best mean cost over Eq. 1-valid k (NaN if none)
+    k_dsi: np.ndarray  # [nc, na] its k (0: none)
+    sp_dsi: np.ndarray  # [nc, na] Equation 1 servers of the chosen k (0: none)
     configs: int  # (c, a, k) simulated
     valid_dsi_configs: int
     si_all_k: bool
@@ -99,12 +105,17 @@ class HeatmapResult:
     event_seconds: float = 0.0
 
     @property
+    def no_valid_k(self) -> np.ndarray:
+        """``[nc, na]`` True where no ``k`` in ``1..ndim`` meets Equation 1 with ``max_sp`` servers (DSI blank)."""
+        return np.isnan(self.dsi)
+
+    @property
     def panels(self) -> tuple[str, ...]:
         """The panels this result holds."""
         return tuple(p for p in PANELS if p != EVENT_PANEL or self.ev_auto is not None)
 
     def ratio(self, panel: str) -> np.ndarray:
-        """``[nc, na]`` ratio of the panel."""
+        """``[nc, na]`` ratio of the panel; NaN where a method it reads has no valid ``k``."""
         check_panels([panel])
         if panel == EVENT_PANEL:
             if self.ev_auto is None:
@@ -128,7 +139,7 @@ class HeatmapResult:
                     "a": float(a),
                     "nonsi": self.nonsi,
                     "si": float(self.si[i, j]),
-                    "k_si": int(self.k_si[i, j]),
+                    "k_si": int(self.k_si[i, j]),  # 0 (and NaN costs): no valid k
                     "dsi": float(self.dsi[i, j]),
                     "k_dsi": int(self.k_dsi[i, j]),
                     "sp_dsi": int(self.sp_dsi[i, j]),
@@ -146,7 +157,10 @@ class HeatmapResult:
         return out
 
     def summary(self) -> dict:
-        si_slower = self.si > self.nonsi
+        """Counts and extremes; cells without a valid ``k`` are counted apart (``cells_no_valid_k``: DSI,
+        ``cells_si_no_valid_k``: SI), not as slower, and the extremes skip them (None if a panel has none)."""
+        si_valid = ~np.isnan(self.si)
+        si_slower = si_valid & (self.si > self.nonsi)
         return {
             "ndim": len(self.lookaheads),
             "cells": int(self.si.size),
@@ -158,12 +172,15 @@ class HeatmapResult:
             "seed": self.seed,
             "max_sp": self.max_sp,
             "simulation_seconds": self.seconds,
+            "cells_no_valid_k": int(self.no_valid_k.sum()),
+            "cells_si_no_valid_k": int((~si_valid).sum()),
             "cells_si_slower_than_nonsi": int(si_slower.sum()),
-            "fraction_si_slower_than_nonsi": float(si_slower.mean()),
+            # of the cells where SI has a valid k
+            "fraction_si_slower_than_nonsi": float(si_slower.sum() / si_valid.sum()) if si_valid.any() else None,
             "cells_dsi_slower_than_si": int(np.sum(self.dsi > self.si)),
             "cells_dsi_slower_than_nonsi": int(np.sum(self.dsi > self.nonsi)),
-            **{f"min_{p}": float(np.nanmin(self.ratio(p))) for p in self.panels},
-            **{f"max_{p}": float(np.nanmax(self.ratio(p))) for p in self.panels},
+            **{f"min_{p}": _extreme(np.min, self.ratio(p)) for p in self.panels},
+            **{f"max_{p}": _extreme(np.max, self.ratio(p)) for p in self.panels},
             **self._event_summary(),
         }
 
@@ -181,6 +198,12 @@ class HeatmapResult:
             "cells_event_driven_slower": int(np.sum(r < 1 - 1e-9)),
             "median_fixed_auto": float(np.median(r)),
         }
+
+
+def _extreme(reduce, values: np.ndarray) -> float | None:
+    """``reduce`` over the non-NaN values; None when there are none."""
+    kept = values[~np.isnan(values)]
+    return float(reduce(kept)) if kept.size else None
 
 
 def _epochs(patterns) -> tuple[np.ndarray, np.ndarray, int]:
@@ -339,7 +362,9 @@ def compute_heatmap(
     k_dsi_idx = np.argmin(dsi_valid, axis=2)
     best_si = np.take_along_axis(si_pick, k_si_idx[..., None], axis=2)[..., 0]
     best_dsi = np.take_along_axis(dsi_valid, k_dsi_idx[..., None], axis=2)[..., 0]
-    best_dsi = np.where(np.isfinite(best_dsi), best_dsi, np.nan)
+    si_none, dsi_none = ~np.isfinite(best_si), ~np.isfinite(best_dsi)  # [nc, na] no valid k (inf above)
+    best_si, best_dsi = np.where(si_none, np.nan, best_si), np.where(dsi_none, np.nan, best_dsi)
+    sp_dsi = np.take_along_axis(sp_need, k_dsi_idx[..., None], axis=2)[..., 0]
     events: dict = {}
     if event_panel:
         start = time.perf_counter()
@@ -352,10 +377,10 @@ def compute_heatmap(
         lookaheads=ks,
         nonsi=float(tokens),
         si=best_si,
-        k_si=ks[k_si_idx],
+        k_si=np.where(si_none, 0, ks[k_si_idx]),
         dsi=best_dsi,
-        k_dsi=ks[k_dsi_idx],
-        sp_dsi=np.take_along_axis(sp_need, k_dsi_idx[..., None], axis=2)[..., 0],
+        k_dsi=np.where(dsi_none, 0, ks[k_dsi_idx]),
+        sp_dsi=np.where(dsi_none, 0, sp_dsi),
         configs=int(C.size),
         valid_dsi_configs=int(valid.sum()),
         si_all_k=si_all_k,
@@ -368,15 +393,38 @@ def compute_heatmap(
     )
 
 
+NO_VALID_K_COLOUR = "0.85"  # light grey: cells with no valid configuration
+
+
+def ratio_layers(ratio: np.ndarray) -> tuple[np.ma.MaskedArray, np.ma.MaskedArray, np.ndarray]:
+    """A panel's ratio ``[..]`` split into what the figure draws: speedups (>= 1), slowdowns (< 1),
+    and the cells with no valid configuration (NaN), which are in neither (grey, "no valid k")."""
+    blank = np.isnan(ratio)
+    faster = np.ma.masked_where(blank | (ratio < 1), ratio)
+    slower = np.ma.masked_where(blank | (ratio >= 1), ratio)
+    return faster, slower, blank
+
+
 def plot_heatmap(result: HeatmapResult, out_dir: Path, panels=None, formats=FORMATS, dpi: int = 110) -> list[Path]:
-    """Draw the panels side by side (2 x 2 for four, 3 x 2 for five) and save one file per format."""
-    panels = check_panels(panels) if panels else result.panels
+    """Draw the panels (:func:`heatmap_figure`) and save one file per format."""
     for fmt in formats:
         if fmt not in FORMATS:
             raise ConfigError(f"format={fmt!r} must be one of {', '.join(FORMATS)}")
+    fig = heatmap_figure(result, panels)
+    written = []
+    for fmt in formats:
+        path = Path(out_dir) / f"heatmap.{fmt}"
+        fig.savefig(path, dpi=dpi)
+        written.append(path)
+    return written
+
+
+def heatmap_figure(result: HeatmapResult, panels=None):
+    """The panels side by side (2 x 2 for four, 3 x 2 for five), a matplotlib ``Figure``."""
+    panels = check_panels(panels) if panels else result.panels
     Figure = figure_class()
     from matplotlib import colormaps
-    from matplotlib.colors import LogNorm, Normalize
+    from matplotlib.colors import ListedColormap, LogNorm, Normalize
 
     ncols = 1 if len(panels) == 1 else 3 if len(panels) > 4 else 2
     nrows = (len(panels) + ncols - 1) // ncols
@@ -387,9 +435,8 @@ def plot_heatmap(result: HeatmapResult, out_dir: Path, panels=None, formats=FORM
     up, down = colormaps["viridis"], colormaps["Reds_r"]
     for ax, panel in zip(axes, panels, strict=False):
         ratio = result.ratio(panel).T  # [na, nc]: rows = a (y), columns = c (x)
-        faster = np.ma.masked_where(~(ratio >= 1), ratio)
-        slower = np.ma.masked_where(~(ratio < 1), ratio)
-        top = max(1.01, float(np.nanmax(ratio)))
+        faster, slower, blank = ratio_layers(ratio)
+        top = max(1.01, float(faster.max()) if faster.count() else 1.0)
         norm = LogNorm(1.0, top) if top > 4 else Normalize(1.0, top)
         mesh = ax.pcolormesh(result.c, result.a, faster, cmap=up, norm=norm, shading="nearest")
         bar = fig.colorbar(mesh, ax=ax, label="speedup (x)")
@@ -402,6 +449,12 @@ def plot_heatmap(result: HeatmapResult, out_dir: Path, panels=None, formats=FORM
             # ratios just below 1 stay clearly red (not white): 1 maps to 2/3 of the colormap
             ax.pcolormesh(result.c, result.a, slower, cmap=down, vmin=low, vmax=1 + 0.5 * (1 - low), shading="nearest")
             ax.plot([], [], "s", color=down(0.3), label=f"slowdown (< 1; min {low:.2f})")
+        if blank.any():
+            grey = np.ma.masked_where(~blank, np.zeros(blank.shape))
+            ax.pcolormesh(result.c, result.a, grey, cmap=ListedColormap([NO_VALID_K_COLOUR]), shading="nearest")
+            ax.plot([], [], "s", color=NO_VALID_K_COLOUR,
+                    label=f"no valid k (Equation 1: SP > {result.max_sp} for every k <= {len(result.lookaheads)})")
+        if slower.count() or blank.any():
             ax.legend(loc="lower left", fontsize=7, framealpha=0.8)
         title = PANELS[panel]
         if panel == EVENT_PANEL:
@@ -418,12 +471,7 @@ def plot_heatmap(result: HeatmapResult, out_dir: Path, panels=None, formats=FORM
         + ("; last panel: event simulator" if EVENT_PANEL in panels else ""),
         fontsize=9,
     )
-    written = []
-    for fmt in formats:
-        path = Path(out_dir) / f"heatmap.{fmt}"
-        fig.savefig(path, dpi=dpi)
-        written.append(path)
-    return written
+    return fig
 
 
 def write_heatmap(result: HeatmapResult, out_dir, panels=None, plot: bool = True, formats=FORMATS) -> list[Path]:

@@ -1,4 +1,4 @@
-"""The offline simulator of DSI.md section 5: non-SI, SI and DSI in time units (target = 1).
+"""The paper's offline simulator (docs/simulator.md section 1): non-SI, SI and DSI in time units (target = 1).
 
 It reproduces the accounting of the authors' public simulator (``dsi/offline/simul``), not the
 real algorithm's timing (that is :mod:`dsi.sim.events`). Inputs: drafter latency ``c`` (in the
@@ -343,7 +343,7 @@ def simulate_offline(
     sp: int | None = 7,
     rng: str = "pcg64",
 ) -> OfflineResult:
-    """Simulate non-SI, SI and DSI for one configuration (section 5 of DSI.md).
+    """Simulate non-SI, SI and DSI for one configuration (docs/simulator.md section 1).
 
     ``c`` in (0, 1), ``a`` in [0, 1], ``lookahead >= 1``; ``sp`` target servers (None: as many
     as needed) must satisfy Equation 1, otherwise :class:`ConfigError` names the minimum.

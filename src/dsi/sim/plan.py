@@ -4,9 +4,12 @@ Inputs are a pair's measured latencies (TTFT, TPOT in ms) and acceptance rate, g
 or read from the JSON files ``dsi measure`` writes. Equation 1 gives, for each lookahead ``k``,
 the servers that keep every verification task from waiting; within the budget ``max_servers``
 each ``k`` gets ``min(max_servers, Equation 1)`` servers (fewer means tasks queue), and the
-event simulator (:mod:`dsi.sim.events`) predicts the latency of each. The fastest wins (ties:
-fewer servers, then smaller ``k``). SI (best ``k``) and non-SI are simulated the same way for
-the speedups. Every candidate reads the same acceptance patterns (common random numbers).
+event simulator (:mod:`dsi.sim.events`) predicts the latency of each. The fastest wins; among
+candidates as fast (within ``TIE_RTOL``) the order is fewer servers, then a ``k`` that meets
+Equation 1 before one that queues, then less queue wait, then smaller ``k``. A plan that queues is
+thus strictly faster than every ``k`` that does not; :attr:`Plan.fastest_meeting_equation1` says by how
+much. SI (best ``k``) and non-SI are simulated the same way for the speedups. Every candidate reads
+the same acceptance patterns (common random numbers).
 
 Beside the fixed lookaheads the planner simulates DSI's event-driven policy (``lookahead="auto"``:
 a window whenever a target server is idle, with every draft made since the previous one, paced by
@@ -29,6 +32,7 @@ from dsi.sim.events import simulate
 from dsi.sim.offline import min_lookahead, required_sp
 
 LATENCY_KEYS = ("target_ttft_ms", "target_tpot_ms", "drafter_ttft_ms", "drafter_tpot_ms")
+TIE_RTOL = 1e-9  # latencies this close (relative) are equal: the order among them decides
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,23 @@ class Candidate:
     per_token_ms: float
     queue_wait_ms: float  # mean total time tasks waited for a server
     utilisation: float
+
+    @property
+    def meets_equation1(self) -> bool:
+        """Enough servers for Equation 1 (no verification task waits, in its model)."""
+        return self.num_servers >= self.required_sp
+
+
+def rank(candidates: Sequence[Candidate]) -> tuple[Candidate, ...]:
+    """Fastest first; candidates within ``TIE_RTOL`` of each other are ordered by fewer servers, then Equation 1
+    met before not, then less queue wait, then smaller ``k`` (the first of a tie is the one the planner takes)."""
+    ranked: list[Candidate] = []
+    rest = sorted(candidates, key=lambda c: c.latency_ms)
+    while rest:
+        tied = [c for c in rest if c.latency_ms <= rest[0].latency_ms * (1 + TIE_RTOL)]
+        ranked += sorted(tied, key=lambda c: (c.num_servers, not c.meets_equation1, c.queue_wait_ms, c.lookahead))
+        rest = rest[len(tied):]
+    return tuple(ranked)
 
 
 @dataclass(frozen=True)
@@ -143,6 +164,23 @@ class Plan:
     trees: TreeComparison | None = None  # with a side-child rescue rate: draft trees against chains
 
     @property
+    def ranked(self) -> tuple[Candidate, ...]:
+        """The candidates in the planner's order (:func:`rank`): ``ranked[0]`` is :attr:`best`."""
+        return rank(self.candidates)
+
+    @property
+    def ties(self) -> tuple[Candidate, ...]:
+        """The other candidates as fast as the plan (within ``TIE_RTOL``), in the planner's order."""
+        limit = self.best.latency_ms * (1 + TIE_RTOL)
+        return tuple(c for c in self.ranked[1:] if c.latency_ms <= limit)
+
+    @property
+    def fastest_meeting_equation1(self) -> Candidate | None:
+        """The first candidate, in the planner's order, whose servers meet Equation 1 (None if no ``k`` up to
+        ``max_lookahead`` does): the plan itself unless a ``k`` that queues is strictly faster."""
+        return next((c for c in self.ranked if c.meets_equation1), None)
+
+    @property
     def event_driven(self) -> AutoCandidate | None:
         """The fastest event-driven configuration (ties: fewer servers)."""
         if not self.auto_candidates:
@@ -159,9 +197,8 @@ class Plan:
         """For each number of servers: the best fixed-k candidate using exactly that many, and event-driven."""
         rows = []
         for auto in self.auto_candidates:
-            fixed = [c for c in self.candidates if c.num_servers == auto.num_servers]
-            best = min(fixed, key=lambda c: (round(c.latency_ms, 9), c.lookahead)) if fixed else None
-            rows.append(ServerComparison(auto.num_servers, best, auto))
+            fixed = rank([c for c in self.candidates if c.num_servers == auto.num_servers])
+            rows.append(ServerComparison(auto.num_servers, fixed[0] if fixed else None, auto))
         return tuple(rows)
 
     @property
@@ -187,7 +224,10 @@ class Plan:
                 "required_sp": self.best.required_sp,
                 "min_lookahead_for_budget": self.min_lookahead_for_budget,
                 "max_servers": self.max_servers,
+                "met": self.best.meets_equation1,  # False: the plan queues, being faster than every k that does not
+                "fastest_meeting_it": None if (alt := self.fastest_meeting_equation1) is None else asdict(alt),
             },
+            "ties": [asdict(c) for c in self.ties],
             "inputs": asdict(self.inputs),
             "tokens": self.tokens,
             "repeats": self.repeats,
@@ -389,7 +429,7 @@ def make_plan(
                 utilisation=result.utilisation,
             )  # fmt: skip
         )
-    best = min(candidates, key=lambda c: (round(c.latency_ms, 9), c.num_servers, c.lookahead))
+    best = rank(candidates)[0]
     si = min(((k, simulate("si", lookahead=k, **lat).mean) for k in range(1, max_lookahead + 1)), key=lambda kv: kv[1])
     nonsi = simulate("ar", **lat).mean
     autos = []

@@ -1,9 +1,9 @@
 """Table 1 of the paper, side by side with this project's three models of DSI/SI speed.
 
-Columns, per row of DSI.md section 6 (target/drafter TPOT in ms, acceptance rate):
+Columns, per row of the paper's Table 1 (Timor et al., ICLR 2025) (target/drafter TPOT in ms, acceptance rate):
 
 - **paper**: the published DSI/SI speedup (the authors' wall-clock simulator, which has the
-  weaknesses listed in DSI.md section 5).
+  weaknesses listed in docs/simulator.md section 1).
 - **offline**: :mod:`dsi.sim.offline` in time units (``c`` = drafter / target TPOT), best ``k``
   of each method in ``lookaheads``; DSI only with ``k`` whose Equation 1 needs at most
   ``max_sp`` servers.

@@ -37,6 +37,14 @@ MAX_RESTARTS = 5  # replacements of one server id within RESTART_WINDOW_S (witho
 RESTART_WINDOW_S = 10.0
 
 
+def death_note(restart: bool, alive: int, total: int) -> str:
+    """The end of the one log line a pool writes when a server dies: what happens next and what is left."""
+    if restart:
+        return f"; restarting it; {alive} of {total} servers in service or starting"
+    return (f"; not restarted (it died {MAX_RESTARTS} times within {RESTART_WINDOW_S:.0f} s without answering, "
+            f"or the pool is closing); {alive} of {total} servers left")
+
+
 class Dispatcher:
     def __init__(self, num_servers: int) -> None:
         self.running: dict[int, VerifyTask | None] = {i: None for i in range(num_servers)}

@@ -170,8 +170,9 @@ class ProcessServer:
                               f"start it under `if __name__ == '__main__':`, because each server process "
                               f"re-imports the main module)") from None
         if message[0] == "error":
-            log.error("target server %d could not build its model:\n%s", self.server_id, message[2])
-            raise ModelError(f"target server {self.server_id} could not build its model: {message[1]}")
+            error = ModelError(f"target server {self.server_id} could not build its model: {message[1]}")
+            error.add_note(f"the server process's traceback:\n{message[2]}")  # shown where the error is
+            raise error
         _, vocab, self.pid = message
         if vocab != self.vocab_size:
             raise ModelError(f"target server {self.server_id} built a model with vocab_size={vocab}; "

@@ -34,7 +34,7 @@ from typing import Protocol
 
 from dsi.errors import ConfigError, ServerLost, WorkerError
 from dsi.transport.base import EventSink, ServerDied, TaskAborted, TaskFailed, VerifyTask
-from dsi.transport.dispatch import MAX_RESTARTS, Dispatcher, DispatchingPool
+from dsi.transport.dispatch import MAX_RESTARTS, Dispatcher, DispatchingPool, death_note
 from dsi.transport.liveness import ForwardRates, LivenessPolicy, Watchdog
 from dsi.transport.wire import MalformedFrame, UndecodableMessage, recv_message, restore_exception
 
@@ -248,7 +248,7 @@ class RemotePool(DispatchingPool):
                 self._lost(server, handle, str(exc))
                 return
             except Exception as exc:  # noqa: BLE001 - whatever it is, the server is unusable
-                log.exception("%s server %d: receiving failed", self._name, server)
+                log.debug("%s server %d: receiving failed", self._name, server, exc_info=True)  # _lost says it
                 self._lost(server, handle, f"receiving failed: {type(exc).__name__}: {exc}")
                 return
             if event is STOPPED:
@@ -315,8 +315,8 @@ class RemotePool(DispatchingPool):
                 self._threads.append(thread)
                 thread.start()
             self._drain_waiting()
-        log.warning("%s target server %d died (%s)%s; %d left", self._name, server, error,
-                    ", restarting it" if restart else "", self.alive_servers())
+        log.warning("%s target server %d died (%s)%s", self._name, server, error,
+                    death_note(restart, self.alive_servers(), self.num_servers))
         for event in [ServerDied(server, error, restart), *events]:
             self._on_event(event)
         if kill:

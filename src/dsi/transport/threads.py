@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from dsi.errors import ConfigError, ServerLost, TaskCancelled
 from dsi.models.base import LanguageModel
 from dsi.transport.base import EventSink, ServerDied, TaskAborted, TaskFailed, VerifyTask
-from dsi.transport.dispatch import Dispatcher, DispatchingPool
+from dsi.transport.dispatch import Dispatcher, DispatchingPool, death_note
 from dsi.transport.liveness import ForwardRates, LivenessPolicy
 from dsi.transport.server import run_verify_task
 
@@ -167,7 +167,8 @@ class ThreadTargetPool(DispatchingPool):
                 except ServerLost:  # the server behind this thread (an engine) is gone: a dead server
                     raise
                 except Exception as exc:  # reported to the orchestrator, which raises it
-                    log.exception("target server %d failed on task %d", server, task.task_id)
+                    # the request raises it (WorkerError, cause chained): the traceback only for debugging
+                    log.debug("target server %d failed on task %d", server, task.task_id, exc_info=True)
                     event = TaskFailed(task.task_id, server, f"{type(exc).__name__}: {exc}", exc)
                 with self._lock:
                     if self._generation[server] != generation:
@@ -178,7 +179,7 @@ class ThreadTargetPool(DispatchingPool):
                         self._hand_over(server, next_task)
                 self._on_event(event)
         except BaseException as exc:  # noqa: BLE001 - not a model error (those are TaskFailed): the thread broke
-            log.error("target server thread %d died", server, exc_info=not isinstance(exc, ServerLost))
+            log.debug("target server thread %d died", server, exc_info=True)  # _died says it once
             self._died(server, generation, f"{type(exc).__name__}: {exc}", charged_to_task=True)
         finally:
             session.close()
@@ -222,8 +223,7 @@ class ThreadTargetPool(DispatchingPool):
                 self._generation[server] += 1  # whatever the old thread does next is not reported
             self._drain_waiting()
             left = self._alive()
-        log.error("target server thread %d died (%s)%s; %d left", server, error,
-                  ", restarting it" if restart else "", left)
+        log.error("target server thread %d died (%s)%s", server, error, death_note(restart, left, self.num_servers))
         for event in [ServerDied(server, error, restart), *events]:
             self._on_event(event)
 

@@ -213,3 +213,48 @@ def test_measured_acceptance_file_drives_dsi_plan(tiny_models, capsys):
     assert inputs["acceptance"] == pytest.approx(measured["acceptance"])
     assert (inputs["target_tpot_ms"], inputs["drafter_tpot_ms"]) == (10.0, 1.0)
     assert 1 <= plan["num_target_servers"] <= 3
+
+
+# ----------------------------------------------------------------------------------------------
+# Help texts that say what the commands do (issue 49, item 8.3)
+
+
+def _options(*path: str) -> dict:
+    """``{option string: argparse action}`` of the (sub)command ``dsi *path``."""
+    import argparse
+
+    from dsi.cli.main import build_parser
+
+    parser = build_parser()
+    for name in path:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = sub.choices[name]
+    return {option: action for action in parser._actions for option in action.option_strings}
+
+
+def test_measure_help_names_no_default_for_the_required_model():
+    model = _options("measure", "latency")["--model"]
+    assert model.required and model.default is None
+    assert "default" not in model.help.replace("default-target", "").replace("default-drafter", ""), model.help
+    assert "(default-target" not in model.help  # the embedded names were read as defaults
+    acceptance = _options("measure", "acceptance")
+    assert acceptance["--target"].default == "default-target" and "default: the embedded target" in (
+        acceptance["--target"].help)
+
+
+def test_measure_help_says_how_many_tokens_each_kind_generates():
+    """A latency run generates exactly N tokens (EOS does not stop it); an acceptance run stops at EOS."""
+    assert "exactly" in _options("measure", "latency")["--max-new-tokens"].help
+    assert "at most" in _options("measure", "acceptance")["--max-new-tokens"].help
+    eos = 3  # the counting model's next token from [1] runs 2, 3, 4, ...: EOS comes third
+    assert len(measure.greedy_timed(_counting_lm(), [1], 6).tokens) == 6
+    assert len(measure.greedy_timed(_counting_lm(), [1], 6, eos=[eos]).tokens) == 2
+
+
+def test_generate_help_says_n_prints_one_object_with_choices():
+    """``dsi generate --n 2 --json`` prints an object ``{..., "choices": [{"index": 0, ...}, ...]}``, not a list
+    (tests/unit/cli/test_generate.py::test_n_choices_are_the_runs_of_their_derived_seeds checks the output)."""
+    options = _options("generate")
+    for flag in ("--n", "--json"):
+        text = options[flag].help
+        assert "a list" not in text and '"choices"' in text, (flag, text)

@@ -68,6 +68,9 @@ def test_short_names_and_aliases():
     assert canonical_name("Qwen2.5-Coder-0.5B-Instruct") == "qwen2.5-coder-0.5b-instruct"
     assert canonical_name("default-drafter") == "qwen2.5-coder-0.5b-instruct"
     assert canonical_name("./model") is None
+    assert canonical_name(123) is None
+    with pytest.raises(ConfigError, match="embedded model name=123 is not one of"):
+        embedded.get(123)
     with pytest.raises(ConfigError, match="not one of"):
         embedded.gguf_path("gpt-5")
     with pytest.raises(ConfigError, match="not one of"):

@@ -18,6 +18,8 @@ transformers = pytest.importorskip("transformers")
 from dsi.errors import ConfigError, ContextLengthError, ModelError, TaskCancelled  # noqa: E402
 from dsi.models.base import LanguageModel, ModelSession, extend_rows, forward_rows  # noqa: E402
 from dsi.models.hf import HFModel, check_device, decoder_layers, torch_dtype  # noqa: E402
+from dsi.trees import DraftTree  # noqa: E402
+from tests.bad_ids import bad_ids  # noqa: E402
 
 pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("one_torch_thread")]
 ATOL = 1e-5
@@ -133,6 +135,81 @@ def test_truncate_rejects_bad_length(pair):
     with pytest.raises(ConfigError, match="outside the vocabulary"):
         session.extend([VOCAB])
     assert session.tokens == tuple(IDS[:3])
+
+
+class Refuses:
+    """Stands in for a tokenizer or a forward that must not be reached: the argument is refused before."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"{name} was reached with an argument Python should have refused")
+
+    def __call__(self, *args, **kwargs):
+        raise AssertionError("a forward ran with an argument Python should have refused")
+
+    def __len__(self) -> int:
+        return 320  # the test tokenizer's length (the model's rows are padded beyond it)
+
+
+@pytest.fixture
+def with_tokenizer():
+    """A tiny Llama of 330 logit rows with the 320-token test tokenizer (rows 320..329 are padding)."""
+    from tests.tiny_hf import make_tokenizer
+
+    return HFModel(tiny_llama(layers=1, vocab=330), make_tokenizer(), name="tiny")
+
+
+@pytest.mark.parametrize("ids, message", bad_ids(330))
+def test_bad_ids_are_refused_before_the_tokenizer_and_torch(with_tokenizer, ids, message):
+    model = with_tokenizer
+    session = model.new_session()
+    session.extend([5, 6])
+    model.tokenizer, forward = Refuses(), model._forward
+    model._forward = Refuses()
+    try:
+        with pytest.raises(ConfigError, match=message):
+            model.decode(ids)
+        with pytest.raises(ConfigError, match=message.replace("ids", "tokens", 1)):
+            session.extend(ids)
+        with pytest.raises(ConfigError, match=message.replace("ids", "prefix", 1)):
+            session.tree_rows(ids, DraftTree.chain([7]))
+    finally:
+        model._forward = forward
+    assert session.tokens == (5, 6)
+
+
+def test_bad_text_and_lengths_are_config_errors(with_tokenizer):
+    model = with_tokenizer
+    for text in (123, None, b"bytes", ["a"]):
+        with pytest.raises(ConfigError, match=r"text=.* must be a str"):
+            model.encode(text)
+    with pytest.raises(ConfigError, match=r"system=\['x'\] \(list\) must be a str"):
+        model.encode("hi", chat=True, system=["x"])
+    session = model.new_session()
+    session.extend([5, 6, 7])
+    for length in (1.5, True, None, -1, 4):
+        with pytest.raises(ConfigError, match=rf"truncate length={length!r} must be an integer in \[0, 3\]"):
+            session.truncate(length)
+    for num_rows in (0, 3, 1.0, True):
+        with pytest.raises(ConfigError, match=rf"num_rows={num_rows!r} must be an integer in \[1, 2\]"):
+            session.extend_rows([8, 9], None, num_rows, True)
+    with pytest.raises(ConfigError, match=r"tree.tokens\[1\]=330 is outside the vocabulary"):
+        session.tree_rows([5, 6, 7], DraftTree((8, 330), (-1, 0)))
+    assert session.tokens == (5, 6, 7)
+    with pytest.raises(ConfigError, match=r"prompt_len=2.5 must be an integer >= 0"):
+        model.check_length(2.5)
+
+
+def test_numpy_ids_and_padded_rows_decode(with_tokenizer):
+    model = with_tokenizer
+    ids = model.encode("def add(a, b):")
+    text = model.decode(ids)
+    assert text == "def add(a, b):"
+    assert model.decode(np.array(ids, dtype=np.int32)) == model.decode([np.int64(t) for t in ids]) == text
+    assert model.decode([*ids, 325]) == text  # a padded row's id: no text, no error
+    session = model.new_session()
+    rows = session.extend(np.array(ids, dtype=np.int64))
+    session.truncate(np.int64(2))
+    np.testing.assert_allclose(session.extend(tuple(np.int32(t) for t in ids[2:])), rows[2:], atol=ATOL)
 
 
 def test_context_limit_is_checked(pair):
@@ -421,6 +498,23 @@ def test_replica_by_copy_is_independent_and_cancellable(pair):
     finally:
         handle.remove()
     assert model.new_session().extend(IDS[:4], cancel=threading.Event()).shape == (4, VOCAB)
+
+
+def test_a_replica_on_another_device_follows_the_models_deterministic_mode(pair):
+    """A replica (e.g. on ``cuda:1``) is in the mode when its model is, and follows a later switch (either way)."""
+    _, model = pair
+    model.deterministic = True
+    try:
+        clone = model._replicate(torch.device("cpu"))
+        assert clone.deterministic
+        model._replicas[torch.device("cpu", 1)] = clone  # as replicas() registers one on another device
+        model.deterministic = False
+        assert not clone.deterministic
+        clone.deterministic = True
+        assert model.deterministic
+    finally:
+        model._replicas.pop(torch.device("cpu", 1), None)
+        model.deterministic = False
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -17,6 +17,8 @@ import dsi  # noqa: E402
 from dsi.errors import ConfigError, ContextLengthError, ModelError, TaskCancelled  # noqa: E402
 from dsi.models.base import forward_rows  # noqa: E402
 from dsi.models.llamacpp import LlamaCppModel  # noqa: E402
+from dsi.trees import DraftTree  # noqa: E402
+from tests.bad_ids import bad_ids  # noqa: E402
 from tests.tiny_gguf import write_tiny_gguf  # noqa: E402
 from tests.tiny_hf import CORPUS  # noqa: E402
 from tests.transport_support import ray_cluster  # noqa: E402  (sets Ray's environment before Ray is imported)
@@ -133,6 +135,114 @@ def test_limits_and_bad_ids_are_clear_errors(tiny, tmp_path):
         LlamaCppModel(tmp_path / "missing.gguf")
     with pytest.raises(ConfigError, match="threads=0"):
         model.threads = 0
+
+
+class NativeGuard:
+    """The llama.cpp binding, except that the calls taking token ids or text fail the test: an argument
+    Python refuses must be refused before them (llama.cpp aborts the process on an id outside its vocabulary)."""
+
+    GUARDED = ("llama_detokenize", "llama_tokenize", "llama_decode", "llama_token_to_piece")
+
+    def __init__(self, ll) -> None:
+        self._ll = ll
+
+    def __getattr__(self, name):
+        if name in self.GUARDED:
+            raise AssertionError(f"{name} was reached with an argument Python should have refused")
+        return getattr(self._ll, name)
+
+
+def test_decode_of_an_id_outside_the_vocabulary_is_an_error_not_an_abort(tiny):
+    """Issue 49: ``decode([151936])`` on the embedded target aborted the process (std::out_of_range, exit code
+    134). Run in a child process, so that a regression shows as its exit code instead of killing pytest."""
+    import subprocess
+    import sys
+
+    model, _, _ = tiny
+    code = (
+        "import sys\n"
+        "from dsi.errors import ConfigError\n"
+        "from dsi.models.llamacpp import LlamaCppModel\n"
+        "model = LlamaCppModel(sys.argv[1], threads=1)\n"
+        "for ids in ([model.vocab_size], [-1], [5, 2**31], [2**64]):\n"
+        "    for decode in (model.decode, model.tokenizer.decode):\n"
+        "        try:\n"
+        "            decode(ids)\n"
+        "        except ConfigError as exc:\n"
+        "            print('refused:', exc, flush=True)\n"
+        "print('decoded:', repr(model.decode([5])))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(model.source_path)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    refused = [line for line in proc.stdout.splitlines() if line.startswith("refused:")]
+    assert len(refused) == 8, proc.stdout
+    assert f"ids[0]={model.vocab_size} is outside the vocabulary [0, {model.vocab_size})" in refused[0]
+    assert "ids[0]=-1 is outside the vocabulary" in refused[2]
+    assert f"ids[1]={2**31} is outside" in refused[4]
+    assert f"decoded: {model.decode([5])!r}" in proc.stdout
+
+
+@pytest.mark.parametrize("ids, message", bad_ids(320))
+def test_bad_ids_are_refused_in_python_before_llama_cpp_sees_them(tiny, monkeypatch, ids, message):
+    model, _, _ = tiny
+    assert model.vocab_size == 320  # the messages above name it
+    monkeypatch.setattr(model.tokenizer, "_ll", NativeGuard(model.tokenizer._ll))
+    for decode in (model.decode, model.tokenizer.decode):
+        with pytest.raises(ConfigError, match=message):
+            decode(ids)
+    session = model.new_session()
+    session.extend([5, 6])
+    monkeypatch.setattr(session, "_ll", NativeGuard(session._ll))
+    with pytest.raises(ConfigError, match=message.replace("ids", "tokens", 1)):
+        session.extend(ids)
+    with pytest.raises(ConfigError, match=message.replace("ids", "prefix", 1)):
+        session.tree_rows(ids, DraftTree.chain([7]))
+    assert session.tokens == (5, 6)
+    session.close()
+
+
+def test_bad_text_lengths_and_tree_tokens_are_refused_before_llama_cpp_and_numpy_integers_pass(tiny, monkeypatch):
+    model, _, tok = tiny
+    ids = tok.encode(CORPUS[0])
+    for as_numpy in (np.array(ids, dtype=np.int32), np.array(ids, dtype=np.uint16), [np.int64(t) for t in ids]):
+        assert model.decode(as_numpy) == model.decode(ids)
+    session = model.new_session()
+    rows = session.extend(np.array(ids[:6], dtype=np.int64))
+    assert session.tokens == tuple(ids[:6]) and all(type(t) is int for t in session.tokens)
+    session.truncate(np.int64(3))
+    np.testing.assert_array_equal(session.extend(tuple(np.int32(t) for t in ids[3:6])), rows[3:])
+    session.close()
+    monkeypatch.setattr(model.tokenizer, "_ll", NativeGuard(model.tokenizer._ll))
+    for text in (123, None, b"bytes", ["a"]):
+        with pytest.raises(ConfigError, match=r"text=.* must be a str"):
+            model.encode(text)
+        with pytest.raises(ConfigError, match=r"text=.* must be a str"):
+            model.tokenizer.encode(text)
+    with pytest.raises(ConfigError, match=r"system=3 \(int\) must be a str"):
+        model.encode("hi", chat=True, system=3)
+    session = model.new_session()
+    session.extend([5, 6, 7])
+    monkeypatch.setattr(session, "_ll", NativeGuard(session._ll))
+    for length in (1.5, True, None, "1", -1, 4):
+        with pytest.raises(ConfigError, match=rf"truncate length={length!r} must be an integer in \[0, 3\]"):
+            session.truncate(length)
+    for num_rows in (0, 3, 1.0, True):
+        with pytest.raises(ConfigError, match=rf"num_rows={num_rows!r} must be an integer in \[1, 2\]"):
+            session.extend_rows([8, 9], None, num_rows, greedy=True)
+    with pytest.raises(ConfigError, match="at least one token"):
+        session.extend([])
+    with pytest.raises(ConfigError, match=r"tree.tokens\[1\]=320 is outside the vocabulary"):
+        session.tree_rows([5, 6, 7], DraftTree((8, 320), (-1, 0)))
+    with pytest.raises(ConfigError, match="a prefix of at least one token"):
+        session.tree_rows([], DraftTree.chain([8]))
+    assert session.tokens == (5, 6, 7)
+    for bad in (1.5, -1, "4"):
+        with pytest.raises(ConfigError, match=r"prompt_len=.* must be an integer >= 0"):
+            model.check_length(bad)
+        with pytest.raises(ConfigError, match=r"max_new_tokens=.* must be an integer >= 0"):
+            model.check_length(3, bad)
+    session.close()
 
 
 def test_the_gguf_tokenizer_and_chat_template_match_the_hf_tokenizer(tiny):

@@ -107,6 +107,26 @@ def test_from_tokenizer_pads_or_cuts_to_the_model_s_rows():
     assert len(cut) == 100 and cut.pieces == hf_vocab("bytes").pieces[:100]
 
 
+def test_bad_ids_data_and_sizes_are_config_errors_naming_them():
+    vocab = Vocabulary([b"a", b"b", None], lambda text: [], name="abc")
+    assert vocab.piece(np.int64(1)) == b"b" and vocab.piece(7) == b"" and vocab.piece(-1) == b""  # unknown: empty
+    for bad in (1.5, "a", None, True, [1]):
+        with pytest.raises(ConfigError, match=r"token=.* is not a token id: an integer in \[0, 3\) of abc"):
+            vocab.piece(bad)
+    with pytest.raises(ConfigError, match=r"token=1.5 \(float\) is not a token id"):
+        vocab.spelling([1.5])
+    for bad in ("ab", None, [97]):
+        with pytest.raises(ConfigError, match=r"data=.* must be bytes"):
+            vocab.spell(bad)
+        with pytest.raises(ConfigError, match=r"data=.* must be bytes"):
+            vocab.tokens_of_prefix(bad)
+    assert vocab.spell(bytearray(b"ab")) == [0, 1]
+    tok = hf_tokenizer("bytes")
+    for size in (-1, 2.5, True):
+        with pytest.raises(ConfigError, match=rf"size={size!r} must be an integer >= 0"):
+            Vocabulary.from_tokenizer(tok, size)
+
+
 def test_from_tokenizer_without_a_tokenizer_is_a_config_error():
     with pytest.raises(ConfigError, match="tokenizer is needed"):
         Vocabulary.from_tokenizer(None)

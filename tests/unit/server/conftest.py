@@ -135,21 +135,21 @@ class TokenizerCodec:
         with self._lock:
             return list(self.tok.encode(text, add_special_tokens=special)) + [SENTINEL]
 
-    def encode(self, text, limit=None):
+    def encode(self, text, limit=None, add_special_tokens=True):
         from dsi.server.codec import encode_within
 
-        return encode_within(self._encode, text, limit)
+        return encode_within(lambda part: self._encode(part, special=add_special_tokens), text, limit)
 
-    def encode_chat(self, messages, limit=None):
+    def encode_chat(self, messages, limit=None, add_generation_prompt=True, add_special_tokens=False):
         from dsi.server.codec import encode_within
 
         with self._lock:
-            text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return encode_within(lambda part: self._encode(part, special=False), text, limit)
+            text = self.tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        return encode_within(lambda part: self._encode(part, special=add_special_tokens), text, limit)
 
-    def decode(self, ids):
+    def decode(self, ids, skip_special_tokens=True):
         with self._lock:
-            return self.tok.decode(list(ids), skip_special_tokens=True)
+            return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
 @pytest.fixture(scope="package")

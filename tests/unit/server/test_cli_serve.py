@@ -112,29 +112,11 @@ def test_serve_rejects_bad_options_before_loading(argv, message, capsys):
 def test_serve_shows_a_name_not_the_model_path_and_answers_without_paths(tiny_dirs, tiny_pair, monkeypatch):
     """Without --served-model-name the model id is the directory's name: /health (open to anyone),
     /v1/models, responses and error bodies never show where the model lives."""
-    import dsi.cli.serve as serve
-    import dsi.server.runner as runner
     from starlette.testclient import TestClient
 
     target_dir, drafter_dir = tiny_dirs
-    apps = []
-
-    class Captured:
-        started = True
-
-        def __init__(self, app, **kwargs):
-            apps.append(app)
-
-        def run(self, sockets):
-            pass
-
-    monkeypatch.setattr(serve, "_load", lambda args, need_drafter: tiny_pair)
-    monkeypatch.setattr(runner, "make_server", Captured)
-    from dsi.cli.main import main
-
-    assert main(["serve", "--target", target_dir, "--drafter", drafter_dir, "--method", "si", "-k", "2",
-                 "--port", "0", "--max-body-bytes", "4096", "--scoring-port", "off"]) == 0
-    [app] = apps
+    app = captured_serve(monkeypatch, tiny_pair, "--target", target_dir, "--drafter", drafter_dir, "--method", "si",
+                         "-k", "2", "--max-body-bytes", "4096")
     assert app.state.dsi.config.model_name == "target" and app.state.dsi.config.max_body_bytes == 4096
     assert app.state.dsi.scoring is None  # --scoring-port off: no channel (nor a port in the card below)
     with TestClient(app) as client:
@@ -150,3 +132,81 @@ def test_serve_shows_a_name_not_the_model_path_and_answers_without_paths(tiny_di
     parent = str(Path(target_dir).parent)
     for answer in answers:
         assert parent not in answer.text and target_dir not in answer.text, answer.text
+
+
+def captured_serve(monkeypatch, tiny_pair, *argv):
+    """Run ``dsi serve`` up to the point where uvicorn would start; return the app it would serve."""
+    import dsi.cli.serve as serve
+    import dsi.server.runner as runner
+    from dsi.cli.main import main
+
+    apps = []
+
+    class Captured:
+        started = True
+
+        def __init__(self, app, **kwargs):
+            apps.append(app)
+
+        def run(self, sockets):
+            pass
+
+    monkeypatch.setattr(serve, "_load", lambda args, need_drafter: tiny_pair)
+    monkeypatch.setattr(runner, "make_server", Captured)
+    assert main(["serve", *(() if "--target" in argv else ("--target", "tiny")), "--port", "0", "--scoring-port", "off",
+                 *argv]) == 0
+    [app] = apps
+    return app
+
+
+@pytest.mark.parametrize("argv, env, expected", [
+    ([], {}, None),
+    ([], {"DSI_API_KEY": "from-dsi"}, "from-dsi"),
+    ([], {"VLLM_API_KEY": "from-vllm"}, "from-vllm"),  # vLLM's variable: a drop-in replacement keeps its key
+    ([], {"DSI_API_KEY": "from-dsi", "VLLM_API_KEY": "from-vllm"}, "from-dsi"),
+    (["--api-key", "from-flag"], {"DSI_API_KEY": "from-dsi", "VLLM_API_KEY": "from-vllm"}, "from-flag"),
+])
+def test_serve_takes_the_api_key_from_the_environment_and_the_flag_wins(tiny_pair, monkeypatch, argv, env, expected):
+    for name in ("DSI_API_KEY", "VLLM_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    app = captured_serve(monkeypatch, tiny_pair, "--method", "ar", *argv)
+    assert app.state.dsi.config.api_key == expected
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"DSI_API_KEY": ""}, "DSI_API_KEY is set but empty"),
+    ({"VLLM_API_KEY": ""}, "VLLM_API_KEY is set but empty"),
+    ({"DSI_API_KEY": "s3cret "}, "api_key (DSI_API_KEY) has leading or trailing whitespace"),
+    ({"VLLM_API_KEY": "clé"}, "api_key (VLLM_API_KEY) has a character at position 2 that is not printable ASCII"),
+])
+def test_serve_refuses_a_bad_api_key_from_the_environment_naming_the_variable(monkeypatch, capsys, env, message):
+    from dsi.cli.main import main
+
+    for name in ("DSI_API_KEY", "VLLM_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code = main(["serve", "--target", "/nonexistent"])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err
+    assert all(value not in err for value in env.values() if value)  # the key itself is never shown
+
+
+def test_serve_help_names_the_api_key_variables(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "DSI_API_KEY" in text and "VLLM_API_KEY" in text
+
+
+@pytest.mark.parametrize("argv, engine", [
+    (["--method", "ar"], "(ar, 1 slot(s))"),  # non-SI has no lookahead (it said k=5)
+    (["--method", "si", "-k", "2"], "(si, k=2, 1 slot(s))"),
+    (["--method", "dsi", "-k", "3", "--sp", "2"], "(dsi, k=3, SP=2, 1 slot(s))"),
+])
+def test_serve_announces_the_engine_it_runs(tiny_pair, monkeypatch, capsys, argv, engine):
+    captured_serve(monkeypatch, tiny_pair, *argv)
+    banner = next(line for line in capsys.readouterr().err.splitlines() if "on http://" in line)
+    assert engine in banner, banner

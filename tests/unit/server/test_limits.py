@@ -169,7 +169,7 @@ HOSTILE = [
     ("an unknown field", None, {"prompt": "x", "frobnicate": 1}, None, 400),
     ("no prompt", None, {"max_tokens": 2}, None, 422),
     ("prompt a number", None, {"prompt": 7}, None, 422),
-    ("prompt an empty list", None, {"prompt": []}, None, 422),
+    ("prompt an empty list", None, {"prompt": []}, None, 400),  # empty_prompt, like [[]] (issue 49)
     ("prompt an empty id list", None, {"prompt": [[]]}, None, 400),
     ("prompt mixed ids and text", None, {"prompt": [1, "a"]}, None, 422),
     ("prompt ids as floats", None, {"prompt": [1.0, 2.0]}, None, 422),

@@ -430,6 +430,14 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [99999]}, 400, "stop_token_ids"),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [-1]}, 422, "stop_token_ids"),
     ("/v1/completions", {"prompt": "x", "ignore_eos": "yes"}, 422, "ignore_eos"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt"),  # empty_prompt, as docs/serving.md says (and vLLM)
+    ("/v1/completions", {"prompt": "x", "max_tokens": 3, "min_tokens": 4}, 400, "min_tokens"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 17}, 400, "min_tokens"),  # over the server's default of 16
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 2,
+                              "min_tokens": 3}, 400, "min_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "metadata": {"k": 1}}, 422,
+     "metadata.k"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "store": "yes"}, 422, "store"),
 ])
 def test_bad_requests_get_openai_errors_naming_the_field(server, path, body, status, param):
     url, _ = server
@@ -438,6 +446,39 @@ def test_bad_requests_get_openai_errors_naming_the_field(server, path, body, sta
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["param"] == param and error["message"]
+
+
+@pytest.mark.parametrize("path, body, message, code", [
+    ("/v1/completions", {"prompt": []}, "the prompt has no tokens", "empty_prompt"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 3, "min_tokens": 4},
+     "min_tokens=4 must be <= max_tokens=3", "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 17},
+     "min_tokens=17 must be <= max_tokens=16 (this server's default", "invalid_value"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 2,
+                              "min_tokens": 3}, "min_tokens=3 must be <= max_completion_tokens=2", "invalid_value"),
+])
+def test_issue_49_requests_are_refused_naming_the_values(server, path, body, message, code):
+    r = httpx.post(server[0] + path, headers=AUTH, json=body, timeout=10)
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["code"] == code
+
+
+def test_min_tokens_up_to_max_tokens_is_served(client):
+    r = client.completions.create(model=MODEL, prompt="x", max_tokens=4, temperature=0,
+                                  extra_body={"min_tokens": 4, "ignore_eos": False})
+    assert r.usage.completion_tokens == 4
+
+
+def test_store_and_metadata_are_accepted_and_change_nothing(client):
+    """Some SDK integrations send OpenAI's stored-completion fields; they do not change generation."""
+    messages = [{"role": "user", "content": "Say hi"}]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
+    tagged = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0, store=True,
+                                            metadata={"team": "evals", "run": "49"})
+    assert tagged.choices[0].message.content == plain.choices[0].message.content
+    r = client.completions.create(model=MODEL, prompt="def f(", max_tokens=4, temperature=0,
+                                  extra_body={"store": False, "metadata": {"k": "v"}})
+    assert r.usage.completion_tokens == 4
 
 
 @pytest.mark.parametrize("body, message", [
@@ -578,4 +619,85 @@ def test_a_non_si_response_reports_no_lookahead(tiny_pair):
     target, _ = tiny_pair
     with running_server(create_app(target, None, ServeConfig(method="ar", model_name=MODEL, max_tokens=4))) as running:
         info = httpx.post(running.url + "/v1/completions", json={"prompt": "abc"}, timeout=60).json()["dsi"]
+        card = httpx.get(running.url + "/v1/models", timeout=10).json()["data"][0]["dsi"]
     assert info["method"] == "ar" and info["lookahead"] is None and info["drafted_tokens"] == 0
+    assert card["method"] == "ar" and card["lookahead"] is None  # the model card says the same (it said 5)
+
+
+# ---- vLLM's /tokenize, /detokenize, /version ----------------------------------------------------
+
+
+def test_tokenize_gives_the_ids_the_generation_endpoints_use(server, client, tiny_pair):
+    url, _ = server
+    tok = tiny_pair[0].tokenizer
+    prompt = "def add(a, b):"
+    r = httpx.post(url + "/tokenize", headers=AUTH, json={"model": MODEL, "prompt": prompt}, timeout=10)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer == {"count": len(answer["tokens"]), "max_model_len": 256, "tokens": tok.encode(prompt)}
+    usage = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0).usage
+    assert usage.prompt_tokens == answer["count"]
+    bare = httpx.post(url + "/tokenize", headers=AUTH, json={"prompt": prompt, "add_special_tokens": False}).json()
+    assert bare["tokens"] == tok.encode(prompt, add_special_tokens=False)
+    messages = [{"role": "user", "content": "Write quicksort"}]
+    chat = httpx.post(url + "/tokenize", headers=AUTH, json={"messages": messages}, timeout=10).json()
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert chat["tokens"] == tok.encode(text, add_special_tokens=False)
+    usage = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0).usage
+    assert usage.prompt_tokens == chat["count"]
+    bare = httpx.post(url + "/tokenize", headers=AUTH, json={"messages": messages, "add_generation_prompt": False})
+    text = tok.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
+    assert bare.json()["tokens"] == tok.encode(text, add_special_tokens=False)
+
+
+def test_detokenize_gives_the_text_of_ids_special_tokens_written_out(server, tiny_pair):
+    url, _ = server
+    tok = tiny_pair[0].tokenizer
+    ids = tok.encode("héllo wörld") + [tok.eos_token_id]
+    r = httpx.post(url + "/detokenize", headers=AUTH, json={"model": MODEL, "tokens": ids}, timeout=10)
+    assert r.status_code == 200 and r.json() == {"prompt": tok.decode(ids)}, r.text
+    assert r.json()["prompt"].endswith(tok.eos_token)  # as vLLM: special tokens are not skipped
+
+
+@pytest.mark.parametrize("path, body, status, param, message", [
+    ("/detokenize", {"tokens": [1, 2, 320]}, 400, "tokens", "tokens[2]=320 is outside the vocabulary [0, 320)"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens", "tokens[0]=-1 is outside the vocabulary [0, 320)"),
+    ("/detokenize", {"tokens": [2**70]}, 400, "tokens", "is outside the vocabulary"),
+    ("/detokenize", {"tokens": [1] * 257}, 400, "tokens", "257 ids, more than the model's context of 256"),
+    ("/detokenize", {"tokens": [True]}, 422, "tokens.0", "valid integer"),
+    ("/detokenize", {"tokens": [1], "model": "gpt-4"}, 404, "model", "does not exist"),
+    ("/detokenize", {"text": "x"}, 400, "text", "unsupported parameter"),
+    ("/tokenize", {"prompt": "x y z " * 100}, 400, "prompt", "exceeds the model's context of 256 tokens"),
+    ("/tokenize", {"prompt": "x", "return_token_strs": True}, 400, "return_token_strs", "not supported"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, 400,
+     "continue_final_message", "not supported"),
+    ("/tokenize", {"prompt": "x", "model": "gpt-4"}, 404, "model", "does not exist"),
+    ("/tokenize", {}, 422, "prompt", "Field required"),
+])
+def test_tokenizer_endpoints_refuse_bad_requests_before_the_tokenizer(server, monkeypatch, path, body, status, param,
+                                                                      message):
+    """Ids outside the vocabulary are a 400 naming the first one: nothing reaches the tokenizer (or
+    llama.cpp, which aborts the process on one)."""
+    url, app = server
+    codec = app.state.dsi.codec
+    calls = []
+    monkeypatch.setattr(codec, "decode", lambda ids, **kw: calls.append(list(ids)) or "")
+    r = httpx.post(url + path, headers=AUTH, json=body, timeout=10)
+    assert r.status_code == status and message in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == param
+    assert calls == []
+
+
+def test_tokenizer_endpoints_need_the_api_key_and_version_is_open(server):
+    import dsi
+
+    url, _ = server
+    for path, body in [("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})]:
+        for headers in [{}, {"Authorization": "Bearer wrong"}]:
+            r = httpx.post(url + path, headers=headers, json=body, timeout=10)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = httpx.get(url + "/version", timeout=10)
+    assert r.status_code == 200 and r.json() == {"version": dsi.__version__}
+    counted = metrics(url)
+    assert counted[("dsi_requests_total", (("endpoint", "/tokenize"), ("status", "401")))] >= 2
+    assert counted[("dsi_requests_total", (("endpoint", "/version"), ("status", "200")))] >= 1

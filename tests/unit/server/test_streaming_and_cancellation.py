@@ -5,6 +5,7 @@ the same models behind :class:`dsi.models.WithLatency`."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 import time
@@ -110,6 +111,42 @@ def test_stop_strings_end_generation_and_trim(scripted, stop, expected, stream, 
     if expected != TEXT:  # the decoder was stopped early, not run to the end of the script
         assert usage.completion_tokens < len(tiny_tokenizer.encode(TEXT))
         assert tiny_tokenizer.decode(tiny_tokenizer.encode(TEXT)[: usage.completion_tokens]).startswith(expected)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("stop, expected", [
+    ("naïve", "héllo wörld, "),  # the stop string's tokens ("na", "ï" in two, "ve") are left out
+    (["日本", "café"], "héllo wörld, naïve "),
+    # the first token of " 🚀" holds the space before it: it straddles the cut, and stays
+    ("🚀", "héllo wörld, naïve café — 日本語のテキスト 🙂 and some emoji "),
+])
+def test_logprobs_cover_the_returned_text_and_not_the_stop_string(scripted, tiny_tokenizer, stop, expected, stream,
+                                                                   chat):
+    """Issue 49: with stop strings the text was cut before the stop string but the logprobs still held
+    its tokens (and any committed with them in the same step). Now they are the tokens whose text is
+    returned: the shortest prefix of the output that spells the text (a token straddling the cut stays)."""
+    script = tiny_tokenizer.encode(TEXT)
+    m = next(m for m in range(len(script) + 1) if tiny_tokenizer.decode(script[:m]).startswith(expected))
+    pieces = [tiny_tokenizer.decode([t]) for t in script[:m]]
+    client = client_for(scripted.url)
+    if chat:
+        kwargs = dict(model="scripted", messages=[{"role": "user", "content": "hi"}], max_tokens=100, stop=stop,
+                      logprobs=True, top_logprobs=2)
+        make = client.chat.completions.create
+    else:
+        kwargs = dict(model="scripted", prompt="hi", max_tokens=100, stop=stop, logprobs=2)
+        make = client.completions.create
+    if stream:
+        chunks = [c for c in make(**kwargs, stream=True) if c.choices]
+    else:
+        chunks = [make(**kwargs)]
+    text = "".join((c.choices[0].delta.content or "") if stream and chat else
+                   (c.choices[0].message.content if chat else c.choices[0].text) for c in chunks)
+    logprobs = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs is not None]
+    tokens = [e.token for lp in logprobs for e in lp.content] if chat else [t for lp in logprobs for t in lp.tokens]
+    assert text == expected and chunks[-1].choices[0].finish_reason == "stop"
+    assert tokens == pieces
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -277,3 +314,88 @@ def test_during_the_grace_period_the_listener_answers_503_and_the_running_reques
     assert result["r"].status_code == 200 and result["r"].json()["usage"]["completion_tokens"] == 200
     with pytest.raises(httpx.ConnectError):  # once it has ended, the listener is closed
         httpx.get(running.url + "/health", timeout=5)
+
+
+class Records(logging.Handler):
+    """Every log record of a logger, kept (uvicorn's loggers do not propagate to caplog's root handler)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def read_stream(url, path, body, results, key, started):
+    """POST a streamed request; keep every ``data:`` line, or the transport error if the connection was cut."""
+    lines = []
+    try:
+        with httpx.stream("POST", url + path, json=body, timeout=60) as response:
+            results[key + ".status"] = response.status_code
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line[6:])
+                    started.set()
+    except httpx.HTTPError as exc:  # e.g. "incomplete chunked read": the server cut the stream
+        results[key + ".error"] = exc
+    results[key] = lines
+
+
+def post(url, path, body, results, key):
+    try:
+        results[key] = httpx.post(url + path, json=body, timeout=60)
+    except httpx.HTTPError as exc:
+        results[key] = exc
+
+
+def test_shutdown_past_the_grace_period_ends_every_stream_with_a_last_event_and_done(tiny_tokenizer, caplog):
+    """Issue 49: streams running when the shutdown grace period ends were cut mid-message (no last
+    event, no [DONE]) with a CancelledError traceback each. Now every running request is aborted and
+    answers for itself: each unfinished choice gets a chunk with finish_reason "abort", then an error
+    event, then [DONE]; a plain request gets a 503 JSON error; and the log has no traceback."""
+    app = make_app(tiny_tokenizer, LONG, cycle=True, latency=SLOW, max_concurrent=4, max_queue=2, typo_every=0)
+    running = Running(app, graceful_s=0.3).start()  # 2000 tokens take > 20 s: far past the grace period
+    uvicorn_log = Records()
+    logging.getLogger("uvicorn").addHandler(uvicorn_log)
+    url, results = running.url, {}
+    try:
+        streams = [("completion", "/v1/completions", {"prompt": "go", "max_tokens": 2000, "stream": True}),
+                   ("chat", "/v1/chat/completions", {"messages": [{"role": "user", "content": "go"}],
+                                                     "max_tokens": 2000, "stream": True, "n": 2,
+                                                     "temperature": 1.0, "seed": 7})]  # two jobs, two slots
+        started = {key: threading.Event() for key, _, _ in streams}
+        threads = [threading.Thread(target=read_stream, args=(url, path, body, results, key, started[key]))
+                   for key, path, body in streams]
+        threads.append(threading.Thread(target=post, args=(url, "/v1/completions",
+                                                           {"prompt": "go", "max_tokens": 2000}, results, "plain")))
+        for thread in threads:
+            thread.start()
+        for event in started.values():
+            assert event.wait(30), "a stream did not start"
+        wait_until(lambda: health(url)["running"] == 4, what="four slots to run")
+        queued = threading.Thread(target=post, args=(url, "/v1/completions", {"prompt": "go", "max_tokens": 3},
+                                                     results, "queued"))
+        queued.start()
+        wait_until(lambda: health(url)["queued"] == 1, what="a queued request")
+        running.shutdown()  # what SIGTERM does
+        for thread in [*threads, queued]:
+            thread.join(30)
+            assert not thread.is_alive()
+    finally:
+        logging.getLogger("uvicorn").removeHandler(uvicorn_log)
+    for key, _, _ in streams:
+        assert key + ".error" not in results, f"{key}: the stream was cut: {results.get(key + '.error')!r}"
+        lines = results[key]
+        assert lines[-1] == "[DONE]", lines[-3:]
+        error = json.loads(lines[-2])["error"]
+        assert error["code"] == "unavailable" and "shutting down" in error["message"]
+        ends = [choice for line in lines[:-2] for choice in json.loads(line)["choices"] if choice["finish_reason"]]
+        assert sorted((c["index"], c["finish_reason"]) for c in ends) == \
+            [(i, "abort") for i in range(2 if key == "chat" else 1)]
+        assert len(lines) > 5  # it did stream before the shutdown
+    assert isinstance(results["plain"], httpx.Response), results["plain"]
+    assert results["plain"].status_code == 503 and results["plain"].json()["error"]["code"] == "unavailable"
+    assert results["queued"].status_code == 503  # told at once, as before
+    problems = [r for r in [*uvicorn_log.records, *caplog.records] if r.levelno >= logging.ERROR or r.exc_info]
+    assert not problems, [r.getMessage() for r in problems]

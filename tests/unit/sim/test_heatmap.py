@@ -50,8 +50,8 @@ def test_panels_are_the_ratios(small):
 def test_si_all_k_lets_si_pick_any_lookahead():
     both = compute_heatmap(5, tokens=100, repeats=2, seed=1, si_all_k=True)
     restricted = compute_heatmap(5, tokens=100, repeats=2, seed=1)
-    assert np.all(both.si <= restricted.si + 1e-12)
-    assert np.isfinite(both.si[0]).all() and np.isinf(restricted.si[0]).all()  # c = 0.01: no valid k <= 5
+    assert np.all(both.si[1:] <= restricted.si[1:] + 1e-12)
+    assert np.isfinite(both.si[0]).all() and np.isnan(restricted.si[0]).all()  # c = 0.01: no valid k <= 5
 
 
 def test_writes_csv_png_pdf(small, tmp_path):
@@ -90,3 +90,58 @@ def test_missing_matplotlib_names_the_plot_extra(small, tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"pip install 'dsi\[plot\]'"):
         write_heatmap(small, tmp_path)
     assert (tmp_path / "heatmap.csv").exists()  # the CSV needs no matplotlib
+
+
+# ---- cells where no k meets Equation 1 (issue 49, item 8.1) -------------------------------------
+NO_K_PANELS = ("nonsi_si", "si_dsi", "nonsi_dsi", "min_dsi")
+
+
+def test_cells_without_a_valid_k_are_blank_in_every_offline_panel_and_counted_apart(small):
+    """ndim 5, SP 7: at c = 0.01 Equation 1 needs k >= 15, so the whole column has no valid k. SI
+    used to be ``inf`` there: non-SI / SI read 0 (the "worst slowdown") and the cells counted as SI
+    slower than non-SI, while the other panels left them blank."""
+    none = np.zeros(small.dsi.shape, dtype=bool)
+    none[0] = True  # [nc, na]: c = 0.01
+    np.testing.assert_array_equal(small.no_valid_k, none)
+    assert np.isnan(small.si[none]).all() and np.isnan(small.dsi[none]).all()
+    assert (small.k_si[none] == 0).all() and (small.k_dsi[none] == 0).all() and (small.sp_dsi[none] == 0).all()
+    assert (small.k_dsi[~none] >= 1).all()
+    for panel in NO_K_PANELS:
+        ratio = small.ratio(panel)
+        assert np.isnan(ratio[none]).all() and np.isfinite(ratio[~none]).all(), panel
+    s = small.summary()
+    assert s["cells_no_valid_k"] == 6 and s["cells_si_no_valid_k"] == 6
+    slower = int(np.sum(small.si[~none] > 200))
+    assert s["cells_si_slower_than_nonsi"] == slower
+    assert s["fraction_si_slower_than_nonsi"] == pytest.approx(slower / 30)  # of the 30 cells SI has a k in
+    assert s["min_nonsi_si"] == pytest.approx(float((200 / small.si[~none]).min())) and s["min_nonsi_si"] > 0
+    # the event panel lets tasks queue (servers min(SP, Equation 1)), so it has a k everywhere
+    assert np.isfinite(small.ratio("fixed_auto")).all()
+
+
+def test_the_figure_masks_cells_without_a_valid_k_in_every_panel(small):
+    from dsi.sim.heatmap import ratio_layers
+
+    for panel in NO_K_PANELS:
+        faster, slower, blank = ratio_layers(small.ratio(panel))
+        np.testing.assert_array_equal(blank, small.no_valid_k)
+        assert faster.mask[blank].all() and slower.mask[blank].all(), panel
+        assert not np.any(slower.compressed() <= 0), panel  # no "min 0.00" slowdown
+        assert faster.count() + slower.count() + blank.sum() == blank.size
+    pytest.importorskip("matplotlib")
+    from dsi.sim.heatmap import heatmap_figure
+
+    fig = heatmap_figure(small)
+    for ax, panel in zip(fig.axes, small.panels, strict=False):  # the panels come first, colour bars after
+        labels = [t.get_text() for t in ax.get_legend().get_texts()] if ax.get_legend() else []
+        if panel in NO_K_PANELS:
+            assert any(label.startswith("no valid k") for label in labels), (panel, labels)
+        assert not any("min 0.00" in label for label in labels), (panel, labels)
+
+
+def test_si_all_k_fills_the_si_panel_where_dsi_has_no_valid_k():
+    both = compute_heatmap(5, tokens=100, repeats=2, seed=1, si_all_k=True, event_panel=False)
+    s = both.summary()
+    assert s["cells_no_valid_k"] == 6 and s["cells_si_no_valid_k"] == 0
+    assert np.isfinite(both.ratio("nonsi_si")).all() and (both.k_si >= 1).all()
+    assert np.isnan(both.ratio("si_dsi")[0]).all()

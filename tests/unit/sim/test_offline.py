@@ -1,4 +1,4 @@
-"""The offline simulator (DSI.md section 5): reference means, the spec loops, invariants, errors."""
+"""The offline simulator (docs/simulator.md section 1): reference means, the spec loops, invariants, errors."""
 
 from __future__ import annotations
 

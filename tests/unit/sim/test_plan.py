@@ -112,3 +112,37 @@ def test_the_plan_compares_draft_trees_with_chains_by_their_rescue_rate():
     assert make_plan(inputs, **common).trees is None and "trees" in make_plan(inputs, **common).to_dict()
     with pytest.raises(ConfigError, match="side-rescue=1.5 must be a probability"):
         make_plan(inputs, **common, side_rescue=1.5)
+
+
+# ---- the plan and Equation 1's advice agree (issue 49, item 8.2) --------------------------------
+def test_among_equal_times_the_plan_takes_the_lookahead_that_does_not_queue():
+    """c = 0.1, a = 0.8, 4 servers: k = 2 (Equation 1 wants 5 servers) and k = 3 (wants 4) take the
+    same time, k = 2 with 695 ms of queueing. The plan used to be k = 2 while its advice said
+    "lookahead >= 3 avoids queueing"."""
+    inputs = resolve_inputs(target_tpot_ms=50.0, drafter_tpot_ms=5.0, acceptance=0.8)
+    plan = make_plan(inputs, max_servers=4, max_lookahead=6, tokens=100, repeats=2, seed=0)
+    k2, k3 = plan.candidates[1], plan.candidates[2]
+    assert k2.latency_ms == k3.latency_ms and k2.num_servers == k3.num_servers == 4  # the tie
+    assert k2.queue_wait_ms == pytest.approx(695.0) and k3.queue_wait_ms == 0.0
+    assert plan.min_lookahead_for_budget == 3
+    assert plan.best == k3 and plan.best.meets_equation1 and plan.fastest_meeting_equation1 == k3
+    assert plan.ties == (k2,)  # as fast, but second in the order: fewer servers, less queueing, smaller k
+    assert plan.ranked[:2] == (k3, k2)
+    assert [row.fixed for row in plan.by_servers if row.num_servers == 4] == [k3]  # the same rule per servers
+    data = plan.to_dict()
+    assert data["lookahead"] == 3 and data["equation1"]["met"] is True
+    assert data["equation1"]["fastest_meeting_it"]["lookahead"] == 3
+    assert [c["lookahead"] for c in data["ties"]] == [2]
+
+
+def test_a_plan_that_queues_says_what_the_fastest_lookahead_without_queueing_costs():
+    """Vicuna-13B-like pair, 7 servers: Equation 1 wants k >= 3, but k = 1 (which queues) is faster."""
+    inputs = resolve_inputs(target_tpot_ms=37.7, drafter_tpot_ms=2.5, acceptance=0.63)
+    plan = make_plan(inputs, max_servers=7, max_lookahead=6, tokens=60, repeats=6, seed=0)
+    assert plan.min_lookahead_for_budget == 3
+    assert plan.best.lookahead < 3 and not plan.best.meets_equation1 and plan.best.queue_wait_ms > 0
+    alt = plan.fastest_meeting_equation1
+    assert alt.lookahead >= 3 and alt.meets_equation1
+    assert alt == min((c for c in plan.candidates if c.lookahead >= 3), key=lambda c: c.latency_ms)
+    assert alt.latency_ms > plan.best.latency_ms * (1 + 1e-9)  # strictly slower: no tie to break
+    assert plan.to_dict()["equation1"]["met"] is False

@@ -106,7 +106,7 @@ def test_results_equal_the_thread_pool(events):
 def test_cancel_stops_a_running_forward_within_one_step_and_the_server_serves_on(events):
     slow = CallableLM(SlowTarget(0.05), VOCAB)
     with ProcessTargetPool(slow, 1, events.put) as pool:
-        pool.submit(VerifyTask(7, tuple(range(1, 200)), 1, GREEDY))  # 199 positions: 10 s
+        pool.submit(VerifyTask(7, tuple(i % VOCAB for i in range(1, 200)), 1, GREEDY))  # 199 positions: 10 s
         time.sleep(0.5)
         assert pool.busy_servers() == [0]
         started = time.monotonic()

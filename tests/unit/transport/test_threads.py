@@ -67,7 +67,7 @@ def test_cancelled_server_takes_the_next_task_and_its_cache_is_consistent(no_thr
     calls = []
     model = slow_model(0.05, calls=calls)
     with ThreadTargetPool(model, 1, events.put) as pool:
-        pool.submit(VerifyTask(0, tuple(range(1, 40)), 1, GREEDY))  # 39 tokens, ~2 s
+        pool.submit(VerifyTask(0, tuple(i % 8 for i in range(1, 40)), 1, GREEDY))  # 39 tokens, ~2 s
         pool.submit(VerifyTask(1, (1, 2, 3), 1, GREEDY))  # queued behind it
         pool.submit(VerifyTask(2, (5,), 1, GREEDY))  # queued
         time.sleep(0.2)
@@ -89,9 +89,9 @@ def test_each_task_runs_on_exactly_one_server(no_thread_leak):
         with lock:
             runs.append((threading.current_thread().name, ctx))
         time.sleep(0.001)
-        return np.zeros(4)
+        return np.zeros(40)
 
-    with ThreadTargetPool(CallableLM(next_logits, 4), 4, events.put) as pool:
+    with ThreadTargetPool(CallableLM(next_logits, 40), 4, events.put) as pool:
         for i in range(40):
             pool.submit(VerifyTask(i, (i % 4, i), 1, GREEDY))
         results = [events.get(timeout=5) for _ in range(40)]

@@ -1,0 +1,119 @@
+"""What every decoder shares around its requests: one request at a time, the checks made before any
+forward, model failures raised as dsi's own errors, and closing.
+
+The concurrency contract of a decoder (non-SI, SI and DSI alike, on every transport):
+
+- it serves **one request at a time**. ``generate`` and ``score`` called from several threads at once are
+  serialised: each call waits for the one before it to end. A call whose abort flag is set while it waits
+  ends with :class:`~dsi.engine.request.GenerationAborted` without running;
+- a call made from inside a running request's own ``on_tokens`` callback, on that request's thread, would
+  wait for itself: it is refused at once with a :class:`~dsi.errors.ConfigError`;
+- ``close`` waits for the running request to end (set its abort flag to end it sooner), then releases the
+  workers; afterwards ``generate`` and ``score`` raise :class:`~dsi.errors.DecoderClosed`. Closing twice
+  is harmless, and a decoder is a context manager that closes on exit;
+- to serve requests in parallel, build one decoder per concurrent request (``dsi serve``'s slots do):
+  decoders may share their models; a model's sessions are each used by one thread at a time.
+
+Checks before work (:func:`check_request`): a request whose prompt holds an id outside the target's
+vocabulary, or whose prompt plus ``max_new_tokens`` exceed the target's declared context, is refused
+before the first forward, whatever built it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+
+from dsi.engine.request import GenerationAborted, Request
+from dsi.errors import ConfigError, ContextLengthError, DecoderClosed, DSIError, WorkerError
+from dsi.models.base import context_limit
+
+_WAIT_POLL_S = 0.05  # how often a call waiting for the decoder looks at its abort flag
+
+
+def check_request(request: Request, target: object) -> None:
+    """Refuse ``request`` before any forward if ``target`` cannot serve it whole: a prompt id outside
+    its vocabulary, or a prompt plus ``max_new_tokens`` longer than its declared context."""
+    vocab = getattr(target, "vocab_size", None)
+    prompt = np.asarray(request.prompt, dtype=np.int64)
+    if isinstance(vocab, int) and prompt.size and (prompt.min() < 0 or prompt.max() >= vocab):
+        bad = int(prompt[(prompt < 0) | (prompt >= vocab)][0])
+        raise ConfigError(f"the prompt holds token id {bad}, outside the target's vocabulary [0, {vocab})")
+    limit = context_limit(target)
+    if limit is not None and len(request.prompt) + request.max_new_tokens > limit:
+        raise ContextLengthError(
+            f"prompt of {len(request.prompt)} tokens + max_new_tokens={request.max_new_tokens} exceeds the context "
+            f"of {target!r} (max_context={limit} tokens); shorten the prompt or lower max_new_tokens")
+
+
+@contextmanager
+def model_errors(role: str) -> Iterator[None]:
+    """Raise a model's own exception (not one of dsi's) as a :class:`~dsi.errors.WorkerError` naming
+    ``role`` ("target", "drafter"), the cause chained: what DSI's workers report for the same failure."""
+    try:
+        yield
+    except DSIError:
+        raise
+    except Exception as exc:
+        raise WorkerError(f"the {role} failed: {type(exc).__name__}: {exc}") from exc
+
+
+class DecoderLifecycle:
+    """One request at a time, and closing once (see the module doc). A decoder calls
+    ``super().__init__()``, runs each ``generate`` / ``score`` inside :meth:`_turn`, and releases its
+    workers in ``_release``."""
+
+    method: str
+
+    def __init__(self) -> None:
+        self._turn_lock = threading.Lock()
+        self._owner: int | None = None  # the thread whose request runs now
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @contextmanager
+    def _turn(self, abort: threading.Event | None = None) -> Iterator[None]:
+        """Wait for the decoder (serialising calls from several threads), then run the call."""
+        self._refuse_reentry("generate() or score()")
+        while not self._turn_lock.acquire(timeout=_WAIT_POLL_S):
+            if abort is not None and abort.is_set():
+                raise GenerationAborted("generation aborted by the caller while it waited for the decoder "
+                                        "(another request was running on it)")
+        try:
+            if self._closed:
+                raise DecoderClosed(f"this {self.method} decoder is closed; build a new one (dsi.build_decoder)")
+            self._owner = threading.get_ident()
+            yield
+        finally:
+            self._owner = None
+            self._turn_lock.release()
+
+    def close(self) -> None:
+        """Wait for the running request to end, then release the workers (once)."""
+        self._refuse_reentry("close()")
+        with self._turn_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._release()
+
+    def _refuse_reentry(self, call: str) -> None:
+        if self._owner == threading.get_ident():
+            raise ConfigError(f"{call} was called on this {self.method} decoder from inside its own running "
+                              "request (its on_tokens callback); it would wait for itself. Use another decoder, "
+                              "or call it after generate() returns")
+
+    def _release(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
