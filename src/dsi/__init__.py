@@ -9,6 +9,7 @@ verifies overlapping draft windows in parallel. Public API::
 """
 
 from dsi.api import build_decoder, generate
+from dsi.engine.config import DecoderConfig
 from dsi.engine import GenerationAborted, GenerationResult, GenerationStats, Request
 from dsi.errors import (
     ConfigError,
@@ -26,6 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ConfigError",
     "ContextLengthError",
+    "DecoderConfig",
     "DSIError",
     "DecoderClosed",
     "GenerationAborted",

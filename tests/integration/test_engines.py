@@ -292,8 +292,10 @@ def test_an_engine_lost_mid_request_leaves_the_request_correct_on_the_other(dirs
 
 
 LONG = 160  # tokens of a request that a lost engine must not cut short (EOS ignored: the answer has them all)
-# the engine that is lost: dsi serve over its scoring channel (the default), over HTTP only, or vLLM
-VICTIMS = ["dsi-serve-channel", "dsi-serve-http", pytest.param("vllm", marks=pytest.mark.slow)]
+# the engine that is lost (dsi serve over its scoring channel, the default, or over HTTP only; vLLM) and the
+# way in (dsi generate, a dsi serve over the engines); the vLLM victim through the CLI, as it was reported
+LOSSES = [(victim, entry) for victim in ("dsi-serve-channel", "dsi-serve-http") for entry in ("cli", "server")]
+LOSSES.append(("vllm", "cli"))
 
 
 def start_victim(kind: str, dirs) -> object:
@@ -309,16 +311,13 @@ def long_reference(local, prompt) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("victim", VICTIMS)
-@pytest.mark.parametrize("entry", ["cli", "server"])
+@pytest.mark.parametrize("victim, entry", LOSSES, ids=[f"{v}-{e}" for v, e in LOSSES])
 def test_an_engine_lost_mid_request_with_default_liveness_never_shortens_the_answer(
         dsi_engines, dirs, local, prompts, victim, entry, capsys):
     """Issue 49: a target engine SIGKILLed once it has answered a verification of a long request, with the
     default liveness settings, through ``dsi generate`` and through a ``dsi serve`` whose target servers are
     engines: the answer is whole and the local non-SI's (or an error), never a short one that says "stop"
     or "length". The survivor is a dsi serve engine of the module's."""
-    if victim == "vllm" and entry == "server":
-        pytest.skip("the vLLM victim is checked through the CLI, as it was reported (one vLLM start saved)")
     target, drafter, _ = local
     lost = start_victim(victim, dirs)
     urls = [dsi_engines[0].url, lost.url]

@@ -15,6 +15,7 @@ from dsi.cli.advice import what_dsi_needs
 from dsi.cli.args import (COUNT, DRAFT_TREE, ENGINE_URL, LOOKAHEAD, MERGES, NATURAL, NON_NEGATIVE, POSITIVE,
                           PROBABILITY, SEED, Number)
 from dsi.cli.backend import add_backend_args, choose, describe, hf_dtype, max_model_len
+from dsi.engine.config import DecoderConfig
 from dsi.errors import ConfigError
 from dsi.sampling import MAX_PENALTY
 
@@ -147,6 +148,17 @@ def auto_options(args: argparse.Namespace, quiet: bool = False) -> dict:
     say = (lambda message: None) if quiet else (lambda message: print(f"[auto] {message}", file=sys.stderr,
                                                                        flush=True))
     return {"refresh": bool(getattr(args, "retune", False)), "progress": say}
+
+
+def decoder_config(args: argparse.Namespace, quiet: bool = False) -> DecoderConfig:
+    """The decoder's options from the command line (:class:`dsi.DecoderConfig`), checked before anything loads;
+    the flags' own refusals name the flags. The drafter's vocabulary bridge and the deterministic mode are
+    applied where the models load (:func:`_load`), so they are not repeated here."""
+    return DecoderConfig(
+        method=args.method, lookahead=args.lookahead, max_window=args.max_window, num_target_servers=server_count(args),
+        transport=args.transport, transport_options=transport_options(args), auto_options=auto_options(args, quiet),
+        target_servers=target_servers(args), draft_tree=args.draft_tree, drafter_server=drafter_server(args),
+    )
 
 
 def transport_options(args: argparse.Namespace) -> dict:
@@ -430,10 +442,7 @@ def run_generate(args: argparse.Namespace) -> int:
         from dsi.models.crossvocab import check_mode_sampling
 
         check_mode_sampling(args.vocab_mode, sampling)  # before loading anything
-    urls = target_servers(args)
-    drafter_url = drafter_server(args)
-    servers = server_count(args)
-    placement = transport_options(args)
+    config = decoder_config(args, quiet=args.json)  # every decoder option checked before anything loads
     check_prompt_flags(args)
     target, drafter = _load(args, need_drafter=args.method != "ar")
     ids = _prompt_ids(args, target)
@@ -446,12 +455,7 @@ def run_generate(args: argparse.Namespace) -> int:
             sys.stdout.write(detok.push(tokens))
             sys.stdout.flush()
 
-    decoder = dsi.build_decoder(
-        target=target, drafter=drafter, method=args.method, lookahead=args.lookahead, max_window=args.max_window,
-        num_target_servers=servers, transport=args.transport, transport_options=placement,
-        auto_options=auto_options(args, quiet=args.json), target_servers=urls, draft_tree=args.draft_tree,
-        drafter_server=drafter_url,
-    )
+    decoder = dsi.build_decoder(target=target, drafter=drafter, config=config)
     if decoder.method == "ar" and drafter is not None:  # auto picked non-SI: decode with nothing else loaded
         release(drafter)
         drafter = None

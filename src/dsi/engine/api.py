@@ -15,6 +15,14 @@ from typing import Protocol
 
 from dsi.allocator import tune_allocator
 from dsi.engine.ar import AutoregressiveDecoder
+from dsi.engine.config import (  # noqa: F401 - check_* and DEFAULT_TARGET_SERVERS: the engine's API, kept here
+    DEFAULT_TARGET_SERVERS,
+    ENGINE_METHODS,
+    DecoderConfig,
+    check_draft_tree,
+    check_lookahead,
+    check_placement,
+)
 from dsi.engine.dsi import DSIDecoder
 from dsi.engine.request import Request, TokenCallback
 from dsi.engine.result import GenerationResult
@@ -24,11 +32,10 @@ from dsi.errors import ConfigError, require
 from dsi.logprobs import check_mode
 from dsi.models.base import LanguageModel
 from dsi.models.crossvocab import VOCAB_MODES, bridge_drafter
+from dsi.models.determinism import set_deterministic
 from dsi.sampling import SamplingParams
-from dsi.transport import TRANSPORTS, make_pool
-from dsi.trees import BestFirst, Dynamic, TreeShape, Widths, check_windowed, least_floor, parse_shape
-
-ENGINE_METHODS = ("dsi", "si", "ar")  # what the engine runs; dsi.api adds "auto" (the fastest of them here)
+from dsi.transport import make_pool
+from dsi.trees import least_floor
 
 
 class Decoder(Protocol):
@@ -64,52 +71,6 @@ def check_model(model: object, role: str) -> LanguageModel:
             "wrap a next-token function in dsi.models.CallableLM)"
         )
     return model  # type: ignore[return-value]
-
-
-def check_lookahead(method: str, lookahead: object, max_window: object = None) -> None:
-    """Validate ``lookahead`` (an integer k >= 1, or "auto" for DSI's event-driven windows) and
-    ``max_window`` (None or an integer >= 1, with "auto" only)."""
-    require(
-        (_is_int(lookahead) and lookahead >= 1) or lookahead == "auto",
-        f"lookahead={lookahead!r} must be an integer >= 1 or 'auto' (DSI's event-driven windows)",
-    )
-    if lookahead == "auto" and method == "si":
-        raise ConfigError("lookahead='auto' is DSI's event-driven window policy; SI needs an integer lookahead")
-    if max_window is not None:
-        require(_is_int(max_window) and max_window >= 1, f"max_window={max_window!r} must be None or an integer >= 1")
-        require(lookahead == "auto", f"max_window={max_window!r} applies to lookahead='auto' only "
-                                     f"(lookahead={lookahead!r} sends windows of exactly that many drafts)")
-
-
-def check_placement(num_target_servers: object, transport: object) -> None:
-    """Validate the number of target servers and the transport that runs them."""
-    require(
-        _is_int(num_target_servers) and num_target_servers >= 1,
-        f"num_target_servers={num_target_servers!r} must be an integer >= 1",
-    )
-    require(transport in TRANSPORTS, f"transport={transport!r} must be one of {', '.join(TRANSPORTS)}")
-
-
-DEFAULT_TARGET_SERVERS = 2
-
-
-def check_draft_tree(method: str, draft_tree: object) -> TreeShape:
-    """``draft_tree`` as a shape: None / ``"off"`` (chains), ``"auto"`` (side children where the drafter is
-    unsure), ``"branches"`` (SI: they continue as the drafter's chains), ``"best-first"`` (SI), widths per
-    depth (``"3,2,1"``), or a :class:`~dsi.trees.Widths` /
-    :class:`~dsi.trees.Dynamic` / :class:`~dsi.trees.BestFirst`."""
-    if draft_tree is None or isinstance(draft_tree, Widths | Dynamic | BestFirst):
-        shape = draft_tree
-    elif isinstance(draft_tree, str):
-        shape = parse_shape(draft_tree)
-    else:
-        raise ConfigError(f"draft_tree={draft_tree!r} must be None, 'off', 'auto', 'branches', 'best-first', widths "
-                          "per depth such as '3,2,1', or a dsi.trees.Widths / Dynamic / BestFirst")
-    if shape is not None and method == "ar":
-        raise ConfigError(f"draft_tree={draft_tree!r} needs a drafter: it applies to method 'si' or 'dsi', not 'ar'")
-    if method == "dsi":
-        check_windowed(shape)  # refuses what DSI cannot branch by (widths per depth, branches), naming the shape
-    return shape
 
 
 def engine_placement(target: object, target_servers: object, num_target_servers: object, transport: object,
@@ -164,55 +125,40 @@ def bridge(target: object, drafter: object, vocab_mode: str, target_tokenizer: o
                           target_tokenizer=target_tokenizer, drafter_tokenizer=drafter_tokenizer, merges=merges)
 
 
-def build_decoder(
-    *,
-    target: LanguageModel,
-    drafter: LanguageModel | None = None,
-    method: str = "dsi",
-    lookahead: int | str = 5,
-    num_target_servers: int | None = None,
-    transport: str = "threads",
-    transport_options: dict | None = None,
-    max_window: int | None = None,
-    vocab_mode: str = "auto",
-    target_tokenizer: object = None,
-    drafter_tokenizer: object = None,
-    target_servers: object = None,
-    draft_tree: object = None,
-    drafter_server: str | None = None,
-    merges: int | str = "auto",
-) -> Decoder:
-    """A decoder of ``method`` (``"dsi"``, ``"si"`` or ``"ar"``) that keeps its workers (threads,
-    caches) across requests; ``close()`` it. The arguments are those of :func:`dsi.build_decoder`,
-    which also offers ``method="auto"``."""
-    if method == "auto":
+def build_decoder(*, target: LanguageModel, drafter: LanguageModel | None = None,
+                  config: DecoderConfig | None = None, target_tokenizer: object = None,
+                  drafter_tokenizer: object = None, **options: object) -> Decoder:
+    """A decoder of ``config.method`` (``"dsi"``, ``"si"`` or ``"ar"``) that keeps its workers (threads,
+    caches) across requests; ``close()`` it. ``config`` (a :class:`~dsi.engine.config.DecoderConfig`) with
+    ``options`` (its fields as keyword arguments) applied; :func:`dsi.build_decoder` documents them and also
+    offers ``method="auto"``."""
+    config = DecoderConfig.of(config, options)
+    if config.method == "auto":
         raise ConfigError("method='auto' is chosen above the engine (it measures the engine's methods): "
                           "use dsi.build_decoder or dsi.generate")
-    require(method in ENGINE_METHODS, f"method={method!r} must be one of {', '.join(ENGINE_METHODS)}")
-    require(vocab_mode in VOCAB_MODES, f"vocab_mode={vocab_mode!r} must be one of {', '.join(VOCAB_MODES)}")
-    check_lookahead(method, lookahead, max_window)
-    shape = check_draft_tree(method, draft_tree)
+    method = config.method
     tune_allocator()  # vocabulary-sized laws on fresh heap pages cost as much as their arithmetic
-    drafter = drafter_placement(drafter, drafter_server, method)
+    if config.deterministic is not None:
+        set_deterministic([target, drafter], config.deterministic)
+    drafter = drafter_placement(drafter, config.drafter_server, method)
     if drafter is not None and method != "ar":
-        drafter = bridge(target, drafter, vocab_mode, target_tokenizer, drafter_tokenizer, merges)
-    check_placement(DEFAULT_TARGET_SERVERS if num_target_servers is None else num_target_servers, transport)
+        drafter = bridge(target, drafter, config.vocab_mode, target_tokenizer, drafter_tokenizer, config.merges)
     target, num_target_servers, transport, transport_options = engine_placement(
-        target, target_servers, num_target_servers, transport, transport_options)
+        target, config.target_servers, config.num_target_servers, config.transport, config.transport_options)
     check_placement(num_target_servers, transport)
     target = check_model(target, "target")
     if method == "ar":
         return AutoregressiveDecoder(target)
     if drafter is None:
         raise ConfigError(f"method={method!r} needs a drafter model")
-    shape = priced_shape(shape, target, drafter, transport, transport_options, least_floor(method))
+    shape = priced_shape(config.tree_shape, target, drafter, transport, transport_options, least_floor(method))
     if method == "si":
-        return SpeculativeDecoder(target, drafter, lookahead, shape)
+        return SpeculativeDecoder(target, drafter, config.lookahead, shape)
     options = dict(transport_options or {})
     return DSIDecoder(
-        drafter, lookahead,
+        drafter, config.lookahead,
         lambda on_event: make_pool(transport, target, num_target_servers, on_event, **options),
-        max_window=max_window, target=target, liveness=options.get("liveness"), draft_tree=shape,
+        max_window=config.max_window, target=target, liveness=options.get("liveness"), draft_tree=shape,
     )
 
 

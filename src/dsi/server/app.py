@@ -155,12 +155,9 @@ class ServerState:
         if self.choice is not None:  # method="auto" has chosen: every further slot (and rebuild) is its pick
             return build_chosen_decoder(self.choice, target=self.verifier, drafter=self.drafter,
                                         transport=c.transport, transport_options=self._transport_options())
-        decoder = build_decoder(
-            target=self.verifier, drafter=self.drafter, method=c.method, lookahead=c.lookahead, max_window=c.max_window,
-            num_target_servers=c.num_target_servers, auto_options=c.auto_options, transport=c.transport,
-            transport_options=c.transport_options, target_servers=True if c.target_servers else None,
-            draft_tree=c.draft_tree,
-        )
+        # the drafter was bridged (vocab_mode, merges) and the engines connected once, for every slot
+        decoder = build_decoder(target=self.verifier, drafter=self.drafter, config=c.decoder.replace(
+            vocab_mode="auto", merges="auto", drafter_server=None, target_servers=True if c.target_servers else None))
         self.choice = getattr(decoder, "choice", None)
         if self.choice is not None:
             log.info("method auto picked %s", self.choice.reason)

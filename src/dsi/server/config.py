@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsi.api import METHODS
-from dsi.engine.api import check_draft_tree, check_lookahead
+from dsi.engine.config import DecoderConfig
 from dsi.errors import ConfigError, require
-from dsi.models.crossvocab import VOCAB_MODES, check_merges, check_mode_sampling
+from dsi.models.crossvocab import check_mode_sampling
 from dsi.sampling import SamplingParams
 from dsi.server.limits import DEFAULT_MAX_BODY_BYTES
 from dsi.server.protocol import MAX_SEED
@@ -76,14 +75,8 @@ class ServeConfig:
         def positive_int(v: object) -> bool:
             return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
-        require(self.method in METHODS, f"method={self.method!r} must be one of {', '.join(METHODS)}")
-        check_lookahead(self.method, self.lookahead, self.max_window)
-        check_draft_tree(self.method, self.draft_tree)
-        if self.method == "auto" and self.draft_tree not in (None, "off"):
-            raise ConfigError(f"draft_tree={self.draft_tree!r} with method='auto': the method choice weighs draft trees "
-                              "itself (chains and the trees '2' and 'auto', and picks one); serve with method 'si' "
-                              "or 'dsi' (--method) to choose the tree yourself")
         require(positive_int(self.num_target_servers), f"num_target_servers={self.num_target_servers!r} must be >= 1")
+        self.decoder  # noqa: B018 - the decoder's options, checked by the one object that holds them
         require(positive_int(self.max_concurrent), f"max_concurrent={self.max_concurrent!r} must be an integer >= 1")
         require(isinstance(self.max_queue, int) and self.max_queue >= 0,
                 f"max_queue={self.max_queue!r} must be an integer >= 0")
@@ -94,8 +87,6 @@ class ServeConfig:
         require(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed <= MAX_SEED),
                 f"seed={self.seed!r} must be None or an integer in [0, 2**63 - 1]")
         defaults = SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)  # validates them
-        require(self.vocab_mode in VOCAB_MODES, f"vocab_mode={self.vocab_mode!r} must be one of {', '.join(VOCAB_MODES)}")
-        check_merges(self.merges)
         if self.method != "ar":  # string-level drafting serves greedy requests only: the default must be one
             check_mode_sampling(self.vocab_mode, defaults)
         require(self.logprobs_mode in ("raw", "processed"),
@@ -103,6 +94,15 @@ class ServeConfig:
         require(isinstance(self.max_logprobs, int) and not isinstance(self.max_logprobs, bool)
                 and self.max_logprobs >= -1,
                 f"max_logprobs={self.max_logprobs!r} must be an integer >= 0, or -1 (the whole vocabulary)")
-        require(self.drafter_server is None or self.method != "ar",
-                "drafter_server with method='ar': non-SI drafts nothing; drop the drafter server")
         require(positive_int(self.retry_after_s), f"retry_after_s={self.retry_after_s!r} must be an integer >= 1")
+
+    @property
+    def decoder(self) -> DecoderConfig:
+        """The options of the server's decoders (each slot builds one), as :class:`dsi.DecoderConfig`."""
+        return DecoderConfig(
+            method=self.method, lookahead=self.lookahead, max_window=self.max_window,
+            num_target_servers=self.num_target_servers, transport=self.transport,
+            transport_options=self.transport_options, auto_options=self.auto_options, draft_tree=self.draft_tree,
+            vocab_mode=self.vocab_mode, merges=self.merges, target_servers=self.target_servers,
+            drafter_server=self.drafter_server,
+        )
