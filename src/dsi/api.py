@@ -35,11 +35,11 @@ def build_decoder(*, target: LanguageModel, drafter: LanguageModel | None = None
     naming the known ones. ``DecoderConfig`` documents each. ``target_tokenizer`` / ``drafter_tokenizer``:
     the tokenizers of a drafter of another vocabulary, where the models carry none."""
     config = DecoderConfig.of(config, options)
-    if config.deterministic is not None:
-        set_deterministic([target, drafter], config.deterministic)
     if config.method != "auto":
         return engine.build_decoder(target=target, drafter=drafter, config=config,
                                     target_tokenizer=target_tokenizer, drafter_tokenizer=drafter_tokenizer)
+    if config.deterministic is not None:  # before the choice measures (the engine's builder does it otherwise)
+        set_deterministic([target, drafter], config.deterministic)
     target, num_target_servers, transport, transport_options = engine.engine_placement(
         target, config.target_servers, config.num_target_servers, config.transport, config.transport_options)
     drafter = engine.drafter_placement(drafter, config.drafter_server, config.method)

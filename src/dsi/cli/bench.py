@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         raise ConfigError(f"--scenario {unknown[0]} needs --windows; without it: {', '.join(SCENARIOS)}")
     if args.draft_tree != "off":
-        from dsi.engine.api import check_draft_tree
+        from dsi.engine.config import check_draft_tree
 
         check_draft_tree("dsi", args.draft_tree)  # a shape DSI takes too, before anything runs
     tree = None if args.draft_tree == "off" else args.draft_tree

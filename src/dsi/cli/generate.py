@@ -526,7 +526,7 @@ def run_demo(args: argparse.Namespace) -> int:
     plan = demo_plan(args)
     texts = demo_prompts(args)
     if args.draft_tree != "off":
-        from dsi.engine.api import check_draft_tree
+        from dsi.engine.config import check_draft_tree
 
         check_draft_tree("dsi", args.draft_tree)  # before anything loads: a shape both SI and DSI take
     lookahead = plan.dsi_lookahead or FULL_DEMO.dsi_lookahead  # SI's k

@@ -6,7 +6,8 @@ The engine imports no model backend and no transport other than through their in
 engine's methods. ``method="auto"`` lives above the engine, in :mod:`dsi.api`.
 """
 
-from dsi.engine.api import ENGINE_METHODS, Decoder, build_decoder, make_request
+from dsi.engine.api import Decoder, build_decoder, make_request
+from dsi.engine.config import ENGINE_METHODS
 from dsi.engine.request import GenerationAborted, Request
 from dsi.engine.result import GenerationResult
 from dsi.engine.stats import GenerationStats

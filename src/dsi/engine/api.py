@@ -15,14 +15,7 @@ from typing import Protocol
 
 from dsi.allocator import tune_allocator
 from dsi.engine.ar import AutoregressiveDecoder
-from dsi.engine.config import (  # noqa: F401 - check_* and DEFAULT_TARGET_SERVERS: the engine's API, kept here
-    DEFAULT_TARGET_SERVERS,
-    ENGINE_METHODS,
-    DecoderConfig,
-    check_draft_tree,
-    check_lookahead,
-    check_placement,
-)
+from dsi.engine.config import DEFAULT_TARGET_SERVERS, DecoderConfig, check_placement
 from dsi.engine.dsi import DSIDecoder
 from dsi.engine.request import Request, TokenCallback
 from dsi.engine.result import GenerationResult
@@ -154,11 +147,11 @@ def build_decoder(*, target: LanguageModel, drafter: LanguageModel | None = None
     shape = priced_shape(config.tree_shape, target, drafter, transport, transport_options, least_floor(method))
     if method == "si":
         return SpeculativeDecoder(target, drafter, config.lookahead, shape)
-    options = dict(transport_options or {})
+    pool_options = dict(transport_options or {})
     return DSIDecoder(
         drafter, config.lookahead,
-        lambda on_event: make_pool(transport, target, num_target_servers, on_event, **options),
-        max_window=config.max_window, target=target, liveness=options.get("liveness"), draft_tree=shape,
+        lambda on_event: make_pool(transport, target, num_target_servers, on_event, **pool_options),
+        max_window=config.max_window, target=target, liveness=pool_options.get("liveness"), draft_tree=shape,
     )
 
 

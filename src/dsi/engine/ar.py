@@ -33,12 +33,6 @@ class AutoregressiveDecoder(DecoderLifecycle):
         self._model = target
         self._session = target.new_session()
 
-    def generate(
-        self, request: Request, on_tokens: TokenCallback | None = None, abort: threading.Event | None = None
-    ) -> GenerationResult:
-        with self._turn(abort):
-            return self._generate(request, on_tokens, abort)
-
     def _generate(self, request: Request, on_tokens: TokenCallback | None,
                   abort: threading.Event | None) -> GenerationResult:
         check_request(request, self._model)

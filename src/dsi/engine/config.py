@@ -155,7 +155,8 @@ class DecoderConfig:
         object.__setattr__(self, "tree_shape", check_draft_tree(method, self.draft_tree))
         check_placement(DEFAULT_TARGET_SERVERS if self.num_target_servers is None else self.num_target_servers,
                         self.transport)
-        require(self.vocab_mode in VOCAB_MODES, f"vocab_mode={self.vocab_mode!r} must be one of {', '.join(VOCAB_MODES)}")
+        require(self.vocab_mode in VOCAB_MODES,
+                f"vocab_mode={self.vocab_mode!r} must be one of {', '.join(VOCAB_MODES)}")
         check_merges(self.merges)
         require(self.deterministic is None or isinstance(self.deterministic, bool),
                 f"deterministic={self.deterministic!r} must be None, True or False")
@@ -191,14 +192,10 @@ class DecoderConfig:
         """A copy with ``changes`` (validated as a new config is)."""
         return DecoderConfig.of(self, changes)
 
-    @property
-    def options(self) -> dict[str, Any]:
-        """The transport's options as a fresh dict (empty if none)."""
-        return dict(self.transport_options or {})
-
     def to_dict(self) -> dict[str, Any]:
-        """JSON-safe plain data (a tree shape object as its repr's string form is not kept: use the string
-        forms of ``draft_tree`` where a config must travel)."""
+        """JSON-safe plain data: the fields, a tree shape object as its fields and ``kind`` (its class name),
+        engine URLs as a list (``transport_options`` and ``auto_options`` as given: JSON-safe if their values
+        are)."""
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
         if data["draft_tree"] is not None and not isinstance(data["draft_tree"], str):
             data["draft_tree"] = asdict(data["draft_tree"]) | {"kind": type(data["draft_tree"]).__name__}

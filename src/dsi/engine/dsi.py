@@ -93,8 +93,9 @@ class DSIDecoder(DecoderLifecycle):
     """DSI over ``pool`` (SP target servers) and a drafter thread on ``drafter``.
 
     Build it once and call :meth:`generate` for each request (one request at a time: calls from several
-    threads are serialised, :mod:`dsi.engine.lifecycle`), then :meth:`close`. The pool must have been created with this decoder's :attr:`events`
-    queue's ``put`` as its ``on_event`` callback (see :func:`dsi.engine.api.build_decoder`).
+    threads are serialised, :mod:`dsi.engine.lifecycle`), then :meth:`close`. The pool must have been
+    created with this decoder's :attr:`events` queue's ``put`` as its ``on_event`` callback (see
+    :func:`dsi.engine.api.build_decoder`).
     """
 
     method = "dsi"
@@ -128,12 +129,6 @@ class DSIDecoder(DecoderLifecycle):
         except BaseException:
             self.pool.close()
             raise
-
-    def generate(
-        self, request: Request, on_tokens: TokenCallback | None = None, abort: threading.Event | None = None
-    ) -> GenerationResult:
-        with self._turn(abort):
-            return self._generate(request, on_tokens, abort)
 
     def _generate(self, request: Request, on_tokens: TokenCallback | None,
                   abort: threading.Event | None) -> GenerationResult:

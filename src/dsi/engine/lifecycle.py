@@ -25,11 +25,10 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import numpy as np
-
-from dsi.engine.request import GenerationAborted, Request
+from dsi.engine.request import GenerationAborted, Request, TokenCallback
+from dsi.engine.result import GenerationResult
 from dsi.errors import ConfigError, ContextLengthError, DecoderClosed, DSIError, WorkerError
-from dsi.models.base import context_limit
+from dsi.models.base import check_token_ids, context_limit
 
 _WAIT_POLL_S = 0.05  # how often a call waiting for the decoder looks at its abort flag
 
@@ -38,10 +37,8 @@ def check_request(request: Request, target: object) -> None:
     """Refuse ``request`` before any forward if ``target`` cannot serve it whole: a prompt id outside
     its vocabulary, or a prompt plus ``max_new_tokens`` longer than its declared context."""
     vocab = getattr(target, "vocab_size", None)
-    prompt = np.asarray(request.prompt, dtype=np.int64)
-    if isinstance(vocab, int) and prompt.size and (prompt.min() < 0 or prompt.max() >= vocab):
-        bad = int(prompt[(prompt < 0) | (prompt >= vocab)][0])
-        raise ConfigError(f"the prompt holds token id {bad}, outside the target's vocabulary [0, {vocab})")
+    if isinstance(vocab, int):
+        check_token_ids(request.prompt, vocab, "prompt", "the target")
     limit = context_limit(target)
     if limit is not None and len(request.prompt) + request.max_new_tokens > limit:
         raise ContextLengthError(
@@ -63,8 +60,8 @@ def model_errors(role: str) -> Iterator[None]:
 
 class DecoderLifecycle:
     """One request at a time, and closing once (see the module doc). A decoder calls
-    ``super().__init__()``, runs each ``generate`` / ``score`` inside :meth:`_turn`, and releases its
-    workers in ``_release``."""
+    ``super().__init__()``, runs a request in ``_generate`` (``generate`` gives it its turn) and each
+    ``score`` inside :meth:`_turn`, and releases its workers in ``_release``."""
 
     method: str
 
@@ -93,6 +90,16 @@ class DecoderLifecycle:
         finally:
             self._owner = None
             self._turn_lock.release()
+
+    def generate(self, request: Request, on_tokens: TokenCallback | None = None,
+                 abort: threading.Event | None = None) -> GenerationResult:
+        """Run ``request`` once the decoder is free (:meth:`_generate`, the method's own)."""
+        with self._turn(abort):
+            return self._generate(request, on_tokens, abort)
+
+    def _generate(self, request: Request, on_tokens: TokenCallback | None,
+                  abort: threading.Event | None) -> GenerationResult:
+        raise NotImplementedError
 
     def close(self) -> None:
         """Wait for the running request to end, then release the workers (once)."""

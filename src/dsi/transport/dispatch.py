@@ -37,12 +37,14 @@ MAX_RESTARTS = 5  # replacements of one server id within RESTART_WINDOW_S (witho
 RESTART_WINDOW_S = 10.0
 
 
-def death_note(restart: bool, alive: int, total: int) -> str:
-    """The end of the one log line a pool writes when a server dies: what happens next and what is left."""
+def death_note(restart: bool, alive: int, total: int, restart_dead: bool = True) -> str:
+    """The end of the one log line a pool writes when a server dies: what happens next and what is left
+    (``restart_dead``: the pool's option; off, no server is ever replaced)."""
     if restart:
         return f"; restarting it; {alive} of {total} servers in service or starting"
-    return (f"; not restarted (it died {MAX_RESTARTS} times within {RESTART_WINDOW_S:.0f} s without answering, "
-            f"or the pool is closing); {alive} of {total} servers left")
+    why = (f"it died {MAX_RESTARTS} times within {RESTART_WINDOW_S:.0f} s without answering, or the pool is closing"
+           if restart_dead else "restart_dead is off")
+    return f"; not restarted ({why}); {alive} of {total} servers left"
 
 
 class Dispatcher:

@@ -316,7 +316,7 @@ class RemotePool(DispatchingPool):
                 thread.start()
             self._drain_waiting()
         log.warning("%s target server %d died (%s)%s", self._name, server, error,
-                    death_note(restart, self.alive_servers(), self.num_servers))
+                    death_note(restart, self.alive_servers(), self.num_servers, self._restart_dead))
         for event in [ServerDied(server, error, restart), *events]:
             self._on_event(event)
         if kill:

@@ -223,7 +223,8 @@ class ThreadTargetPool(DispatchingPool):
                 self._generation[server] += 1  # whatever the old thread does next is not reported
             self._drain_waiting()
             left = self._alive()
-        log.error("target server thread %d died (%s)%s", server, error, death_note(restart, left, self.num_servers))
+        note = death_note(restart, left, self.num_servers, self._restart_dead)
+        log.error("target server thread %d died (%s)%s", server, error, note)
         for event in [ServerDied(server, error, restart), *events]:
             self._on_event(event)
 

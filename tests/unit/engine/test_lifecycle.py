@@ -214,8 +214,9 @@ def test_a_hand_built_request_outside_the_vocabulary_is_refused_before_any_forwa
     target = CallableLM(fn, VOCAB)
     drafter = CallableLM(SyntheticDrafter(SyntheticTarget(VOCAB, 0), 0.8, 1), VOCAB)
     with build(method, target, drafter) as decoder:
-        for prompt in [(1, VOCAB), (-1, 2)]:
-            with pytest.raises(ConfigError, match=f"token id {prompt[0] if prompt[0] < 0 else VOCAB}.*vocabulary"):
+        for prompt, message in [((1, VOCAB), rf"prompt\[1\]={VOCAB} is outside the vocabulary \[0, {VOCAB}\)"),
+                                ((-1, 2), rf"prompt\[0\]=-1 is outside the vocabulary \[0, {VOCAB}\)")]:
+            with pytest.raises(ConfigError, match=message):
                 decoder.generate(Request(prompt, 4))
     assert fn.calls == 0
 
