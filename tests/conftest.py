@@ -89,6 +89,7 @@ def exact_sequence_law(model: CallableLM, prompt, length: int, params: SamplingP
                 continue
             context = tuple(prompt) + seq
             p = process_logits(model.next_logits(context), params, Prefix(context, len(prompt), stops))
+            p = p / p.sum(dtype=np.float64)  # the float32 law, summing to 1 in float64 (the expected counts')
             for token in np.flatnonzero(p):
                 nxt[seq + (int(token),)] = prob * p[token]
         law = nxt

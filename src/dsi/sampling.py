@@ -320,6 +320,10 @@ class LazyLaws:
             law = self._laws[j] = _distribution(row, self.params)
         return law
 
+    def prob(self, row: int, token: int) -> float:
+        """The processed law of row ``row`` at ``token``."""
+        return float(self[row][token])
+
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         rows = np.stack([self[j] for j in range(len(self))]) if len(self) else np.empty((0, 0))
         return rows if dtype is None else rows.astype(dtype)
@@ -495,49 +499,59 @@ def _nothing_possible(params: SamplingParams, stop_ids: frozenset[int]) -> Confi
         f"ids {sorted(stop_ids)[:5]}, logit_bias={dict(params.logit_bias)!r}): every logit is -inf")
 
 
-def _distribution(row: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """Temperature, min_p, top-k and top-p of a checked row ``[V]`` (greedy: its one-hot argmax), in float64.
+LAW_DTYPE = np.float32  # processed laws: each probability within float32 rounding of the processed softmax
+# temperatures whose 1 / T is a normal float32 with room to spare (outside: the scaling is done in float64)
+_SCALED_T = (2.0 / float(np.finfo(np.float32).max), 0.5 / float(np.finfo(np.float32).tiny))
 
-    Every step but the first works in place on one float64 array: this runs for every drafted token and
-    every verified row a sampled request reads, over the whole vocabulary, and each fresh vocabulary-sized
-    temporary costs as much as the arithmetic (the allocator maps fresh pages for it). The values are those
-    of the plain expressions (``row / T``, ``scores - scores.max()``, ...): dividing by a positive
-    temperature keeps the order, so the maximum of the quotients is the quotient of the maximum."""
+
+def _distribution(row: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Temperature, min_p, top-k and top-p of a checked row ``[V]`` (greedy: its one-hot argmax): the law as a
+    float32 array (:data:`LAW_DTYPE`) summing to 1 within float32 rounding.
+
+    This runs for every drafted token and every verified row a sampled request reads, over the whole vocabulary,
+    so it is a few passes over one float32 array, in place: the logits shifted by their maximum (in the row's own
+    dtype, then rounded to float32; so the maximum is exactly 0 and nothing overflows), scaled by ``1 / T``, the
+    filters, ``exp`` and the normalisation. A temperature so small (or so large) that ``1 / T`` is no normal
+    float32 divides in float64 instead, which takes the limit (as T goes to 0, every logit below the maximum goes
+    to -inf). Laws are compared and
+    composed in float64 where a decision reads them (:func:`decide`, :func:`residual`, :func:`sample_from`), so
+    the float32 law is the law every method samples from, exactly as the float64 enumeration tests check."""
     top = row.max()
     if top == np.inf:  # the limit as those logits grow: they share the mass equally
         row = np.where(np.isposinf(row), 0.0, -np.inf)
         top = 0.0
     if params.greedy:
-        probs = np.zeros(row.shape, dtype=np.float64)
+        probs = np.zeros(row.shape, dtype=LAW_DTYPE)
         probs[int(np.argmax(row))] = 1.0
         return probs
+    law = np.empty(row.shape, dtype=LAW_DTYPE)  # [V], the one array written below
+    temperature = params.temperature
     with np.errstate(over="ignore", under="ignore"):
-        scores = np.divide(row, params.temperature, dtype=np.float64)  # [V], the one array written below
-        best = scores.max()
-        if not np.isfinite(best):  # overflow: shift first, the maximum becomes exactly 0
-            np.subtract(row, top, out=scores, dtype=np.float64)
-            scores /= params.temperature
-            best = scores.max()
-        if params.min_p > 0.0:  # relative to the most likely token: p < min_p * p_max
-            scores[scores - best < np.log(params.min_p)] = -np.inf  # the maximum stays
-        if params.top_k and params.top_k < scores.size:
-            kth = np.partition(scores, -params.top_k)[-params.top_k]
-            scores[scores < kth] = -np.inf  # ties with the k-th are kept, and so the maximum
-        scores -= best  # <= 0 with 0 at the maximum (a gap past -1.8e308 is -inf)
-        probs = np.exp(scores, out=scores)  # the maximum has 1, so the sum is in [1, V]
-    probs /= probs.sum()
+        np.subtract(row, top, out=law)  # <= 0, exactly 0 at the maximum; a gap beyond float32 is -inf
+        if _SCALED_T[0] <= temperature <= _SCALED_T[1]:
+            if temperature != 1.0:
+                law *= LAW_DTYPE(1.0 / temperature)
+        else:
+            np.divide(law, temperature, out=law, dtype=np.float64)
+        if params.min_p > 0.0:  # relative to the most likely token (at 0): p < min_p * p_max
+            law[law < np.log(params.min_p)] = -np.inf
+        if params.top_k and params.top_k < law.size:
+            kth = np.partition(law, -params.top_k)[-params.top_k]
+            law[law < kth] = -np.inf  # ties with the k-th are kept, and so the maximum
+        np.exp(law, out=law)  # the maximum has 1, so the sum is in [1, V]
+    law /= law.sum()
     if params.top_p < 1.0:
         # most likely first; ordered by the logits themselves, so probabilities that rounding made
         # equal keep the logits' order (the first argmax always comes first and is always kept)
         order = np.argsort(-row, kind="stable")  # [V]
-        cumulative = np.cumsum(probs[order])
+        cumulative = np.cumsum(law[order], dtype=np.float64)
         # keep the smallest prefix whose mass reaches top_p (always at least one token)
         keep_count = int(np.searchsorted(cumulative, params.top_p, side="left")) + 1
-        mask = np.zeros(probs.size, dtype=bool)
+        mask = np.zeros(law.size, dtype=bool)
         mask[order[:keep_count]] = True
-        probs = np.where(mask, probs, 0.0)
-        probs /= probs.sum()
-    return probs
+        law = np.where(mask, law, LAW_DTYPE(0.0))
+        law /= law.sum()
+    return law
 
 
 SAMPLE_BLOCK = 2048  # ids per block of sample_from's two-level search
@@ -547,9 +561,10 @@ def sample_from(probs: np.ndarray, u: float) -> int:
     """Inverse-CDF sample from ``probs`` ([V], non-negative, positive sum) with uniform ``u``.
 
     The cumulative sum is taken in two levels: the masses of blocks of :data:`SAMPLE_BLOCK` ids (summed
-    pairwise, vectorised), then the running sum inside the one block ``u`` lands in. That is the inverse CDF
-    of ``probs`` as a running sum over all ids is (both round each partial sum; they may part only where
-    ``u * total`` falls within rounding of a boundary), at a tenth of the cost over a large vocabulary.
+    pairwise, vectorised, in the law's dtype), then the running sum inside the one block ``u`` lands in, in
+    float64. That is the inverse CDF of ``probs`` as a running sum over all ids is (both round each partial sum;
+    they may part only where ``u * total`` falls within rounding of a boundary), at a tenth of the cost over a
+    large vocabulary.
 
     The token returned always has positive probability. A row with no positive finite mass
     (all zero, negative or NaN entries) raises :class:`ModelError` rather than giving a token.
@@ -560,7 +575,7 @@ def sample_from(probs: np.ndarray, u: float) -> int:
     masses = probs[:whole].reshape(-1, SAMPLE_BLOCK).sum(axis=1)  # [blocks]
     if whole < size:
         masses = np.append(masses, probs[whole:].sum())
-    cdf = np.cumsum(masses)  # [blocks]
+    cdf = np.cumsum(masses, dtype=np.float64)  # [blocks]
     total = cdf[-1]
     if not (np.isfinite(total) and total > 0.0) or (probs < 0.0).any():
         raise ModelError(f"cannot sample from a distribution of total mass {total!r} with "
@@ -569,7 +584,7 @@ def sample_from(probs: np.ndarray, u: float) -> int:
     goal = u * total
     block = min(int(np.searchsorted(cdf, goal, side="right")), cdf.size - 1)
     start = block * SAMPLE_BLOCK
-    inside = np.cumsum(probs[start:start + SAMPLE_BLOCK])  # the block's running sum
+    inside = np.cumsum(probs[start:start + SAMPLE_BLOCK], dtype=np.float64)  # the block's running sum
     before = cdf[block - 1] if block else 0.0
     index = start + min(int(np.searchsorted(inside, goal - before, side="right")), inside.size - 1)
     while probs[index] <= 0.0:  # guard against landing on a zero-mass token by rounding (a positive one is before)
@@ -653,12 +668,85 @@ def decide(
         return Decision(best, best == draft)
     if q is None:
         raise ConfigError("sampling decisions need the drafter distribution q")
-    q_x, p_x = q[draft], p[draft]
-    ratio = p_x / q_x if q_x > 0.0 else (1.0 if p_x > 0.0 else 0.0)
-    if uniform(params.seed, position, Purpose.ACCEPT) < ratio:
+    if accepts(float(p[draft]), float(q[draft]), params, position):
         return Decision(draft, True)
-    correction = sample_from(residual(p, q), uniform(params.seed, position, Purpose.RESIDUAL))
-    return Decision(correction, False)
+    return Decision(correction(p, q, params, position), False)
+
+
+def accepts(p_x: float, q_x: float, params: SamplingParams, position: int) -> bool:
+    """Whether a sampled draft with target probability ``p_x`` and drafter probability ``q_x`` is accepted at
+    absolute ``position``: its ACCEPT uniform below ``min(1, p_x / q_x)``, in float64 whatever the laws' dtype
+    (a draft the drafter could not have drawn, ``q_x == 0``, is accepted iff ``p_x > 0``). A function of the two
+    numbers, the seed and the position only: a target server decides it as the engine does
+    (:func:`read_chain_laws`)."""
+    ratio = p_x / q_x if q_x > 0.0 else (1.0 if p_x > 0.0 else 0.0)
+    return uniform(params.seed, position, Purpose.ACCEPT) < ratio
+
+
+def correction(p: np.ndarray, q: np.ndarray, params: SamplingParams, position: int) -> int:
+    """The correction token at absolute ``position`` after a rejection: a draw from :func:`residual`."""
+    return sample_from(residual(p, q), uniform(params.seed, position, Purpose.RESIDUAL))
+
+
+def decide_row(laws, row: int, draft: int, q: np.ndarray | None, params: SamplingParams, position: int) -> Decision:
+    """:func:`decide` on row ``row`` of a verification's sampled ``laws`` (``[n, V]`` laws, a :class:`LazyLaws` or
+    a :class:`ReadLaws`), reading the row's whole law only at a rejection (its residual)."""
+    if q is None:
+        raise ConfigError("sampling decisions need the drafter distribution q")
+    prob = getattr(laws, "prob", None)
+    p_x = prob(row, draft) if prob is not None else float(laws[row][draft])
+    if accepts(p_x, float(q[draft]), params, position):
+        return Decision(int(draft), True)
+    return Decision(correction(laws[row], q, params, position), False)
+
+
+@dataclass(frozen=True)
+class ReadLaws:
+    """A sampled chain verification's rows as the decisions read them, taken where the rows are
+    (:func:`read_chain_laws`): ``accept_probs[j]``, the target's probability of the draft row ``j`` compares, for
+    the rows up to the first rejected draft; and the whole laws the decisions may read: the rejected row's (its
+    residual) or, when every draft is accepted, the last row's (its draft was not drafted yet: its decision or
+    bonus draw needs the law). Rows after a rejection are never read (the rejection restarts the drafts), so a
+    remote server sends at most one law instead of ``n``."""
+
+    num_rows: int
+    accept_probs: np.ndarray  # [m] float64, m <= num_rows - 1
+    laws: dict[int, np.ndarray]  # row -> its law [V] (LAW_DTYPE)
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    def prob(self, row: int, token: int) -> float:
+        """The target's probability of ``token`` at ``row``."""
+        if row < len(self.accept_probs):
+            return float(self.accept_probs[row])
+        return float(self[row][token])
+
+    def __getitem__(self, row: int) -> np.ndarray:
+        law = self.laws.get(int(row))
+        if law is None:
+            raise ModelError(f"row {row} of a {self.num_rows}-row verification was not read by its target server "
+                             f"(it sent rows {sorted(self.laws)}): the engine and the server disagree on a decision")
+        return law
+
+
+def read_chain_laws(laws: LazyLaws, context: Sequence[int], draft_probs: Sequence[float],
+                    params: SamplingParams) -> ReadLaws:
+    """What the decisions need of a sampled chain verification's ``laws`` (rows following ``context[:len - n + 1 +
+    j]``): row ``j < n - 1`` compares the draft ``context[len - n + 1 + j]``, whose drafter probability is
+    ``draft_probs[j]``; each is decided here (:func:`accepts`, the engine's own test on the same numbers) up to
+    the first rejection. See :class:`ReadLaws`."""
+    n = len(laws)
+    if len(draft_probs) != n - 1:
+        raise ConfigError(f"{n} rows compare {n - 1} drafts; got {len(draft_probs)} drafter probabilities")
+    first = len(context) - n + 1  # the absolute position row 0 decides
+    probs = np.empty(n - 1, dtype=np.float64)
+    for j, q_x in enumerate(draft_probs):
+        draft = int(context[first + j])
+        probs[j] = p_x = float(laws[j][draft])
+        if not accepts(p_x, float(q_x), params, first + j):
+            return ReadLaws(n, probs[: j + 1], {j: laws[j]})
+    return ReadLaws(n, probs, {n - 1: laws[n - 1]})
 
 
 def bonus(p: np.ndarray, params: SamplingParams, position: int) -> int:

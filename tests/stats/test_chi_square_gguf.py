@@ -45,6 +45,7 @@ def exact_law(model, prompt, params) -> dict:
                 session.truncate(0)
                 context = list(prompt) + list(seq)
                 p = process_logits(session.extend(context)[-1], params, Prefix(context, len(prompt)))
+                p = p / p.sum(dtype=np.float64)  # the float32 law, summing to 1 in float64 (the expected counts')
                 for token in np.flatnonzero(p):
                     nxt[seq + (int(token),)] = prob * p[token]
             law = nxt

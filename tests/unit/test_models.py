@@ -192,3 +192,35 @@ def test_callable_sessions_take_numpy_ids_and_check_lengths():
 def test_synthetic_pair_refuses_what_would_fail_later(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         synthetic_pair(**kwargs)
+
+
+def test_a_latency_session_reads_rows_within_its_forward_and_a_plain_session_after_it():
+    """extend_rows' ``read``: a latency model runs it inside its forward (a cancel set by the read stops the
+    forward, which leaves the session as it was); any other session reads the finished forward's rows."""
+    import threading
+
+    from dsi.errors import TaskCancelled
+    from dsi.models.base import extend_rows
+    from dsi.models.latency import WithLatency
+    from dsi.models.synthetic import synthetic_pair
+
+    target, _ = synthetic_pair(0.5, vocab_size=16)
+    plain = target.new_session()
+    want = np.argmax(plain.extend([1, 2, 3]), axis=1)
+    plain.truncate(0)
+    assert extend_rows(plain, [1, 2, 3], None, 2, True, read=lambda ids: ids.tolist()) == want[1:].tolist()
+    timed = WithLatency(target, 0.0, 0.0).new_session()
+    assert extend_rows(timed, [1, 2, 3], None, 3, False, read=lambda rows: rows.shape) == (3, 16)
+    cancel = threading.Event()
+
+    def read_then_cancel(rows):
+        cancel.set()  # as if a rejection came while the forward's result was being read
+        return rows
+
+    with pytest.raises(TaskCancelled):
+        extend_rows(timed, [4, 5], cancel, 1, True, read=read_then_cancel)
+    assert timed.tokens == (1, 2, 3)  # restored
+    cancel.clear()
+    plain.truncate(3)
+    assert extend_rows(plain, [4, 5], cancel, 1, True, read=read_then_cancel) is not None  # read after: no cancel
+    assert plain.tokens == (1, 2, 3, 4, 5)

@@ -233,3 +233,45 @@ def test_choice_seeds_keep_choice_zero_and_give_the_others_their_own():
     assert len(seeds) == 3 * 49 and all(0 <= x < 2**63 for x in seeds)
     assert choice_seed(7, 1) != 8 and choice_seed(7, 1) == choice_seed(7, 1)
     SamplingParams(seed=choice_seed(2**63 - 1, 3))  # a valid seed
+
+
+def test_a_server_decides_a_chain_as_the_engine_does_and_sends_back_one_law():
+    """read_chain_laws (a target server's side) against decide on every row's full law (the engine's side): the
+    same decisions, in order, up to the first rejection; only the law a decision reads travels."""
+    from dsi.errors import ModelError
+    from dsi.sampling import LazyLaws, ReadLaws, decide_row, read_chain_laws
+
+    vocab, n, prompt = 40, 5, (3, 1)
+    branches = set()
+    for trial in range(60):
+        rng = np.random.default_rng(trial)
+        params = SamplingParams(temperature=0.9, seed=trial)
+        drafts = [int(t) for t in rng.integers(0, vocab, n - 1)]
+        context = prompt + tuple(drafts)
+        logits = rng.normal(0.0, 1.0, (n, vocab)).astype(np.float32)
+        qs = [rng.dirichlet(np.full(vocab, 0.5)).astype(np.float32) for _ in drafts]
+        laws = LazyLaws.of_chain(logits, params, context, len(prompt))
+        read = read_chain_laws(laws, context, [float(q[x]) for q, x in zip(qs, drafts)], params)
+        assert isinstance(read, ReadLaws) and len(read) == n and len(read.laws) == 1
+        first = len(context) - n + 1
+        for j, (x, q) in enumerate(zip(drafts, qs)):
+            want = decide(laws[j], x, q, params, first + j)
+            assert decide_row(read, j, x, q, params, first + j) == want
+            if not want.accepted:
+                assert set(read.laws) == {j} and len(read.accept_probs) == j + 1
+                branches.add("rejected")
+                break
+        else:
+            assert set(read.laws) == {n - 1}  # every draft accepted: the last row's law, for its decision or bonus
+            assert bonus(read[n - 1], params, len(context)) == bonus(laws[n - 1], params, len(context))
+            branches.add("all accepted")
+    assert branches == {"rejected", "all accepted"}
+    # an engine that decides otherwise than its server (here: rejects where the server accepted) is told so
+    logits = np.zeros((2, vocab), dtype=np.float32)
+    laws = LazyLaws.of_chain(logits, SamplingParams(temperature=1.0), (0, 7), 1)
+    read = read_chain_laws(laws, (0, 7), [1.0 / vocab], SamplingParams(temperature=1.0))  # p == q: accepted
+    assert set(read.laws) == {1}
+    with pytest.raises(ModelError, match="was not read by its target server"):
+        read[0]
+    with pytest.raises(ConfigError, match="2 rows compare 1 drafts; got 2"):
+        read_chain_laws(laws, (0, 7), [0.1, 0.2], SamplingParams(temperature=1.0))

@@ -1,5 +1,6 @@
 """The law and the draw over a whole vocabulary, computed in place and in two levels (dsi.sampling), against
-the plain expressions they replace: bitwise the same laws, the same tokens."""
+the plain expressions they replace: bitwise the same laws, the same tokens; and the float32 law against the
+float64 softmax it rounds."""
 
 from __future__ import annotations
 
@@ -11,35 +12,45 @@ from dsi.sampling import SAMPLE_BLOCK, SamplingParams, _distribution, process_lo
 
 
 def plain_distribution(row: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """The law as plain numpy expressions, each a fresh array (what _distribution computed before)."""
-    row = np.asarray(row, dtype=np.float64)
+    """The float32 law as plain numpy expressions, each a fresh array."""
+    row = np.asarray(row)
     if np.isposinf(row).any():
         row = np.where(np.isposinf(row), 0.0, -np.inf)
     if params.greedy:
-        probs = np.zeros_like(row)
+        probs = np.zeros(row.shape, dtype=np.float32)
         probs[int(np.argmax(row))] = 1.0
         return probs
     with np.errstate(over="ignore", under="ignore"):
-        scores = row / params.temperature
-        if not np.isfinite(scores.max()):
-            scores = (row - row.max()) / params.temperature
+        shifted = (row - row.max()).astype(np.float32)
+        if 1.0 / params.temperature <= np.finfo(np.float32).max:
+            scores = shifted * np.float32(1.0 / params.temperature) if params.temperature != 1.0 else shifted
+        else:
+            scores = (shifted.astype(np.float64) / params.temperature).astype(np.float32)
         if params.min_p > 0.0:
-            scores = np.where(scores - scores.max() < np.log(params.min_p), -np.inf, scores)
+            scores = np.where(scores < np.log(params.min_p), np.float32(-np.inf), scores)
         if params.top_k and params.top_k < scores.size:
             kth = np.partition(scores, -params.top_k)[-params.top_k]
-            scores = np.where(scores < kth, -np.inf, scores)
-        scores = scores - scores.max()
+            scores = np.where(scores < kth, np.float32(-np.inf), scores)
         probs = np.exp(scores)
-    probs /= probs.sum()
+    probs = probs / probs.sum()
     if params.top_p < 1.0:
         order = np.argsort(-row, kind="stable")
-        cumulative = np.cumsum(probs[order])
+        cumulative = np.cumsum(probs[order].astype(np.float64))
         keep_count = int(np.searchsorted(cumulative, params.top_p, side="left")) + 1
         mask = np.zeros(probs.size, dtype=bool)
         mask[order[:keep_count]] = True
-        probs = np.where(mask, probs, 0.0)
-        probs /= probs.sum()
+        probs = np.where(mask, probs, np.float32(0.0))
+        probs = probs / probs.sum()
     return probs
+
+
+def float64_softmax(row: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """The processed law in float64 (temperature and min_p only), as a reference for the float32 one."""
+    scores = (np.asarray(row, dtype=np.float64) - np.max(row)) / params.temperature
+    if params.min_p > 0.0:
+        scores = np.where(scores < np.log(params.min_p), -np.inf, scores)
+    probs = np.exp(scores)
+    return probs / probs.sum()
 
 
 def running_sum_draw(probs: np.ndarray, u: float) -> int:
@@ -76,6 +87,23 @@ def test_the_in_place_law_is_bitwise_the_plain_one(params, dtype):
         edge[:2] = np.inf  # +inf logits share the mass
         edge[5] = -np.inf
         assert np.array_equal(_distribution(edge, params), plain_distribution(edge, params))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.7, seed=1), SamplingParams(temperature=1.0, seed=1),
+                                    SamplingParams(temperature=0.9, seed=1, min_p=0.05)], ids=repr)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_float32_law_is_the_float64_softmax_within_float32_rounding(params, dtype):
+    rng = np.random.default_rng(11)
+    for size in (5, 4096, 151_936):
+        row = (rng.standard_normal(size) * 3).astype(dtype)
+        law, exact = _distribution(row, params), float64_softmax(row, params)
+        assert law.dtype == np.float32
+        assert np.array_equal(law > 0, exact > 0)  # the same support
+        big = exact > 1e-30  # float32's normal range (smaller ones may round to subnormals)
+        # float32 rounds the exponent's argument: a relative error of about 2**-24 * |log p| (and a few ulps)
+        bound = (8 + np.abs(np.log(exact[big]))) * 2.0 ** -23
+        assert (np.abs(law[big] - exact[big]) <= bound * exact[big]).all()
+        assert abs(float(law.sum(dtype=np.float64)) - 1.0) < 1e-5
 
 
 def test_the_in_place_law_leaves_the_callers_row_alone():

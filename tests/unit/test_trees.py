@@ -281,8 +281,11 @@ def _law(prefix, salt, vocab, params):
 @functools.lru_cache(maxsize=None)
 def _cached_law(prefix: tuple[int, ...], salt: bytes, vocab: int, params: SamplingParams) -> np.ndarray:
     """A law is a function of its arguments, and the enumerations below ask for the same ones millions of
-    times: each computed once, read-only (a caller that wrote into one would fail)."""
+    times: each computed once, read-only (a caller that wrote into one would fail). Widened to float64 and
+    normalised there: the enumerations check that the decisions compose laws exactly, to float64 rounding (the
+    engine's float32 laws sum to 1 within their own rounding: dsi.sampling.LAW_DTYPE)."""
     law = process_logits(_logits(prefix, salt, vocab), params, Prefix(list(prefix), len(PROMPT)))
+    law = law / law.sum(dtype=np.float64)
     law.flags.writeable = False
     return law
 

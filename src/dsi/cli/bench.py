@@ -11,6 +11,7 @@ from dsi.errors import ConfigError
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from dsi.evaluate.bench import POLICY_SCENARIOS, SCENARIOS
+    from dsi.evaluate.gpu_class import GPU_SCENARIOS, REQUESTS, TRANSPORTS
 
     p = subparsers.add_parser(
         "bench",
@@ -19,11 +20,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "reports median wall times, speedups and DSI's wall time against the ideal.",
     )
     p.add_argument(
-        "--scenario", action="append", choices=sorted(POLICY_SCENARIOS), metavar="NAME",
+        "--scenario", action="append", choices=sorted([*POLICY_SCENARIOS, *GPU_SCENARIOS]), metavar="NAME",
         help="scenario to run (repeatable; default: all of the mode's). Without --windows one of: "
              f"{', '.join(SCENARIOS)}; with --windows also: "
-             f"{', '.join(n for n in POLICY_SCENARIOS if n not in SCENARIOS)}",
+             f"{', '.join(n for n in POLICY_SCENARIOS if n not in SCENARIOS)}; with --gpu-class: "
+             f"{', '.join(GPU_SCENARIOS)}",
     )
+    p.add_argument("--gpu-class", action="store_true",
+                   help="the engine at accelerator forward times (target / drafter ms in the scenario's name) over "
+                        "a 152,064-token vocabulary whose forwards cost the host next to nothing: non-SI, SI (k=4) "
+                        "and DSI (lookahead auto, SP=4) against the event simulator's ideal for each run's own "
+                        "accept pattern, per --transport and --request, with DSI's host CPU time per token split "
+                        "into engine, transport and servers (docs/benchmarks.md)")
+    p.add_argument("--transport", action="append", choices=TRANSPORTS, metavar="NAME", dest="transports",
+                   help=f"with --gpu-class: DSI's transport (repeatable; one of {', '.join(TRANSPORTS)}; "
+                        "default threads and processes)")
+    p.add_argument("--request", action="append", choices=list(REQUESTS), metavar="KIND",
+                   help="with --gpu-class: greedy or sampled (T=0.7, seed 1) requests (repeatable; default both)")
     p.add_argument("--windows", action="store_true",
                    help="compare DSI's window policies instead: every fixed k in 1..10 and event-driven "
                         "windows (--lookahead auto), with the best fixed k and k = 5 as references")
@@ -45,7 +58,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _collect(args: argparse.Namespace, scenarios: dict, runner, runs_per_scenario: int, desc: str) -> dict | None:
+def _collect(args: argparse.Namespace, scenarios: dict, runner, runs_per_scenario: int, desc: str,
+             extra_rounds: int = 0) -> dict | None:
     """Run ``runner`` on the chosen scenarios with a progress bar; write --out; print --json.
     Returns the report for the table, or None when it was printed as JSON."""
     from tqdm import tqdm
@@ -54,7 +68,7 @@ def _collect(args: argparse.Namespace, scenarios: dict, runner, runs_per_scenari
     from dsi.cli.output import dumps, print_json
 
     names = args.scenario or list(scenarios)
-    bar = tqdm(total=len(names) * args.repeats * runs_per_scenario, desc=desc, unit="run", file=sys.stderr,
+    bar = tqdm(total=len(names) * (args.repeats + extra_rounds) * runs_per_scenario, desc=desc, unit="run", file=sys.stderr,
                disable=args.no_progress or args.json)
     rows = []
     try:
@@ -76,6 +90,10 @@ def run(args: argparse.Namespace) -> int:
     from dsi.evaluate.bench import SCENARIOS, run_scenario
     from dsi.cli.output import format_table
 
+    if args.gpu_class:
+        return run_gpu_class(args)
+    if args.transports or args.request:
+        raise ConfigError("--transport and --request go with --gpu-class")
     if args.windows:
         if args.draft_tree != "off":
             raise ConfigError(f"--draft-tree={args.draft_tree} compares trees with chains at each scenario's k; "
@@ -169,4 +187,44 @@ def run_windows(args: argparse.Namespace) -> int:
     print(format_table(headers, table))
     print(f"\n{args.tokens} new tokens, median of {args.repeats} runs per policy; auto = event-driven windows; "
           "window: its mean drafts per window; ideal: the event simulator's time for the same policy and pattern.")
+    return 0
+
+
+def run_gpu_class(args: argparse.Namespace) -> int:
+    from functools import partial
+
+    from dsi.cli.output import format_table
+    from dsi.evaluate.gpu_class import GPU_SCENARIOS, run_gpu_scenario
+
+    if args.windows or args.draft_tree != "off" or args.target_servers or args.drafter_server:
+        raise ConfigError("--gpu-class runs its own scenarios on chains in this process: drop --windows, "
+                          "--draft-tree, --target-servers and --drafter-server")
+    unknown = [n for n in args.scenario or [] if n not in GPU_SCENARIOS]
+    if unknown:
+        raise ConfigError(f"--scenario {unknown[0]} is not a --gpu-class scenario: {', '.join(GPU_SCENARIOS)}")
+    transports = list(dict.fromkeys(args.transports or ["threads", "processes"]))
+    requests = list(dict.fromkeys(args.request or ["greedy", "sampled"]))
+    runner = partial(run_gpu_scenario, transports=transports, requests=requests)
+    report = _collect(args, GPU_SCENARIOS, lambda *a, **kw: {"rows": runner(*a, **kw)},
+                      runs_per_scenario=len(requests) * (2 + len(transports)), desc="bench --gpu-class",
+                      extra_rounds=1)  # a warm-up round
+    if report is None:
+        return 0
+    headers = ["scenario", "request", "transport", "non-SI/ideal", "SI/ideal", "DSI/ideal", "DSI/SI", "ideal DSI/SI",
+               "engine ms/tok", "transport ms/tok", "servers ms/tok", "same"]
+    table = []
+    for scenario in report["results"]:
+        for r in scenario["rows"]:
+            host = r["host_ms_per_token"] or {}
+            table.append([
+                r["scenario"]["name"], r["request"], r["transport"], f"{r['ar_over_ideal']:.3f}",
+                f"{r['si_over_ideal']:.3f}", f"{r['dsi_over_ideal']:.3f}", f"{r['dsi_over_si']:.2f}",
+                f"{r['ideal_dsi_over_si']:.2f}",
+                *(f"{host[part]:.3f}" if part in host else "n/a" for part in ("engine", "transport", "servers")),
+                "yes" if r["identical_outputs"] else "NO",
+            ])
+    print(format_table(headers, table))
+    print(f"\n{args.tokens} new tokens, median of {args.repeats} runs per method after a warm-up; X/ideal: wall time "
+          "over the event simulator's for the run's own accept pattern (1.0 = no host cost); ms/tok: DSI's host CPU "
+          "time per token by part (Linux).")
     return 0

@@ -46,19 +46,27 @@ class AutoregressiveDecoder(DecoderLifecycle):
             task = request.verify_task(0, out.tokens, 1)
             start = time.perf_counter()
             # an argmax id where greedy decoding reads the raw row (and no logprobs); else the row [1, V]
+            position = len(out.tokens)
+
+            def read(rows: np.ndarray, task=task, position=position) -> tuple[int, object]:
+                """The token and its logprob row from the forward's row (within the forward where the session
+                can: :func:`dsi.models.base.extend_rows`)."""
+                tokens, probs, logprobs = read_rows(rows, task)
+                token = int(tokens[0]) if probs is None else bonus(probs[0], request.sampling, position)
+                return token, None if logprobs is None else logprobs[0]
+
             with model_errors("target"):
-                rows = forward_rows(self._session, task.context, 1, greedy=task.ids_only, top=task.row_top)
+                got = forward_rows(self._session, task.context, 1, greedy=task.ids_only, top=task.row_top,
+                                   read=None if task.ids_only else read)
             elapsed = time.perf_counter() - start
             stats.target_busy_s += elapsed
             stats.completed_target_s += elapsed
             stats.target_forwards += 1
             stats.completed_target_forwards += 1
             if task.ids_only:
-                out.commit(int(rows[-1]))
+                out.commit(int(got[-1]))
             else:
-                tokens, probs, logprobs = read_rows(rows, task)
-                token = int(tokens[0]) if probs is None else bonus(probs[0], request.sampling, len(out.tokens))
-                out.commit(token, None if logprobs is None else logprobs[0])
+                out.commit(*got)
             stats.bonus_tokens += 1
         return GenerationResult(out.finalize(), stats, out.logprobs)
 

@@ -283,18 +283,21 @@ class DraftWorker:
                 # argmax ids only (taken where the logits are) where greedy decoding reads raw rows, and
                 # no tree asks for the likeliest tokens
                 ids_only = drafts_ids_only(self._model, params) and not job.alternatives
-                out = self._forward(lambda: forward_rows(session, job.context, 1, cancel, greedy=ids_only)[-1])
                 drafted: list[int] = []
+
+                def draw(rows: np.ndarray) -> tuple[int, np.ndarray | None, tuple[int, ...]]:
+                    """The next draft from a forward's last row (run within the forward where the session can:
+                    :func:`dsi.models.base.extend_rows`'s ``read``): after ``drafted``, at its position."""
+                    if ids_only:
+                        return int(rows[-1]), None, ()
+                    prefix = Prefix((*job.context, *drafted), job.prompt_len, job.eos_token_ids)
+                    return _draft_at(rows[-1], job, len(job.context) + len(drafted), prefix)
+
+                drawn = self._forward(lambda: forward_rows(session, job.context, 1, cancel, greedy=ids_only, read=draw))
                 steps: tuple[SideStep, ...] = ()
                 chains: dict[tuple[int, int], list[int]] = {}  # (draft index, side child) -> the chain after it
                 while True:
-                    position = len(job.context) + count
-                    sides: tuple[int, ...] = ()
-                    if ids_only:
-                        token, q = int(out), None
-                    else:
-                        prefix = Prefix((*job.context, *drafted), job.prompt_len, job.eos_token_ids)
-                        token, q, sides = _draft_at(out, job, position, prefix)
+                    token, q, sides = drawn
                     drafted.append(token)
                     if cancel.is_set():
                         raise TaskCancelled("drafts abandoned")
@@ -309,8 +312,9 @@ class DraftWorker:
                         out, steps = self._forward(lambda: self._with_chains(session, job, drafted, chains, growing))
                         for step in steps:
                             chains[(step.root, step.side)].append(step.token)
+                        drawn = draw(out[None])
                     else:
-                        out = self._forward(lambda: extend_rows(session, [token], cancel, 1, ids_only)[-1])
+                        drawn = self._forward(lambda: extend_rows(session, [token], cancel, 1, ids_only, read=draw))
                         steps = ()
         except ContextLengthError as exc:  # a declared limit reached: no more drafts, not a failure
             log.debug("drafter stopped after %d drafts at its context limit: %s", count, exc)

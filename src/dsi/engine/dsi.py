@@ -58,7 +58,7 @@ from dsi.engine.stats import GenerationStats
 from dsi.engine.trees import ranking_floor, request_shape, row_of, side_count
 from dsi.errors import ConfigError, TaskCancelled, WorkerError
 from dsi.models.base import LanguageModel, check_sampling, counter_changes
-from dsi.sampling import SamplingParams, bonus, decide, decide_greedy
+from dsi.sampling import SamplingParams, bonus, decide_greedy, decide_row
 from dsi.transport.base import ServerDied, TargetPool, TaskAborted, TaskFailed, TaskResult, VerifyTask
 from dsi.transport.liveness import LivenessPolicy
 from dsi import trees as tree_shapes
@@ -455,7 +455,12 @@ class _DSIRun:
         if self.decoder.trace is not None:
             self.decoder.trace.append(("submit", task_id, context))
         if tree is None:
-            self.pool.submit(self.request.verify_task(task_id, context, last - first + 1))
+            draft_probs = None
+            laws = self.qs[first:last]
+            if self.request.decided_remotely and all(q is not None for q in laws):
+                # each draft's drafter probability: the server decides them, and sends back one law, not n
+                draft_probs = [float(q[self.draft[r]]) for r, q in enumerate(laws, start=first)]
+            self.pool.submit(self.request.verify_task(task_id, context, last - first + 1, draft_probs=draft_probs))
         else:
             self.stats.extra["tree_windows"] = self.stats.extra.get("tree_windows", 0) + 1
             self.stats.extra["tree_side_nodes"] = self.stats.extra.get("tree_side_nodes", 0) + len(window.side_rows)
@@ -576,7 +581,7 @@ class _DSIRun:
                 if params.greedy:
                     decision = decide_greedy(result.tokens[row], self.draft[r])
                 else:
-                    decision = decide(result.probs[row], self.draft[r], self.qs[r], params, position)
+                    decision = decide_row(result.probs, row, self.draft[r], self.qs[r], params, position)
                 token, accepted = decision.token, decision.accepted
                 self.commit(token, result, row)
                 self.decoder.pacer.add_decision(accepted)

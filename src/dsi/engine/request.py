@@ -49,11 +49,19 @@ class Request:
     logprobs_mode: str = "raw"  # their distribution: "raw" or "processed" (dsi.logprobs)
 
     def verify_task(self, task_id: int, context: Sequence[int], num_rows: int,
-                    tree: DraftTree | None = None) -> VerifyTask:
+                    tree: DraftTree | None = None, draft_probs: Sequence[float] | None = None) -> VerifyTask:
         """The task of scoring the last ``num_rows`` positions of ``context`` for this request (its
-        sampling, prompt length, stop ids and logprobs mode): what a target server, SI or non-SI runs."""
+        sampling, prompt length, stop ids and logprobs mode): what a target server, SI or non-SI runs.
+        ``draft_probs``: see :class:`~dsi.transport.base.VerifyTask` (sampled chain tasks without logprobs)."""
         return VerifyTask(task_id, tuple(context), num_rows, self.sampling, len(self.prompt), self.eos_token_ids,
-                          None if self.logprobs is None else self.logprobs_mode, tree)
+                          None if self.logprobs is None else self.logprobs_mode, tree,
+                          None if draft_probs is None else tuple(float(x) for x in draft_probs))
+
+    @property
+    def decided_remotely(self) -> bool:
+        """Whether a chain verification of this request may be decided on its target server (sampled, and no
+        logprobs, which need every row): its tasks then carry their drafts' drafter probabilities."""
+        return not self.sampling.greedy and self.logprobs is None
 
     def tree_task(self, task_id: int, prefix: Sequence[int], tree: DraftTree) -> VerifyTask:
         """The task of scoring the draft ``tree`` after ``prefix`` (its ``1 + len(tree)`` rows) for this request."""

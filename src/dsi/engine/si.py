@@ -37,7 +37,7 @@ from dsi.models.base import (
     session_counters,
 )
 from dsi.models.determinism import start_fresh_unless_deterministic
-from dsi.sampling import bonus, decide, decide_greedy, draft_from_logits
+from dsi.sampling import bonus, decide_greedy, decide_row, draft_from_logits
 from dsi.transport.base import TaskResult, VerifyTask
 from dsi.transport.server import run_verify_task
 from dsi.trees import TreeShape, grow
@@ -92,13 +92,17 @@ class SpeculativeDecoder(DecoderLifecycle):
             drafts, qs, limited = self._draft(base, count, request, stats)
             if limited or count < wanted:
                 stats.extra["drafter_context_limited"] = stats.extra.get("drafter_context_limited", 0) + 1
-            result = self._verify(request.verify_task(0, base + tuple(drafts), len(drafts) + 1), stats)
+            # sampled: the drafts' drafter probabilities go with the task, decided with the forward (read_chain_laws)
+            draft_probs = ([float(q[x]) for x, q in zip(drafts, qs, strict=True)]
+                           if request.decided_remotely else None)
+            result = self._verify(request.verify_task(0, base + tuple(drafts), len(drafts) + 1,
+                                                      draft_probs=draft_probs), stats)
             logprobs = result.logprobs
             for i, x in enumerate(drafts):
                 if params.greedy:
                     decision = decide_greedy(result.tokens[i], x)
                 else:
-                    decision = decide(result.probs[i], x, qs[i], params, len(out.tokens))
+                    decision = decide_row(result.probs, i, x, qs[i], params, len(out.tokens))
                 out.commit(decision.token, None if logprobs is None else logprobs[i])
                 if decision.accepted:
                     stats.accepted_tokens += 1
@@ -177,19 +181,23 @@ class SpeculativeDecoder(DecoderLifecycle):
             with model_errors("drafter"):  # (its context limit and DraftUnavailable pass through)
                 stats.drafter_forwards += 1
                 ids_only = drafts_ids_only(self._drafter_model, params)
-                out = forward_rows(self._drafter, base, 1, greedy=ids_only)[-1]  # an id, or a row [V]
-                while True:
+
+                def draw(rows: np.ndarray) -> tuple[int, np.ndarray | None]:
+                    """The next draft from the forward's last row (within the forward where the session can)."""
                     if ids_only:
-                        token, q = int(out), None
-                    else:
-                        context = base + tuple(drafts)
-                        token, q = draft_from_logits(out, params, len(context), request.prefix(context))
+                        return int(rows[-1]), None
+                    context = base + tuple(drafts)
+                    return draft_from_logits(rows[-1], params, len(context), request.prefix(context))
+
+                drawn = forward_rows(self._drafter, base, 1, greedy=ids_only, read=draw)
+                while True:
+                    token, q = drawn
                     drafts.append(token)
                     qs.append(q)
                     if len(drafts) >= count or token in request.eos_token_ids:
                         break
                     stats.drafter_forwards += 1
-                    out = extend_rows(self._drafter, [token], None, 1, ids_only)[-1]
+                    drawn = extend_rows(self._drafter, [token], None, 1, ids_only, read=draw)
         except ContextLengthError:  # the drafter's declared limit: no more drafts this iteration
             limited = True
         except DraftUnavailable:  # nothing to propose here (a drafter of another vocabulary): no more drafts now

@@ -33,7 +33,7 @@ This module knows nothing about torch, sampling or the algorithm.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence, Set
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -215,29 +215,36 @@ def extend_rows(
     num_rows: int | None = None,
     greedy: bool = False,
     top: int | None = None,
-) -> np.ndarray:
+    read: Callable[[np.ndarray], Any] | None = None,
+) -> Any:
     """``session.extend(tokens, cancel)``, keeping only what the caller will read.
 
     Returns the last ``num_rows`` (default: all) logit rows ``[num_rows, vocab_size]``, or with
     ``greedy`` only their argmax token ids ``[num_rows]`` int64 (first index on ties, as
     ``np.argmax``). Uses the session's own ``extend_rows`` when it has one. ``top`` (None or k >= 1):
     the caller reads only each row's ``top`` largest logits (a session with ``takes_top`` may leave
-    the others ``-inf``).
+    the others ``-inf``). ``read``: what the caller makes of those rows (a draw, a verification's decisions),
+    returned instead of them; a session that declares ``reads_rows = True`` runs it as part of its forward (where
+    a GPU runs the sampler: a latency model times it within the forward), any other after it.
     """
     n = len(tokens) if num_rows is None else num_rows
     if not isinstance(n, int | np.integer) or isinstance(n, bool) or not 1 <= n <= len(tokens):
         raise ConfigError(f"num_rows={n!r} must be an integer in [1, len(tokens)={len(tokens)}]")
     own = getattr(session, "extend_rows", None)
     if own is not None:
+        options: dict[str, Any] = {}
         if top is not None and getattr(session, "takes_top", False):
-            return own(tokens, cancel, n, greedy, top=top)
-        return own(tokens, cancel, n, greedy)
+            options["top"] = top
+        if read is not None and getattr(session, "reads_rows", False):
+            return own(tokens, cancel, n, greedy, read=read, **options)
+        rows = own(tokens, cancel, n, greedy, **options)
+        return rows if read is None else read(rows)
     rows = session.extend(tokens, cancel)[-n:]  # [n, V]
-    if not greedy:
-        return rows
-    if np.isnan(rows).any():  # the argmax of a row with NaN is meaningless (sampling refuses it too)
-        raise ModelError(f"{session!r} returned NaN logits; a logit must be a number or -inf")
-    return np.argmax(rows, axis=-1).astype(np.int64)
+    if greedy:
+        if np.isnan(rows).any():  # the argmax of a row with NaN is meaningless (sampling refuses it too)
+            raise ModelError(f"{session!r} returned NaN logits; a logit must be a number or -inf")
+        rows = np.argmax(rows, axis=-1).astype(np.int64)
+    return rows if read is None else read(rows)
 
 
 def forward_rows(
@@ -248,7 +255,8 @@ def forward_rows(
     *,
     greedy: bool = False,
     top: int | None = None,
-) -> np.ndarray:
+    read: Callable[[np.ndarray], Any] | None = None,
+) -> Any:
     """Bring ``session`` to ``context`` reusing its cache; return the last ``num_rows`` logit rows.
 
     The cache is truncated to the longest common prefix with ``context`` (but never beyond
@@ -256,14 +264,14 @@ def forward_rows(
     Row i of the result is the next-token distribution after
     ``context[: len(context) - num_rows + i + 1]``.  # [num_rows, vocab_size]
     With ``greedy``, only the argmax token id of each of those rows.  # [num_rows] int64
-    ``top``: as in :func:`extend_rows`.
+    ``top``, ``read``: as in :func:`extend_rows`.
     """
     if not isinstance(num_rows, int | np.integer) or isinstance(num_rows, bool) or not 1 <= num_rows <= len(context):
         raise ConfigError(f"{num_rows=} must be an integer in [1, len(context)={len(context)}]")
     keep = min(common_prefix_length(session.tokens, context), len(context) - num_rows)
     if keep < len(session.tokens):
         session.truncate(keep)
-    return extend_rows(session, context[keep:], cancel, num_rows, greedy, top)
+    return extend_rows(session, context[keep:], cancel, num_rows, greedy, top, read)
 
 
 def tree_rows(

@@ -9,14 +9,19 @@ With ``cv > 0`` each forward's latency is instead multiplied by an independent l
 mean 1 and coefficient of variation ``cv`` (seeded per session from ``seed``): forwards whose
 time varies, as on shared or throttled hardware.
 The wrapped model's own compute time counts towards that latency (the forward lasts
-``max(latency, compute)``), so emulated timings stay accurate for cheap inner models. The wait
-is interruptible: a set cancel flag ends it at once and restores the session.
+``max(latency, compute)``), so emulated timings stay accurate for cheap inner models; so does what a
+caller makes of the rows when it asks for that with them (``read``: a drafter's draw, a target server's
+decisions), as an accelerator samples and decides on the device within its forward. The wait
+is interruptible: a set cancel flag ends it at once and restores the session. It sleeps to within
+50 us of its deadline and polls the rest (a 1 ns timer slack on Linux), so waiting forwards leave
+the cores to the threads that compute.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -36,7 +41,25 @@ from dsi.models.base import (
 )
 from dsi.models.costs import ForwardCosts
 
-_SPIN_S = 0.0003  # final stretch of a wait done by polling, for sub-millisecond precision
+_SPIN_S = 0.00005  # final stretch of a wait done by polling, for precision beyond the timer's
+_PR_SET_TIMERSLACK = 29  # Linux prctl: the slack the kernel may add to this thread's timed sleeps
+_fine_timers = threading.local()
+
+
+def _fine_timer_slack() -> None:
+    """Make this thread's timed sleeps wake within microseconds (Linux: a timer slack of 1 ns; the default 50 us
+    adds 70 us to every wait here), once per thread: so a wait sleeps to within :data:`_SPIN_S` of its deadline
+    and polls only that last stretch, and waiting forwards leave the cores to the threads that compute."""
+    if getattr(_fine_timers, "set", False):
+        return
+    _fine_timers.set = True
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_TIMERSLACK, 1, 0, 0, 0)
+        except (OSError, AttributeError):  # no prctl here: waits are 70 us coarser, and still right
+            pass
 
 
 def _check_latency(name: str, value: float) -> float:
@@ -50,6 +73,8 @@ def precise_wait(seconds: float, cancel: CancelFlag | None) -> bool:
     deadline = time.perf_counter() + seconds
     flag = cancel if cancel is not None else threading.Event()
     remaining = seconds
+    if remaining > _SPIN_S:
+        _fine_timer_slack()
     while remaining > _SPIN_S:
         if flag.wait(remaining - _SPIN_S):
             return True
@@ -145,8 +170,15 @@ class LatencySession:
     def extend(self, tokens: Sequence[int], cancel: CancelFlag | None = None) -> np.ndarray:
         return self.extend_rows(tokens, cancel, len(tokens), False)
 
-    def extend_rows(self, tokens: Sequence[int], cancel: CancelFlag | None, num_rows: int, greedy: bool) -> np.ndarray:
-        return self._timed(lambda: extend_rows(self._inner, tokens, cancel, num_rows, greedy), cancel, len(tokens))
+    reads_rows = True  # a caller's reading of the rows (a draw, decisions) is timed within the forward
+
+    def extend_rows(self, tokens: Sequence[int], cancel: CancelFlag | None, num_rows: int, greedy: bool,
+                    read=None):
+        """The inner session's rows, or ``read`` of them, in one forward's time: an accelerator's forward
+        samples and decides on the device (:func:`dsi.models.base.extend_rows`), so the host waits for its
+        result, not for the rows."""
+        return self._timed(lambda: extend_rows(self._inner, tokens, cancel, num_rows, greedy, read=read), cancel,
+                           len(tokens))
 
     def tree_rows(self, prefix: Sequence[int], tree, cancel: CancelFlag | None = None, *, greedy: bool = False,
                   top: int | None = None) -> np.ndarray:

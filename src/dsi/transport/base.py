@@ -21,7 +21,7 @@ import numpy as np
 
 from dsi.logprobs import LogprobRows
 from dsi.models.base import common_prefix_length, top_hint
-from dsi.sampling import LazyLaws, SamplingParams
+from dsi.sampling import LazyLaws, ReadLaws, SamplingParams
 from dsi.trees import DraftTree
 
 
@@ -45,10 +45,19 @@ class VerifyTask:
     stop_ids: frozenset[int] = frozenset()  # the ids that end the request (min_tokens holds them back)
     logprobs_mode: str | None = None  # also return log-probability rows in this mode (dsi.logprobs); None: no
     tree: DraftTree | None = None  # a tree task: the tree after ``context`` (None: a chain task)
+    # a sampled chain task: the drafter's probability of each draft its rows compare (the last n - 1 tokens of
+    # ``context``); the server then decides them itself and answers with what the decisions read
+    # (dsi.sampling.ReadLaws: one law instead of n). None: the answer holds every row's law.
+    draft_probs: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.tree is not None and self.num_rows != 1 + len(self.tree):
             raise ValueError(f"a tree task of {len(self.tree)} nodes has {1 + len(self.tree)} rows, not {self.num_rows}")
+        if self.draft_probs is not None and (self.tree is not None or self.sampling.greedy
+                                             or self.logprobs_mode is not None
+                                             or len(self.draft_probs) != self.num_rows - 1):
+            raise ValueError(f"draft_probs go with a sampled chain task without logprobs, one per draft its "
+                             f"{self.num_rows} rows compare ({self.num_rows - 1}); got {len(self.draft_probs)}")
 
     @property
     def held_context(self) -> tuple[int, ...]:
@@ -80,8 +89,9 @@ class TaskResult:
     task_id: int
     server_id: int
     tokens: np.ndarray  # [num_rows] int64, argmax of each processed row
-    probs: np.ndarray | LazyLaws | None  # [num_rows, V] float64 processed distributions (a tree's: processed as
-    # they are read, dsi.sampling.LazyLaws); None when greedy
+    # [num_rows, V] processed distributions (processed as they are read: dsi.sampling.LazyLaws; a task with
+    # draft_probs: only what its decisions read, dsi.sampling.ReadLaws); None when greedy
+    probs: np.ndarray | LazyLaws | ReadLaws | None
     compute_s: float  # server time spent on the task
     logprobs: LogprobRows | None = None  # [num_rows, V] log-probabilities (dsi.logprobs), when the task asked
 

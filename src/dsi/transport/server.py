@@ -5,7 +5,10 @@ KV cache), runs one forward over the rest (a tree task: the tree's paths, :func:
 and turns the logit rows into what the orchestrator needs: argmax tokens (of the processed rows) always, and
 when sampling the processed laws, which the decisions process as they read them
 (:class:`~dsi.sampling.LazyLaws`: a verification reads its rows up to the first rejection, a tree's along one
-path) unless log-probabilities are asked for (they need every row processed).
+path) unless log-probabilities are asked for (they need every row processed). A sampled chain task that carries
+its drafts' drafter probabilities is decided here, row by row up to the first rejection, and answered with the
+target's probability of each draft and the one law a decision reads (:func:`~dsi.sampling.read_chain_laws`): a
+remote server sends one vocabulary row where it sent ``n``.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import numpy as np
 
 from dsi.models.base import CancelFlag, ModelSession, forward_rows, tree_rows
 from dsi.logprobs import LogprobRows, logprob_rows
-from dsi.sampling import LazyLaws, greedy_tokens, process_rows
+from dsi.sampling import LazyLaws, ReadLaws, greedy_tokens, process_rows, read_chain_laws
 from dsi.transport.base import TaskResult, VerifyTask
 
 
@@ -31,13 +34,25 @@ def run_verify_task(
     if task.ids_only:  # only the argmax ids leave the model (on a GPU: only they cross to the host)
         tokens = forward_rows(session, task.context, task.num_rows, cancel, greedy=True)  # [num_rows]
         return TaskResult(task.task_id, server_id, tokens, None, time.perf_counter() - start)
-    logits = forward_rows(session, task.context, task.num_rows, cancel, top=task.row_top)  # [num_rows, V]
     if task.logprobs_mode is None and not task.sampling.greedy:  # the laws processed as the decisions read them
-        tokens = greedy_tokens(logits, task.sampling, task.context, task.prompt_len, task.stop_ids)  # checks rows
-        probs = LazyLaws.of_chain(logits, task.sampling, task.context, task.prompt_len, task.stop_ids)
+        tokens, probs = forward_rows(session, task.context, task.num_rows, cancel, top=task.row_top,
+                                     read=lambda logits: _sampled_chain(logits, task))
         return TaskResult(task.task_id, server_id, tokens, probs, time.perf_counter() - start)
+    logits = forward_rows(session, task.context, task.num_rows, cancel, top=task.row_top)  # [num_rows, V]
     tokens, probs, logprobs = read_rows(logits, task)
     return TaskResult(task.task_id, server_id, tokens, probs, time.perf_counter() - start, logprobs)
+
+
+def _sampled_chain(logits: np.ndarray, task: VerifyTask) -> tuple[np.ndarray, LazyLaws | ReadLaws]:
+    """A sampled chain's rows ``[num_rows, V]`` read for the decisions (within the forward where the session runs
+    a caller's reading: :func:`dsi.models.base.extend_rows`): the argmax ids of the processed rows (which checks
+    each row), and the laws processed as they are read, or, with the drafts' drafter probabilities, decided here
+    (:func:`~dsi.sampling.read_chain_laws`: only the law a decision reads goes back)."""
+    tokens = greedy_tokens(logits, task.sampling, task.context, task.prompt_len, task.stop_ids)  # checks rows
+    probs = LazyLaws.of_chain(logits, task.sampling, task.context, task.prompt_len, task.stop_ids)
+    if task.draft_probs is None:
+        return tokens, probs
+    return tokens, read_chain_laws(probs, task.context, task.draft_probs, task.sampling)
 
 
 def _run_tree_task(session: ModelSession, task: VerifyTask, server_id: int, cancel: CancelFlag | None,

@@ -64,21 +64,22 @@ def test_selftest_passes_on_a_correct_engine(capsys, pair):
     assert set(doc["speedup_vs_nonsi"]) == {"si", "dsi"} and all(v > 0 for v in doc["speedup_vs_nonsi"].values())
 
 
-def always_accept(p, draft, q, params, position):
+def always_accept(laws, row, draft, q, params, position):
     return Decision(draft, True)
 
 
-def biased_accept(p, draft, q, params, position):
-    """Accepts with probability min(1, 2 p/q) instead of min(1, p/q): a subtler bug."""
-    if uniform(params.seed, position, Purpose.ACCEPT) < 2.0 * p[draft] / q[draft]:
+def biased_accept(laws, row, draft, q, params, position):
+    """Accepts with probability min(1, 2 p/q) instead of min(1, p/q): a subtler bug. (It rejects only where the
+    right test rejects too, so the target server, which decides with the right test, sent the row's law.)"""
+    if uniform(params.seed, position, Purpose.ACCEPT) < 2.0 * laws.prob(row, draft) / q[draft]:
         return Decision(draft, True)
-    return Decision(sample_from(residual(p, q), uniform(params.seed, position, Purpose.RESIDUAL)), False)
+    return Decision(sample_from(residual(laws[row], q), uniform(params.seed, position, Purpose.RESIDUAL)), False)
 
 
 # always_accept is the grosser bug (biased_accept fails the same checks): slow suite only
 @pytest.mark.parametrize("broken", [pytest.param(always_accept, marks=pytest.mark.slow), biased_accept])
 def test_selftest_fails_when_dsi_acceptance_is_biased(capsys, pair, monkeypatch, broken):
-    monkeypatch.setattr(dsi_engine, "decide", broken)  # only DSI's sampling path calls it
+    monkeypatch.setattr(dsi_engine, "decide_row", broken)  # only DSI's sampling path calls it
     code, doc = selftest(capsys, pair)
     assert code == 1 and not doc["passed"]
     checks = {c["name"]: c for c in doc["checks"]}
