@@ -45,7 +45,6 @@ class AutoregressiveDecoder(DecoderLifecycle):
             out.check_abort()
             task = request.verify_task(0, out.tokens, 1)
             start = time.perf_counter()
-            # an argmax id where greedy decoding reads the raw row (and no logprobs); else the row [1, V]
             position = len(out.tokens)
 
             def read(rows: np.ndarray, task=task, position=position) -> tuple[int, object]:
@@ -55,6 +54,7 @@ class AutoregressiveDecoder(DecoderLifecycle):
                 token = int(tokens[0]) if probs is None else bonus(probs[0], request.sampling, position)
                 return token, None if logprobs is None else logprobs[0]
 
+            # an argmax id where greedy decoding reads the raw row (and no logprobs); else the token read from the row
             with model_errors("target"):
                 got = forward_rows(self._session, task.context, 1, greedy=task.ids_only, top=task.row_top,
                                    read=None if task.ids_only else read)
