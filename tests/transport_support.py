@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+from dsi.sampling import SamplingParams
+
 RAY_ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # bind 127.0.0.1 only
     "RAY_USAGE_STATS_ENABLED": "0",
@@ -97,3 +99,52 @@ def save_tiny_llama_pair(root) -> tuple[str, str]:
         target.lm_head.weight.add_(0.3 * torch.randn_like(target.lm_head.weight))
     target.save_pretrained(drafter_dir)
     return target_dir, drafter_dir
+
+
+LAW_VOCAB = 300  # a sampled answer's law: 1,200 bytes (through a shared ring of 1,024-byte buffers and up)
+LAW_SAMPLING = SamplingParams(temperature=0.8, seed=3)
+
+
+def law_model():
+    """A target whose sampled answers carry a law of :data:`LAW_VOCAB` float32 entries."""
+    from dsi.models import CallableLM
+    from dsi.models.synthetic import SyntheticTarget
+
+    return CallableLM(SyntheticTarget(LAW_VOCAB, seed=5), LAW_VOCAB, name="synthetic")
+
+
+def law_tasks(start):
+    """Sampled chain tasks from id ``start``: four decided on the server (one law back), one with every row's law."""
+    from dsi.transport.base import VerifyTask
+
+    return [VerifyTask(start + i, (1, 2, 3 + i, 4), 3, LAW_SAMPLING, draft_probs=(0.5, 0.25)) for i in range(4)] + [
+        VerifyTask(start + 4, (4, 3, 2, 1), 3, LAW_SAMPLING)]  # every row's law
+
+
+def run_tasks(pool, events, tasks):
+    """Submit ``tasks``; their results in the same order."""
+    from dsi.transport.base import TaskResult
+
+    for task in tasks:
+        pool.submit(task)
+    got = {}
+    while len(got) < len(tasks):
+        event = events.get(timeout=30)
+        if isinstance(event, TaskResult):
+            got[event.task_id] = event
+    return [got[t.task_id] for t in tasks]
+
+
+def assert_same_result(a, b) -> None:
+    """Two TaskResults of one task: the same tokens and the same laws, bit for bit."""
+    import numpy as np
+
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    if hasattr(b.probs, "laws"):  # decided on the server: the read probabilities and one law
+        np.testing.assert_array_equal(a.probs.accept_probs, b.probs.accept_probs)
+        assert a.probs.laws.keys() == b.probs.laws.keys()
+        for row, law in b.probs.laws.items():
+            np.testing.assert_array_equal(a.probs.laws[row], law)
+    else:
+        np.testing.assert_array_equal(np.asarray([a.probs[i] for i in range(len(a.probs))]),
+                                      np.asarray([b.probs[i] for i in range(len(b.probs))]))

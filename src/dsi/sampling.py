@@ -253,8 +253,15 @@ def process_rows(logits: np.ndarray, params: SamplingParams, tokens: Sequence[in
                  stop_ids: frozenset[int] = frozenset()) -> np.ndarray:
     """:func:`process_logits` of the last ``n`` rows of a forward over ``tokens`` (``logits``:
     ``[n, V]``; row j follows ``tokens[: len(tokens) - n + 1 + j]``), counting the output once and
-    adding one token per row. Returns ``[n, V]`` float64 probabilities."""
-    return np.stack([_distribution(row, params) for row in shape_rows(logits, params, tokens, prompt_len, stop_ids)])
+    adding one token per row. Returns ``[n, V]`` probabilities (:data:`LAW_DTYPE`)."""
+    if params.moves_argmax:
+        rows = shape_rows(logits, params, tokens, prompt_len, stop_ids)  # [n, V] float64
+    else:  # the raw rows, as LazyLaws reads them: no float64 copy (_distribution's law is the same bit for bit)
+        rows = _float_rows(logits)
+        for row in rows:
+            check_logit_row(row)
+    laws = [_distribution(row, params) for row in rows]
+    return laws[0][None] if len(laws) == 1 else np.stack(laws)  # one row: a view, not a copy
 
 
 class LazyLaws:
@@ -315,7 +322,7 @@ class LazyLaws:
             if self.params.moves_argmax:
                 prefix = self.contexts[self.owner[j]][: self.lengths[j]]
                 row = shape_rows(self.logits[j:j + 1], self.params, prefix, self.prompt_len, self.stop_ids)[0]
-            else:  # the raw row, checked by the caller: _distribution widens it to float64 as it divides
+            else:  # the raw row, checked by the caller, in its own dtype (see _distribution)
                 row = np.asarray(self.logits[j])
             law = self._laws[j] = _distribution(row, self.params)
         return law

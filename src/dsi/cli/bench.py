@@ -35,6 +35,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--transport", action="append", choices=TRANSPORTS, metavar="NAME", dest="transports",
                    help=f"with --gpu-class: DSI's transport (repeatable; one of {', '.join(TRANSPORTS)}; "
                         "default threads and processes)")
+    p.add_argument("--sp", type=COUNT, default=None,
+                   help="with --gpu-class: DSI's target servers (default 4; a machine with few cores hosts fewer)")
     p.add_argument("--request", action="append", choices=list(REQUESTS), metavar="KIND",
                    help="with --gpu-class: greedy or sampled (T=0.7, seed 1) requests (repeatable; default both)")
     p.add_argument("--windows", action="store_true",
@@ -92,8 +94,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.gpu_class:
         return run_gpu_class(args)
-    if args.transports or args.request:
-        raise ConfigError("--transport and --request go with --gpu-class")
+    if args.transports or args.request or args.sp is not None:
+        raise ConfigError("--transport, --request and --sp go with --gpu-class")
     if args.windows:
         if args.draft_tree != "off":
             raise ConfigError(f"--draft-tree={args.draft_tree} compares trees with chains at each scenario's k; "
@@ -191,6 +193,7 @@ def run_windows(args: argparse.Namespace) -> int:
 
 
 def run_gpu_class(args: argparse.Namespace) -> int:
+    import dataclasses
     from functools import partial
 
     from dsi.cli.output import format_table
@@ -205,26 +208,29 @@ def run_gpu_class(args: argparse.Namespace) -> int:
     transports = list(dict.fromkeys(args.transports or ["threads", "processes"]))
     requests = list(dict.fromkeys(args.request or ["greedy", "sampled"]))
     runner = partial(run_gpu_scenario, transports=transports, requests=requests)
-    report = _collect(args, GPU_SCENARIOS, lambda *a, **kw: {"rows": runner(*a, **kw)},
+    scenarios = GPU_SCENARIOS if args.sp is None else {
+        name: dataclasses.replace(s, servers=args.sp) for name, s in GPU_SCENARIOS.items()}
+    report = _collect(args, scenarios, lambda *a, **kw: {"rows": runner(*a, **kw)},
                       runs_per_scenario=len(requests) * (2 + len(transports)), desc="bench --gpu-class",
                       extra_rounds=1)  # a warm-up round
     if report is None:
         return 0
-    headers = ["scenario", "request", "transport", "non-SI/ideal", "SI/ideal", "DSI/ideal", "DSI/SI", "ideal DSI/SI",
-               "engine ms/tok", "transport ms/tok", "servers ms/tok", "same"]
+    headers = ["scenario", "SP", "request", "transport", "non-SI/ideal", "SI/ideal", "DSI/ideal", "DSI/SI", "ideal DSI/SI",
+               "engine ms/tok", "transport ms/tok", "servers ms/tok", "non-SI ms/tok", "SI ms/tok", "same"]
     table = []
     for scenario in report["results"]:
         for r in scenario["rows"]:
             host = r["host_ms_per_token"] or {}
             table.append([
-                r["scenario"]["name"], r["request"], r["transport"], f"{r['ar_over_ideal']:.3f}",
+                r["scenario"]["name"], r["scenario"]["servers"], r["request"], r["transport"], f"{r['ar_over_ideal']:.3f}",
                 f"{r['si_over_ideal']:.3f}", f"{r['dsi_over_ideal']:.3f}", f"{r['dsi_over_si']:.2f}",
                 f"{r['ideal_dsi_over_si']:.2f}",
                 *(f"{host[part]:.3f}" if part in host else "n/a" for part in ("engine", "transport", "servers")),
+                f"{r['cpu_ms_per_token']['ar']:.3f}", f"{r['cpu_ms_per_token']['si']:.3f}",
                 "yes" if r["identical_outputs"] else "NO",
             ])
     print(format_table(headers, table))
     print(f"\n{args.tokens} new tokens, median of {args.repeats} runs per method after a warm-up; X/ideal: wall time "
           "over the event simulator's for the run's own accept pattern (1.0 = no host cost); ms/tok: DSI's host CPU "
-          "time per token by part (Linux).")
+          "time per token by part (Linux), and non-SI's and SI's (all of this process's CPU time during their runs).")
     return 0

@@ -20,8 +20,10 @@ spends it during DSI's timed runs:
 - ``engine``: the request's thread (the orchestrator) and the drafter's thread, without the pool's ``submit``
   and ``cancel`` calls;
 - ``transport``: those calls, and this process's transport threads (the remote pools' listeners);
-- ``servers``: the target servers (threads or processes; Ray's actors are not counted): their forwards' own
-  host work, reading rows into what the decisions need, and their side of the transport.
+- ``servers``: the target servers (threads or processes; Ray's actors are counted where their pid is known):
+  their forwards' own host work, reading rows into what the decisions need, and their side of the transport.
+
+Non-SI's and SI's host time per token is this process's CPU time during their runs (they run nowhere else).
 """
 
 from __future__ import annotations
@@ -237,16 +239,21 @@ def run_gpu_scenario(
             params = REQUESTS[kind]
             walls: dict[str, list[float]] = {name: [] for name in decoders}
             host: dict[str, list[dict[str, float]]] = {t: [] for t in transports}
+            cpu: dict[str, list[float]] = {"ar": [], "si": []}  # this process's CPU time (all of their work)
             outputs: dict[str, list[list[int]]] = {name: [] for name in decoders}
             for repeat in range(repeats + 1):  # the first round warms every decoder up, untimed
                 for name, decoder in decoders.items():
                     clock = clocks.get(name.removeprefix("dsi-")) if name.startswith("dsi-") else None
                     before = clock.read() if clock is not None else None
+                    cpu_before = time.process_time()
                     result = decoder.generate(make_request(PROMPT, tokens, params, None, VOCAB))
+                    cpu_s = time.process_time() - cpu_before
                     after = clock.read() if clock is not None else None
                     outputs[name].append(result.tokens)
                     if repeat:
                         walls[name].append(result.stats.wall_time_s)
+                        if name in cpu:
+                            cpu[name].append(cpu_s)
                         if before is not None and after is not None:
                             host[name.removeprefix("dsi-")].append(_HostClock.split(before, after))
                     if progress:
@@ -279,6 +286,7 @@ def run_gpu_scenario(
                     "dsi_over_ideal": med[name] / ideal["dsi"],
                     "dsi_over_si": med["si"] / med[name], "ideal_dsi_over_si": ideal["si"] / ideal["dsi"],
                     "host_ms_per_token": split,
+                    "cpu_ms_per_token": {name: statistics.median(v) / tokens * 1e3 for name, v in cpu.items()},
                     "identical_outputs": same,
                     "pattern_acceptance": sum(pattern) / len(pattern),
                 })

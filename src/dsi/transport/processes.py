@@ -4,8 +4,10 @@ The child gets the model as a picklable recipe (:mod:`dsi.transport.recipes`): s
 callable models travel whole, an ``HFModel`` is re-loaded from its source directory with the
 server's device and torch thread count. Parent and child talk over one ``multiprocessing.Pipe``
 per server: a task goes down as one pickled frame; the answer comes back as pickle protocol 5
-with numpy arrays as raw out-of-band frames (no copy into the pickle). One listener thread per
-server in the parent blocks on the pipe (:class:`~dsi.transport.remote.RemotePool`).
+with numpy arrays as raw out-of-band frames (no copy into the pickle), the large ones (a sampled
+chain's law) through a shared ring per server (:mod:`dsi.transport.arena`; the pipe where there is
+none). One listener thread per server in the parent blocks on the pipe
+(:class:`~dsi.transport.remote.RemotePool`).
 
 Cancellation: each server has one shared-memory slot (``RawValue('q')``); to stop task t the parent
 writes t into it, and the task's flag (:class:`TaskCancelFlag`) reads "set" when the slot holds
@@ -39,6 +41,7 @@ from typing import Any
 from dsi.allocator import tune_allocator
 from dsi.errors import ConfigError, ModelError, WorkerError
 from dsi.models.base import LanguageModel
+from dsi.transport.arena import Arena
 from dsi.transport.base import EventSink, VerifyTask
 from dsi.transport.recipes import ModelRecipe, build_with_threads, model_recipe
 from dsi.transport.remote import RemotePool, ServerLost, check_options, per_server, read_answer
@@ -78,9 +81,12 @@ class TaskCancelFlag:
         return True
 
 
-def serve(recipe: ModelRecipe, conn: Connection, cancel_slot: Any, server_id: int, threads: int | None) -> None:
-    """Main function of a server process: build the model, then answer tasks until told to stop."""
+def serve(recipe: ModelRecipe, conn: Connection, cancel_slot: Any, server_id: int, threads: int | None,
+          arena_at: tuple[str, int, int] | None = None) -> None:
+    """Main function of a server process: build the model, then answer tasks until told to stop (large
+    arrays of the answers through the parent's shared ring at ``arena_at``, its :attr:`Arena.where`, where it maps)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the parent, which stops us
+    arena = Arena.attach(*arena_at) if arena_at is not None else None
     try:
         tune_allocator()
         model = build_with_threads(recipe, threads)
@@ -92,7 +98,7 @@ def serve(recipe: ModelRecipe, conn: Connection, cancel_slot: Any, server_id: in
     try:
         while True:
             try:
-                task = recv_message(conn)
+                task = recv_message(conn, arena)
             except (EOFError, OSError):
                 return  # the parent is gone
             except (MalformedFrame, UndecodableMessage) as exc:  # the parent sees EOF and replaces us
@@ -102,7 +108,7 @@ def serve(recipe: ModelRecipe, conn: Connection, cancel_slot: Any, server_id: in
                 return
             event = answer(session, task, server_id, TaskCancelFlag(cancel_slot, task.task_id))
             try:
-                send_message(conn, event)
+                send_message(conn, event, arena)
             except (EOFError, OSError):
                 return
     finally:
@@ -128,9 +134,11 @@ class ProcessServer:
         self.server_id = server_id
         self.vocab_size = vocab_size
         self.cancel_slot = ctx.RawValue("q", -1)
+        self.arena = Arena.create()  # None: everything through the pipe
+        arena_at = None if self.arena is None else self.arena.where
         self.conn, child_conn = ctx.Pipe(duplex=True)
         self.process = ctx.Process(
-            target=serve, args=(recipe, child_conn, self.cancel_slot, server_id, threads),
+            target=serve, args=(recipe, child_conn, self.cancel_slot, server_id, threads, arena_at),
             name=f"dsi-target-{server_id}", daemon=True,
         )
         self.process.start()
@@ -155,6 +163,13 @@ class ProcessServer:
         return _exit_reason(code, self.pid)
 
     def wait_ready(self, timeout: float) -> None:
+        try:
+            self._wait_ready(timeout)
+        finally:
+            if self.arena is not None:
+                self.arena.unlink()  # the child has mapped it by now, or never will
+
+    def _wait_ready(self, timeout: float) -> None:
         if not self.conn.poll(timeout):
             raise WorkerError(f"target server process {self.server_id} did not start within {timeout:.0f} s")
         try:
@@ -180,13 +195,13 @@ class ProcessServer:
 
     def send(self, task: VerifyTask) -> None:
         try:
-            send_message(self.conn, task)
+            send_message(self.conn, task, self.arena)  # with how far the arena's answers were read
         except (OSError, ValueError) as exc:
             raise ServerLost(str(exc)) from exc
 
     def receive(self) -> object:
         try:
-            return read_answer(self.conn, f"process {self.pid}")
+            return read_answer(self.conn, f"process {self.pid}", self.arena)
         except (EOFError, OSError):
             raise ServerLost(self.exit_reason()) from None
 
@@ -203,6 +218,8 @@ class ProcessServer:
         if self._stopped:
             return
         self._stopped = True
+        if self.arena is not None:
+            self.arena.unlink()
         if self._join(timeout):
             return
         log.warning("target server process %d did not stop within %.1f s; terminating it", self.pid, timeout)
@@ -214,6 +231,8 @@ class ProcessServer:
 
     def kill(self) -> None:
         self._stopped = True
+        if self.arena is not None:
+            self.arena.unlink()
         self.process.kill()  # SIGKILL ends a stopped (SIGSTOP) process too
         shutdown(self.conn)  # the listener wakes now, not when the kernel gets round to the exit
         self._join(5.0)

@@ -7,7 +7,8 @@ results and cancels travel on one of two channels (``channel=``):
 - ``"direct"`` (default): the actor listens on its node's IP (a free port, HMAC-authenticated
   with a random key sent through Ray) and the driver connects once. A reader thread in the actor
   takes tasks and cancels off the socket, a compute thread runs the forwards and sends each
-  result back with :mod:`dsi.transport.wire` framing (numpy arrays as raw frames). A task costs
+  result back with :mod:`dsi.transport.wire` framing (numpy arrays as raw frames; the large ones
+  through a shared ring, :mod:`dsi.transport.arena`, where the actor runs on the driver's machine). A task costs
   one socket round trip (tens of microseconds on a node) instead of a Ray actor call (about a
   millisecond); a cancel reaches the running forward through the reader thread; a dead actor
   closes the socket, so even an idle server's death is seen at once (TCP keep-alive covers a
@@ -39,6 +40,7 @@ from typing import Any
 from dsi.allocator import tune_allocator
 from dsi.errors import ConfigError, ModelError, WorkerError
 from dsi.models.base import LanguageModel
+from dsi.transport.arena import Arena
 from dsi.transport.base import EventSink, TaskAborted, TaskFailed, VerifyTask
 from dsi.transport.recipes import ModelRecipe, build_with_threads, model_recipe
 from dsi.transport.remote import STOPPED, BadAnswer, RemotePool, ServerLost, check_options, per_server, read_answer
@@ -111,15 +113,17 @@ class TargetServerActor:
         return self._execute(task)
 
     # -- the "direct" channel: one socket ------------------------------------------------------------
-    def open_channel(self, authkey: bytes) -> tuple[str, int]:
-        """Listen on this node's IP for the driver; return the address to connect to."""
+    def open_channel(self, authkey: bytes, arena_at: tuple[str, int, int] | None = None) -> tuple[str, int]:
+        """Listen on this node's IP for the driver; return the address to connect to. ``arena_at``: the driver's
+        shared ring (path, size) where this actor runs on the driver's machine; its large answers go there."""
         import ray
 
+        arena = Arena.attach(*arena_at) if arena_at is not None else None
         listener = listen(ray.util.get_node_ip_address(), authkey)
-        threading.Thread(target=self._serve_channel, args=(listener,), name="dsi-channel", daemon=True).start()
+        threading.Thread(target=self._serve_channel, args=(listener, arena), name="dsi-channel", daemon=True).start()
         return listener.address
 
-    def _serve_channel(self, listener: Any) -> None:
+    def _serve_channel(self, listener: Any, arena: Arena | None) -> None:
         try:
             conn = accept(listener, ACCEPT_TIMEOUT_S)
         except (TimeoutError, OSError) as exc:  # the driver gave up on us (it falls back to Ray calls)
@@ -128,10 +132,10 @@ class TargetServerActor:
         finally:
             listener.close()  # one driver per actor
         tasks: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._compute, args=(conn, tasks), name="dsi-compute", daemon=True).start()
+        threading.Thread(target=self._compute, args=(conn, tasks, arena), name="dsi-compute", daemon=True).start()
         try:
             while True:
-                message = recv_message(conn)
+                message = recv_message(conn, arena)
                 if message is None:
                     break
                 kind, value = message
@@ -147,12 +151,12 @@ class TargetServerActor:
             shutdown(conn)
         tasks.put(None)
 
-    def _compute(self, conn: Any, tasks: queue.SimpleQueue) -> None:
+    def _compute(self, conn: Any, tasks: queue.SimpleQueue, arena: Arena | None) -> None:
         try:
             while (task := tasks.get()) is not None:
                 event = self._execute(task)
                 try:
-                    send_message(conn, event)
+                    send_message(conn, event, arena)
                 except (OSError, ValueError):
                     return
         except BaseException as exc:  # model code ended the thread: the driver must not wait for an answer
@@ -176,8 +180,8 @@ def actor_class() -> Any:
             return super().ready()
 
         @ray.method(concurrency_group="control")
-        def open_channel(self, authkey: bytes) -> tuple[str, int]:
-            return super().open_channel(authkey)
+        def open_channel(self, authkey: bytes, arena_at: tuple[str, int, int] | None = None) -> tuple[str, int]:
+            return super().open_channel(authkey, arena_at)
 
     _Actor.__name__ = _Actor.__qualname__ = "DSITargetServer"
     return ray.remote(concurrency_groups={"control": 1})(_Actor)
@@ -196,6 +200,7 @@ class RayServer:
         self.pid: int | None = None
         self.actor = actor_class().options(**options).remote(recipe, server_id, threads)
         self._conn: Any = None
+        self._arena: Arena | None = None  # the direct channel's shared ring, where the actor runs on this machine
         self._calls: queue.SimpleQueue = queue.SimpleQueue()  # "ray" channel: (task, ref) in flight
         self._last_ref: Any = None
         self._stopped = False
@@ -214,18 +219,24 @@ class RayServer:
                              f"expected {self.vocab_size}")
         if self.channel == "direct":
             authkey = os.urandom(32)
+            here = self.node_id == ray.get_runtime_context().get_node_id()
+            self._arena = Arena.create() if here else None
+            arena_at = None if self._arena is None else self._arena.where
             try:
-                address = ray.get(self.actor.open_channel.remote(authkey), timeout=timeout)
+                address = ray.get(self.actor.open_channel.remote(authkey, arena_at), timeout=timeout)
                 self._conn = connect(tuple(address), authkey, CONNECT_TIMEOUT_S)
             except (OSError, EOFError, ray.exceptions.RayError) as exc:  # GetTimeoutError is a RayError
                 log.warning("target server actor %d: no direct channel (%s: %s); using Ray calls",
                             self.server_id, type(exc).__name__, exc)
                 self.channel = "ray"
+            finally:
+                if self._arena is not None:
+                    self._arena.unlink()  # mapped by the actor by now, or never
 
     def send(self, task: VerifyTask) -> None:
         if self._conn is not None:
             try:
-                send_message(self._conn, ("task", task))
+                send_message(self._conn, ("task", task), self._arena)
             except (OSError, ValueError) as exc:
                 raise ServerLost(f"actor {self.server_id}: {exc}") from exc
         else:
@@ -235,7 +246,7 @@ class RayServer:
     def receive(self) -> object:
         if self._conn is not None:
             try:
-                return read_answer(self._conn, f"actor {self.server_id} (pid {self.pid})")
+                return read_answer(self._conn, f"actor {self.server_id} (pid {self.pid})", self._arena)
             except (EOFError, OSError):
                 if self._stopped:
                     return STOPPED
@@ -270,7 +281,7 @@ class RayServer:
     def cancel(self, task_id: int) -> None:
         if self._conn is not None:
             try:
-                send_message(self._conn, ("cancel", task_id))
+                send_message(self._conn, ("cancel", task_id), self._arena)
             except (OSError, ValueError):
                 pass  # a lost actor shows up in receive()
         else:

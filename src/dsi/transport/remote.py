@@ -36,6 +36,7 @@ from dsi.errors import ConfigError, ServerLost, WorkerError
 from dsi.transport.base import EventSink, ServerDied, TaskAborted, TaskFailed, VerifyTask
 from dsi.transport.dispatch import MAX_RESTARTS, Dispatcher, DispatchingPool, death_note
 from dsi.transport.liveness import ForwardRates, LivenessPolicy, Watchdog
+from dsi.transport.arena import Arena
 from dsi.transport.wire import MalformedFrame, UndecodableMessage, recv_message, restore_exception
 
 log = logging.getLogger(__name__)
@@ -86,13 +87,13 @@ class ServerHandle(Protocol):
         ...
 
 
-def read_answer(conn: Connection, who: str) -> object:
+def read_answer(conn: Connection, who: str, arena: Arena | None = None) -> object:
     """The next answer on a :mod:`dsi.transport.wire` connection, its read errors as a handle's
     ``receive`` reports them: a pickle that does not load is a :class:`BadAnswer`, broken framing a
     :class:`ServerLost` (``who`` names the server). ``EOFError`` / ``OSError`` pass through: each
     handle knows best why its peer is gone."""
     try:
-        return restore_exception(recv_message(conn))
+        return restore_exception(recv_message(conn, arena))
     except UndecodableMessage as exc:
         raise BadAnswer(str(exc)) from exc
     except MalformedFrame as exc:

@@ -3,7 +3,8 @@
 - Framing (:func:`send_message` / :func:`recv_message`) over a ``multiprocessing.connection``
   ``Connection`` (a pipe, or a TCP socket): pickle protocol 5 with numpy arrays sent *out of
   band* as raw frames, so a ``[rows, V]`` probability block is written straight from the array's
-  memory and read into one fresh writable buffer, with no copy through the pickle stream.
+  memory and read into one fresh writable buffer, with no copy through the pickle stream. Between
+  processes of one machine, large buffers go through a shared ring instead (:mod:`dsi.transport.arena`).
 - :func:`answer`: a server's step on one task (the event it sends back).
 - :func:`listen` / :func:`accept` / :func:`connect`: an authenticated TCP connection (HMAC
   challenge with a random key, as ``multiprocessing.connection`` does) between the driver and a Ray
@@ -36,12 +37,13 @@ from typing import Any
 
 from dsi.errors import TaskCancelled
 from dsi.models.base import CancelFlag, ModelSession
+from dsi.transport.arena import Arena
 from dsi.transport.base import TaskAborted, TaskFailed, VerifyTask
 from dsi.transport.server import run_verify_task
 
 log = logging.getLogger(__name__)
 
-_COUNT = struct.Struct("<I")
+_HEAD = struct.Struct("<IQ")  # buffers in the message; the sender's acknowledgement of a shared ring (arena)
 MAX_BUFFERS = 1 << 16  # out-of-band buffers one message may announce (a result has two)
 HANDSHAKE_TIMEOUT_S = 10.0  # for a peer to complete the authentication after connecting
 
@@ -55,33 +57,54 @@ class MalformedFrame(ValueError):
     usable any more."""
 
 
-def send_message(conn: Connection, obj: object) -> None:
-    """Send ``obj`` as one pickle frame followed by one raw frame per contiguous array buffer."""
+def send_message(conn: Connection, obj: object, arena: Arena | None = None) -> None:
+    """Send ``obj`` as one pickle frame followed by one raw frame per contiguous array buffer.
+
+    With ``arena``: a writer's end places buffers of at least its ``min_bytes`` in
+    the shared ring where it has room (the frame names their positions); a reader's end sends, in the header,
+    how far it has consumed the ring (its acknowledgement)."""
     buffers: list[pickle.PickleBuffer] = []
     payload = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
     raws = [b.raw() for b in buffers]
-    sizes = struct.pack(f"<{len(raws)}Q", *(r.nbytes for r in raws))
-    conn.send_bytes(_COUNT.pack(len(raws)) + sizes + payload)
-    for raw in raws:
-        conn.send_bytes(raw)
+    writer = arena is not None and arena.writer
+    places = [arena.place(r) if writer and r.nbytes >= arena.min_bytes else -1 for r in raws]
+    ack = arena.consumed if arena is not None and not arena.writer else 0
+    count = len(raws)
+    header = _HEAD.pack(count, ack) + struct.pack(f"<{count}Q{count}q", *(r.nbytes for r in raws), *places)
+    conn.send_bytes(header + payload)
+    for raw, place in zip(raws, places):
+        if place < 0:
+            conn.send_bytes(raw)
 
 
-def recv_message(conn: Connection) -> Any:
-    """Receive what :func:`send_message` sent; arrays land in fresh writable buffers.
+def recv_message(conn: Connection, arena: Arena | None = None) -> Any:
+    """Receive what :func:`send_message` sent; arrays land in fresh writable buffers (copied out of the
+    reader's ``arena`` where the sender placed them there; a writer's ``arena`` takes the acknowledgement).
 
     Raises ``EOFError`` / ``OSError`` when the peer is gone, :class:`MalformedFrame` when the framing
     is broken and :class:`UndecodableMessage` when a well-framed pickle does not load."""
     frame = conn.recv_bytes()
     try:
-        (count,) = _COUNT.unpack_from(frame)
+        count, ack = _HEAD.unpack_from(frame)
         if count > MAX_BUFFERS:
             raise MalformedFrame(f"a message announced {count} buffers (at most {MAX_BUFFERS})")
-        sizes = struct.unpack_from(f"<{count}Q", frame, _COUNT.size)
+        fields = struct.unpack_from(f"<{count}Q{count}q", frame, _HEAD.size)
     except struct.error as exc:
         raise MalformedFrame(f"a {len(frame)}-byte header frame is too short: {exc}") from None
-    payload = memoryview(frame)[_COUNT.size + 8 * count:]
+    sizes, places = fields[:count], fields[count:]
+    if arena is not None and arena.writer:
+        arena.acknowledge(ack)
+    payload = memoryview(frame)[_HEAD.size + 16 * count:]
     buffers = []
-    for size in sizes:
+    for size, place in zip(sizes, places):
+        if place >= 0:
+            if arena is None or arena.writer:
+                raise MalformedFrame(f"a buffer at shared-memory position {place} came where no arena is read")
+            try:
+                buffers.append(arena.take(place, size))
+            except ValueError as exc:
+                raise MalformedFrame(str(exc)) from None
+            continue
         buf = bytearray(size)
         try:
             got = conn.recv_bytes_into(buf) if size else len(conn.recv_bytes())

@@ -89,6 +89,7 @@ def test_a_scenario_reports_each_method_over_its_ideal_and_the_host_split(no_thr
         if sys.platform.startswith("linux"):
             assert set(r["host_ms_per_token"]) == {"engine", "transport", "servers"}
             assert r["host_ms_per_token"]["engine"] > 0  # the orchestrator's own work is counted
+            assert set(r["cpu_ms_per_token"]) == {"ar", "si"} and min(r["cpu_ms_per_token"].values()) > 0
     with pytest.raises(ConfigError, match="transport 'pigeons'"):
         run_gpu_scenario(scenario, transports=("pigeons",))
     with pytest.raises(ConfigError, match="request kind 'beam'"):
@@ -98,16 +99,18 @@ def test_a_scenario_reports_each_method_over_its_ideal_and_the_host_split(no_thr
 def test_the_cli_runs_a_gpu_class_scenario_as_json(capsys, no_thread_leak):
     assert set(GPU_SCENARIOS) >= {"gpu-7/1", "gpu-3/0.4"}
     code = main(["bench", "--gpu-class", "--scenario", "gpu-3/0.4", "--tokens", "12", "--repeats", "1",
-                 "--transport", "threads", "--request", "greedy", "--json"])
+                 "--transport", "threads", "--request", "greedy", "--sp", "2", "--json"])
     assert code == 0
     report = json.loads(capsys.readouterr().out)
     (scenario,) = report["results"]
     (row,) = scenario["rows"]
     assert row["scenario"]["name"] == "gpu-3/0.4" and row["request"] == "greedy" and row["identical_outputs"]
+    assert row["scenario"]["servers"] == 2  # --sp: an SP the machine can host
 
 
 @pytest.mark.parametrize("argv, fragment", [
-    (["bench", "--transport", "threads"], "--transport and --request go with --gpu-class"),
+    (["bench", "--transport", "threads"], "--transport, --request and --sp go with --gpu-class"),
+    (["bench", "--sp", "2"], "--transport, --request and --sp go with --gpu-class"),
     (["bench", "--gpu-class", "--scenario", "default"], "not a --gpu-class scenario"),
     (["bench", "--gpu-class", "--windows"], "drop --windows"),
 ])

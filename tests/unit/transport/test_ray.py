@@ -195,3 +195,29 @@ def test_a_pool_that_started_ray_shuts_it_down(tmp_path):
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "children 0" in proc.stdout, proc.stdout
+
+
+def test_large_answers_come_through_the_shared_ring_from_an_actor_on_the_driver_s_node(cluster, events, monkeypatch):
+    """The direct channel's shared ring (dsi.transport.arena) where the actor shares the driver's machine; an
+    actor on another node (here: the loopback cluster's second node) answers through its socket; both the same."""
+    from dsi.transport import arena as arena_module
+    from dsi.transport.threads import ThreadTargetPool
+    from tests.transport_support import assert_same_result, law_model, law_tasks, run_tasks
+
+    monkeypatch.setattr(arena_module, "ARENA_MIN_BYTES", 1024)  # the actor learns it from the driver
+    with ThreadTargetPool(law_model(), 1, events.put) as pool:
+        want = run_tasks(pool, events, law_tasks(0))
+    here = ray.get_runtime_context().get_node_id()
+    for nodes in ([here], [n for n in node_ids() if n != here]):
+        pool = make_pool("ray", law_model(), 1, events.put, node_ids=nodes, start_timeout=60)
+        try:
+            got = run_tasks(pool, events, law_tasks(0))
+            ring = pool.handles[0]._arena
+            if nodes == [here]:
+                assert ring is not None and ring.placed >= 5
+            else:
+                assert ring is None
+        finally:
+            pool.close()
+        for a, b in zip(got, want, strict=True):
+            assert_same_result(a, b)

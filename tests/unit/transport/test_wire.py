@@ -37,10 +37,11 @@ class LoadsNowhere:
 
 @pytest.mark.parametrize("frames, match", [
     ([b"\x01"], "too short"),  # less than a header
-    ([struct.pack("<I", 3) + b"\x00" * 8], "too short"),  # announces 3 sizes, has one
-    ([struct.pack("<I", 1 << 20)], "announced 1048576 buffers"),  # absurd count: never allocated
-    ([struct.pack("<IQ", 1, 4) + pickle.dumps(None), b"0123456789"], "longer than the 4 bytes"),
-    ([struct.pack("<IQ", 1, 100) + pickle.dumps(None), b"short"], "has 5 bytes; 100 were announced"),
+    ([struct.pack("<IQ", 3, 0) + b"\x00" * 8], "too short"),  # announces 3 sizes, has one
+    ([struct.pack("<IQ", 1 << 20, 0)], "announced 1048576 buffers"),  # absurd count: never allocated
+    ([struct.pack("<IQQq", 1, 0, 4, -1) + pickle.dumps(None), b"0123456789"], "longer than the 4 bytes"),
+    ([struct.pack("<IQQq", 1, 0, 100, -1) + pickle.dumps(None), b"short"], "has 5 bytes; 100 were announced"),
+    ([struct.pack("<IQQq", 1, 0, 100, 0) + pickle.dumps(None)], "no arena is read"),  # a ring position, no ring
 ])
 def test_broken_framing_is_a_malformed_frame_never_a_hang_or_a_crash(pipe, frames, match):
     a, b = pipe
