@@ -248,6 +248,9 @@ def main() -> int:
                    help="also run method='auto' (dsi.evaluate.autotune: measured here once, then cached) next to the fixed "
                         "methods, and report how close its pick is to the fastest of them")
     p.add_argument("--retune", action="store_true", help="with --auto: measure the choice again")
+    p.add_argument("--kv-cache", choices=["dynamic", "static"], default="dynamic",
+                   help="hf: every model's KV cache (dsi.models.hf_static)")
+    p.add_argument("--cuda-graphs", action="store_true", help="hf: captured CUDA graphs (implies --kv-cache static)")
     p.add_argument("--out")
     p.add_argument("--record", metavar="FILE", help="save the pair's greedy decisions for --replay")
     p.add_argument("--replay", metavar="FILE", help="replay a --record file on random-weight models of the "
@@ -262,15 +265,20 @@ def main() -> int:
         print("note: process-placed servers reload the model from its source directory", file=sys.stderr)
 
     recipe = None
+    plan = None
+    if args.backend == "hf" and (args.cuda_graphs or args.kv_cache == "static"):
+        from dsi.models.hf_static import ForwardPlan
+
+        plan = ForwardPlan("static", cuda_graphs=args.cuda_graphs)
     if args.replay:
         recordings, meta = load_recording(args.replay)
         names = (args.target_config or meta.get("target", args.target), meta.get("drafter", args.drafter))
         configs_dir = Path(args.configs_dir)
-        models = [random_weights_model(configs_dir / name, args.dtype, args.device, seed=i)
+        models = [random_weights_model(configs_dir / name, args.dtype, args.device, seed=i, forward_plan=plan)
                   for i, name in enumerate(names)]
         target, drafter = replay_pair(*models, recordings)
         recipe = ReplayRecipe(str((configs_dir / names[0]).resolve()), recorded_choices(recordings)[0],
-                              args.dtype, args.device, vocab_size=target.vocab_size)
+                              args.dtype, args.device, vocab_size=target.vocab_size, forward_plan=plan)
         recordings = recordings[: args.prompts]
         prompts = [list(r.prompt) for r in recordings]
         recorded = min(len(r.target) for r in recordings)
@@ -288,7 +296,7 @@ def main() -> int:
             args.dtype, args.no_assisted = None, True
         target, drafter = load_pair(args.target, args.drafter, backend=args.backend,
                                     dtype=None if llama else args.dtype, device=None if llama else args.device,
-                                    progress=True)
+                                    progress=True, forward_plan=plan)
         prompts = [target.encode(t) for t in CODE_PROMPTS[: args.prompts]]
         names = (args.target, args.drafter)
 

@@ -47,10 +47,10 @@ def hf_drafter_dir(tmp_path_factory):
     return make_model_dir(tmp_path_factory.mktemp("det") / "drafter", seed=1, layers=1, hidden=64)
 
 
-def _hf(path, dtype, deterministic):
+def _hf(path, dtype, deterministic, plan=None):
     from dsi.models.hf import HFModel
 
-    model = HFModel.load(str(path), dtype=dtype, progress=False, threads=1)
+    model = HFModel.load(str(path), dtype=dtype, progress=False, threads=1, forward_plan=plan)
     model.deterministic = deterministic
     return model
 
@@ -98,9 +98,14 @@ def _spread(rows: list[np.ndarray]) -> float:
 TOKENS = [5, 17, 3, 9, 40, 2, 2, 7, 11, 30, 8, 100, 3, 12]
 
 
+@pytest.mark.parametrize("plan", ["dynamic", "static", "padded"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_hf_rows_are_the_same_bits_however_the_forward_is_cut(hf_dir, dtype):
-    model = _hf(hf_dir, dtype, deterministic=True)
+def test_hf_rows_are_the_same_bits_however_the_forward_is_cut(hf_dir, dtype, plan):
+    """Also on the static cache (and graphs' shapes): what a rollback leaves past the length is never read."""
+    from dsi.models.hf_static import ForwardPlan
+
+    plans = {"dynamic": None, "static": ForwardPlan("static"), "padded": ForwardPlan("static", cuda_graphs=True)}
+    model = _hf(hf_dir, dtype, deterministic=True, plan=plans[plan])
     assert _spread(_cuts(model, TOKENS)) == 0.0
 
 

@@ -25,9 +25,19 @@ def test_gpu_check_dry_run_measures_every_part(tmp_path):
                           timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "torch" in (tmp_path / "machine.txt").read_text()
-    for part, target in (("pair", "qwen2.5-coder-1.5b-instruct"), ("target14b", "qwen2.5-14b-instruct")):
+    forwards = json.loads((tmp_path / "forwards.json").read_text())
+    assert [r["config"] for r in forwards["rows"]] == ["qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct",
+                                                       "qwen2.5-14b-instruct"]
+    for row in forwards["rows"]:
+        assert set(row["plans"]) == {"dynamic", "static", "graphs"} and row["weights_gb"] > 0 and row["read_ms"] > 0
+        assert all(p["1_ms"] > 0 and p["5_ms"] > 0 for p in row["plans"].values())
+    assert forwards["bandwidth_gb_s"] > 0
+    for part, target, graphs in (("pair_graphs", "qwen2.5-coder-1.5b-instruct", True),
+                                 ("target14b_graphs", "qwen2.5-14b-instruct", True),
+                                 ("target14b", "qwen2.5-14b-instruct", False)):
         report = json.loads((tmp_path / f"{part}.json").read_text())
         assert report["config"]["pair"][0] == target and not report["skipped"]
+        assert report["config"]["cuda_graphs"] is graphs
         rows = report["rows"]
         transports = {r["transport"] for r in rows.values() if r["method"] == "dsi"}
         assert transports == {"threads", "processes"}
@@ -39,11 +49,8 @@ def test_gpu_check_dry_run_measures_every_part(tmp_path):
             if row["method"] == "dsi":
                 assert row["target_forward_in_run_s"] > 0 and row["drafter_forward_in_run_s"] > 0, label
         assert set(report["latencies_s"]["1"]) == {"drafter", "target"}
-    log = (tmp_path / "target14b.log").read_text()
-    assert "vocabularies 152064 / 151936" in log and "DSI k=2 SP=1 processes" in log
-    trees = json.loads((tmp_path / "trees.json").read_text())
-    assert trees["config"] == "qwen2.5-coder-1.5b-instruct" and [r["nodes"] for r in trees["rows"]] == [4, 8]
-    assert all(r["tree_ms"] > 0 and r["paths"] == r["nodes"] // 2 + 1 for r in trees["rows"])
+    log = (tmp_path / "target14b_graphs.log").read_text()
+    assert "vocabularies 152064 / 151936" in log and "DSI k=auto SP=1 processes" in log
 
 
 def test_gpu_check_cpu_dry_run_splits_cores_between_drafter_and_servers(tmp_path):

@@ -19,6 +19,7 @@ from scipy.stats import chisquare  # noqa: E402
 import dsi  # noqa: E402
 from dsi.engine.api import build_decoder, make_request  # noqa: E402
 from dsi.models.hf import HFModel  # noqa: E402
+from dsi.models.hf_static import ForwardPlan  # noqa: E402
 from dsi.sampling import Prefix, SamplingParams, process_logits  # noqa: E402
 
 pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("one_torch_thread")]
@@ -40,19 +41,25 @@ def gpt2(seed, vocab=97, layers=2, positions=128):
     return transformers.GPT2LMHeadModel(config).eval()
 
 
-def noisy_pair(build):
+PLANS = {"dynamic": ForwardPlan(), "static": ForwardPlan("static"), "padded": ForwardPlan("static", cuda_graphs=True)}
+
+
+def noisy_pair(build, plan: str = "dynamic"):
     """(target module, target, drafter): the drafter is the target with noise added to its weights, so
-    it agrees often, not always."""
+    it agrees often, not always; both with the forward plan ``plan`` (the KV cache, graphs' padded shapes)."""
     target_model, drafter_model = build(0), build(0)
     with torch.no_grad():
         for p in drafter_model.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    return target_model, HFModel(target_model), HFModel(drafter_model)
+    return (target_model, HFModel(target_model, forward_plan=PLANS[plan]),
+            HFModel(drafter_model, forward_plan=PLANS[plan]))
 
 
-@pytest.mark.parametrize("build", [llama, gpt2], ids=["llama", "gpt2"])
-def test_greedy_dsi_and_si_equal_transformers_generate(build, no_thread_leak):
-    target_model, target, drafter = noisy_pair(build)
+@pytest.mark.parametrize("build, plan", [(llama, "dynamic"), (gpt2, "dynamic"), (llama, "static"), (llama, "padded"),
+                                         (gpt2, "padded")], ids=["llama", "gpt2", "llama-static", "llama-padded",
+                                                                 "gpt2-padded"])
+def test_greedy_dsi_and_si_equal_transformers_generate(build, plan, no_thread_leak):
+    target_model, target, drafter = noisy_pair(build, plan)
     rng = np.random.default_rng(0)
     accepted = rejected = 0
     for case in range(4):
@@ -77,15 +84,17 @@ def test_greedy_dsi_and_si_equal_transformers_generate(build, no_thread_leak):
     # CI's slow run (the default run's time): the processed law is tested on synthetic and GGUF rows by default
     pytest.param("auto", dict(presence_penalty=0.6, repetition_penalty=1.4, logit_bias={2: 0.8}, min_p=0.02),
                  marks=pytest.mark.slow),
-], ids=["k1", "auto-processed"])
-def test_dsi_sampling_matches_the_exact_law_of_a_tiny_vocabulary_model(lookahead, processing, no_thread_leak):
+    pytest.param("auto", {}, marks=pytest.mark.slow),  # on the static cache with graphs' padded shapes (below)
+], ids=["k1", "auto-processed", "auto-static-padded"])
+def test_dsi_sampling_matches_the_exact_law_of_a_tiny_vocabulary_model(lookahead, processing, no_thread_leak, request):
     """The second token's row counts the first as output (penalties); every row is biased."""
     vocab, length, samples = 5, 2, 1200
     target_model, drafter_model = llama(3, vocab=vocab), llama(4, vocab=vocab)
     with torch.no_grad():  # make the distributions far from uniform so that errors would show
         target_model.lm_head.weight.mul_(8.0)
         drafter_model.lm_head.weight.mul_(8.0)
-    target, drafter = HFModel(target_model), HFModel(drafter_model)
+    plan = PLANS["padded" if request.node.callspec.id == "auto-static-padded" else "dynamic"]
+    target, drafter = HFModel(target_model, forward_plan=plan), HFModel(drafter_model, forward_plan=plan)
     prompt = (1, 2, 3)
     params = SamplingParams(temperature=1.0, **processing)
 

@@ -1,4 +1,5 @@
-"""``--backend``, ``--dtype``, ``--device`` and ``--threads``: which engine runs the models, shared by
+"""``--backend``, ``--dtype``, ``--device``, ``--threads`` and the hf backend's cache and graphs: which engine runs
+the models and how, shared by
 ``dsi generate``, ``demo``, ``serve``, ``measure`` and ``selftest``.
 
 A thin layer over :func:`dsi.models.loading.choose_backend`: the CLI resolves the backend once
@@ -34,8 +35,16 @@ def add_backend_args(g: argparse._ArgumentGroup | argparse.ArgumentParser, threa
                         "too); default off: it cuts verification forwards into single tokens (costs measured in "
                         "docs/results.md section 11; docs/architecture.md, 'Deterministic inference')")
     g.add_argument("--max-model-len", "--n-ctx", dest="max_model_len", type=Number(int, 2), default=None, metavar="N",
-                   help="llama.cpp: the most tokens a session holds (its KV cells; default: the GGUF's training "
-                        "context, at most 4096); the hf backend uses the model's own context length")
+                   help="the most tokens a session holds: llama.cpp's KV cells (default: the GGUF's training "
+                        "context, at most 4096), or the hf backend's static cache (--kv-cache static; default: "
+                        "the model's context, at most 4096); a dynamic hf cache holds the model's whole context")
+    g.add_argument("--kv-cache", choices=["dynamic", "static"], default=None,
+                   help="hf: each session's KV cache: dynamic (default: grows, cropped on a rollback) or static "
+                        "(preallocated to --max-model-len positions; a rollback moves a position; what CUDA graphs "
+                        "replay) (docs/models.md, 'Static cache and CUDA graphs')")
+    g.add_argument("--cuda-graphs", action="store_true",
+                   help="hf on a CUDA device: capture each forward's padded shape as a CUDA graph (implies --kv-cache "
+                        "static); elsewhere the forwards run eagerly, and it says so once")
     g.add_argument("--threads", type=COUNT, default=None,
                    help=threads_help or "threads per worker (drafter and each target server): torch's intra-op "
                                         "threads (hf) or llama.cpp's threads per session; default: the backend's")
@@ -68,11 +77,42 @@ def describe(backend: str, args: argparse.Namespace, hf_default: str = "bf16") -
     return f"hf {hf_dtype(args, hf_default)} on {args.device or 'cpu'}"
 
 
+def _kv_cache(args: argparse.Namespace) -> str | None:
+    """``--kv-cache``, with ``--cuda-graphs`` implying static (a dynamic one with graphs is refused)."""
+    kv_cache = getattr(args, "kv_cache", None)
+    if getattr(args, "cuda_graphs", False):
+        if kv_cache == "dynamic":
+            raise ConfigError("--cuda-graphs replays fixed buffers: it needs --kv-cache static (the default with it)")
+        return "static"
+    return kv_cache
+
+
 def max_model_len(args: argparse.Namespace) -> int | None:
-    """``--max-model-len`` (llama.cpp's ``n_ctx``; parsed as an integer >= 2), checked against the backend."""
+    """``--max-model-len`` as llama.cpp's ``n_ctx`` (parsed as an integer >= 2), checked against the backend:
+    None where it sizes the hf backend's static cache instead (:func:`forward_plan`)."""
     value = getattr(args, "max_model_len", None)
     choice = getattr(args, "backend_choice", None)
     if value is not None and choice is not None and choice.backend != "llama.cpp":
-        raise ConfigError(f"--max-model-len={value} applies to the llama.cpp backend; the {choice.backend} backend "
-                          f"was chosen ({choice.reason}) and uses the model's own context length")
+        if _kv_cache(args) == "static":
+            return None
+        raise ConfigError(f"--max-model-len={value} sizes llama.cpp's KV cells or the hf backend's static cache "
+                          f"(--kv-cache static); the {choice.backend} backend was chosen ({choice.reason}) with a "
+                          "dynamic cache, which holds the model's whole context")
     return value
+
+
+def forward_plan(args: argparse.Namespace):
+    """The hf backend's :class:`~dsi.models.hf_static.ForwardPlan` from ``--kv-cache``, ``--cuda-graphs`` and
+    ``--max-model-len``; None for llama.cpp (which refuses these options) or when none is given."""
+    kv_cache = _kv_cache(args)
+    graphs = bool(getattr(args, "cuda_graphs", False))
+    choice = getattr(args, "backend_choice", None)
+    if kv_cache is None:
+        return None
+    if choice is not None and choice.backend != "hf":
+        raise ConfigError(f"--kv-cache and --cuda-graphs apply to the hf backend; {choice.backend} was chosen "
+                          f"({choice.reason}): pass --backend hf")
+    from dsi.models.hf_static import ForwardPlan
+
+    length = getattr(args, "max_model_len", None) if kv_cache == "static" else None
+    return ForwardPlan(kv_cache, length, graphs)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from dsi.cli.advice import what_dsi_needs
 from dsi.cli.args import (COUNT, DRAFT_TREE, ENGINE_URL, LOOKAHEAD, MERGES, NATURAL, NON_NEGATIVE, POSITIVE,
                           PROBABILITY, SEED, Number)
-from dsi.cli.backend import add_backend_args, choose, describe, hf_dtype, max_model_len
+from dsi.cli.backend import add_backend_args, choose, describe, forward_plan, hf_dtype, max_model_len
 from dsi.engine.config import DecoderConfig
 from dsi.errors import ConfigError
 from dsi.sampling import MAX_PENALTY
@@ -398,7 +398,7 @@ def _load(args: argparse.Namespace, need_drafter: bool, hf_default_dtype: str = 
     hf = choice.backend == "hf"
     options = {"backend": choice.backend, "dtype": hf_dtype(args, hf_default_dtype) if hf else None,
                "device": args.device if hf else None, "threads": args.threads,
-               "n_ctx": max_model_len(args),
+               "n_ctx": max_model_len(args), "forward_plan": forward_plan(args),
                "deterministic": getattr(args, "deterministic", None),
                "progress": not getattr(args, "json", False) or sys.stderr.isatty()}
     if need_drafter:

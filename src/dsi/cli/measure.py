@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from dsi.cli.args import COUNT, ENGINE_URL, Number, output_file
-from dsi.cli.backend import add_backend_args, choose, describe, hf_dtype, max_model_len
+from dsi.cli.backend import add_backend_args, choose, describe, forward_plan, hf_dtype, max_model_len
 from dsi.cli.output import dumps, format_table, print_json
 from dsi.errors import ConfigError
 from dsi.models.base import LanguageModel, extend_rows, greedy_guess
@@ -368,7 +368,7 @@ def _load_options(args: argparse.Namespace, specs: list[str]) -> tuple[dict[str,
     hf = choice.backend == "hf"
     options = {"backend": choice.backend, "dtype": hf_dtype(args) if hf else None,
                "device": args.device if hf else None, "threads": args.threads,
-               "n_ctx": max_model_len(args),
+               "n_ctx": max_model_len(args), "forward_plan": forward_plan(args),
                "deterministic": getattr(args, "deterministic", None)}
     return options, describe(choice.backend, args)
 

@@ -51,6 +51,10 @@ from dsi.models.base import (
 )
 from dsi.models.determinism import check_deterministic
 from dsi.models.hf_checkpoint import checkpoint_dir
+from dsi.models.hf_static import (
+    GRAPH_MAX_TOKENS, ForwardPlan, GraphSet, additive_mask, check_full_attention, has_sliding_layers,
+    new_positioned_cache, padded_size, visibility,
+)
 from dsi.models.sources import resolve_source
 
 logger = logging.getLogger(__name__)
@@ -151,6 +155,7 @@ class HFModel:
         threads: int | None = None,
         source_dir: str | Path | None = None,
         deterministic: bool | None = None,
+        forward_plan: ForwardPlan | None = None,
     ) -> None:
         if not isinstance(model, nn.Module) or not hasattr(model, "config"):
             raise ConfigError(f"model={type(model).__name__} must be a transformers PreTrainedModel")
@@ -167,6 +172,7 @@ class HFModel:
         self.threads = threads
         self.deterministic = deterministic
         self.source_dir = Path(source_dir) if source_dir is not None else None
+        self.forward_plan = forward_plan if forward_plan is not None else ForwardPlan()
         head = model.get_output_embeddings()
         self._vocab_size = int(getattr(head, "out_features", 0) or model.config.get_text_config().vocab_size)
         params = inspect.signature(model.forward).parameters
@@ -192,6 +198,7 @@ class HFModel:
         progress: bool = True,
         threads: int | None = None,
         trust_remote_code: bool = False,
+        forward_plan: ForwardPlan | None = None,
     ) -> HFModel:
         """Load a MODEL (directory, ``.gguf``, hub id, embedded short name: :mod:`dsi.models.sources`).
 
@@ -204,7 +211,7 @@ class HFModel:
         source = resolve_source(spec)
         return cls.from_checkpoint(checkpoint_dir(source, progress=progress), dtype=dtype, device=device,
                                    name=source.name, role=role, threads=threads,
-                                   trust_remote_code=trust_remote_code)
+                                   trust_remote_code=trust_remote_code, forward_plan=forward_plan)
 
     @classmethod
     def from_checkpoint(
@@ -217,6 +224,7 @@ class HFModel:
         role: str | None = None,
         threads: int | None = None,
         trust_remote_code: bool = False,
+        forward_plan: ForwardPlan | None = None,
     ) -> HFModel:
         """Load a transformers checkpoint directory (weights, config, and the tokenizer if it has one)."""
         import transformers
@@ -246,7 +254,8 @@ class HFModel:
         else:
             logger.info("no tokenizer files in %s; token ids only", model_dir)
         logger.info("loaded %s (%s, %s) in %.2f s", model_dir, dtype, dev, time.perf_counter() - start)
-        return cls(model, tokenizer, name=name or str(model_dir), role=role, threads=threads, source_dir=model_dir)
+        return cls(model, tokenizer, name=name or str(model_dir), role=role, threads=threads, source_dir=model_dir,
+                   forward_plan=forward_plan)
 
     # -- the LanguageModel interface -------------------------------------------------------------
 
@@ -301,7 +310,7 @@ class HFModel:
                         del module._forward_pre_hooks[key]
             model = model.to(dev)
         clone = HFModel(model, self.tokenizer, name=self.name, role=self.role, threads=self.threads,
-                        source_dir=self.source_dir, deterministic=self.deterministic)
+                        source_dir=self.source_dir, deterministic=self.deterministic, forward_plan=self.forward_plan)
         clone._replicas = self._replicas  # every replica knows all the others
         clone._lock = self._lock
         return clone
@@ -322,14 +331,35 @@ class HFModel:
             model._deterministic = value  # replicas on other devices too; sessions follow at their next forward
 
     @property
-    def max_context(self) -> int | None:
-        """The model's maximum number of positions (prompt + generated), or None if unknown."""
+    def forward_plan(self) -> ForwardPlan:
+        """How sessions run their forwards: the KV cache (dynamic or static) and CUDA graphs
+        (:mod:`dsi.models.hf_static`). Sessions made after a change follow it; replicas change with this model."""
+        return self._plan
+
+    @forward_plan.setter
+    def forward_plan(self, plan: ForwardPlan) -> None:
+        if not isinstance(plan, ForwardPlan):
+            raise ConfigError(f"forward_plan={plan!r} must be a dsi.models.hf_static.ForwardPlan")
+        if plan.static:
+            check_full_attention(self.model.config, self.name)
+        for model in {id(m): m for m in [self, *getattr(self, "_replicas", {}).values()]}.values():
+            model._plan = plan
+
+    @property
+    def model_context(self) -> int | None:
+        """The model's own maximum number of positions, or None if unknown."""
         config = self.model.config.get_text_config()
         for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
             value = getattr(config, key, None)
             if isinstance(value, int) and value > 0:
                 return value
         return None
+
+    @property
+    def max_context(self) -> int | None:
+        """The most positions (prompt + generated) a session holds: the model's, or its static cache's length."""
+        limit = self.model_context
+        return self._plan.cache_len(limit) if self._plan.static else limit
 
     def check_length(self, prompt_len: int, max_new_tokens: int = 0) -> None:
         """Raise :class:`ConfigError` if the prompt plus new tokens exceed the model's context."""
@@ -396,26 +426,34 @@ class HFModel:
         """
         n = ids.shape[1]
         rows = n if num_rows is None else num_rows
-        kwargs = {self._cache_kwarg: cache, **extra}
         if self._keep_kwarg is not None and rows < n:
-            kwargs[self._keep_kwarg] = max(rows, 1)  # 0 would mean "every row"
+            extra[self._keep_kwarg] = max(rows, 1)  # 0 would mean "every row"
+        out = self._run_model(ids, cache, cancel, **extra)
+        if rows == 0:
+            return None
+        return self._host_rows(out.logits[0, -rows:], greedy)  # [rows, V]
+
+    def _run_model(self, ids: torch.Tensor, cache: Any, cancel: CancelFlag | None, **kwargs: Any) -> Any:
+        """The model's forward of ``ids`` ([1, n]) after ``cache``, with the cancel hooks armed."""
         with self._intra_op_threads():
             self._local.cancel = cancel
             try:
-                out = self.model(input_ids=ids, use_cache=True, **kwargs)
+                return self.model(input_ids=ids, use_cache=True, **{self._cache_kwarg: cache}, **kwargs)
             finally:
                 self._local.cancel = None
-            if rows == 0:
-                return None
-            logits = out.logits[0, -rows:]  # [rows, V]
-            if greedy:  # argmax of bf16 = argmax of its float32 copy; a row with NaN (no order) is marked -1
-                ids = torch.where(torch.isnan(logits).any(dim=-1), -1, logits.argmax(dim=-1)).cpu()  # [rows] int64
-                if bool((ids < 0).any()):
-                    raise ModelError(f"{self.name} returned NaN logits (rows "
-                                     f"{torch.nonzero(ids < 0).flatten().tolist()} of the last {rows}); its forward "
-                                     "is numerically broken")
-                return ids
-            return logits.float().cpu()  # [rows, V]
+
+    def _host_rows(self, logits: torch.Tensor, greedy: bool) -> torch.Tensor:
+        """Logit rows ``[rows, V]`` on the device as the host gets them: float32 on the CPU, or with ``greedy``
+        their argmax ids (int64 ``[rows]``, taken on the device so that only the ids cross)."""
+        rows = logits.shape[0]
+        if greedy:  # argmax of bf16 = argmax of its float32 copy; a row with NaN (no order) is marked -1
+            ids = torch.where(torch.isnan(logits).any(dim=-1), -1, logits.argmax(dim=-1)).cpu()  # [rows] int64
+            if bool((ids < 0).any()):
+                raise ModelError(f"{self.name} returned NaN logits (rows "
+                                 f"{torch.nonzero(ids < 0).flatten().tolist()} of the last {rows}); its forward "
+                                 "is numerically broken")
+            return ids
+        return logits.float().cpu()  # [rows, V]
 
     @contextlib.contextmanager
     def _intra_op_threads(self) -> Any:
@@ -451,9 +489,7 @@ class HFModel:
         cut is one token a forward)."""
         config = self.model.config.get_text_config()
         attention = getattr(config, "_attn_implementation", None)
-        layer_types = getattr(config, "layer_types", None) or ()
-        sliding = bool(getattr(config, "use_sliding_window", False)) or any(t != "full_attention" for t in layer_types)
-        return attention in ("eager", "sdpa") and not sliding and not self.deterministic
+        return attention in ("eager", "sdpa") and not has_sliding_layers(config) and not self.deterministic
 
     def close(self) -> None:
         """Remove the cancellation hooks (the model itself is left to the garbage collector)."""
@@ -467,7 +503,9 @@ class HFModel:
 
 
 class HFSession:
-    """One token sequence and its ``DynamicCache`` on one :class:`HFModel`.
+    """One token sequence and its KV cache on one :class:`HFModel`: a ``DynamicCache``, or with the model's
+    :attr:`~HFModel.forward_plan` static, a preallocated :func:`~dsi.models.hf_static.new_positioned_cache` (and
+    with CUDA graphs, the session's captured forwards), fixed when the session is made.
 
     On a GPU each session runs its forwards on a CUDA stream of its own, so that the kernels of
     several sessions (the drafter and target servers as threads of one process) can overlap on the
@@ -476,17 +514,24 @@ class HFSession:
 
     def __init__(self, owner: HFModel) -> None:
         self._owner = owner
+        self._plan = owner.forward_plan
         self._tokens: list[int] = []
         self._stream = None
         if owner.device.type == "cuda":
             self._stream = torch.cuda.Stream(device=owner.device)
             self._stream.wait_stream(torch.cuda.current_stream(owner.device))  # the weights are ready
+        self._graphs: GraphSet | None = None
         self._cache = self._new_cache()
 
     def _new_cache(self) -> Any:
+        owner = self._owner
+        if self._plan.static:  # its buffers are allocated at the first forward
+            cache = new_positioned_cache(owner.model.config, self._plan.cache_len(owner.model_context), owner.device)
+            self._graphs = GraphSet(owner, cache, self._stream) if self._plan.cuda_graphs else None
+            return cache
         from transformers import DynamicCache
 
-        return DynamicCache(config=self._owner.model.config)
+        return DynamicCache(config=owner.model.config)
 
     def _on_stream(self) -> Any:
         return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
@@ -523,6 +568,21 @@ class HFSession:
         if cancel is not None and cancel.is_set():
             raise TaskCancelled("forward cancelled before it started")
         before = len(self._tokens)
+        if self._plan.static:
+            with torch.inference_mode(), self._on_stream():
+                try:
+                    if owner.deterministic:  # one token a forward, as below
+                        first = len(new) - num_rows
+                        rows = [self._static_forward(new[i: i + 1], before + i, cancel, int(i >= first), greedy)
+                                for i in range(len(new))]
+                        out = torch.cat([r for r in rows if r is not None])
+                    else:
+                        out = self._static_forward(new, before, cancel, num_rows, greedy)
+                except BaseException:
+                    self._cache.length = before
+                    raise
+            self._tokens.extend(new)
+            return out.numpy()
         with torch.inference_mode(), self._on_stream():
             ids = torch.tensor([new], dtype=torch.long, device=owner.device)  # [1, n]
             try:
@@ -571,6 +631,17 @@ class HFSession:
         allowed[len(fresh):, keep + len(fresh):] = tree.attention_mask()  # and itself and its ancestors
         positions = list(range(keep, len(prefix))) + tree.positions(len(prefix)).tolist()
         main = [len(prefix) + i for i in tree.main_path()]  # where the main path's nodes land in the cache
+        if self._plan.static:
+            with torch.inference_mode(), self._on_stream():
+                try:
+                    out = self._static_forward(new, keep, cancel, 1 + n, greedy, positions=positions,
+                                               allowed=torch.from_numpy(allowed))
+                except BaseException:
+                    self._cache.length = keep
+                    raise
+                self._keep_main_path(len(prefix), main)
+            self._tokens = prefix + [int(tree.tokens[i]) for i in tree.main_path()]
+            return out.numpy()
         with torch.inference_mode(), self._on_stream():
             dtype = owner.model.dtype
             mask = torch.zeros((1, 1, q, keep + q), dtype=dtype, device=owner.device)
@@ -598,7 +669,11 @@ class HFSession:
         del self._tokens[length:]
 
     def _restore(self, length: int) -> None:
-        """Crop every cache layer to ``length`` tokens (layers may be at different lengths)."""
+        """Crop every cache layer to ``length`` tokens (layers may be at different lengths); a static cache only
+        moves its length."""
+        if self._plan.static:
+            self._cache.length = length
+            return
         if length == 0:
             self._cache = self._new_cache()
             return
@@ -625,4 +700,58 @@ class HFSession:
 
     def close(self) -> None:
         self._tokens = []
-        self._cache = self._new_cache()  # an empty cache holds no memory; the session stays usable
+        self._cache = self._new_cache()  # an empty cache holds no memory (nor graphs); the session stays usable
+
+    # -- the static cache (dsi.models.hf_static) -------------------------------------------------------
+
+    def _static_forward(self, new: list[int], start: int, cancel: CancelFlag | None, num_rows: int, greedy: bool,
+                        positions: list[int] | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor | None:
+        """One forward of ``new`` written at cache positions ``start ..`` (padded to a graph's size where graphs
+        are on), each query seeing ``allowed`` (a tree's ``[n, start + n]`` mask) or the causal context, at
+        ``positions`` (default: its cache position); the last ``num_rows`` real rows as :meth:`HFModel._host_rows`
+        gives them (None for 0), and the cache's length ``start + n`` after it."""
+        owner, cache = self._owner, self._cache
+        n = len(new)
+        if start + n > cache.max_len:
+            raise ContextLengthError(f"{start + n} tokens exceed the static cache of {cache.max_len} positions of "
+                                     f"{owner.name} (kv_cache_len)")
+        size = padded_size(n, self._graphs is not None)
+        if start + size > cache.max_len:
+            size = n  # no room for the padding at the end of the cache: this forward as it is
+        device = owner.device
+        pad = size - n
+        ids = torch.tensor([new + [0] * pad], dtype=torch.long, device=device)  # [1, size]
+        write_at = torch.arange(start, start + size, device=device)  # [size]
+        if positions is None:
+            position_ids = write_at[None]
+        else:
+            position_ids = torch.tensor([positions + list(range(start + n, start + size))], dtype=torch.long,
+                                        device=device)
+        mask = additive_mask(visibility(start, size, n, cache.max_len, allowed, device), owner.model.dtype)
+        if cancel is not None and cancel.is_set():
+            raise TaskCancelled("forward cancelled before it started")
+        logits = None
+        if self._graphs is not None and size <= GRAPH_MAX_TOKENS:
+            logits = self._graphs.run(ids, position_ids, write_at, mask)  # None: eager (said once)
+        if logits is None:
+            cache.write_at = write_at
+            keep = {}
+            if owner._keep_kwarg is not None and num_rows < size:  # the output layer on the rows read only
+                keep[owner._keep_kwarg] = torch.arange(n - max(num_rows, 1), n, device=device)
+            logits = owner._run_model(ids, cache, cancel, attention_mask=mask, position_ids=position_ids, **keep).logits
+        cache.length = start + n
+        if num_rows == 0:
+            return None
+        rows = logits[0, n - num_rows: n] if logits.shape[1] == size else logits[0, -num_rows:]  # [num_rows, V]
+        return owner._host_rows(rows, greedy)
+
+    def _keep_main_path(self, at: int, main: list[int]) -> None:
+        """After a tree forward: the main path's keys and values (at cache positions ``main``) moved to ``at ..``,
+        in order, and the cache's length after them (the prefix and the main path, as a chain would leave it)."""
+        if main and main != list(range(at, at + len(main))):
+            index = torch.tensor(main, dtype=torch.long, device=self._owner.device)
+            for layer in self._cache.layers:
+                if layer.is_initialized:
+                    layer.keys[:, :, at: at + len(main)] = layer.keys.index_select(2, index)
+                    layer.values[:, :, at: at + len(main)] = layer.values.index_select(2, index)
+        self._cache.length = at + len(main)

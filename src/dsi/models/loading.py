@@ -27,11 +27,14 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dsi.errors import ConfigError, ModelError, VocabularyMismatchError
 from dsi.models.determinism import check_deterministic
 from dsi.models.sources import ModelSource, gguf_file, resolve_source
+
+if TYPE_CHECKING:  # torch is imported only when the hf backend loads
+    from dsi.models.hf_static import ForwardPlan
 
 logger = logging.getLogger(__name__)
 
@@ -137,19 +140,22 @@ def load_model(
     trust_remote_code: bool = False,
     n_ctx: int | None = None,
     deterministic: bool | None = None,
+    forward_plan: ForwardPlan | None = None,
 ) -> Any:
     """Load one MODEL with ``backend`` (see the module docstring).
 
-    hf: ``dtype`` (default bf16), ``device`` (default cpu), ``trust_remote_code``. llama.cpp:
+    hf: ``dtype`` (default bf16), ``device`` (default cpu), ``trust_remote_code``, ``forward_plan`` (the KV
+    cache and CUDA graphs: :class:`~dsi.models.hf_static.ForwardPlan`). llama.cpp:
     ``n_ctx`` (default: the backend's). Both: ``threads`` per worker, ``role``, ``progress``, and
     ``deterministic`` (None: the backend's default; :mod:`dsi.models.determinism`).
     """
     check_deterministic(deterministic, False)
     source = resolve_source(spec)
     devices = [device]
-    choice = _choice([source], backend, devices, dtype, trust_remote_code, n_ctx)
+    choice = _choice([source], backend, devices, dtype, trust_remote_code, n_ctx, forward_plan)
     return _load_one(source, choice.backend, dtype=dtype, device=device, role=role, progress=progress,
-                     threads=threads, trust_remote_code=trust_remote_code, n_ctx=n_ctx, deterministic=deterministic)
+                     threads=threads, trust_remote_code=trust_remote_code, n_ctx=n_ctx, deterministic=deterministic,
+                     forward_plan=forward_plan)
 
 
 def load_pair(
@@ -166,6 +172,7 @@ def load_pair(
     n_ctx: int | None = None,
     vocab_mode: str = "auto",
     deterministic: bool | None = None,
+    forward_plan: ForwardPlan | None = None,
 ) -> tuple[Any, Any]:
     """Load a target and a drafter with one backend.
 
@@ -178,8 +185,9 @@ def load_pair(
         raise ConfigError(f"vocab_mode={vocab_mode!r} must be one of {', '.join(VOCAB_MODES)}")
     check_deterministic(deterministic, False)
     sources = [resolve_source(target_spec), resolve_source(drafter_spec)]
-    choice = _choice(sources, backend, [device, drafter_device], dtype or drafter_dtype, False, n_ctx)
-    common = {"progress": progress, "threads": threads, "n_ctx": n_ctx, "deterministic": deterministic}
+    choice = _choice(sources, backend, [device, drafter_device], dtype or drafter_dtype, False, n_ctx, forward_plan)
+    common = {"progress": progress, "threads": threads, "n_ctx": n_ctx, "deterministic": deterministic,
+              "forward_plan": forward_plan}
     target = _load_one(sources[0], choice.backend, dtype=dtype, device=device, role="target", **common)
     drafter = _load_one(sources[1], choice.backend, dtype=drafter_dtype or dtype, device=drafter_device or device,
                         role="drafter", **common)
@@ -196,7 +204,7 @@ def load_pair(
 
 
 def _choice(sources: list[ModelSource], backend: str, devices: list, dtype: str | None, trust_remote_code: bool,
-            n_ctx: int | None) -> BackendChoice:
+            n_ctx: int | None, forward_plan: ForwardPlan | None = None) -> BackendChoice:
     check_backend(backend)
     if backend == "auto" and trust_remote_code:
         backend = "hf"
@@ -207,18 +215,22 @@ def _choice(sources: list[ModelSource], backend: str, devices: list, dtype: str 
     if n_ctx is not None and choice.backend != "llama.cpp":
         raise ConfigError(f"n_ctx={n_ctx!r} applies to the llama.cpp backend only (the {choice.backend} backend "
                           f"was chosen: {choice.reason}); the hf backend uses the model's own context length")
+    if forward_plan is not None and choice.backend != "hf":
+        raise ConfigError(f"forward_plan={forward_plan!r} applies to the hf backend only (the {choice.backend} "
+                          f"backend was chosen: {choice.reason}); pass backend='hf'")
     logger.info("backend %s: %s", choice.backend, choice.reason)
     return choice
 
 
 def _load_one(source: ModelSource, backend: str, *, dtype: str | None, device: str | None, role: str | None,
               progress: bool, threads: int | None, trust_remote_code: bool = False, n_ctx: int | None = None,
-              deterministic: bool | None = None) -> Any:
+              deterministic: bool | None = None, forward_plan: ForwardPlan | None = None) -> Any:
     if backend == "hf":
         from dsi.models.hf import HFModel
 
         model = HFModel.load(source.spec, dtype=dtype or "bf16", device=device or "cpu", role=role,
-                             progress=progress, threads=threads, trust_remote_code=trust_remote_code)
+                             progress=progress, threads=threads, trust_remote_code=trust_remote_code,
+                             forward_plan=forward_plan)
         model.deterministic = deterministic
         return model
     try:

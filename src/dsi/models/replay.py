@@ -157,10 +157,11 @@ def replay_pair(
 
 
 def random_weights_model(config_dir: str | Path, dtype: str = "bf16", device: str = "cpu", *, seed: int = 0,
-                         threads: int | None = None, role: str | None = None) -> Any:
+                         threads: int | None = None, role: str | None = None, forward_plan: Any = None) -> Any:
     """An :class:`~dsi.models.hf.HFModel` of the architecture in ``config_dir`` (a ``config.json``)
     with seeded random weights, built directly on ``device``: each forward costs what the real
-    model's would. Needs torch and transformers (the ``hf`` extra)."""
+    model's would. ``forward_plan``: its KV cache and CUDA graphs (:class:`~dsi.models.hf_static.ForwardPlan`).
+    Needs torch and transformers (the ``hf`` extra)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -176,7 +177,8 @@ def random_weights_model(config_dir: str | Path, dtype: str = "bf16", device: st
     torch.manual_seed(seed)
     with torch.device(dev):
         model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype))
-    return HFModel(model, name=f"{config_dir.name} (random weights)", threads=threads, role=role)
+    return HFModel(model, name=f"{config_dir.name} (random weights)", threads=threads, role=role,
+                   forward_plan=forward_plan)
 
 
 @dataclass(frozen=True)
@@ -191,11 +193,13 @@ class ReplayRecipe:
     threads: int | None = None
     vocab_size: int | None = None
     fallback: int = 0
+    forward_plan: Any = None  # dsi.models.hf_static.ForwardPlan (None: the default)
 
     uses_device = True
 
     def build(self) -> ReplayLM:
-        model = random_weights_model(self.config_dir, self.dtype, self.device, threads=self.threads, role="target")
+        model = random_weights_model(self.config_dir, self.dtype, self.device, threads=self.threads, role="target",
+                                     forward_plan=self.forward_plan)
         return ReplayLM(model, self.choices, self.fallback, vocab_size=self.vocab_size)
 
     def placed(self, device: str | None, threads: int | None) -> ReplayRecipe:

@@ -71,6 +71,7 @@ class HFRecipe:
     device: str = "cpu"
     threads: int | None = None
     deterministic: bool = False
+    forward_plan: Any = None  # the model's dsi.models.hf_static.ForwardPlan (None: the default)
 
     uses_device = True
 
@@ -81,7 +82,7 @@ class HFRecipe:
 
         hf_logging.disable_progress_bar()  # a server loads unattended; no bars in its log
         model = HFModel.load(self.source_dir, dtype=self.dtype, device=self.device, threads=self.threads,
-                             role="target", progress=False)
+                             role="target", progress=False, forward_plan=self.forward_plan)
         model.deterministic = self.deterministic
         return model
 
@@ -193,7 +194,8 @@ def model_recipe(model: object) -> ModelRecipe:
                 "model.model.save_pretrained(DIR) and load it with HFModel.load(DIR), or pass "
                 "transport_options={'recipe': ...}"
             )
-        return HFRecipe(str(model.source_dir), model.dtype, str(model.device), model.threads, model.deterministic)
+        return HFRecipe(str(model.source_dir), model.dtype, str(model.device), model.threads, model.deterministic,
+                        model.forward_plan)
     if _is_llamacpp_model(model):
         return LlamaCppRecipe(str(model.source_path), model.n_ctx, model.threads, model.name, model.deterministic)
     if isinstance(model, WithLatency):

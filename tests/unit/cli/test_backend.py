@@ -168,6 +168,7 @@ def test_max_model_len_reaches_llamacpp_as_n_ctx_and_is_refused_for_hf(models, c
     code = main(["generate", "--target", models["t"], "--drafter", models["d"], "--prompt-ids", "3", "--method", "ar",
                  "--max-new-tokens", "2", "--backend", "hf", "--max-model-len", "8192"])
     err = capsys.readouterr().err
-    assert code == 2 and "--max-model-len=8192 applies to the llama.cpp backend; the hf backend" in err, err
+    assert code == 2 and "--max-model-len=8192 sizes llama.cpp's KV cells or the hf backend's static cache" in err, err
+    assert "the hf backend was chosen (asked for) with a dynamic cache" in err
     assert main(["generate", "--target", models["t"], "--prompt-ids", "3", "--method", "ar", "--n-ctx", "1"]) == 2
     assert "--max-model-len=1 must be an integer >= 2" in capsys.readouterr().err

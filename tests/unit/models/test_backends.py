@@ -248,7 +248,8 @@ def test_hf_gets_its_defaults_and_the_pair_is_checked(fakes, tmp_path):
     FakeHF.loads.clear()
     load_model(checkpoint(tmp_path / "c"), progress=False)
     assert FakeHF.loads == [(str(tmp_path / "c"), {"dtype": "bf16", "device": "cpu", "role": None, "progress": False,
-                                                  "threads": None, "trust_remote_code": False})]
+                                                  "threads": None, "trust_remote_code": False,
+                                                  "forward_plan": None})]
     with pytest.raises(VocabularyMismatchError, match="vocab_size=7 .* vocab_size=8"):
         load_pair(gguf(tmp_path / "t.gguf"), gguf(tmp_path / "odd.gguf"), backend="llama.cpp", progress=False,
                   vocab_mode="shared")
@@ -261,6 +262,10 @@ def test_options_of_one_backend_are_refused_on_the_other(fakes, tmp_path):
         load_model(m, dtype="bf16", n_ctx=512)
     with pytest.raises(ConfigError, match="trust_remote_code=True with backend='llama.cpp'"):
         load_model(m, backend="llama.cpp", trust_remote_code=True)
+    from dsi.models.hf_static import ForwardPlan
+
+    with pytest.raises(ConfigError, match=r"forward_plan=.* applies to the hf backend only \(the llama.cpp backend"):
+        load_model(m, backend="llama.cpp", forward_plan=ForwardPlan("static"))
     load_model(m, trust_remote_code=True)  # auto: remote code means transformers
     assert [spec for spec, _ in FakeHF.loads] == [str(m)] and FakeLlama.loads == []
     with pytest.raises(ConfigError, match="device='cuda' with backend='llama.cpp'"):

@@ -171,8 +171,9 @@ def test_a_latency_model_verifies_a_tree_with_its_inner_sessions_own_tree_kernel
     assert session.tokens == tuple(PREFIX + TREE.path_tokens(TREE.main_path()[-1]))
 
 
+@pytest.mark.parametrize("plan", ["dynamic", "static", "padded"])
 @pytest.mark.parametrize("family, attention", [("llama", "sdpa"), ("llama", "eager"), ("gpt2", "sdpa")])
-def test_hf_verifies_a_tree_in_one_forward_and_keeps_exactly_the_main_path(family, attention):
+def test_hf_verifies_a_tree_in_one_forward_and_keeps_exactly_the_main_path(family, attention, plan):
     """A 4D tree mask with position ids by depth: one model forward for the whole tree (from a warm session
     that holds part of the prefix), every row its path's row, and afterwards the cache of the prefix and
     the main path only: the same keys and values as a fresh session that ran just those, and the same next
@@ -183,11 +184,11 @@ def test_hf_verifies_a_tree_in_one_forward_and_keeps_exactly_the_main_path(famil
 
     from dsi.errors import TaskCancelled
     from dsi.models.hf import HFModel
-    from tests.unit.models.test_hf import MODELS, reference
+    from tests.unit.models.test_hf import MODELS, PLANS, reference
 
     raw = MODELS[family]()
     raw.config._attn_implementation = attention
-    model = HFModel(raw)
+    model = HFModel(raw, forward_plan=PLANS[plan])
     assert model.one_forward_trees
     assert not HFModel(raw, deterministic=True).one_forward_trees  # the canonical cut: one token a forward
     assert model.new_session().one_forward_trees
@@ -207,9 +208,11 @@ def test_hf_verifies_a_tree_in_one_forward_and_keeps_exactly_the_main_path(famil
     assert session.tokens == tuple(kept)
     fresh = model.new_session()
     forward_rows(fresh, kept, 1)
-    for mine, theirs in zip(session._cache.layers, fresh._cache.layers, strict=True):
-        torch.testing.assert_close(mine.keys, theirs.keys, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(mine.values, theirs.values, atol=1e-5, rtol=1e-5)
+    for mine, theirs in zip(session._cache.layers, fresh._cache.layers, strict=True):  # (a static cache: its kept part)
+        torch.testing.assert_close(mine.keys[:, :, :len(kept)], theirs.keys[:, :, :len(kept)], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(mine.values[:, :, :len(kept)], theirs.values[:, :, :len(kept)], atol=1e-5,
+                                   rtol=1e-5)
+        assert mine.keys.shape == theirs.keys.shape
     np.testing.assert_allclose(forward_rows(session, kept + [4, 2], 2), forward_rows(fresh, kept + [4, 2], 2),
                                atol=1e-5)
     greedy = tree_rows(model.new_session(), PREFIX, TREE, greedy=True)

@@ -69,11 +69,16 @@ def test_hf_models_are_reloaded_from_their_directory(tmp_path):
     from dsi.models.hf import HFModel
     from tests.transport_support import save_tiny_llama_pair
 
+    from dsi.models.hf_static import ForwardPlan
+
     target_dir, _ = save_tiny_llama_pair(tmp_path)
     model = HFModel.load(target_dir, dtype="fp32", device="cpu", threads=1, progress=False)
     recipe = model_recipe(WithLatency(model, 0.05, 0.01))
     assert isinstance(recipe, LatencyRecipe)
-    assert recipe.inner == HFRecipe(str(model.source_dir), "fp32", "cpu", 1)
+    assert recipe.inner == HFRecipe(str(model.source_dir), "fp32", "cpu", 1, False, ForwardPlan())
+    model.forward_plan = ForwardPlan("static", kv_cache_len=32)  # the cache and graphs travel with the recipe
+    assert pickle.loads(pickle.dumps(model_recipe(model))).build().forward_plan == model.forward_plan
+    model.forward_plan = ForwardPlan()
     rebuilt = pickle.loads(pickle.dumps(recipe)).build()
     ids = [3, 5, 7, 11]
     np.testing.assert_array_equal(rebuilt.new_session().extend(ids), model.new_session().extend(ids))

@@ -1,0 +1,142 @@
+"""What one forward costs on a device against what its weights allow: eager forwards on the dynamic cache, on the
+static cache, and captured CUDA graphs (issue 51; part of benchmarks/gpu_check.sh).
+
+For each architecture (random weights of ``benchmarks/configs/NAME``, built on the device) after a prefix of 128
+cached tokens: the median time of a forward of 1 token (a drafter step, non-SI) and of ``--tokens`` tokens (a
+verification), each run from the prefix again, per forward plan; the weights' read time at the bandwidth measured
+in the same run (a device-to-device copy of ``--copy-gb``: read and write, so bytes x 2 over its time); and, with
+graphs, the first forward of each size (one eager warm-up forward and the capture) as the capture time.
+
+    python benchmarks/gpu_forwards.py --config qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct \\
+        qwen2.5-14b-instruct --device cuda:0 --dtype bf16
+
+Prints a table and one JSON line (``--out`` writes it too). On a CPU the graphs fall back to eager forwards (the
+static cache's padded shapes), and the bandwidth is the host memory's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT))
+
+CONFIGS = Path(__file__).resolve().parent / "configs"
+PREFIX = 128
+PLANS = ("dynamic", "static", "graphs")
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def timed(run, device: str, repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` synchronised calls of ``run``."""
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        run()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def bandwidth(device: str, gigabytes: float) -> float:
+    """Bytes a second a device-to-device copy moves (read plus write), median of 5."""
+    import torch
+
+    n = int(gigabytes * 2**30) // 2
+    src = torch.empty(n, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    seconds = statistics.median(timed(lambda: dst.copy_(src), device, 6)[1:])
+    return 2 * n * 2 / seconds
+
+
+def measure(config_dir: Path, device: str, dtype: str, tokens: int, repeats: int) -> dict:
+    from dsi.models.base import forward_rows
+    from dsi.models.hf_static import ForwardPlan
+    from dsi.models.replay import random_weights_model
+
+    plans = {"dynamic": ForwardPlan(), "static": ForwardPlan("static", kv_cache_len=PREFIX + 64),
+             "graphs": ForwardPlan("static", kv_cache_len=PREFIX + 64, cuda_graphs=True)}
+    model = random_weights_model(config_dir, dtype, device)
+    weights = sum(p.numel() * p.element_size() for p in model.model.parameters())
+    vocab = model.vocab_size
+    prefix = [(7 * i + 3) % vocab for i in range(PREFIX)]
+    row: dict = {"config": config_dir.name, "weights_gb": weights / 1e9, "plans": {}}
+    for name in PLANS:
+        model.forward_plan = plans[name]
+        session = model.new_session()
+        forward_rows(session, prefix, 1)
+        result = {}
+        for n in (1, tokens):
+            new = [(5 * i + 1) % vocab for i in range(n)]
+
+            def once(new=new, n=n):
+                session.truncate(PREFIX)
+                forward_rows(session, prefix + new, n, greedy=True)
+
+            first, *rest = timed(once, device, repeats + 1)  # the first: warm-up (with graphs: and the capture)
+            result[f"{n}_ms"] = 1e3 * statistics.median(rest)
+            result[f"first_{n}_ms"] = 1e3 * first
+        graphs = getattr(session, "_graphs", None)
+        result["captured"] = graphs.captures if graphs is not None else 0
+        row["plans"][name] = result
+        session.close()  # its cache and graphs go
+    return row
+
+
+def main() -> int:
+    from dsi.evaluate.bench import emit_record
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", nargs="+", default=["qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"])
+    parser.add_argument("--configs-dir", default=str(CONFIGS))
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="fp32")
+    parser.add_argument("--tokens", type=int, default=5, help="a verification's tokens (default 5: k = 4)")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--copy-gb", type=float, default=2.0, help="the bandwidth copy's size (default 2 GiB)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    speed = bandwidth(args.device, args.copy_gb)
+    rows = []
+    for name in args.config:
+        try:
+            rows.append(measure(Path(args.configs_dir) / name, args.device, args.dtype, args.tokens, args.repeats))
+        except Exception as exc:  # noqa: BLE001 - e.g. out of memory: the other architectures still report
+            print(f"{name}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", file=sys.stderr)
+            rows.append({"config": name, "error": f"{type(exc).__name__}: {exc}"})
+        gc.collect()
+    print(f"{args.device} {args.dtype}; copy bandwidth {speed / 1e9:.0f} GB/s; after {PREFIX} cached tokens; median "
+          f"of {args.repeats}")
+    print(f"| model | weights GB | read ms | plan | 1 token ms | x read | {args.tokens} tokens ms | first forwards ms "
+          "(1, n) | graphs |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        if "error" in row:
+            print(f"| {row['config']} | {row['error'][:60]} |||||||")
+            continue
+        read_ms = 1e3 * row["weights_gb"] * 1e9 / speed
+        row["read_ms"] = read_ms
+        for plan, r in row["plans"].items():
+            print(f"| {row['config']} | {row['weights_gb']:.2f} | {read_ms:.2f} | {plan} | {r['1_ms']:.2f} | "
+                  f"{r['1_ms'] / read_ms:.1f} | {r[f'{args.tokens}_ms']:.2f} | {r['first_1_ms']:.0f}, "
+                  f"{r[f'first_{args.tokens}_ms']:.0f} | {r['captured']} |")
+    emit_record({"benchmark": "gpu_forwards", "device": args.device, "dtype": args.dtype, "prefix": PREFIX,
+                 "tokens": args.tokens, "repeats": args.repeats, "bandwidth_gb_s": speed / 1e9, "rows": rows}, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
