@@ -20,6 +20,7 @@ from dsi.errors import (
     VocabularyMismatchError,
     WorkerError,
 )
+from dsi.constraints import Constraint
 from dsi.sampling import SamplingParams
 
 __version__ = "0.1.0"
@@ -36,6 +37,7 @@ __all__ = [
     "ModelError",
     "Request",
     "SamplingParams",
+    "Constraint",
     "VocabularyMismatchError",
     "WorkerError",
     "build_decoder",

@@ -33,6 +33,7 @@ from enum import IntEnum
 
 import numpy as np
 
+from dsi.constraints import BoundConstraint, Constraint
 from dsi.errors import ConfigError, ModelError, require
 
 _MAX_SEED = 2**63 - 1
@@ -97,6 +98,9 @@ class SamplingParams:
     - ``min_tokens``: EOS and ``stop_token_ids`` get probability 0 until that many tokens are generated.
     - ``stop_token_ids`` end generation like EOS; ``ignore_eos`` makes EOS an ordinary token (the
       request's stop set is built from them by :func:`dsi.engine.api.make_request`).
+    - ``constraint``: structured output (:mod:`dsi.constraints`): every token the grammar does not allow
+      after the output so far gets probability 0 (applied last among these processors). A
+      :class:`~dsi.constraints.Constraint` is bound to the target's vocabulary when the request starts.
     """
 
     temperature: float = 0.0
@@ -111,6 +115,7 @@ class SamplingParams:
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    constraint: Constraint | BoundConstraint | None = None
 
     def __post_init__(self) -> None:
         t, k, p, s = self.temperature, self.top_k, self.top_p, self.seed
@@ -148,6 +153,11 @@ class SamplingParams:
                 and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in stops),
                 f"stop_token_ids={stops!r} must be a list of token ids (integers >= 0)")
         object.__setattr__(self, "stop_token_ids", tuple(sorted(set(stops))))
+        require(self.constraint is None or isinstance(self.constraint, Constraint | BoundConstraint),
+                f"constraint={self.constraint!r} must be a dsi.Constraint (Constraint.json_schema(...), "
+                ".regex(...), ...) or None")
+        require(self.constraint is None or not self.ignore_eos,
+                "ignore_eos=True with a constraint: the grammar ends the output with EOS")
 
     @property
     def greedy(self) -> bool:
@@ -157,7 +167,7 @@ class SamplingParams:
     def uses_prefix(self) -> bool:
         """Whether processing a row needs the tokens before it (penalties, ``min_tokens``)."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0 or self.min_tokens > 0)
+                or self.repetition_penalty != 1.0 or self.min_tokens > 0 or self.constraint is not None)
 
     @property
     def moves_argmax(self) -> bool:
@@ -365,7 +375,11 @@ def greedy_tokens(logits: np.ndarray, params: SamplingParams, tokens: Sequence[i
     for j in range(n):
         if j and counts is not None:
             counts.add(tokens[first + j - 1])
-        out[j] = _sparse_argmax(rows[j], params, counts, stop_ids)
+        if params.constraint is not None:  # a mask touches most ids: the whole row
+            row = np.asarray(rows[j], dtype=_shaping_dtype(rows[j], params))
+            out[j] = int(np.argmax(_shape(row, params, counts, stop_ids)))
+        else:
+            out[j] = _sparse_argmax(rows[j], params, counts, stop_ids)
     return out
 
 
@@ -405,7 +419,7 @@ def shape_rows(logits: np.ndarray, params: SamplingParams, tokens: Sequence[int]
     """:func:`shape_logits` of the last ``n`` rows of a forward over ``tokens`` (as in
     :func:`process_rows`): ``[n, V]`` float64 logits after the processors that precede temperature,
     each row checked (:func:`check_logit_row`); the rows themselves when no processor moves them."""
-    rows = np.asarray(logits, dtype=np.float64)  # [n, V]
+    rows = np.asarray(logits, dtype=_shaping_dtype(logits, params))  # [n, V]
     for row in rows:
         check_logit_row(row)
     if not params.moves_argmax:
@@ -426,7 +440,7 @@ def shape_logits(logits: np.ndarray, params: SamplingParams, prefix: Prefix | No
     while fewer tokens are generated), ``logit_bias`` (added), ``repetition_penalty`` (tokens of the
     prompt or output: positive logits divided, others multiplied), then ``frequency_penalty`` x count
     and ``presence_penalty`` subtracted for every token of the output. Returns a new float64 row."""
-    row = np.asarray(logits, dtype=np.float64)  # [V]
+    row = np.asarray(logits, dtype=_shaping_dtype(logits, params))  # [V]
     tokens, prompt_len, stop_ids = _prefix_fields(params, prefix)
     return _shape(row, params, _Counts(tokens, prompt_len, row.size) if params.uses_prefix else None, stop_ids)
 
@@ -450,6 +464,7 @@ class _Counts:
         cut = min(prompt_len, len(tokens))
         self.vocab = vocab
         self.generated = len(tokens) - cut
+        self.tail: list[int] = [int(t) for t in tokens[cut:]]  # the output itself (a constraint reads it)
         self.output: dict[int, int] = {}
         for t in tokens[cut:]:
             if 0 <= t < vocab:
@@ -458,6 +473,7 @@ class _Counts:
 
     def add(self, token: int) -> None:
         self.generated += 1
+        self.tail.append(int(token))
         if 0 <= token < self.vocab:
             self.output[int(token)] = self.output.get(int(token), 0) + 1
             self.seen.add(int(token))
@@ -466,9 +482,37 @@ class _Counts:
 def _shape(row: np.ndarray, params: SamplingParams, counts: _Counts | None, stop_ids: frozenset[int]) -> np.ndarray:
     x = _process(row.copy(), lambda which: which, row.size, params, counts, stop_ids)  # [V] float64
     holding = params.min_tokens and counts is not None and counts.generated < params.min_tokens
+    if params.constraint is not None and counts is not None:
+        allowed = _constraint(params).allowed(counts.tail)  # [V] of the target's vocabulary
+        if allowed.size >= x.size:  # a drafter's row may be shorter (one tokenizer, padded less)
+            x[~allowed[: x.size]] = -np.inf
+        else:  # ids past the target's vocabulary: never allowed
+            x[: allowed.size][~allowed] = -np.inf
+            x[allowed.size:] = -np.inf
+        if x.max() == -np.inf:
+            raise ConfigError(f"no token is possible: the {params.constraint.constraint.kind} constraint allows "
+                              f"none of the tokens left after the other processors (min_tokens="
+                              f"{params.min_tokens}, logit_bias={dict(params.logit_bias)!r})")
     if holding and not (x > -np.inf).any():  # only min_tokens makes a logit -inf
         raise _nothing_possible(params, stop_ids)
     return x
+
+
+def _shaping_dtype(logits: np.ndarray, params: SamplingParams) -> type:
+    """float64 where a processor computes on the logits (penalties, bias); with a constraint alone, which only
+    sets some of them to -inf, the model's own float dtype (its law is the same: see :func:`_distribution`)."""
+    dtype = np.asarray(logits).dtype
+    only_masked = (params.constraint is not None and not params.logit_bias and not params.min_tokens
+                   and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
+                   and params.repetition_penalty == 1.0)
+    return dtype.type if only_masked and np.issubdtype(dtype, np.floating) else np.float64
+
+
+def _constraint(params: SamplingParams) -> BoundConstraint:
+    if not isinstance(params.constraint, BoundConstraint):
+        raise ConfigError("the request's constraint is not bound to the target's vocabulary yet "
+                          "(dsi.constraints.bind; the decoders bind it when a request starts)")
+    return params.constraint
 
 
 def _process(x: np.ndarray, where, vocab: int, params: SamplingParams, counts: _Counts | None,

@@ -200,7 +200,7 @@ def test_sampling_an_engine_cannot_determine_is_refused_before_it_starts(dirs, l
                          logprobs=2, target_servers=urls)
         for processed in (SamplingParams(presence_penalty=0.5), SamplingParams(temperature=1.0, top_k=4, logit_bias={1: 2})):
             # a penalty or bias may lift a token from below the top the engine returns: whole rows only
-            with pytest.raises(ConfigError, match=r"penalties, logit_bias or min_tokens .* not exact.*--max-logprobs -1"):
+            with pytest.raises(ConfigError, match=r"penalties, logit_bias, min_tokens or a structured-output constraint .* not exact.*--max-logprobs -1"):
                 dsi.generate(target=target, drafter=drafter, prompt=prompts[0], method="si", max_new_tokens=4,
                              sampling=processed, target_servers=urls)
         params = SamplingParams(temperature=1.0, top_k=4, seed=1)  # within its limit: exact

@@ -16,6 +16,7 @@ import itertools
 import numpy as np
 import pytest
 
+from dsi.constraints import BoundConstraint, Constraint, TokenTable
 from dsi.errors import ConfigError
 from dsi.sampling import Prefix, SamplingParams, decide, draft_token, process_logits, residual, shape_logits
 from dsi.trees import ROOT, BestFirst, DraftTree, Dynamic, Widths, check_windowed, grow, parse_shape, walk
@@ -357,10 +358,15 @@ def _first_tokens(choose, shape, budget, length, target, drafter, greedy, vocab)
 
 TREES = [(None, 3), (Widths((3,)), 3), (Widths((2, 2)), 4), (Widths((3, 2, 1)), 5), (Dynamic(top=3), 3),
          (BestFirst(top=3), 4), (Dynamic(top=3, floor=0.05, branches=True), 3)]
+# structured output: ids 0 and 1 spell "a" and "b", 2 is EOS; the output is one or two letters, then EOS
+GRAMMAR = BoundConstraint(Constraint.regex("[ab]{1,2}"), TokenTable((b"a", b"b", b""), (2,)))
 PARAMS = {
     "greedy": SamplingParams(),
     "T=1": SamplingParams(temperature=1.0),
     "processed": SamplingParams(temperature=0.8, presence_penalty=0.7, logit_bias={2: 0.6}, top_k=3),
+    # the target's law masked to the grammar; the drafter's is not (its drafts the grammar refuses are rejected)
+    "constrained": SamplingParams(temperature=0.9, constraint=GRAMMAR),
+    "constrained-greedy": SamplingParams(constraint=GRAMMAR),
 }
 
 
@@ -368,7 +374,8 @@ PARAMS = {
 @pytest.mark.parametrize("shape, budget", TREES, ids=lambda v: getattr(v, "name", str(v)))
 def test_tree_decoding_has_exactly_the_target_law(name, shape, budget):
     params, length = PARAMS[name], 3
-    drafter_params = SamplingParams(temperature=1.3) if name != "greedy" else params  # processed differently
+    drafter_params = SamplingParams(temperature=1.3) if not params.greedy else (
+        params if name == "greedy" else SamplingParams())  # processed differently
 
     def target(prefix):
         return _law(prefix, b"t", VOCAB, params)

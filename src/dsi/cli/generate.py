@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 from dsi.cli.advice import what_dsi_needs
 from dsi.cli.args import (COUNT, DRAFT_TREE, ENGINE_URL, LOOKAHEAD, MERGES, NATURAL, NON_NEGATIVE, POSITIVE,
-                          PROBABILITY, SEED, Number)
+                          PROBABILITY, SEED, Number, input_file)
 from dsi.cli.backend import add_backend_args, choose, describe, forward_plan, hf_dtype, max_model_len
 from dsi.engine.config import DecoderConfig
 from dsi.errors import ConfigError
@@ -224,6 +224,46 @@ def add_processing_args(p: argparse.ArgumentParser, stopping: bool = True) -> No
     g.add_argument("--ignore-eos", action="store_true", help="EOS is an ordinary token: generate max-new-tokens")
 
 
+def add_structure_args(p: argparse.ArgumentParser) -> None:
+    """Structured output (:mod:`dsi.constraints`): one constraint on what the output may be."""
+    g = p.add_argument_group("structured output (one of these; exact under speculation: docs/serving.md)")
+    x = g.add_mutually_exclusive_group()
+    x.add_argument("--json-schema", metavar="FILE", type=input_file,
+                   help="output JSON that validates against the schema in FILE")
+    x.add_argument("--json-object", action="store_true", help="output any JSON object")
+    x.add_argument("--regex", metavar="PATTERN", help="output text that matches PATTERN (Rust regex syntax)")
+    x.add_argument("--choice", action="append", metavar="TEXT", help="output exactly one of these (repeat it)")
+    x.add_argument("--grammar", metavar="FILE", type=input_file,
+                   help="output text in the grammar in FILE: GBNF (llama.cpp's, rules written 'name ::= ...') or "
+                        "llguidance's Lark")
+
+
+def constraint_from_args(args: argparse.Namespace):
+    """The :class:`dsi.Constraint` of :func:`add_structure_args`' flags (None without one)."""
+    from dsi.constraints import Constraint
+
+    if getattr(args, "json_schema", None):
+        return Constraint.json_schema(_read_text(args.json_schema, "--json-schema"))
+    if getattr(args, "json_object", False):
+        return Constraint.json_object()
+    if getattr(args, "regex", None) is not None:
+        return Constraint.regex(args.regex)
+    if getattr(args, "choice", None):
+        return Constraint.choice(args.choice)
+    if getattr(args, "grammar", None):
+        text = _read_text(args.grammar, "--grammar")
+        return Constraint.grammar(text, syntax="gbnf" if "::=" in text else "lark")
+    return None
+
+
+def _read_text(path: str, flag: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{flag} {path!r} cannot be read: {exc}") from None
+
+
 def add_logprobs_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("log-probabilities")
     g.add_argument("--logprobs", type=NATURAL, metavar="N",
@@ -277,6 +317,9 @@ def processing_from_args(args: argparse.Namespace) -> dict:
     if hasattr(args, "min_tokens"):
         processing.update(min_tokens=args.min_tokens, ignore_eos=args.ignore_eos,
                           stop_token_ids=_id_list("--stop-token-ids", args.stop_token_ids))
+    constraint = constraint_from_args(args)
+    if constraint is not None:
+        processing["constraint"] = constraint
     return processing
 
 
@@ -294,6 +337,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_engine_args(p)
     add_sampling_args(p)
     add_processing_args(p)
+    add_structure_args(p)
     add_logprobs_args(p)
     p.add_argument("--n", type=COUNT, default=1, metavar="N",
                    help="independent samples of the same prompt, as the OpenAI field n: choice i samples with a seed "

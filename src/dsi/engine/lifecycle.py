@@ -24,6 +24,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 from dsi.engine.request import GenerationAborted, Request, TokenCallback
 from dsi.engine.result import GenerationResult
@@ -44,6 +45,20 @@ def check_request(request: Request, target: object) -> None:
         raise ContextLengthError(
             f"prompt of {len(request.prompt)} tokens + max_new_tokens={request.max_new_tokens} exceeds the context "
             f"of {target!r} (max_context={limit} tokens); shorten the prompt or lower max_new_tokens")
+
+
+def bind_constraint(request: Request, target: object) -> Request:
+    """``request`` with its sampling's :class:`~dsi.constraints.Constraint` bound to ``target``'s vocabulary (the
+    grammar compiled once per vocabulary; a grammar the library refuses is a ConfigError quoting it)."""
+    constraint = request.sampling.constraint
+    if constraint is None:
+        return request
+    from dsi.constraints import bind
+
+    bound = bind(constraint, target)
+    if bound is constraint:
+        return request
+    return replace(request, sampling=replace(request.sampling, constraint=bound))
 
 
 @contextmanager

@@ -33,12 +33,13 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 from dsi.engine.api import build_decoder, make_request
 from dsi.errors import ConfigError
 from dsi.models.synthetic import banked_pair
-from dsi.sampling import SamplingParams, draft_from_logits
+from dsi.sampling import Prefix, SamplingParams, draft_from_logits
 
 VOCAB = 152064  # Qwen2.5's padded vocabulary
 PROMPT = (1, 2, 3, 4)
@@ -168,7 +169,8 @@ class _HostClock:
 
 
 # ---- accept patterns and ideals ----------------------------------------------------------------------------
-def accept_pattern(drafter, prompt: Sequence[int], output: Sequence[int], params: SamplingParams) -> list[bool]:
+def accept_pattern(drafter, prompt: Sequence[int], output: Sequence[int], params: SamplingParams,
+                   stops: frozenset[int] = frozenset()) -> list[bool]:
     """Whether the drafter's draft at each position of ``output`` (after ``prompt`` + the output before it) is the
     token committed there: its argmax (greedy) or its draw with the request's seed at that absolute position (a
     rejected draft's correction never equals it: the residual has no mass there)."""
@@ -178,7 +180,7 @@ def accept_pattern(drafter, prompt: Sequence[int], output: Sequence[int], params
         row = session.extend(context)[-1]
         pattern = []
         for token in output:
-            guess, _ = draft_from_logits(row, params, len(context))
+            guess, _ = draft_from_logits(row, params, len(context), Prefix(context, len(prompt), stops))
             pattern.append(guess == token)
             context.append(token)
             row = session.extend([token])[-1]
@@ -218,9 +220,12 @@ def _decoders(scenario: GpuScenario, transports: Sequence[str], seed: int) -> tu
 def run_gpu_scenario(
     scenario: GpuScenario, tokens: int = 96, repeats: int = 3, *, transports: Sequence[str] = ("threads", "processes"),
     requests: Sequence[str] = ("greedy", "sampled"), seed: int = 0, progress: Callable[[], None] | None = None,
+    constraint: Any = None,
 ) -> list[dict]:
     """One row per (request kind, transport): each method's median wall time over its ideal, DSI / SI beside
-    the simulator's, and DSI's host CPU time per token by part (see the module docstring)."""
+    the simulator's, and DSI's host CPU time per token by part (see the module docstring). ``constraint``: a
+    :class:`~dsi.constraints.BoundConstraint` on a 152,064-id vocabulary every request carries (structured output;
+    its EOS ends the requests)."""
     unknown = [t for t in transports if t not in TRANSPORTS]
     if unknown:
         raise ConfigError(f"transport {unknown[0]!r} must be one of {', '.join(TRANSPORTS)}")
@@ -235,8 +240,9 @@ def run_gpu_scenario(
         clocks[transport] = _HostClock(timed, (f"dsi-{'process' if transport == 'processes' else transport}-",))
     rows = []
     try:
+        stops = frozenset(constraint.table.eos) if constraint is not None else frozenset()
         for kind in requests:
-            params = REQUESTS[kind]
+            params = REQUESTS[kind] if constraint is None else replace(REQUESTS[kind], constraint=constraint)
             walls: dict[str, list[float]] = {name: [] for name in decoders}
             host: dict[str, list[dict[str, float]]] = {t: [] for t in transports}
             cpu: dict[str, list[float]] = {"ar": [], "si": []}  # this process's CPU time (all of their work)
@@ -246,7 +252,7 @@ def run_gpu_scenario(
                     clock = clocks.get(name.removeprefix("dsi-")) if name.startswith("dsi-") else None
                     before = clock.read() if clock is not None else None
                     cpu_before = time.process_time()
-                    result = decoder.generate(make_request(PROMPT, tokens, params, None, VOCAB))
+                    result = decoder.generate(make_request(PROMPT, tokens, params, sorted(stops) or None, VOCAB))
                     cpu_s = time.process_time() - cpu_before
                     after = clock.read() if clock is not None else None
                     outputs[name].append(result.tokens)
@@ -261,15 +267,17 @@ def run_gpu_scenario(
             med = {name: statistics.median(v) for name, v in walls.items()}
             # each method's ideal from its own output's accept pattern (sampled SI and DSI draw other tokens
             # than non-SI, and than each other: the same law, other uniforms)
-            ideal = {"ar": ideal_seconds("ar", scenario, [False] * tokens)}
-            ideal["si"] = ideal_seconds("si", scenario, accept_pattern(drafter, PROMPT, outputs["si"][0], params))
+            ideal = {"ar": ideal_seconds("ar", scenario, [False] * len(outputs["ar"][0]))}
+            ideal["si"] = ideal_seconds("si", scenario, accept_pattern(drafter, PROMPT, outputs["si"][0], params,
+                                                                       stops))
             dsi_output = outputs[f"dsi-{transports[0]}"][0] if transports else None
-            pattern = accept_pattern(drafter, PROMPT, dsi_output, params) if dsi_output is not None else []
+            pattern = accept_pattern(drafter, PROMPT, dsi_output, params, stops) if dsi_output is not None else []
             if transports:
                 ideal["dsi"] = ideal_seconds("dsi", scenario, pattern)
             for transport in transports:
                 name = f"dsi-{transport}"
-                split = ({part: statistics.median(run[part] for run in host[transport]) / tokens * 1e3
+                made = len(outputs[name][0]) or 1  # a constraint's EOS may end a request early
+                split = ({part: statistics.median(run[part] for run in host[transport]) / made * 1e3
                           for part in ("engine", "transport", "servers")} if host[transport] else None)
                 # greedy: every method gives non-SI's tokens; sampled: DSI the same tokens on every transport and
                 # in every run (the seed's), SI and non-SI the same in every run
@@ -279,14 +287,18 @@ def run_gpu_scenario(
                     same = same and outputs["si"][0] == outputs["ar"][0] == dsi_output
                 rows.append({
                     "scenario": asdict(scenario), "request": kind, "transport": transport, "tokens": tokens,
+                    "constraint": None if constraint is None else constraint.constraint.kind,
+                    "output_tokens": len(dsi_output) if dsi_output is not None else None,
                     "repeats": repeats, "vocab_size": VOCAB,
                     "median_wall_s": {"ar": med["ar"], "si": med["si"], "dsi": med[name]},
                     "ideal_s": ideal,
                     "ar_over_ideal": med["ar"] / ideal["ar"], "si_over_ideal": med["si"] / ideal["si"],
                     "dsi_over_ideal": med[name] / ideal["dsi"],
                     "dsi_over_si": med["si"] / med[name], "ideal_dsi_over_si": ideal["si"] / ideal["dsi"],
+                    "dsi_over_ar": med["ar"] / med[name],  # DSI's speedup over non-SI
                     "host_ms_per_token": split,
-                    "cpu_ms_per_token": {name: statistics.median(v) / tokens * 1e3 for name, v in cpu.items()},
+                    "cpu_ms_per_token": {m: statistics.median(v) / (len(outputs[m][0]) or 1) * 1e3
+                                         for m, v in cpu.items()},
                     "identical_outputs": same,
                     "pattern_acceptance": sum(pattern) / len(pattern),
                 })
@@ -294,3 +306,18 @@ def run_gpu_scenario(
         for decoder in decoders.values():
             decoder.close()
     return rows
+
+
+def embedded_vocabulary(vocab_size: int = VOCAB):
+    """Qwen2.5's vocabulary (the embedded pair's tokenizer, read from its GGUF: fetched on first use) as a
+    :class:`~dsi.constraints.TokenTable` for rows of ``vocab_size`` ids: what a constraint on the banked pair masks."""
+    import transformers
+
+    from dsi.constraints import TokenTable
+    from dsi.models.embedded import DRAFTER, ensure_gguf
+
+    path = ensure_gguf(DRAFTER.name)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    eos = [t for t in (tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id) if t is not None]
+    return TokenTable.of_tokenizer(tokenizer, vocab_size, list(dict.fromkeys(eos)))
+

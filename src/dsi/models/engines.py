@@ -465,9 +465,10 @@ class EngineTarget(LocalText):
             return
         if partial and params.moves_argmax:
             raise ConfigError(
-                f"penalties, logit_bias or min_tokens over target server(s) {', '.join(partial)} are not exact: they "
-                "return only the top log-probabilities of a row, and processing may lift a token from below them. "
-                "Start them with --max-logprobs -1 (the whole vocabulary)")
+                f"penalties, logit_bias, min_tokens or a structured-output constraint over target server(s) "
+                f"{', '.join(partial)} are not exact: they return only the top log-probabilities of a row, and "
+                "processing may lift a token from below them (a constraint masks rows in dsi, which needs them "
+                "whole). Start them with --max-logprobs -1 (the whole vocabulary)")
         if partial and not params.greedy and params.top_k == 0:
             raise ConfigError(
                 f"sampling with top_k=0 over target server(s) {', '.join(partial)} is not exact: they return only "

@@ -138,7 +138,8 @@ class ServerState:
         self.codec = codec
         self.max_context = target_context(self.verifier, codec)
         drafter_check = getattr(drafter, "check_sampling", None) if config.method != "ar" else None
-        self.preparer = Preparer(config, codec, target.vocab_size, self.max_context, drafter_check)
+        self.preparer = Preparer(config, codec, target.vocab_size, self.max_context, drafter_check,
+                                 constrain=_constrainer(target))
         self.metrics = ServerMetrics()
         self.scheduler: Scheduler | None = None
         self.jobs: set[Job] = set()
@@ -725,3 +726,14 @@ def create_app(
         )))
 
     return app
+
+
+def _constrainer(target: Any):
+    """A function binding a structured-output constraint to ``target``'s vocabulary (its table made at the first
+    constrained request, :func:`dsi.constraints.bind`), or None where the target has no vocabulary to read one
+    from."""
+    if getattr(target, "token_table", None) is None and getattr(target, "tokenizer", None) is None:
+        return None
+    from dsi.constraints import bind
+
+    return lambda constraint: bind(constraint, target)

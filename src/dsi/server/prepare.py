@@ -46,6 +46,7 @@ from dsi.server.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TooManyNumbers,
+    request_constraint,
     unsupported_option,
     validate_request,
 )
@@ -114,8 +115,10 @@ class Preparer:
     drafter of another vocabulary in string mode serves greedy requests only)."""
 
     def __init__(self, config: ServeConfig, codec: Codec, vocab_size: int, max_context: int | None,
-                 check_sampling: Callable[[SamplingParams], None] | None = None) -> None:
+                 check_sampling: Callable[[SamplingParams], None] | None = None,
+                 constrain: Callable[[Any], Any] | None = None) -> None:
         self.check_sampling = check_sampling
+        self.constrain = constrain  # a Constraint -> bound to the target's vocabulary (dsi.constraints.bind)
         self.config = config
         self.codec = codec
         self.vocab_size = vocab_size
@@ -286,12 +289,33 @@ class Preparer:
                            param="prompt", code="invalid_prompt")
         return ids
 
+    def _constraint(self, req: Any) -> Any:
+        """The request's structured-output constraint, bound to the target's vocabulary (compiled: a schema or
+        grammar the library refuses is a 400 quoting it); None for plain text."""
+        try:
+            asked = request_constraint(req)
+        except ConfigError as exc:
+            raise APIError(400, str(exc), param=_constraint_param(req), code="invalid_value") from exc
+        if asked is None:
+            return None
+        constraint, param = asked
+        if self.constrain is None:
+            raise APIError(400, "this server cannot constrain its output: the target has no tokenizer",
+                           param=param, code="unsupported_parameter")
+        try:
+            return self.constrain(constraint)
+        except ConfigError as exc:
+            raise APIError(400, str(exc), param=param, code="invalid_value") from exc
+
     def _sampling(self, req: Any) -> SamplingParams:
         c = self.config
         top_k = c.top_k if req.top_k is None else max(0, req.top_k)
         seed = req.seed if req.seed is not None else (c.seed if c.seed is not None else secrets.randbits(63))
+        constraint = self._constraint(req)
         try:
             processing = {name: getattr(req, name) for name in _PROCESSING if getattr(req, name) is not None}
+            if constraint is not None:
+                processing["constraint"] = constraint
             params = SamplingParams(
                 temperature=c.temperature if req.temperature is None else float(req.temperature),
                 top_k=top_k, top_p=c.top_p if req.top_p is None else float(req.top_p), seed=seed, **processing,
@@ -341,3 +365,14 @@ class Preparer:
             raise APIError(400, str(exc), param=prompt_param, code="invalid_prompt") from exc
         return Prepared(request, stop=req.stop_strings(), stream=req.stream, include_usage=req.include_usage(),
                         echo=echo, token_ids_as_names=req.return_tokens_as_token_ids, n=req.n or 1)
+
+
+def _constraint_param(req: Any) -> str:
+    """The structured-output field a request set (for a 400's ``param``)."""
+    for name in ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                 "guided_grammar", "grammar", "json_schema"):
+        value = getattr(req, name, None)
+        if value is not None and not (name == "response_format" and value.type == "text"):
+            return name
+    return "response_format"
+

@@ -69,6 +69,30 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    """OpenAI's ``response_format.json_schema``."""
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    json_schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs``: one of these."""
+
+    json_: dict | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _GenerationRequest(_Strict):
     """Fields shared by completions and chat completions. ``None`` means the server default."""
 
@@ -97,6 +121,15 @@ class _GenerationRequest(_Strict):
     ignore_eos: bool | None = None
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:{id}", not their text
     n: int | None = Field(default=None, ge=1)  # choices, each sampled independently (see unsupported_option)
+    # structured output (dsi.constraints; one of these at most): OpenAI's, vLLM's (and its older guided_*), llama.cpp's
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    grammar: str | None = None  # llama.cpp's: GBNF
+    json_schema: dict | None = None  # llama.cpp's
 
     @field_validator("stop")
     @classmethod
@@ -206,16 +239,11 @@ class ChatMessage(_Strict):
         return "".join(part.text for part in self.content)
 
 
-class ResponseFormat(_Strict):
-    type: str
-
-
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0)
-    response_format: ResponseFormat | None = None
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -382,8 +410,6 @@ def unsupported_option(request: _GenerationRequest) -> APIError | None:
         checks += [
             ("top_logprobs", request.top_logprobs is not None and not request.logprobs,
              "top_logprobs needs logprobs: true"),
-            ("response_format", request.response_format is not None and request.response_format.type != "text",
-             "only response_format {'type': 'text'} is supported"),
         ]
     for param, bad, message in checks:
         if bad:
@@ -512,3 +538,53 @@ def dump(obj: BaseModel) -> dict:
         for choice in data["choices"]:
             choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
     return data
+
+
+def _grammar(text: str) -> Any:
+    """A grammar field's text as a :class:`~dsi.constraints.Constraint`: GBNF (llama.cpp's, and the EBNF vLLM's
+    xgrammar takes) where its rules are written ``name ::= ...``, else llguidance's Lark."""
+    from dsi.constraints import Constraint
+
+    return Constraint.grammar(text, syntax="gbnf" if "::=" in text else "lark")
+
+
+def request_constraint(request: _GenerationRequest) -> tuple[Any, str] | None:
+    """The structured-output constraint a request asks for, and the field that asked (None: plain text); a 400 for
+    two at once or for an incomplete one; a ConfigError (the caller's 400) for one that does not parse."""
+    from dsi.constraints import Constraint
+
+    found: list[tuple[Any, str]] = []
+    rf = request.response_format
+    if rf is not None and rf.type == "json_object":
+        found.append((Constraint.json_object(), "response_format"))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.json_schema_ is None:
+            raise APIError(400, "response_format {'type': 'json_schema'} needs json_schema.schema",
+                           param="response_format", code="invalid_value")
+        found.append((Constraint.json_schema(rf.json_schema.json_schema_), "response_format"))
+    so = request.structured_outputs
+    if so is not None:
+        given = [(k, v) for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                     ("grammar", so.grammar), ("json_object", so.json_object or None))
+                 if v is not None]
+        if len(given) != 1:
+            raise APIError(400, f"structured_outputs needs exactly one of json, regex, choice, grammar, json_object; "
+                                f"got {[k for k, _ in given] or 'none'}", param="structured_outputs",
+                           code="invalid_value")
+        kind, value = given[0]
+        made = {"json": lambda: Constraint.json_schema(value), "regex": lambda: Constraint.regex(value),
+                "choice": lambda: Constraint.choice(value), "grammar": lambda: _grammar(value),
+                "json_object": Constraint.json_object}[kind]()
+        found.append((made, "structured_outputs"))
+    for name, make in (("guided_json", Constraint.json_schema), ("guided_regex", Constraint.regex),
+                       ("guided_choice", Constraint.choice), ("guided_grammar", _grammar),
+                       ("grammar", lambda g: Constraint.grammar(g, syntax="gbnf")),
+                       ("json_schema", Constraint.json_schema)):
+        value = getattr(request, name)
+        if value is not None:
+            found.append((make(value), name))
+    if len(found) > 1:
+        raise APIError(400, f"give one structured-output constraint, not {len(found)}: "
+                            f"{', '.join(name for _, name in found)}", param=found[1][1], code="invalid_value")
+    return found[0] if found else None
+

@@ -41,6 +41,8 @@ TEXT_FLAGS = {
     "--panel": "a panel name: dsi.sim.heatmap.check_panels",
     "--rows": "row numbers: test_cli_sim",
     "--prompts": "demo: N or a file; measure: a set or a file; checked before work: test_generate",
+    "--regex": "a pattern: llguidance refuses a bad one with its message: test_constraints",
+    "--choice": "any text (one option; empty refused by Constraint.choice): test_constraints",
 }
 
 

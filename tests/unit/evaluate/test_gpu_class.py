@@ -109,8 +109,8 @@ def test_the_cli_runs_a_gpu_class_scenario_as_json(capsys, no_thread_leak):
 
 
 @pytest.mark.parametrize("argv, fragment", [
-    (["bench", "--transport", "threads"], "--transport, --request and --sp go with --gpu-class"),
-    (["bench", "--sp", "2"], "--transport, --request and --sp go with --gpu-class"),
+    (["bench", "--transport", "threads"], "--transport, --request, --sp and --json-schema go with --gpu-class"),
+    (["bench", "--sp", "2"], "--transport, --request, --sp and --json-schema go with --gpu-class"),
     (["bench", "--gpu-class", "--scenario", "default"], "not a --gpu-class scenario"),
     (["bench", "--gpu-class", "--windows"], "drop --windows"),
 ])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import math
+import re
 
 import pytest
 
@@ -701,3 +702,55 @@ def test_tokenizer_endpoints_need_the_api_key_and_version_is_open(server):
     counted = metrics(url)
     assert counted[("dsi_requests_total", (("endpoint", "/tokenize"), ("status", "401")))] >= 2
     assert counted[("dsi_requests_total", (("endpoint", "/version"), ("status", "200")))] >= 1
+
+
+THING = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                          "tag": {"enum": ["red", "green"]}, "ok": {"type": "boolean"}},
+         "required": ["n", "tag", "ok"], "additionalProperties": False}
+
+
+def _texts(response, stream: bool, chat: bool, n: int) -> list[str]:
+    if not stream:
+        return [c.message.content if chat else c.text for c in sorted(response.choices, key=lambda c: c.index)]
+    parts = [""] * n
+    for chunk in response:
+        for c in chunk.choices:
+            parts[c.index] += (c.delta.content or "") if chat else c.text
+    return parts
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_structured_output_in_chat_and_completions_streamed_or_not_with_several_choices(client, stream):
+    """OpenAI's response_format (json_schema, json_object), vLLM's structured_outputs and guided_* fields and
+    llama.cpp's grammar: every choice follows its constraint (DSI with 2 servers serves them)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    common = dict(model=MODEL, max_tokens=80, n=2, temperature=1.0, seed=3, stream=stream)
+    chat = client.chat.completions.create(
+        messages=[{"role": "user", "content": "a thing"}], **common,
+        response_format={"type": "json_schema", "json_schema": {"name": "thing", "schema": THING, "strict": True}})
+    for text in _texts(chat, stream, True, 2):
+        jsonschema.validate(json.loads(text), THING)
+    if not stream:  # any object: a random model's strings may run to max_tokens ("length"); one that stopped parses
+        anything = client.chat.completions.create(messages=[{"role": "user", "content": "an object"}],
+                                                  **{**common, "max_tokens": 200}, response_format={"type": "json_object"})
+        for choice in anything.choices:
+            assert choice.message.content.startswith("{")
+            if choice.finish_reason == "stop":
+                assert isinstance(json.loads(choice.message.content), dict)
+    for extra, check in [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": THING}}},
+         lambda t: jsonschema.validate(json.loads(t), THING)),
+        ({"guided_json": THING}, lambda t: jsonschema.validate(json.loads(t), THING)),
+        ({"structured_outputs": {"choice": ["red", "green"]}}, lambda t: t in ("red", "green")),
+        ({"guided_regex": "[0-9]{3}-[0-9]{4}"}, lambda t: re.fullmatch("[0-9]{3}-[0-9]{4}", t)),
+        ({"grammar": 'root ::= "yes" | "no"'}, lambda t: t in ("yes", "no")),
+    ]:
+        out = client.completions.create(prompt="x", extra_body=extra, **common)
+        for text in _texts(out, stream, False, 2):
+            assert check(text) is not False, (extra, text)  # jsonschema.validate returns None or raises
+
+
+def test_a_schema_the_library_refuses_is_a_400_that_quotes_it(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body={"guided_regex": "a[12"})
+    assert "unclosed character class" in str(caught.value) and caught.value.body["param"] == "guided_regex"
