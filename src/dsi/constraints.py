@@ -292,11 +292,17 @@ def _compile(constraint: Constraint, table: TokenTable) -> _Compiled:
 
 class BoundConstraint:
     """A :class:`Constraint` on one vocabulary: the processor :mod:`dsi.sampling` applies. Equal (and hashed) by
-    the constraint and the vocabulary's digest; pickles with its table, so another process compiles the same."""
+    the constraint and the vocabulary's digest.
+
+    A table made from a model (:func:`bind`, :func:`token_table`) pickles as its digest only (a 152k-id table is a
+    megabyte, and took 35 ms of CPU to pickle and load with every task sent to a server process): the receiving
+    process finds it among the vocabularies it knows (:func:`register_vocabulary`: a server registers its model's;
+    every table bound here is known here), and compiles the grammar once. A table made by hand travels whole."""
 
     def __init__(self, constraint: Constraint, table: TokenTable) -> None:
         self.constraint = constraint
         self.table = table
+        _known_tables.setdefault(table.digest, table)
         self._compiled = _compile(constraint, table)  # checks the grammar now: a bad one fails the request early
 
     def allowed(self, output: Sequence[int]) -> np.ndarray:
@@ -311,10 +317,44 @@ class BoundConstraint:
         return hash((self.constraint, self.table.digest))
 
     def __reduce__(self):
-        return (BoundConstraint, (self.constraint, self.table))
+        if self.table.digest in _model_tables:  # a server rebuilds the model, and so the table
+            return (_restore_bound, (self.constraint, self.table.digest, len(self.table)))
+        return (BoundConstraint, (self.constraint, self.table))  # a table given by hand travels whole
 
     def __repr__(self) -> str:
         return f"BoundConstraint({self.constraint.kind}, vocabulary {self.table.digest[:8]} of {len(self.table)} ids)"
+
+
+_known_tables: dict[str, TokenTable] = {}  # digest -> table: every table bound or registered in this process
+_model_tables: set[str] = set()  # digests of tables made from a model here (a server can make them too)
+_vocabulary_sources: list[Any] = []  # models whose table is made when a constraint on it arrives (servers)
+
+
+def register_vocabulary(model: Any) -> None:
+    """Let constraints bound elsewhere to ``model``'s vocabulary be used in this process (a target server calls it
+    with its model; the table is made when the first constrained task arrives)."""
+    with _compiled_lock:
+        if not any(m is model for m in _vocabulary_sources):
+            _vocabulary_sources.append(model)
+
+
+def _restore_bound(constraint: Constraint, digest: str, size: int) -> BoundConstraint:
+    table = _known_tables.get(digest)
+    if table is None:
+        with _compiled_lock:
+            sources = list(_vocabulary_sources)
+        for model in sources:
+            try:
+                candidate = _table_of(model)
+            except ConfigError:
+                continue
+            _known_tables.setdefault(candidate.digest, candidate)
+        table = _known_tables.get(digest)
+    if table is None:
+        raise ModelError(f"a {constraint.kind} constraint on a vocabulary of {size} ids (digest {digest[:8]}) reached "
+                         "a process whose models have another vocabulary, or none registered "
+                         "(dsi.constraints.register_vocabulary)")
+    return BoundConstraint(constraint, table)
 
 
 def token_table(model: Any) -> TokenTable:
@@ -357,6 +397,7 @@ def _table_of(model: Any) -> TokenTable:
         found = token_table(model)  # a vocabulary's table takes about 0.1 s at 152k ids
         with _compiled_lock:
             _tables[model] = found
+            _model_tables.add(found.digest)
     return found
 
 

@@ -15,7 +15,7 @@ import pytest
 import dsi
 from dsi.constraints import BoundConstraint, Constraint, TokenTable, bind
 from dsi.engine.api import build_decoder, make_request
-from dsi.errors import ConfigError
+from dsi.errors import ConfigError, ModelError
 from dsi.sampling import Prefix, SamplingParams, process_logits
 from tests.conftest import Jitter, exact_sequence_law, random_lm
 
@@ -76,13 +76,28 @@ def test_masks_follow_the_output_and_allow_eos_only_where_the_grammar_may_end():
     assert _allowed(schema, '{"a": 12}') == "<eos>"
 
 
-def test_a_bound_constraint_pickles_with_its_vocabulary_and_compares_by_it():
-    a = bound(Constraint.regex("a+"))
-    again = pickle.loads(pickle.dumps(a))
-    assert again == a and hash(again) == hash(a)
+def test_a_bound_constraint_pickles_as_its_vocabulary_s_digest_which_a_server_resolves(monkeypatch):
+    import dsi.constraints as module
+
+    monkeypatch.setattr(module, "_model_tables", set())
+    by_hand = bound(Constraint.regex("a+"))  # a table given by hand, no model makes it: it travels whole
+    whole = pickle.dumps(by_hand)
+    assert pickle.loads(whole) == by_hand and b"_restore_bound" not in whole
+    a = bind(Constraint.regex("a+"), Vocabulary(random_lm(VOCAB, seed=1)))  # made from a model: its digest
+    data = pickle.dumps(a)
+    assert b"_restore_bound" in data and len(data) < len(whole)  # the digest, not the table
+    again = pickle.loads(data)
+    assert again == a and hash(again) == hash(a) and again.table is TABLE
     assert bound(Constraint.regex("b+")) != a
     other = TokenTable(TABLE.tokens[:-1] + (b"x",), (EOS,))
     assert BoundConstraint(Constraint.regex("a+"), other) != a
+    # a process that knows no such vocabulary (a fresh server) refuses it until its model is registered
+    monkeypatch.setattr(module, "_known_tables", {})
+    monkeypatch.setattr(module, "_vocabulary_sources", [])
+    with pytest.raises(ModelError, match="reached a process whose models have another vocabulary"):
+        pickle.loads(data)
+    module.register_vocabulary(Vocabulary(random_lm(VOCAB, seed=1)))
+    assert pickle.loads(data) == a
 
 
 def test_a_hugging_face_tokenizer_s_table_gives_each_token_its_bytes():

@@ -200,9 +200,12 @@ def ideal_seconds(method: str, scenario: GpuScenario, pattern: list[bool]) -> fl
 
 
 # ---- the run -----------------------------------------------------------------------------------------------
-def _decoders(scenario: GpuScenario, transports: Sequence[str], seed: int) -> tuple[dict, object, object]:
+def _decoders(scenario: GpuScenario, transports: Sequence[str], seed: int,
+              vocabulary: Any = None) -> tuple[dict, object, object]:
     target, drafter = banked_pair(scenario.acceptance, vocab_size=VOCAB, seed=seed,
                                   target_tpot=scenario.target_ms / 1000, drafter_tpot=scenario.drafter_ms / 1000)
+    for model in (target, drafter):  # a constraint's vocabulary: the servers rebuild it with their model
+        model.wrapped_model.vocabulary = vocabulary
     decoders = {"ar": build_decoder(target=target, method="ar"),
                 "si": build_decoder(target=target, drafter=drafter, method="si", lookahead=scenario.si_lookahead)}
     try:
@@ -232,7 +235,11 @@ def run_gpu_scenario(
     unknown = [r for r in requests if r not in REQUESTS]
     if unknown:
         raise ConfigError(f"request kind {unknown[0]!r} must be one of {', '.join(REQUESTS)}")
-    decoders, _, drafter = _decoders(scenario, transports, seed)
+    decoders, target, drafter = _decoders(scenario, transports, seed, None if constraint is None else constraint.table)
+    if constraint is not None:
+        from dsi.constraints import bind
+
+        constraint = bind(constraint.constraint, target)  # made from the model: it travels as its digest
     clocks = {}
     for transport in transports:
         decoder = decoders[f"dsi-{transport}"]

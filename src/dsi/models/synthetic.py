@@ -161,6 +161,15 @@ class BankedLM:
         self.acceptance = acceptance  # None: a target; else a drafter agreeing with the target of ``seed``
         self.agree_seed = agree_seed
         self.name = name
+        self.vocabulary = None  # a dsi.constraints.TokenTable for structured output (None: no text to constrain)
+
+    def token_table(self):
+        """The vocabulary a constraint masks (:func:`dsi.constraints.token_table`), as given to :attr:`vocabulary`."""
+        from dsi.errors import ConfigError
+
+        if self.vocabulary is None:
+            raise ConfigError(f"{self!r} has no vocabulary to constrain: set its .vocabulary (a TokenTable)")
+        return self.vocabulary
 
     @property
     def vocab_size(self) -> int:

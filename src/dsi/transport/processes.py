@@ -39,6 +39,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from dsi.allocator import tune_allocator
+from dsi.constraints import register_vocabulary
 from dsi.errors import ConfigError, ModelError, WorkerError
 from dsi.models.base import LanguageModel
 from dsi.transport.arena import Arena
@@ -90,6 +91,7 @@ def serve(recipe: ModelRecipe, conn: Connection, cancel_slot: Any, server_id: in
     try:
         tune_allocator()
         model = build_with_threads(recipe, threads)
+        register_vocabulary(model)  # constraints arrive as their vocabulary's digest (dsi.constraints)
         session = model.new_session()
     except BaseException as exc:
         send_message(conn, ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))

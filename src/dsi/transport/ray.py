@@ -38,6 +38,7 @@ import threading
 from typing import Any
 
 from dsi.allocator import tune_allocator
+from dsi.constraints import register_vocabulary
 from dsi.errors import ConfigError, ModelError, WorkerError
 from dsi.models.base import LanguageModel
 from dsi.transport.arena import Arena
@@ -75,6 +76,7 @@ class TargetServerActor:
         self.server_id = server_id
         tune_allocator()
         self.model = build_with_threads(recipe, threads)
+        register_vocabulary(self.model)  # constraints arrive as their vocabulary's digest (dsi.constraints)
         self.session = self.model.new_session()
         self._lock = threading.Lock()
         self._running: tuple[int, threading.Event] | None = None
