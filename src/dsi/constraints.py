@@ -156,10 +156,12 @@ class TokenTable:
         byte_decoder = _byte_decoder()
         pieces = tokenizer.convert_ids_to_tokens(list(range(min(len(tokenizer), vocab_size))))
         special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+        # byte-level BPE (GPT-2, Qwen, Llama 3) spells a space "Ġ"; SentencePiece spells it "▁" and keeps UTF-8 text
+        byte_level = any(piece and "\u0120" in piece for piece in pieces)
         for i, piece in enumerate(pieces):
             if piece is None or i in special:
                 tokens.append(b"")
-            elif all(ch in byte_decoder for ch in piece):  # byte-level BPE symbols (GPT-2, Qwen, Llama 3)
+            elif byte_level and all(ch in byte_decoder for ch in piece):
                 tokens.append(bytes(byte_decoder[ch] for ch in piece))
             elif re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):  # SentencePiece byte fallback
                 tokens.append(bytes([int(piece[3:5], 16)]))

@@ -113,6 +113,20 @@ def test_a_hugging_face_tokenizer_s_table_gives_each_token_its_bytes():
     assert table.tokens[tok.eos_token_id] == b""  # special tokens: no text
 
 
+def test_a_sentencepiece_tokenizer_s_table_keeps_its_utf8_pieces_and_byte_fallbacks():
+    class SentencePiece:  # what transformers' SentencePiece tokenizers give (Llama 2, Mistral, Gemma)
+        all_special_ids = [0]
+
+        def __len__(self):
+            return 5
+
+        def convert_ids_to_tokens(self, ids):
+            return ["<s>", "\u2581héllo", "<0xE2>", "wörld", "a"][: len(ids)]
+
+    table = TokenTable.of_tokenizer(SentencePiece(), 6, [0])
+    assert table.tokens == (b"", " héllo".encode(), b"\xe2", "wörld".encode(), b"a", b"")
+
+
 class Vocabulary:
     """A model of the character vocabulary: its rows are ``inner``'s, its table is ``TABLE``."""
 
