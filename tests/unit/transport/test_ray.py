@@ -221,3 +221,30 @@ def test_large_answers_come_through_the_shared_ring_from_an_actor_on_the_driver_
             pool.close()
         for a, b in zip(got, want, strict=True):
             assert_same_result(a, b)
+
+
+def test_a_constrained_task_reaches_an_actor_as_its_vocabulary_s_digest_and_is_masked_there(cluster, events):
+    """Structured output over Ray: the actor registers its model's vocabulary (dsi.constraints.register_vocabulary),
+    so a bound constraint travels as a digest; its laws are the thread pool's, masked to the grammar."""
+    from dsi.constraints import Constraint, TokenTable, bind
+    from dsi.models.synthetic import banked_pair
+    from dsi.transport.threads import ThreadTargetPool
+    from tests.transport_support import assert_same_result, run_tasks
+
+    target, _ = banked_pair(0.8, vocab_size=64)
+    target.vocabulary = TokenTable(tuple(bytes([97 + i % 26]) for i in range(63)) + (b"",), (63,))  # letters; EOS
+    constraint = bind(Constraint.regex("[abc]+"), target)
+    params = SamplingParams(temperature=1.0, seed=5, constraint=constraint)
+    tasks = [VerifyTask(i, (1, 2, 0, 1), 3, params, prompt_len=2, draft_probs=(0.5, 0.5)) for i in range(3)]
+    with ThreadTargetPool(target, 1, events.put) as pool:
+        want = run_tasks(pool, events, tasks)
+    pool = make_pool("ray", target, 1, events.put, start_timeout=60)
+    try:
+        got = run_tasks(pool, events, tasks)
+    finally:
+        pool.close()
+    for a, b in zip(got, want, strict=True):
+        assert_same_result(a, b)
+    law = want[0].probs.laws[max(want[0].probs.laws)]
+    abc = {i for i in range(63) if i % 26 < 3}  # the ids that spell a, b or c
+    assert abc & set(np.flatnonzero(law)) and set(np.flatnonzero(law)) <= abc | {63}  # (EOS where it may end)
