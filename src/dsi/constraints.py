@@ -23,6 +23,7 @@ are cached by prefix (the drafter, the servers and the engine ask for the same r
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import re
 import threading
@@ -41,7 +42,10 @@ KINDS = ("json_schema", "json_object", "regex", "choice", "lark", "gbnf")
 # (small ones above all) emit spaces and newlines until its tokens run out (vLLM's `disable_any_whitespace`);
 # a schema's own "x-guidance" options override this.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-_MASKS_KEPT = 512  # recent masks per bound constraint, by output prefix
+# recent masks, by constraint and output prefix, for all constraints together (a mask is V bools: 256 of 152k ids
+# are 39 MB); and the grammars compiled (a request holds its own while it runs)
+_MASKS_KEPT = 256
+_COMPILED_KEPT = 64
 
 
 @dataclass(frozen=True)
@@ -211,9 +215,8 @@ class _Compiled:
             raise ConfigError(f"the {constraint.kind} constraint is not valid: {error}")
         self.vocab = len(table)
         self.eos = frozenset(table.eos)
+        self.serial = next(_serials)  # names its masks in the shared cache
         self._local = threading.local()
-        self._masks: OrderedDict[tuple[int, ...], np.ndarray] = OrderedDict()
-        self._lock = threading.Lock()
         self._everything = np.ones(self.vocab, dtype=bool)
         self._everything.flags.writeable = False
 
@@ -228,10 +231,11 @@ class _Compiled:
         return state
 
     def allowed(self, output: tuple[int, ...]) -> np.ndarray:
-        with self._lock:
-            mask = self._masks.get(output)
+        key = (self.serial, output)
+        with _compiled_lock:
+            mask = _masks.get(key)
             if mask is not None:
-                self._masks.move_to_end(output)
+                _masks.move_to_end(key)
                 return mask
         matcher, consumed = self._matcher()
         common = 0
@@ -254,10 +258,10 @@ class _Compiled:
         bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
         mask = np.unpackbits(bits, bitorder="little")[: self.vocab].astype(bool)
         mask.flags.writeable = False
-        with self._lock:
-            self._masks[output] = mask
-            if len(self._masks) > _MASKS_KEPT:
-                self._masks.popitem(last=False)
+        with _compiled_lock:
+            _masks[key] = mask
+            if len(_masks) > _MASKS_KEPT:
+                _masks.popitem(last=False)
         return mask
 
 
@@ -278,17 +282,23 @@ def _lltokenizer(table: TokenTable) -> Any:
     return found
 
 
-_compiled: dict[tuple[Constraint, str], _Compiled] = {}
+_compiled: OrderedDict[tuple[Constraint, str], _Compiled] = OrderedDict()
+_masks: OrderedDict[tuple[int, tuple[int, ...]], np.ndarray] = OrderedDict()  # (a _Compiled's serial, output)
+_serials = itertools.count()
 
 
 def _compile(constraint: Constraint, table: TokenTable) -> _Compiled:
     key = (constraint, table.digest)
     with _compiled_lock:
         found = _compiled.get(key)
-    if found is None:
-        found = _Compiled(constraint, table)  # outside the lock: a compile may take a while
-        with _compiled_lock:
-            found = _compiled.setdefault(key, found)
+        if found is not None:
+            _compiled.move_to_end(key)
+            return found
+    found = _Compiled(constraint, table)  # outside the lock: a compile may take a while
+    with _compiled_lock:
+        found = _compiled.setdefault(key, found)
+        if len(_compiled) > _COMPILED_KEPT:
+            _compiled.popitem(last=False)  # its masks leave the cache as they age
     return found
 
 
@@ -394,12 +404,14 @@ def _table_of(model: Any) -> TokenTable:
         with _compiled_lock:
             found = _tables.get(model)
     except TypeError:  # a model that cannot be weakly referenced (or hashed): its table each time
-        return token_table(model)
-    if found is None:
-        found = token_table(model)  # a vocabulary's table takes about 0.1 s at 152k ids
-        with _compiled_lock:
-            _tables[model] = found
-            _model_tables.add(found.digest)
+        found = token_table(model)
+    else:
+        if found is None:
+            found = token_table(model)  # a vocabulary's table takes about 0.1 s at 152k ids
+            with _compiled_lock:
+                _tables[model] = found
+    with _compiled_lock:
+        _model_tables.add(found.digest)
     return found
 
 

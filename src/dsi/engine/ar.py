@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dsi.engine.lifecycle import DecoderLifecycle, bind_constraint, check_request, model_errors
+from dsi.engine.lifecycle import DecoderLifecycle, prepare_request, model_errors
 from dsi.engine.request import Output, Request, TokenCallback
 from dsi.engine.result import GenerationResult
 from dsi.engine.stats import GenerationStats
@@ -35,8 +35,7 @@ class AutoregressiveDecoder(DecoderLifecycle):
 
     def _generate(self, request: Request, on_tokens: TokenCallback | None,
                   abort: threading.Event | None) -> GenerationResult:
-        check_request(request, self._model)
-        request = bind_constraint(request, self._model)
+        request = prepare_request(request, self._model)
         # refuses what the target cannot serve exactly (engines; whole rows for logprobs)
         check_sampling(self._model, request.sampling, request.logprobs is not None)
         stats = GenerationStats(method=self.method)

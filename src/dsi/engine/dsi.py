@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dsi.engine.drafter import Draft, DrafterFailed, DraftsDone, DraftWorker, request_info
-from dsi.engine.lifecycle import DecoderLifecycle, bind_constraint, check_request
+from dsi.engine.lifecycle import DecoderLifecycle, prepare_request
 from dsi.engine.request import Output, Request, TokenCallback
 from dsi.engine.result import GenerationResult
 from dsi.engine.stats import GenerationStats
@@ -132,8 +132,7 @@ class DSIDecoder(DecoderLifecycle):
 
     def _generate(self, request: Request, on_tokens: TokenCallback | None,
                   abort: threading.Event | None) -> GenerationResult:
-        check_request(request, self._target_model)
-        request = bind_constraint(request, self._target_model)
+        request = prepare_request(request, self._target_model)
         # refuses what the target cannot serve exactly (whole rows for logprobs)
         check_sampling(self._target_model, request.sampling, request.logprobs is not None)
         if not self._drafter.is_alive():  # a drafter frozen (abandoned) or dead in an earlier request: a new one

@@ -14,7 +14,7 @@ The concurrency contract of a decoder (non-SI, SI and DSI alike, on every transp
 - to serve requests in parallel, build one decoder per concurrent request (``dsi serve``'s slots do):
   decoders may share their models; a model's sessions are each used by one thread at a time.
 
-Checks before work (:func:`check_request`): a request whose prompt holds an id outside the target's
+Checks before work (:func:`prepare_request`): a request whose prompt holds an id outside the target's
 vocabulary, or whose prompt plus ``max_new_tokens`` exceed the target's declared context, is refused
 before the first forward, whatever built it.
 """
@@ -34,9 +34,11 @@ from dsi.models.base import check_token_ids, context_limit
 _WAIT_POLL_S = 0.05  # how often a call waiting for the decoder looks at its abort flag
 
 
-def check_request(request: Request, target: object) -> None:
-    """Refuse ``request`` before any forward if ``target`` cannot serve it whole: a prompt id outside
-    its vocabulary, or a prompt plus ``max_new_tokens`` longer than its declared context."""
+def prepare_request(request: Request, target: object) -> Request:
+    """``request`` as a decoder runs it on ``target``: refused before any forward if ``target`` cannot serve it
+    whole (a prompt id outside its vocabulary, or a prompt plus ``max_new_tokens`` longer than its declared
+    context), and its sampling's :class:`~dsi.constraints.Constraint` bound to ``target``'s vocabulary (the grammar
+    compiled once per vocabulary; a grammar the library refuses is a ConfigError quoting it)."""
     vocab = getattr(target, "vocab_size", None)
     if isinstance(vocab, int):
         check_token_ids(request.prompt, vocab, "prompt", "the target")
@@ -45,11 +47,6 @@ def check_request(request: Request, target: object) -> None:
         raise ContextLengthError(
             f"prompt of {len(request.prompt)} tokens + max_new_tokens={request.max_new_tokens} exceeds the context "
             f"of {target!r} (max_context={limit} tokens); shorten the prompt or lower max_new_tokens")
-
-
-def bind_constraint(request: Request, target: object) -> Request:
-    """``request`` with its sampling's :class:`~dsi.constraints.Constraint` bound to ``target``'s vocabulary (the
-    grammar compiled once per vocabulary; a grammar the library refuses is a ConfigError quoting it)."""
     constraint = request.sampling.constraint
     if constraint is None:
         return request

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from dsi.engine.drafter import capped_drafts, request_info
-from dsi.engine.lifecycle import DecoderLifecycle, bind_constraint, check_request, model_errors
+from dsi.engine.lifecycle import DecoderLifecycle, prepare_request, model_errors
 from dsi.engine.request import Output, Request, TokenCallback
 from dsi.engine.result import GenerationResult
 from dsi.engine.stats import GenerationStats
@@ -62,8 +62,7 @@ class SpeculativeDecoder(DecoderLifecycle):
 
     def _generate(self, request: Request, on_tokens: TokenCallback | None,
                   abort: threading.Event | None) -> GenerationResult:
-        check_request(request, self._target_model)
-        request = bind_constraint(request, self._target_model)
+        request = prepare_request(request, self._target_model)
         params = request.sampling
         # refuses what the target cannot serve exactly (engines; whole rows for logprobs)
         check_sampling(self._target_model, params, request.logprobs is not None)

@@ -28,11 +28,12 @@ Non-SI's and SI's host time per token is this process's CPU time during their ru
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -115,19 +116,21 @@ class _TimedPool:
         self._pool = pool
         self.calls_s = 0.0
 
-    def submit(self, task) -> None:
+    @contextlib.contextmanager
+    def _counted(self) -> Iterator[None]:
         start = time.perf_counter()
         try:
-            self._pool.submit(task)
+            yield
         finally:
             self.calls_s += time.perf_counter() - start
 
+    def submit(self, task) -> None:
+        with self._counted():
+            self._pool.submit(task)
+
     def cancel(self, task_ids) -> None:
-        start = time.perf_counter()
-        try:
+        with self._counted():
             self._pool.cancel(task_ids)
-        finally:
-            self.calls_s += time.perf_counter() - start
 
     def __getattr__(self, name: str):
         return getattr(self._pool, name)

@@ -568,31 +568,22 @@ class HFSession:
         if cancel is not None and cancel.is_set():
             raise TaskCancelled("forward cancelled before it started")
         before = len(self._tokens)
-        if self._plan.static:
-            with torch.inference_mode(), self._on_stream():
-                try:
-                    if owner.deterministic:  # one token a forward, as below
-                        first = len(new) - num_rows
-                        rows = [self._static_forward(new[i: i + 1], before + i, cancel, int(i >= first), greedy)
-                                for i in range(len(new))]
-                        out = torch.cat([r for r in rows if r is not None])
-                    else:
-                        out = self._static_forward(new, before, cancel, num_rows, greedy)
-                except BaseException:
-                    self._cache.length = before
-                    raise
-            self._tokens.extend(new)
-            return out.numpy()
         with torch.inference_mode(), self._on_stream():
-            ids = torch.tensor([new], dtype=torch.long, device=owner.device)  # [1, n]
+            if self._plan.static:
+                def forward(a: int, b: int, rows: int) -> torch.Tensor | None:  # new[a:b], its last ``rows`` rows
+                    return self._static_forward(new[a:b], before + a, cancel, rows, greedy)
+            else:
+                ids = torch.tensor([new], dtype=torch.long, device=owner.device)  # [1, n]
+
+                def forward(a: int, b: int, rows: int) -> torch.Tensor | None:
+                    return owner._forward(ids[:, a:b], self._cache, cancel, rows, greedy)
             try:
                 if owner.deterministic:  # the canonical cut: one token a forward, rows only where read
                     first = len(new) - num_rows
-                    rows = [owner._forward(ids[:, i: i + 1], self._cache, cancel, int(i >= first), greedy)
-                            for i in range(len(new))]
+                    rows = [forward(i, i + 1, int(i >= first)) for i in range(len(new))]
                     out = torch.cat([r for r in rows if r is not None])  # [num_rows(, V)]
                 else:
-                    out = owner._forward(ids, self._cache, cancel, num_rows, greedy)  # [num_rows(, V)]
+                    out = forward(0, len(new), num_rows)  # [num_rows(, V)]
             except BaseException:
                 self._restore(before)
                 raise
@@ -637,7 +628,7 @@ class HFSession:
                     out = self._static_forward(new, keep, cancel, 1 + n, greedy, positions=positions,
                                                allowed=torch.from_numpy(allowed))
                 except BaseException:
-                    self._cache.length = keep
+                    self._restore(keep)
                     raise
                 self._keep_main_path(len(prefix), main)
             self._tokens = prefix + [int(tree.tokens[i]) for i in tree.main_path()]

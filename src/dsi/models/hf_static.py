@@ -24,6 +24,7 @@ What is *not* here: sampling and decisions (a session returns rows or argmax ids
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 
 from dsi.errors import ConfigError
+from dsi.models.base import check_int
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +58,8 @@ class ForwardPlan:
     def __post_init__(self) -> None:
         if self.kv_cache not in KV_CACHES:
             raise ConfigError(f"kv_cache={self.kv_cache!r} must be one of {', '.join(KV_CACHES)}")
-        if self.kv_cache_len is not None and (not isinstance(self.kv_cache_len, int) or isinstance(
-                self.kv_cache_len, bool) or self.kv_cache_len < 1):
-            raise ConfigError(f"kv_cache_len={self.kv_cache_len!r} must be an integer >= 1 (or None)")
+        if self.kv_cache_len is not None:
+            object.__setattr__(self, "kv_cache_len", check_int(self.kv_cache_len, "kv_cache_len", 1))
         if self.kv_cache_len is not None and self.kv_cache != "static":
             raise ConfigError(f"kv_cache_len={self.kv_cache_len} sizes a static cache; pass kv_cache='static'")
         if not isinstance(self.cuda_graphs, bool):
@@ -72,9 +73,8 @@ class ForwardPlan:
 
     def cache_len(self, max_context: int | None) -> int:
         """The positions a static cache holds for a model of ``max_context`` positions."""
-        if self.kv_cache_len is not None:
-            return self.kv_cache_len if max_context is None else min(self.kv_cache_len, max_context)
-        return DEFAULT_KV_CACHE_LEN if max_context is None else min(DEFAULT_KV_CACHE_LEN, max_context)
+        length = DEFAULT_KV_CACHE_LEN if self.kv_cache_len is None else self.kv_cache_len
+        return length if max_context is None else min(length, max_context)
 
 
 def has_sliding_layers(config: Any) -> bool:
@@ -108,8 +108,11 @@ def padded_size(n: int, graphs: bool) -> int:
 
 
 # ---- the cache ---------------------------------------------------------------------------------------------
-def _layer_class():
-    from transformers.cache_utils import StaticLayer
+@functools.cache
+def _positioned_class() -> type:
+    """The transformers ``Cache`` subclass of :class:`PositionedCache` (made once, at the first static session, so
+    that transformers is imported only where the hf backend is used)."""
+    from transformers.cache_utils import Cache, StaticLayer
 
     class PositionedLayer(StaticLayer):
         """A static layer that writes at the positions its cache names (no running counter to keep in step)."""
@@ -132,13 +135,21 @@ def _layer_class():
         def crop(self, tokens_to_remove: int) -> None:  # the session moves the length itself
             raise RuntimeError("a positioned cache is truncated by its session's length, not cropped")
 
-    return PositionedLayer
+    class Positioned(Cache, PositionedCache):
+        def __init__(self, config: Any, max_len: int, device: torch.device) -> None:
+            layers = config.get_text_config().num_hidden_layers
+            super().__init__(layers=[PositionedLayer(max_len, self) for _ in range(layers)])
+            self.max_len = max_len
+            self.length = 0
+            self.write_at = torch.zeros(1, dtype=torch.long, device=device)
 
+        def get_seq_length(self, layer_idx: int = 0) -> int:
+            return self.length
 
-def _cache_base():
-    from transformers.cache_utils import Cache
+        def get_mask_sizes(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
+            return self.max_len, 0
 
-    return Cache
+    return Positioned
 
 
 class PositionedCache:
@@ -151,25 +162,8 @@ class PositionedCache:
 
 
 def new_positioned_cache(config: Any, max_len: int, device: torch.device) -> Any:
-    """A :class:`PositionedCache` for a model of ``config`` (a subclass of transformers' ``Cache``, made here so
-    that transformers is imported only where the hf backend is used)."""
-    base, layer = _cache_base(), _layer_class()
-
-    class _Positioned(base, PositionedCache):  # type: ignore[misc, valid-type]
-        def __init__(self) -> None:
-            layers = config.get_text_config().num_hidden_layers
-            super().__init__(layers=[layer(max_len, self) for _ in range(layers)])
-            self.max_len = max_len
-            self.length = 0
-            self.write_at = torch.zeros(1, dtype=torch.long, device=device)
-
-        def get_seq_length(self, layer_idx: int = 0) -> int:
-            return self.length
-
-        def get_mask_sizes(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
-            return self.max_len, 0
-
-    return _Positioned()
+    """A :class:`PositionedCache` of ``max_len`` positions for a model of ``config``."""
+    return _positioned_class()(config, max_len, device)
 
 
 def visibility(start: int, size: int, real: int, max_len: int, allowed: torch.Tensor | None,

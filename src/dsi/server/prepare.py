@@ -292,10 +292,7 @@ class Preparer:
     def _constraint(self, req: Any) -> Any:
         """The request's structured-output constraint, bound to the target's vocabulary (compiled: a schema or
         grammar the library refuses is a 400 quoting it); None for plain text."""
-        try:
-            asked = request_constraint(req)
-        except ConfigError as exc:
-            raise APIError(400, str(exc), param=_constraint_param(req), code="invalid_value") from exc
+        asked = request_constraint(req)
         if asked is None:
             return None
         constraint, param = asked
@@ -365,14 +362,3 @@ class Preparer:
             raise APIError(400, str(exc), param=prompt_param, code="invalid_prompt") from exc
         return Prepared(request, stop=req.stop_strings(), stream=req.stream, include_usage=req.include_usage(),
                         echo=echo, token_ids_as_names=req.return_tokens_as_token_ids, n=req.n or 1)
-
-
-def _constraint_param(req: Any) -> str:
-    """The structured-output field a request set (for a 400's ``param``)."""
-    for name in ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                 "guided_grammar", "grammar", "json_schema"):
-        value = getattr(req, name, None)
-        if value is not None and not (name == "response_format" and value.type == "text"):
-            return name
-    return "response_format"
-

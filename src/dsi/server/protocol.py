@@ -548,20 +548,31 @@ def _grammar(text: str) -> Any:
     return Constraint.grammar(text, syntax="gbnf" if "::=" in text else "lark")
 
 
+def _made(param: str, make: Any, *args: Any) -> tuple[Any, str]:
+    """``make(*args)``, a constraint, and the field it came from; a 400 naming that field (and quoting the
+    library) for one that does not parse."""
+    from dsi.errors import ConfigError
+
+    try:
+        return make(*args), param
+    except ConfigError as exc:
+        raise APIError(400, str(exc), param=param, code="invalid_value") from exc
+
+
 def request_constraint(request: _GenerationRequest) -> tuple[Any, str] | None:
     """The structured-output constraint a request asks for, and the field that asked (None: plain text); a 400 for
-    two at once or for an incomplete one; a ConfigError (the caller's 400) for one that does not parse."""
+    two at once, for an incomplete one, or for one that does not parse (naming its field)."""
     from dsi.constraints import Constraint
 
     found: list[tuple[Any, str]] = []
     rf = request.response_format
     if rf is not None and rf.type == "json_object":
-        found.append((Constraint.json_object(), "response_format"))
+        found.append(_made("response_format", Constraint.json_object))
     elif rf is not None and rf.type == "json_schema":
         if rf.json_schema is None or rf.json_schema.json_schema_ is None:
             raise APIError(400, "response_format {'type': 'json_schema'} needs json_schema.schema",
                            param="response_format", code="invalid_value")
-        found.append((Constraint.json_schema(rf.json_schema.json_schema_), "response_format"))
+        found.append(_made("response_format", Constraint.json_schema, rf.json_schema.json_schema_))
     so = request.structured_outputs
     if so is not None:
         given = [(k, v) for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
@@ -572,19 +583,17 @@ def request_constraint(request: _GenerationRequest) -> tuple[Any, str] | None:
                                 f"got {[k for k, _ in given] or 'none'}", param="structured_outputs",
                            code="invalid_value")
         kind, value = given[0]
-        made = {"json": lambda: Constraint.json_schema(value), "regex": lambda: Constraint.regex(value),
-                "choice": lambda: Constraint.choice(value), "grammar": lambda: _grammar(value),
-                "json_object": Constraint.json_object}[kind]()
-        found.append((made, "structured_outputs"))
+        make = {"json": Constraint.json_schema, "regex": Constraint.regex, "choice": Constraint.choice,
+                "grammar": _grammar, "json_object": lambda _: Constraint.json_object()}[kind]
+        found.append(_made("structured_outputs", make, value))
     for name, make in (("guided_json", Constraint.json_schema), ("guided_regex", Constraint.regex),
                        ("guided_choice", Constraint.choice), ("guided_grammar", _grammar),
                        ("grammar", lambda g: Constraint.grammar(g, syntax="gbnf")),
                        ("json_schema", Constraint.json_schema)):
         value = getattr(request, name)
         if value is not None:
-            found.append((make(value), name))
+            found.append(_made(name, make, value))
     if len(found) > 1:
         raise APIError(400, f"give one structured-output constraint, not {len(found)}: "
                             f"{', '.join(name for _, name in found)}", param=found[1][1], code="invalid_value")
     return found[0] if found else None
-
