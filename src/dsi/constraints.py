@@ -15,9 +15,9 @@ So constrained SI and DSI are exactly constrained non-SI: token for token greedy
 whose prefix the grammar already refused (after a draft that will be rejected at its own row) decides nothing,
 and is left unmasked.
 
-Masks come from llguidance (chosen by measurement: docs/results.md section 40): a grammar is compiled once per
-vocabulary, each thread keeps a matcher that it rolls back to the common prefix and advances, and recent masks
-are cached by prefix (the drafter, the servers and the engine ask for the same rows).
+Masks come from llguidance (chosen by measurement: docs/results.md#which-library): a grammar is compiled once
+per vocabulary, each thread keeps a matcher that it rolls back to the common prefix and advances, and recent
+masks are cached by prefix (the drafter, the servers and the engine ask for the same rows).
 """
 
 from __future__ import annotations
@@ -46,6 +46,19 @@ JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 # are 39 MB); and the grammars compiled (a request holds its own while it runs)
 _MASKS_KEPT = 256
 _COMPILED_KEPT = 64
+# What one constraint may cost (docs/serving.md, "What one request may cost"): its text, and llguidance's own
+# budgets, fixed here rather than left to the library's defaults. Fuel is llguidance's unit of work (about 50k a
+# millisecond to build the lexer, 14k a millisecond per mask); a grammar over a budget is refused when it is compiled
+# (ConfigError: a 400), a mask step over one fails its request (ModelError), never a silently unconstrained output.
+MAX_SOURCE_CHARS = 512 * 1024  # a schema of 200 tools with 8 parameters each is 150k characters, 50 ms to compile
+LIMITS = {
+    "max_grammar_size": 500_000,  # symbols in the grammar's productions
+    "max_items_in_row": 2_000,  # alternatives of one production
+    "initial_lexer_fuel": 1_000_000,  # building the lexer: about 20 ms
+    "step_lexer_fuel": 200_000,  # one mask's lexer work: about 15 ms
+    "step_max_items": 50_000,  # one mask's parser items: about 2.5 ms
+    "max_lexer_states": 250_000,  # lexer states kept (1-2 kB each)
+}
 
 
 @dataclass(frozen=True)
@@ -62,6 +75,9 @@ class Constraint:
             raise ConfigError(f"constraint kind {self.kind!r} must be one of {', '.join(KINDS)}")
         if not isinstance(self.source, str):
             raise ConfigError(f"a {self.kind} constraint's source must be text, got {type(self.source).__name__}")
+        if len(self.source) > MAX_SOURCE_CHARS:
+            raise ConfigError(f"a {self.kind} constraint of {len(self.source):,} characters is longer than the "
+                              f"{MAX_SOURCE_CHARS:,} allowed")
 
     @classmethod
     def json_schema(cls, schema: dict | str) -> Constraint:
@@ -208,11 +224,13 @@ class _Compiled:
 
     def __init__(self, constraint: Constraint, table: TokenTable) -> None:
         llg = _llguidance()
-        self.tokenizer = _lltokenizer(table)
-        self.grammar = constraint.llguidance_grammar()
-        error = llg.LLMatcher.validate_grammar(self.grammar, self.tokenizer)
-        if error and not error.startswith("WARNING"):
-            raise ConfigError(f"the {constraint.kind} constraint is not valid: {error}")
+        self.kind = constraint.kind
+        # compiled once, within LIMITS; a thread's matcher is a copy of this one (20 us, where compiling a
+        # schema of many tools takes tens of milliseconds)
+        self._prototype = llg.LLMatcher(_lltokenizer(table), constraint.llguidance_grammar(), log_level=0,
+                                        limits=llg.LLParserLimits(**LIMITS))
+        if self._prototype.is_error():
+            raise ConfigError(f"the {constraint.kind} constraint is not valid: {self._prototype.get_error()}")
         self.vocab = len(table)
         self.eos = frozenset(table.eos)
         self.serial = next(_serials)  # names its masks in the shared cache
@@ -224,11 +242,15 @@ class _Compiled:
         """This thread's matcher and the tokens it has consumed (a new one where there is none)."""
         state = getattr(self._local, "state", None)
         if state is None:
-            matcher = _llguidance().LLMatcher(self.tokenizer, self.grammar, log_level=0)
-            if matcher.is_error():
-                raise ModelError(f"the constraint's grammar did not start: {matcher.get_error()}")
-            state = self._local.state = (matcher, [])
+            with _compiled_lock:
+                state = self._local.state = (self._prototype.deep_copy(), [])
         return state
+
+    def _failed(self, matcher: Any, output: tuple[int, ...]) -> ModelError:
+        """The error of a matcher that stopped on a budget (or inside llguidance): the request fails."""
+        self._local.state = None
+        return ModelError(f"the {self.kind} constraint could not be followed after {len(output)} output tokens "
+                          f"(dsi.constraints.LIMITS): {matcher.get_error().splitlines()[0]}")
 
     def allowed(self, output: tuple[int, ...]) -> np.ndarray:
         key = (self.serial, output)
@@ -250,12 +272,16 @@ class _Compiled:
                 common = 0
             del consumed[common:]
         for token in output[common:]:
-            # past an EOS, or a token the grammar refuses: the row decides nothing (module doc)
-            if token in self.eos or matcher.is_stopped() or not matcher.consume_token(int(token)):
-                self._local.state = None
+            # past an EOS, or a token the grammar refuses (the matcher stays where it was): the row decides
+            # nothing (module doc)
+            if token in self.eos or matcher.is_stopped() or matcher.try_consume_tokens([int(token)]) != 1:
+                if matcher.is_error():
+                    raise self._failed(matcher, output)
                 return self._everything
             consumed.append(int(token))
         bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+        if matcher.is_error():
+            raise self._failed(matcher, output)
         mask = np.unpackbits(bits, bitorder="little")[: self.vocab].astype(bool)
         mask.flags.writeable = False
         with _compiled_lock:

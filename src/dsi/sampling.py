@@ -34,7 +34,7 @@ from enum import IntEnum
 import numpy as np
 
 from dsi.constraints import BoundConstraint, Constraint
-from dsi.errors import ConfigError, ModelError, require
+from dsi.errors import ConfigError, DraftUnavailable, ModelError, require
 
 _MAX_SEED = 2**63 - 1
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
@@ -479,6 +479,12 @@ class _Counts:
             self.seen.add(int(token))
 
 
+class NothingAllowed(ConfigError):
+    """A row in which a request's constraint allows none of the tokens left: on the target's row the request
+    fails; on a drafter's (of another vocabulary, whose row covers only the tokens both share) there is nothing
+    to draft (:func:`draft_from_logits`)."""
+
+
 def _shape(row: np.ndarray, params: SamplingParams, counts: _Counts | None, stop_ids: frozenset[int]) -> np.ndarray:
     x = _process(row.copy(), lambda which: which, row.size, params, counts, stop_ids)  # [V] float64
     holding = params.min_tokens and counts is not None and counts.generated < params.min_tokens
@@ -490,7 +496,7 @@ def _shape(row: np.ndarray, params: SamplingParams, counts: _Counts | None, stop
             x[: allowed.size][~allowed] = -np.inf
             x[allowed.size:] = -np.inf
         if x.max() == -np.inf:
-            raise ConfigError(f"no token is possible: the {params.constraint.constraint.kind} constraint allows "
+            raise NothingAllowed(f"no token is possible: the {params.constraint.constraint.kind} constraint allows "
                               f"none of the tokens left after the other processors (min_tokens="
                               f"{params.min_tokens}, logit_bias={dict(params.logit_bias)!r})")
     if holding and not (x > -np.inf).any():  # only min_tokens makes a logit -inf
@@ -680,14 +686,18 @@ def draft_from_logits(logits: np.ndarray, params: SamplingParams, position: int,
     Greedy: ``(argmax of the processed logits, None)`` (no distribution needed); sampling: a draw
     from ``q``. ``prefix``: the drafter's tokens before the row (penalties, ``min_tokens``).
     """
-    if params.greedy:
-        row = np.asarray(logits)
-        if not params.moves_argmax:
-            check_logit_row(row, "the drafter")
-            return int(np.argmax(row)), None
-        tokens, prompt_len, stop_ids = _prefix_fields(params, prefix)
-        return int(greedy_tokens(row[None], params, tokens, prompt_len, stop_ids)[0]), None  # sparse: touched ids only
-    q = process_logits(logits, params, prefix)  # [V]
+    try:
+        if params.greedy:
+            row = np.asarray(logits)
+            if not params.moves_argmax:
+                check_logit_row(row, "the drafter")
+                return int(np.argmax(row)), None
+            tokens, prompt_len, stop_ids = _prefix_fields(params, prefix)
+            # sparse: touched ids only
+            return int(greedy_tokens(row[None], params, tokens, prompt_len, stop_ids)[0]), None
+        q = process_logits(logits, params, prefix)  # [V]
+    except NothingAllowed as exc:  # the target's own row decides this position
+        raise DraftUnavailable(f"the drafter's row has no token the request allows: {exc}") from None
     return draft_token(q, params, position), q
 
 

@@ -249,20 +249,34 @@ def assert_target_law(target, drafter, d_texts, prompt, method, lookahead, serve
 
 
 def sample_counts_checked(decoder, prompt, processing, law, vocab_intersection):
-    index = {seq: i for i, seq in enumerate(law)}
-    counts = np.zeros(len(law))
-    accepted = rejected = lookaheads = 0
-    for seed in range(N_SAMPLES):
-        out = decoder.generate(make_request(prompt, LENGTH, SamplingParams(**processing, seed=seed), None,
-                                            len(T_TEXTS)))
-        counts[index[tuple(out.tokens)]] += 1
-        accepted += out.stats.accepted_tokens
-        rejected += out.stats.rejections
+    lookaheads = 0
+
+    def check(out) -> None:
+        nonlocal lookaheads
         extra = out.stats.extra
         assert (extra["vocab_mode"], extra["vocab_intersection"]) == ("intersection", vocab_intersection)
         assert extra["vocab_merge_lookahead"] == 3 and extra["vocab_merges"] == 1  # "ab" = "a" + "b"
         lookaheads += extra.get("drafter_merge_forwards", 0)
+
+    counts, accepted, rejected = seeded_counts(decoder, prompt, processing, law, len(T_TEXTS), check)
     return counts, accepted, rejected, lookaheads
+
+
+def seeded_counts(decoder, prompt, processing, law, vocab_size, check=None):
+    """How often each sequence of ``law`` came out of N_SAMPLES generations with seeds 0..N-1, and the drafts
+    accepted and rejected over them; ``check(result)`` on each."""
+    index = {seq: i for i, seq in enumerate(law)}
+    counts = np.zeros(len(law))
+    accepted = rejected = 0
+    for seed in range(N_SAMPLES):
+        out = decoder.generate(make_request(prompt, LENGTH, SamplingParams(**processing, seed=seed), None,
+                                            vocab_size))
+        counts[index[tuple(out.tokens)]] += 1
+        accepted += out.stats.accepted_tokens
+        rejected += out.stats.rejections
+        if check is not None:
+            check(out)
+    return counts, accepted, rejected
 
 
 def test_the_chi_square_check_detects_a_sampler_that_keeps_every_draft():
@@ -283,3 +297,36 @@ def test_the_chi_square_check_detects_a_sampler_that_keeps_every_draft():
     draws = np.random.default_rng(0).choice(len(keys), size=N_SAMPLES, p=probs / probs.sum())
     counts = np.bincount(draws, minlength=len(keys)).astype(float)
     assert chi_square_p(counts, law) < ALPHA
+
+
+@pytest.mark.parametrize("method, lookahead, servers, mode", [("si", 2, 1, "intersection"), ("dsi", 2, 2, "auto"),
+                                                              ("dsi", "auto", 3, "intersection")])
+def test_a_constrained_request_keeps_the_masked_target_law_across_vocabularies(method, lookahead, servers, mode,
+                                                                               no_thread_leak):
+    """A constraint (in the target's vocabulary: a, b, ab, c and an EOS) masks the target's law; the drafter's
+    rows, in the target's ids through the intersection, are masked alike, and where they allow nothing (only the
+    target's own "ab" or EOS is left) the target's row decides. The output's law is the target's, masked to the
+    grammar and renormalised, enumerated in float64."""
+    from dsi.constraints import BoundConstraint, Constraint, TokenTable
+
+    texts = [*T_TEXTS, "<e>"]
+    eos = len(T_TEXTS)
+    table = TokenTable(tuple(t.encode() for t in T_TEXTS) + (b"",), (eos,))
+    processing = dict(temperature=1.0, constraint=BoundConstraint(Constraint.regex("[ac]b?[ac]?"), table))
+    target = random_lm(len(texts), seed=23, sharpness=1.0)
+    drafter = random_lm(len(D_TEXTS), seed=97, sharpness=1.5)
+    prompt = (0, 3)
+    law = exact_sequence_law(target, prompt, LENGTH, SamplingParams(**processing, seed=0), frozenset({eos}))
+    assert all(seq[0] != 1 for seq in law)  # "b" first: refused by the grammar
+    decoder = build_decoder(target=target, drafter=drafter, method=method, lookahead=lookahead,
+                            num_target_servers=servers, vocab_mode=mode,
+                            target_tokenizer=PiecesTokenizer(texts, eos_token_id=eos),
+                            drafter_tokenizer=PiecesTokenizer(D_TEXTS))
+    try:
+        counts, accepted, rejected = seeded_counts(decoder, prompt, processing, law, len(texts))
+    finally:
+        decoder.close()
+    assert accepted > N_SAMPLES // 10 and rejected > N_SAMPLES // 10
+    p_value = chi_square_p(counts, law)
+    expected = np.array(list(law.values())) * N_SAMPLES
+    assert p_value > ALPHA, f"p={p_value:.2e}: counts {counts} vs expected {np.round(expected, 1)}"

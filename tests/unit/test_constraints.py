@@ -15,7 +15,7 @@ import pytest
 import dsi
 from dsi.constraints import BoundConstraint, Constraint, TokenTable, bind
 from dsi.engine.api import build_decoder, make_request
-from dsi.errors import ConfigError, ModelError
+from dsi.errors import ConfigError, ModelError, WorkerError
 from dsi.sampling import Prefix, SamplingParams, process_logits
 from tests.conftest import Jitter, exact_sequence_law, random_lm
 
@@ -125,6 +125,30 @@ def test_a_sentencepiece_tokenizer_s_table_keeps_its_utf8_pieces_and_byte_fallba
 
     table = TokenTable.of_tokenizer(SentencePiece(), 6, [0])
     assert table.tokens == (b"", " héllo".encode(), b"\xe2", "wörld".encode(), b"a", b"")
+
+
+def test_a_constraint_s_costs_are_bounded_when_compiled_and_at_every_mask(monkeypatch, no_thread_leak):
+    """dsi.constraints.MAX_SOURCE_CHARS and LIMITS: a source too long, or a grammar over llguidance's budgets, is a
+    ConfigError when bound; a mask step over a budget fails the request (ModelError), on every method, never an
+    unconstrained output."""
+    import dsi.constraints as module
+
+    with pytest.raises(ConfigError, match=r"a regex constraint of 524,289 characters is longer than the 524,288"):
+        Constraint.regex("a" * (module.MAX_SOURCE_CHARS + 1))
+    schema = {"type": "object", "properties": {f"k{i}": {"type": "integer"} for i in range(30)}}
+    bound(Constraint.json_schema(schema))  # within the budgets
+    monkeypatch.setitem(module.LIMITS, "max_grammar_size", 50)
+    with pytest.raises(ConfigError, match=r"(?s)the json_schema constraint is not valid: .*too big.*limit.* 50"):
+        bound(Constraint.json_schema({**schema, "title": "another"}))  # not the one compiled above
+    monkeypatch.setitem(module.LIMITS, "max_grammar_size", 500_000)
+    monkeypatch.setitem(module.LIMITS, "step_lexer_fuel", 1)  # compiles; its first mask is over budget
+    params = SamplingParams(constraint=Constraint.regex("(a|b|c)+[0-9]"))
+    target = Vocabulary(random_lm(VOCAB, seed=3))
+    for method, servers in (("ar", 1), ("si", 1), ("dsi", 2)):  # DSI: its target server failed with it
+        with pytest.raises((ModelError, WorkerError), match=r"the regex constraint could not be followed after 0 output tokens "
+                                             r"\(dsi.constraints.LIMITS\): lexer error: too many expressions"):
+            dsi.generate(target=target, drafter=None if method == "ar" else target, prompt=(3,), method=method,
+                         num_target_servers=servers, max_new_tokens=4, eos_token_id=EOS, sampling=params)
 
 
 class Vocabulary:

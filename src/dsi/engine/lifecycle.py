@@ -38,7 +38,9 @@ def prepare_request(request: Request, target: object) -> Request:
     """``request`` as a decoder runs it on ``target``: refused before any forward if ``target`` cannot serve it
     whole (a prompt id outside its vocabulary, or a prompt plus ``max_new_tokens`` longer than its declared
     context), and its sampling's :class:`~dsi.constraints.Constraint` bound to ``target``'s vocabulary (the grammar
-    compiled once per vocabulary; a grammar the library refuses is a ConfigError quoting it)."""
+    compiled once per vocabulary; a grammar the library refuses is a ConfigError quoting it). A constrained request
+    also ends at the vocabulary's EOS ids, the only tokens a complete grammar allows, whatever EOS ids it was given
+    (none, from Python: it would go on past the grammar's end, unconstrained)."""
     vocab = getattr(target, "vocab_size", None)
     if isinstance(vocab, int):
         check_token_ids(request.prompt, vocab, "prompt", "the target")
@@ -53,9 +55,10 @@ def prepare_request(request: Request, target: object) -> Request:
     from dsi.constraints import bind
 
     bound = bind(constraint, target)
-    if bound is constraint:
+    ends = request.eos_token_ids | frozenset(bound.table.eos)  # the grammar ends the output with its EOS ids
+    if bound is constraint and ends == request.eos_token_ids:
         return request
-    return replace(request, sampling=replace(request.sampling, constraint=bound))
+    return replace(request, sampling=replace(request.sampling, constraint=bound), eos_token_ids=ends)
 
 
 @contextmanager

@@ -38,7 +38,16 @@ from dsi.errors import ConfigError, ContextLengthError, DraftUnavailable
 from dsi.logprobs import likeliest, top_ids
 from dsi.models.base import LanguageModel, ModelSession, forward_rows, guessable_positions, tree_rows
 from dsi.models.costs import forward_costs
-from dsi.sampling import Prefix, SamplingParams, bonus, decide, draft_from_logits, residual, shape_logits
+from dsi.sampling import (
+    NothingAllowed,
+    Prefix,
+    SamplingParams,
+    bonus,
+    decide,
+    draft_from_logits,
+    residual,
+    shape_logits,
+)
 from dsi.transport.base import TaskResult
 from dsi.trees import (CHAIN_FLOOR, DEFAULT_FLOOR, ROOT, BestFirst, DraftTree, Dynamic, Proposal, TreeShape,
                        TreeWalk, Widths, walk)
@@ -165,8 +174,14 @@ def likeliest_draft(row: np.ndarray, params: SamplingParams, prefix: Prefix) -> 
 
 def _greedy_logits(row: np.ndarray, params: SamplingParams, prefix: Prefix) -> np.ndarray:
     """The logits a greedy draft is the argmax of and side children are ranked by: the raw ``row`` in its own
-    dtype, or shaped by the processors where they can move the argmax."""
-    return shape_logits(row, params, prefix) if params.moves_argmax else np.asarray(row)
+    dtype, or shaped by the processors where they can move the argmax (a row with no token a constraint allows:
+    nothing to draft)."""
+    if not params.moves_argmax:
+        return np.asarray(row)
+    try:
+        return shape_logits(row, params, prefix)
+    except NothingAllowed as exc:
+        raise DraftUnavailable(f"the drafter's row has no token the request allows: {exc}") from None
 
 
 def _softmax_at(shaped: np.ndarray, ids: Sequence[int], top: float) -> np.ndarray:
@@ -226,13 +241,13 @@ class TreeDrafter:
         try:
             self.forwards += 1
             row = forward_rows(self.session, context, 1)[-1]  # [V] raw drafter logits
+            main, q, alternatives = draft_with_alternatives(row, self.request.sampling, len(context),
+                                                            self.request.prefix(context), self.top + 1, self.floor)
         except ContextLengthError:
             self.context_limited = True
             return None
         except DraftUnavailable:  # nothing to propose here (a drafter of another vocabulary)
             return None
-        main, q, alternatives = draft_with_alternatives(row, self.request.sampling, len(context),
-                                                        self.request.prefix(context), self.top + 1, self.floor)
         self._laws[tuple(path)] = q
         self._rows[tuple(path)] = row
         return main, alternatives
@@ -243,8 +258,8 @@ class TreeDrafter:
         paths below their longest common prefix
         form a tree after ``base`` + that prefix (held in the cache: the session keeps a tree's main path).
         Its rows are the batch's, which on llama.cpp or bf16 may differ in the last bits from one-token
-        rows (docs/results.md section 11): a near-tie may then draft another main token than a chain's,
-        which changes what is drafted, never the output's law (the verified law is the row's own)."""
+        rows (docs/results.md#where-the-logits-depend-on-the-cut): a near-tie may then draft another main token
+        than a chain's, which changes what is drafted, never the output's law (the verified law is the row's own)."""
         one_forward = hasattr(self.session, "tree_rows") and getattr(self.session, "one_forward_trees", True)
         live = [p for p in paths if not (p and p[-1] in self.request.eos_token_ids)]
         if not one_forward or len(live) < 2:
@@ -264,9 +279,13 @@ class TreeDrafter:
                 continue
             position = len(self.base) + len(path)
             row = rows[1 + ends[tuple(path[len(common):])]]
-            main, q, alternatives = draft_with_alternatives(row, self.request.sampling, position,
-                                                            self.request.prefix(self.base + tuple(path)),
-                                                            self.top + 1, self.floor)
+            try:
+                main, q, alternatives = draft_with_alternatives(row, self.request.sampling, position,
+                                                                self.request.prefix(self.base + tuple(path)),
+                                                                self.top + 1, self.floor)
+            except DraftUnavailable:  # no token the request allows in the drafter's row
+                out.append(None)
+                continue
             self._laws[tuple(path)] = q
             self._rows[tuple(path)] = row
             out.append((main, alternatives))

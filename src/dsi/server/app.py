@@ -486,11 +486,11 @@ def create_app(
                 job.cancel(HANDLER_CANCELLED)  # no-op once the job is done
 
     def stream(request: Request, prepared: Prepared, jobs: list[Job], opening: Callable[[int], list[dict]],
-               delta: Callable[[int, str, list | None], dict],
+               delta: Callable[[int, str, list | None], dict | None],
                finish: Callable[[int, Outcome, list[Outcome] | None], dict],
                closing: Callable[[list[Outcome]], list[dict]]) -> StreamingResponse:
-        """Server-sent events: each choice's ``opening(i)``, a ``delta(i, text, logprob entries)`` chunk
-        per piece of stable text of choice i (the choices interleave as they run), ``finish(i, outcome,
+        """Server-sent events: each choice's ``opening(i)``, a ``delta(i, text, logprob entries)`` chunk (None:
+        nothing to send yet) per piece of stable text of choice i (the choices interleave as they run), ``finish(i, outcome,
         usage)`` as each ends (``usage``: every choice's outcome, on the last one, without
         include_usage), then with include_usage ``closing(outcomes)``; or the first error; then ``[DONE]``.
         A request cancelled by the server (shutdown) first ends each unfinished choice: its held-back
@@ -510,8 +510,9 @@ def create_app(
                 owner = jobs[i] if len(jobs) > 1 else jobs[0]
                 if index[owner] in done:
                     continue
-                if owner is job and (outcome.tail or outcome.tail_logprobs):
-                    yield _sse(delta(i, outcome.tail, outcome.tail_logprobs))
+                if owner is job and (outcome.tail or outcome.tail_logprobs) and \
+                        (piece := delta(i, outcome.tail, outcome.tail_logprobs)) is not None:
+                    yield _sse(piece)
                 ended = outcome if owner is job else Outcome(ABORTED, [])
                 yield _sse(finish(i, replace(ended, finish_reason=ABORTED), None))
 
@@ -529,7 +530,8 @@ def create_app(
                     mine = range(prepared.n) if len(jobs) == 1 else [index[job]]
                     if kind == "text":
                         for i in mine:
-                            yield _sse(delta(i, *payload))
+                            if (piece := delta(i, *payload)) is not None:
+                                yield _sse(piece)
                         continue
                     outcome: Outcome = payload
                     error = _failure(outcome, job)
@@ -544,8 +546,9 @@ def create_app(
                     every = (choice_outcomes(prepared, [outcomes[j] for j in range(len(jobs))])
                              if len(outcomes) == len(jobs) else None)
                     for i in mine:
-                        if outcome.tail or outcome.tail_logprobs:
-                            yield _sse(delta(i, outcome.tail, outcome.tail_logprobs))
+                        if (outcome.tail or outcome.tail_logprobs) and \
+                                (piece := delta(i, outcome.tail, outcome.tail_logprobs)) is not None:
+                            yield _sse(piece)
                         # without include_usage, the usage rides on the last choice's final chunk
                         usage = every if every is not None and i == mine[-1] and not prepared.include_usage else None
                         yield _sse(finish(i, outcome, usage))
@@ -710,18 +713,52 @@ def create_app(
                 dsi=_dsi_info(outcomes[0]) if outcomes else None,
             ))
 
+        calling = prepared.tool_calling
+
+        def answer(outcome: Outcome) -> tuple[str | None, list[dict] | None, str]:
+            """A choice's content, its tool calls, and its finish_reason ("tool_calls" once its calls parse)."""
+            calls = None if calling is None else calling.calls(outcome.text)
+            if calls is None:
+                return outcome.text, None, outcome.finish_reason
+            return None, calls, "tool_calls"
+
+        def opening_delta() -> ChatDelta:
+            if calling is None:
+                return ChatDelta(role="assistant", content="")
+            if calling.function is None:  # "required": the calls are known when the list is complete
+                return ChatDelta(role="assistant")
+            return ChatDelta(role="assistant", tool_calls=[{"index": 0, **calling.opening_call()}])
+
+        def delta_chunk(i: int, text: str, entries: list | None) -> dict | None:
+            if calling is None:
+                return chunk(i, ChatDelta(content=text), None, entries=entries)
+            if calling.function is not None:  # a named function's arguments stream as they come
+                return chunk(i, ChatDelta(tool_calls=[{"index": 0, "function": {"arguments": text}}]), None,
+                             entries=entries)
+            return chunk(i, ChatDelta(), None, entries=entries) if entries else None
+
+        def finish_chunk(i: int, outcome: Outcome, usage: list[Outcome] | None) -> dict:
+            content, calls, reason = answer(outcome)
+            if calling is None or calling.function is not None:
+                return chunk(i, ChatDelta(), reason, usage)
+            if calls is None:  # not a list of calls: the text, once
+                return chunk(i, ChatDelta(content=content), reason, usage)
+            return chunk(i, ChatDelta(tool_calls=[{"index": k, **c} for k, c in enumerate(calls)]), reason, usage)
+
         if prepared.stream:
-            return stream(request, prepared, jobs, lambda i: [chunk(i, ChatDelta(role="assistant", content=""), None)],
-                          lambda i, t, entries: chunk(i, ChatDelta(content=t), None, entries=entries),
-                          lambda i, outcome, usage: chunk(i, ChatDelta(), outcome.finish_reason, usage),
-                          lambda outcomes: [chunk(None, None, None, outcomes)])
+            return stream(request, prepared, jobs, lambda i: [chunk(i, opening_delta(), None)], delta_chunk,
+                          finish_chunk, lambda outcomes: [chunk(None, None, None, outcomes)])
+
         outcomes = choice_outcomes(prepared, await finish_plain(request, jobs))
         count(request, 200)
+        choices = []
+        for i, o in enumerate(outcomes):
+            content, calls, reason = answer(o)
+            choices.append(ChatChoice(index=i, message=AssistantMessage(content=content, tool_calls=calls),
+                                      finish_reason=reason,
+                                      logprobs=None if o.logprobs is None else chat_logprobs(o.logprobs, name)))
         return JSONResponse(dump(ChatCompletionResponse(
-            id=rid, created=created, model=config.model_name,
-            choices=[ChatChoice(index=i, message=AssistantMessage(content=o.text), finish_reason=o.finish_reason,
-                                logprobs=None if o.logprobs is None else chat_logprobs(o.logprobs, name))
-                     for i, o in enumerate(outcomes)],
+            id=rid, created=created, model=config.model_name, choices=choices,
             usage=_usage(n_prompt, outcomes), dsi=_dsi_info(outcomes[0]),
         )))
 

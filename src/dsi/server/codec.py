@@ -45,10 +45,10 @@ class Codec(Protocol):
         """Token ids of a prompt (with the tokenizer's special tokens, e.g. BOS, unless told not to);
         :class:`PromptTooLong` if there are more than ``limit``."""
 
-    def encode_chat(self, messages: list[dict[str, str]], limit: int | None = None, add_generation_prompt: bool = True,
-                    add_special_tokens: bool = False) -> list[int]:
-        """Token ids of the chat template applied to ``messages`` (same ``limit``); ``add_special_tokens``:
-        the tokenizer's special tokens on top of the template's own."""
+    def encode_chat(self, messages: list[dict[str, Any]], limit: int | None = None, add_generation_prompt: bool = True,
+                    add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
+        """Token ids of the chat template applied to ``messages`` and ``tools`` (same ``limit``);
+        ``add_special_tokens``: the tokenizer's special tokens on top of the template's own."""
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """The text of ``ids`` (valid ids only: the caller checks them against the vocabulary)."""
@@ -110,14 +110,15 @@ class HFCodec:
 
         return encode_within(encode, text, limit)
 
-    def encode_chat(self, messages: list[dict[str, str]], limit: int | None = None, add_generation_prompt: bool = True,
-                    add_special_tokens: bool = False) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], limit: int | None = None, add_generation_prompt: bool = True,
+                    add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
         tok = self._model.tokenizer
         if not getattr(tok, "chat_template", None):  # no model path in the message: clients see it
             raise ConfigError("the served model's tokenizer has no chat template; use /v1/completions")
         with self._lock:
             try:
-                text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+                text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                               tokenize=False)
             except Exception as exc:  # noqa: BLE001 - jinja raises TemplateError and others
                 raise ConfigError(f"the chat template rejected the messages: {exc}") from exc
 
@@ -153,8 +154,8 @@ class IdsCodec:
             raise PromptTooLong(len(ids), limit, True)
         return ids
 
-    def encode_chat(self, messages: list[dict[str, str]], limit: int | None = None, add_generation_prompt: bool = True,
-                    add_special_tokens: bool = False) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], limit: int | None = None, add_generation_prompt: bool = True,
+                    add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
         raise ConfigError("this model has no tokenizer and no chat template; use /v1/completions with token ids")
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

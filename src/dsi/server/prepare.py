@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from dsi.constraints import Constraint
 from dsi.engine.api import make_request
 from dsi.engine.request import Request
 from dsi.errors import ConfigError
@@ -46,10 +47,12 @@ from dsi.server.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TooManyNumbers,
+    made_constraint,
     request_constraint,
     unsupported_option,
     validate_request,
 )
+from dsi.server.tools import ToolCalling, tool_calling
 
 
 # numbers a body may hold besides its token ids: the options, a full logit_bias and stop_token_ids
@@ -86,6 +89,7 @@ class Prepared:
     scoring: PromptScoring | None = None  # prompt_logprobs, echo with logprobs, max_tokens=0; None: none asked
     token_ids_as_names: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:{id}"
     n: int = 1  # choices: choice i samples with dsi.sampling.choice_seed(seed, i)
+    tool_calling: ToolCalling | None = None  # the answer is tool calls (server/tools.py)
 
     def choice_requests(self) -> list[Request]:
         """The request of each choice. Greedy choices are one request: its output is every choice's."""
@@ -180,8 +184,11 @@ class Preparer:
         max_tokens = req.max_new_tokens()
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         room = self._room(max_tokens, param)
-        ids = self._encode(self.codec.encode_chat, req.template_messages(), room, max_tokens, param, "messages")
-        return self._prepared(req, ids, max_tokens, param, "messages", "")
+        calling = tool_calling(req)  # checked before the prompt is tokenised
+        tools = req.template_tools()
+        ids = self._encode(lambda messages, limit: self.codec.encode_chat(messages, limit, tools=tools),
+                           req.template_messages(), room, max_tokens, param, "messages")
+        return self._prepared(req, ids, max_tokens, param, "messages", "", calling)
 
     # ---- vLLM's tokenizer endpoints ----------------------------------------------------------
     def tokenize(self, body: list[bytearray]) -> dict:
@@ -203,7 +210,7 @@ class Preparer:
             if chat:
                 ids = self.codec.encode_chat(req.template_messages(), limit,
                                              add_generation_prompt=req.add_generation_prompt,
-                                             add_special_tokens=req.add_special_tokens)
+                                             add_special_tokens=req.add_special_tokens, tools=req.template_tools())
             else:
                 ids = self.codec.encode(req.prompt, limit, add_special_tokens=req.add_special_tokens)
         except PromptTooLong as exc:
@@ -289,10 +296,16 @@ class Preparer:
                            param="prompt", code="invalid_prompt")
         return ids
 
-    def _constraint(self, req: Any) -> Any:
-        """The request's structured-output constraint, bound to the target's vocabulary (compiled: a schema or
-        grammar the library refuses is a 400 quoting it); None for plain text."""
+    def _constraint(self, req: Any, calling: ToolCalling | None) -> Any:
+        """The request's structured-output constraint (``calling``: its tool calls'), bound to the target's
+        vocabulary (compiled: a schema or grammar the library refuses is a 400 quoting it); None for plain text."""
         asked = request_constraint(req)
+        if calling is not None:
+            if asked is not None:
+                raise APIError(400, f"tool_choice={req.tool_choice if isinstance(req.tool_choice, str) else 'a function'}"
+                                    f" constrains the output to tool calls; it cannot be combined with {asked[1]}",
+                               param=asked[1], code="invalid_value")
+            asked = made_constraint("tools", Constraint.json_schema, calling.schema)
         if asked is None:
             return None
         constraint, param = asked
@@ -304,11 +317,11 @@ class Preparer:
         except ConfigError as exc:
             raise APIError(400, str(exc), param=param, code="invalid_value") from exc
 
-    def _sampling(self, req: Any) -> SamplingParams:
+    def _sampling(self, req: Any, calling: ToolCalling | None) -> SamplingParams:
         c = self.config
         top_k = c.top_k if req.top_k is None else max(0, req.top_k)
         seed = req.seed if req.seed is not None else (c.seed if c.seed is not None else secrets.randbits(63))
-        constraint = self._constraint(req)
+        constraint = self._constraint(req, calling)
         try:
             processing = {name: getattr(req, name) for name in _PROCESSING if getattr(req, name) is not None}
             if constraint is not None:
@@ -337,7 +350,7 @@ class Preparer:
         return n
 
     def _prepared(self, req: Any, ids: list[int], max_tokens: int | None, param: str, prompt_param: str,
-                  echo: str) -> Prepared:
+                  echo: str, calling: ToolCalling | None = None) -> Prepared:
         if not ids:
             raise APIError(400, "the prompt has no tokens", param=prompt_param, code="empty_prompt")
         ctx = self.max_context
@@ -350,7 +363,7 @@ class Preparer:
         # max_tokens=0 (echo, scoring the prompt) reaches here as 1: the request is made for one token
         generated = 0 if req.max_tokens == 0 else max_tokens
         check_min_tokens(req.min_tokens, generated, param, sent=getattr(req, param) is not None)
-        sampling = self._sampling(req)
+        sampling = self._sampling(req, calling)
         logprobs = self._logprobs(req)
         try:
             request = make_request(ids, max_tokens, sampling, self.codec.eos_token_ids or None, self.vocab_size,
@@ -361,4 +374,5 @@ class Preparer:
                 raise APIError(400, str(exc), param=option, code="invalid_value") from exc
             raise APIError(400, str(exc), param=prompt_param, code="invalid_prompt") from exc
         return Prepared(request, stop=req.stop_strings(), stream=req.stream, include_usage=req.include_usage(),
-                        echo=echo, token_ids_as_names=req.return_tokens_as_token_ids, n=req.n or 1)
+                        echo=echo, token_ids_as_names=req.return_tokens_as_token_ids, n=req.n or 1,
+                        tool_calling=calling)

@@ -22,7 +22,7 @@ import json
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 MAX_SEED = 2**63 - 1
 MAX_STOP_STRINGS = 16
@@ -30,6 +30,7 @@ MAX_STOP_CHARS = 1000  # text that could begin a stop string is held back and se
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_STOP_TOKEN_IDS = 64
 MAX_CHOICES = 16  # n: each choice is a generation of its own
+MAX_TOOLS = 128  # OpenAI's limit
 MAX_METADATA_ENTRIES, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's limits
 
 
@@ -228,15 +229,79 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    """A call an assistant made earlier in the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # None: an assistant's message of tool calls only
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool's answer: the call it answers
+
+    @model_validator(mode="after")
+    def _check_roles(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls belong to assistant messages, not {self.role} ones")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
         return "".join(part.text for part in self.content)
+
+    def template_message(self) -> dict[str, Any]:
+        """The message as chat templates read it: an earlier call's arguments as an object where they parse
+        (templates write them with ``tojson``), as vLLM gives them."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": _parsed(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def _parsed(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments (None: no arguments)
+    strict: bool | None = None
+
+
+class ChatTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -244,12 +309,20 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0)
+    # tool calls (server/tools.py): "required" or a named function constrain the output to a call
+    tools: list[ChatTool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def template_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.template_message() for m in self.messages]
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools as chat templates read them (None: no tools)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
 
 class TokenizeCompletionRequest(_Strict):
@@ -270,9 +343,13 @@ class TokenizeChatRequest(_Strict):
     continue_final_message: bool = False  # vLLM's; only false is supported
     add_special_tokens: bool = False  # on top of the template's own (vLLM's default: none)
     return_token_strs: bool = False
+    tools: list[ChatTool] | None = Field(default=None, max_length=MAX_TOOLS)  # rendered by the template
 
-    def template_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.template_message() for m in self.messages]
+
+    def template_tools(self) -> list[dict] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
 
 class DetokenizeRequest(_Strict):
@@ -472,7 +549,8 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None: the answer is tool calls
+    tool_calls: list[dict] | None = None  # server/tools.py; left out when None
 
 
 class ChatChoice(BaseModel):
@@ -495,6 +573,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -537,6 +616,10 @@ def dump(obj: BaseModel) -> dict:
     if isinstance(obj, ChatCompletionChunk):
         for choice in data["choices"]:
             choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+    if isinstance(obj, ChatCompletionResponse):
+        for choice in data["choices"]:
+            if choice["message"]["tool_calls"] is None:
+                del choice["message"]["tool_calls"]
     return data
 
 
@@ -548,7 +631,7 @@ def _grammar(text: str) -> Any:
     return Constraint.grammar(text, syntax="gbnf" if "::=" in text else "lark")
 
 
-def _made(param: str, make: Any, *args: Any) -> tuple[Any, str]:
+def made_constraint(param: str, make: Any, *args: Any) -> tuple[Any, str]:
     """``make(*args)``, a constraint, and the field it came from; a 400 naming that field (and quoting the
     library) for one that does not parse."""
     from dsi.errors import ConfigError
@@ -567,12 +650,12 @@ def request_constraint(request: _GenerationRequest) -> tuple[Any, str] | None:
     found: list[tuple[Any, str]] = []
     rf = request.response_format
     if rf is not None and rf.type == "json_object":
-        found.append(_made("response_format", Constraint.json_object))
+        found.append(made_constraint("response_format", Constraint.json_object))
     elif rf is not None and rf.type == "json_schema":
         if rf.json_schema is None or rf.json_schema.json_schema_ is None:
             raise APIError(400, "response_format {'type': 'json_schema'} needs json_schema.schema",
                            param="response_format", code="invalid_value")
-        found.append(_made("response_format", Constraint.json_schema, rf.json_schema.json_schema_))
+        found.append(made_constraint("response_format", Constraint.json_schema, rf.json_schema.json_schema_))
     so = request.structured_outputs
     if so is not None:
         given = [(k, v) for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
@@ -585,14 +668,14 @@ def request_constraint(request: _GenerationRequest) -> tuple[Any, str] | None:
         kind, value = given[0]
         make = {"json": Constraint.json_schema, "regex": Constraint.regex, "choice": Constraint.choice,
                 "grammar": _grammar, "json_object": lambda _: Constraint.json_object()}[kind]
-        found.append(_made("structured_outputs", make, value))
+        found.append(made_constraint("structured_outputs", make, value))
     for name, make in (("guided_json", Constraint.json_schema), ("guided_regex", Constraint.regex),
                        ("guided_choice", Constraint.choice), ("guided_grammar", _grammar),
                        ("grammar", lambda g: Constraint.grammar(g, syntax="gbnf")),
                        ("json_schema", Constraint.json_schema)):
         value = getattr(request, name)
         if value is not None:
-            found.append(_made(name, make, value))
+            found.append(made_constraint(name, make, value))
     if len(found) > 1:
         raise APIError(400, f"give one structured-output constraint, not {len(found)}: "
                             f"{', '.join(name for _, name in found)}", param=found[1][1], code="invalid_value")

@@ -761,3 +761,48 @@ def test_branches_through_the_intersection_draft_in_one_forward_and_decide_as_pa
                                           drafter_tokenizer=drafter.tokenizer).tokens
     if temperature == 0.0:
         assert one.tokens == dsi.generate(target=target, prompt=prompt, max_new_tokens=24, method="ar").tokens
+
+
+# ---- structured output -------------------------------------------------------------------------------------
+
+CALL = {"type": "object", "properties": {"w": {"enum": ["the quick", "brown fox", "lazy dog"]},
+                                         "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["w", "n"], "additionalProperties": False}
+
+
+@pytest.mark.hf
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("mode", ["auto", "string", "intersection"])
+def test_a_constrained_request_with_a_drafter_of_another_tokenizer_equals_constrained_non_si(mode, no_thread_leak):
+    """The constraint's mask is in the target's vocabulary: the drafter's proposals that break it are rejected
+    like any wrong draft (an oracle drafter that writes the constrained text, with mistakes, in its own tokens:
+    accepted drafts and rejections), and the output is constrained non-SI's, valid under the schema."""
+    import json
+
+    from dsi.constraints import Constraint
+
+    needs_hf()
+    jsonschema = pytest.importorskip("jsonschema")
+    target = tiny_vocab.hf_model("words", 0)
+    params = SamplingParams(constraint=Constraint.json_schema(CALL))
+    vocab = tiny_vocab.vocabulary("words")
+    prompts = [tiny_vocab.encode("words", t) for t in ("the", "hello world, ")]
+    refs = [dsi.generate(target=target, prompt=p, method="ar", max_new_tokens=40, sampling=params).tokens
+            for p in prompts]
+    for ref in refs:
+        assert ref[-1] in target.eos_token_ids  # the grammar ended it
+        jsonschema.validate(json.loads(tiny_vocab.tokenizer("words").decode(ref[:-1])), CALL)
+    drafter = tiny_vocab.oracle_lm("multilingual", [vocab.spelling(p + r) for p, r in zip(prompts, refs)],
+                                   mistakes=every_few_bytes)
+    accepted = rejections = 0
+    for method, lookahead, servers in [("si", 3, 1), ("dsi", 3, 2), ("dsi", "auto", 2)]:
+        for prompt, ref in zip(prompts, refs):
+            out = dsi.generate(target=target, drafter=drafter, prompt=prompt, method=method, lookahead=lookahead,
+                               num_target_servers=servers, max_new_tokens=40, sampling=params, vocab_mode=mode)
+            assert out.tokens == ref, (method, lookahead, servers)
+            # a constrained greedy request's rows are processed, so auto drafts through the intersection (as with
+            # penalties: its rows processed alike)
+            assert out.stats.extra["vocab_mode"] == ("intersection" if mode == "auto" else mode)
+            accepted += out.stats.accepted_tokens
+            rejections += out.stats.rejections
+    assert accepted > 10 and rejections > 0

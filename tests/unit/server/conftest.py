@@ -140,11 +140,12 @@ class TokenizerCodec:
 
         return encode_within(lambda part: self._encode(part, special=add_special_tokens), text, limit)
 
-    def encode_chat(self, messages, limit=None, add_generation_prompt=True, add_special_tokens=False):
+    def encode_chat(self, messages, limit=None, add_generation_prompt=True, add_special_tokens=False, tools=None):
         from dsi.server.codec import encode_within
 
         with self._lock:
-            text = self.tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+            text = self.tok.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                                tokenize=False)
         return encode_within(lambda part: self._encode(part, special=add_special_tokens), text, limit)
 
     def decode(self, ids, skip_special_tokens=True):

@@ -202,7 +202,10 @@ HOSTILE = [
     ("structured_outputs with two kinds", None, {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}},
      None, 400),
     ("structured_outputs with an unknown kind", None, {"prompt": "x", "structured_outputs": {"xml": "a"}}, None, 400),
-    ("chat: tools", CHAT, {"messages": MSG, "tools": []}, None, 400),
+    ("chat: tools without tool_choice (auto)", CHAT, {"messages": MSG, "tools": [
+        {"type": "function", "function": {"name": "f"}}]}, None, 400),
+    ("chat: 129 tools", CHAT, {"messages": MSG, "tools": [
+        {"type": "function", "function": {"name": f"f{i}"}} for i in range(129)], "tool_choice": "required"}, None, 422),
     ("chat: max_completion_tokens negative", CHAT, {"messages": MSG, "max_completion_tokens": -1}, None, 422),
     ("chat: beyond the context", CHAT, {"messages": [{"role": "user", "content": "word " * 2000}]}, None, 400),
 ]

@@ -406,7 +406,10 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
     ("/v1/completions", {"prompt": "x", "max_tokens": 300}, 400, "max_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 999},
      400, "max_completion_tokens"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": []}, 400, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [], "tool_choice": "required"},
+     400, "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function",
+     "function": {"name": "a b"}}]}, 422, "tools.0.function.name"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
      400, "top_logprobs"),
@@ -418,7 +421,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
     ("/v1/completions", {"prompt": "x", "seed": -3}, 422, "seed"),
     ("/v1/completions", {"max_tokens": 3}, 422, "prompt"),
     ("/v1/chat/completions", {"messages": []}, 422, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 422, "messages.0.role"),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 422, "messages.0"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 422, "messages.0.role"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, 422, "presence_penalty"),
     ("/v1/completions", {"prompt": "x", "frequency_penalty": -3}, 422, "frequency_penalty"),
@@ -754,3 +758,142 @@ def test_a_schema_the_library_refuses_is_a_400_that_quotes_it(client):
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body={"guided_regex": "a[12"})
     assert "unclosed character class" in str(caught.value) and caught.value.body["param"] == "guided_regex"
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"$ref": "#/$defs/digit"}, "b": {"$ref": "#/$defs/digit"}},
+    "required": ["a", "b"], "additionalProperties": False,
+    "$defs": {"digit": {"type": "integer", "minimum": 0, "maximum": 9}}}}}
+NOW = {"type": "function", "function": {"name": "now"}}  # no parameters: called with {}
+
+
+def _streamed_calls(chunks) -> tuple[list[list[dict]], list[str | None], list[str]]:
+    """Each choice's tool calls put together from a stream's deltas (id and name once, arguments in pieces),
+    its finish_reason and its content."""
+    calls: dict[int, dict[int, dict]] = {}
+    finish: dict[int, str | None] = {}
+    content: dict[int, str] = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            content[c.index] = content.get(c.index, "") + (c.delta.content or "")
+            for d in c.delta.tool_calls or []:
+                call = calls.setdefault(c.index, {}).setdefault(d.index, {"id": None, "name": None, "arguments": ""})
+                call["id"] = d.id or call["id"]
+                call["name"] = (d.function.name if d.function else None) or call["name"]
+                call["arguments"] += (d.function.arguments or "") if d.function else ""
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    n = max(finish) + 1
+    return ([list(calls.get(i, {}).values()) for i in range(n)], [finish.get(i) for i in range(n)],
+            [content.get(i, "") for i in range(n)])
+
+
+def test_a_named_tool_choice_answers_one_call_of_that_function_streamed_or_not(client):
+    """tool_choice naming a function: the output is its arguments, constrained to its schema, answered as a call
+    (content null, finish_reason "tool_calls"); streamed, the arguments come in pieces after the call's id and
+    name, and put together they are the plain answer's (greedy)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    messages = [{"role": "user", "content": "weather?"}]
+    common = dict(model=MODEL, messages=messages, tools=[WEATHER, ADD, NOW], max_tokens=40, temperature=0.0)
+    for name, spec in (("get_weather", WEATHER), ("add", ADD), ("now", NOW)):
+        choice = {"type": "function", "function": {"name": name}}
+        plain = client.chat.completions.create(tool_choice=choice, **common).choices[0]
+        assert plain.finish_reason == "tool_calls" and plain.message.content is None
+        [call] = plain.message.tool_calls
+        assert call.type == "function" and call.function.name == name and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments),
+                            spec["function"].get("parameters", {"type": "object"}))
+        [calls], [finish], [content] = _streamed_calls(
+            client.chat.completions.create(tool_choice=choice, stream=True, **common))
+        assert finish == "tool_calls" and content == ""
+        assert calls == [{"id": calls[0]["id"], "name": name, "arguments": call.function.arguments}]
+        assert calls[0]["id"].startswith("call_")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_required_answers_calls_of_listed_functions_on_each_choice(client, stream):
+    """tool_choice "required": a list of calls, each of a listed function with arguments of its schema (a tool's
+    $defs reach its $refs); parallel_tool_calls false: exactly one call. n = 2 sampled choices, streamed or not."""
+    jsonschema = pytest.importorskip("jsonschema")
+    specs = {t["function"]["name"]: t["function"].get("parameters", {"type": "object"}) for t in (WEATHER, ADD, NOW)}
+    for parallel in (True, False):
+        out = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "call something"}], tools=[WEATHER, ADD, NOW],
+            tool_choice="required", parallel_tool_calls=parallel, n=2, temperature=1.0, seed=5, max_tokens=60,
+            stream=stream)
+        if stream:
+            every, finishes, contents = _streamed_calls(out)
+        else:
+            choices = sorted(out.choices, key=lambda c: c.index)
+            every = [[{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+                      for c in ch.message.tool_calls or []] for ch in choices]
+            finishes = [ch.finish_reason for ch in choices]
+            contents = [ch.message.content or "" for ch in choices]
+        assert len(every) == 2
+        for calls, finish, content in zip(every, finishes, contents):
+            if finish != "tool_calls":  # cut by max_tokens: the text, never a call with missing arguments
+                assert finish == "length" and not calls and content.startswith("[")
+                continue
+            assert calls and content == "" and (parallel or len(calls) == 1)
+            for call in calls:
+                assert call["id"].startswith("call_")
+                jsonschema.validate(json.loads(call["arguments"]), specs[call["name"]])
+        assert any(f == "tool_calls" for f in finishes)
+
+
+def test_tool_requests_that_cannot_be_served_are_refused_naming_the_field(client):
+    messages = [{"role": "user", "content": "hi"}]
+    for extra, param, words in [
+        ({"tools": [WEATHER]}, "tool_choice", "tool_choice 'auto' (the default with tools) needs a parser"),
+        ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice", "send tool_choice 'required'"),
+        ({"tool_choice": "required"}, "tool_choice", "tool_choice='required' needs tools"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "add"}}}, "tool_choice",
+         "names the function 'add', which is not among tools (get_weather)"),
+        ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools", "lists the function 'get_weather' twice"),
+        ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+         "response_format", "constrains the output to tool calls; it cannot be combined with response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/$defs/none"}}}],
+          "tool_choice": "required"}, "tools", "json_schema constraint is not valid"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, extra_body=extra)
+        assert words in str(caught.value) and caught.value.body["param"] == param, (extra, caught.value.body)
+    # tool_choice "none": plain text, the tools given to the template
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, tools=[WEATHER],
+                                         tool_choice="none")
+    assert out.choices[0].message.tool_calls is None and out.choices[0].message.content is not None
+
+
+def test_a_conversation_with_earlier_calls_and_their_answers_reaches_the_template(client, tiny_tokenizer):
+    """An assistant's tool_calls (content null) and the tool's answer (tool_call_id) are accepted; the template
+    gets the tools and each earlier call's arguments as an object, as vLLM gives them."""
+    import copy
+    from types import SimpleNamespace
+
+    from dsi.server.codec import HFCodec
+    from dsi.server.protocol import ChatCompletionRequest, validate_request
+
+    messages = [{"role": "user", "content": "weather in Oslo?"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                    "name": "get_weather", "arguments": '{"city": "Oslo", "unit": "c"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "-3"}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, tools=[WEATHER],
+                                         tool_choice="none")
+    assert out.choices[0].finish_reason in ("stop", "length")
+    request = validate_request(ChatCompletionRequest, {"messages": messages, "tools": [WEATHER]})
+    tok = copy.deepcopy(tiny_tokenizer)  # with a template that shows the tools and an earlier call's arguments
+    tok.chat_template = ("{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}"
+                         "{{ m.role }}:{{ m.content }}{% for c in m.tool_calls or [] %}({{ c.function.arguments.city }})"
+                         "{% endfor %};{% endfor %}")
+    codec = HFCodec(SimpleNamespace(tokenizer=tok, vocab_size=len(tok), eos_token_ids=[tok.eos_token_id],
+                                    max_context=None, decode=tok.decode))
+    ids = codec.encode_chat(request.template_messages(), tools=request.template_tools())
+    assert tok.decode(ids) == "[get_weather]user:weather in Oslo?;assistant:(Oslo);tool:-3;"
+    for bad, words in [({"role": "tool", "content": "x"}, "needs the tool_call_id"),
+                       ({"role": "user", "content": None}, "a user message needs content"),
+                       ({"role": "user", "content": "x", "tool_calls": []}, "tool_calls belong to assistant")]:
+        with pytest.raises(openai.UnprocessableEntityError, match=words):
+            client.chat.completions.create(model=MODEL, messages=[bad], max_tokens=4)
