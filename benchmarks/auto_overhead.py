@@ -13,19 +13,20 @@ Reports the median wall time and mean target forward of each side and their rati
 
     python benchmarks/auto_overhead.py --repeats 7 --out docs/data/auto_overhead-2026-12-01.json
 
-Prints a table, then one JSON line.
+Prints a table, then one JSON line. ``--dry-run``: a tiny random pair for ``--backend``, 4 tokens, one run a
+side (method="auto"'s choices cached in a temporary folder unless ``DSI_AUTOTUNE_DIR`` says where).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 
-from dsi.evaluate.bench import emit_record
+from _common import add_options, emit, parse, scratch, shrink, tiny_pair
 
 PROMPT = "def fibonacci(n):"
 
@@ -95,12 +96,13 @@ def main() -> int:
     parser.add_argument("--backend", default="llama.cpp")
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
+    add_options(parser, "a tiny random pair for --backend, 4 tokens, one run a side")
+    args = parse(parser)
     if args.repeats < 1 or args.tokens < 1:
         parser.error("--repeats and --tokens must be >= 1")
-    if args.out is not None and not args.out.parent.is_dir():
-        parser.error(f"--out={str(args.out)!r}: the folder {str(args.out.parent)!r} does not exist")
+    if shrink(args, tokens=4, repeats=1):
+        args.target, args.drafter = tiny_pair(args.backend)
+        os.environ.setdefault("DSI_AUTOTUNE_DIR", str(scratch()))  # dsi generate's processes inherit it
     inproc = in_process(args.target, args.drafter, args.backend, args.tokens, args.repeats)
     pick = {"non-SI": "ar", "SI": "si", "DSI": "dsi"}[inproc["pick"].split()[0]]
     cli = as_cli(args.target, args.drafter, args.backend, args.tokens, args.repeats, pick)
@@ -116,7 +118,7 @@ def main() -> int:
               f"{r['auto_over_hand']:.3f} | {fa * 1e3:.1f} / {fh * 1e3:.1f} | {r['identical']} |")
     doc = {"pick": inproc["pick"], "tokens": args.tokens, "repeats": args.repeats, "backend": args.backend,
            "rows": rows, "runs": {"in one process": inproc, "dsi generate": cli}}
-    emit_record(doc, args.out, indent=2)
+    emit(doc, args.out)
     return 0
 
 

@@ -10,6 +10,7 @@ the two backends' fastest lossless methods. JSON with both reports and the summa
 
     python benchmarks/backends.py --repeats 3 --out backends.json
     python benchmarks/backends.py --backends llama.cpp --repeats 1        # one backend only
+    python benchmarks/backends.py --dry-run      # real_pair.py's dry run on each backend (tiny random pairs)
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _common import add_options, emit, parse, shrink
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -33,6 +36,8 @@ def run_backend(backend: str, args: argparse.Namespace, out: Path) -> dict:
            "--dsi", f"threads:{','.join(args.dsi_k)}:{','.join(map(str, args.dsi_sp))}"]
     if backend == "hf":
         cmd += ["--dtype", args.dtype] + (["--no-assisted"] if args.no_assisted else [])
+    if args.dry_run:
+        cmd.append("--dry-run")
     print(f"$ {' '.join(cmd)}", file=sys.stderr, flush=True)
     start = time.perf_counter()
     subprocess.run(cmd, check=True)
@@ -77,8 +82,9 @@ def main() -> int:
     p.add_argument("--dsi-sp", type=int, nargs="+", default=[1])
     p.add_argument("--dtype", default="bf16", help="hf backend's dtype")
     p.add_argument("--no-assisted", action="store_true", help="skip transformers' assisted generation (hf)")
-    p.add_argument("--out")
-    args = p.parse_args()
+    add_options(p, "real_pair.py's dry run on each backend (tiny random pairs), SI k=2, DSI k in {2, auto}")
+    args = parse(p)
+    shrink(args, repeats=1, si_k=[2], dsi_k=["2", "auto"])
     reports, rows = {}, []
     with tempfile.TemporaryDirectory() as tmp:
         for backend in args.backends:
@@ -100,8 +106,7 @@ def main() -> int:
         result["llama_cpp_fastest_over_hf_fastest"] = ratio
         print(f"\nfastest lossless: llama.cpp {fastest['llama.cpp']['method']} {fastest['llama.cpp']['total_s']:.2f} s, "
               f"hf {fastest['hf']['method']} {fastest['hf']['total_s']:.2f} s: llama.cpp is {ratio:.2f}x faster")
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2, default=str))
+    emit(result, args.out)
     return 0
 
 

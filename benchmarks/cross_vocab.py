@@ -37,34 +37,30 @@ drafter). Sampling rows have no ideal (their accept pattern is a random variable
 
 The JSON (--out) is rewritten after every configuration, so a run cut short keeps what it measured.
 A --deadline cuts DSI rows first. Exit status 1 if a greedy SI or DSI row departs from non-SI other
-than at a near-tie.
+than at a near-tie. ``--dry-run``: a tiny random Llama target (tests/tiny_hf.py) and a tiny drafter over
+another trained vocabulary (tests/tiny_vocab.py, "multilingual"), hf fp32, 2 prompts x 6 tokens, one repeat.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from importlib import metadata
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import add_options, git_commit, machine, parse, scratch, shrink, write_json
+from real_pair import divergences, ideal_seconds, median_of, near_tie_margin, worker_latencies
 
-from real_pair import divergences, ideal_seconds, median_of, near_tie_margin, worker_latencies  # noqa: E402
-
-from dsi.evaluate.compare import CODE_PROMPTS, MethodConfig, MethodRun, iter_compare, set_threads  # noqa: E402
-from dsi.errors import DraftUnavailable  # noqa: E402
-from dsi.models.base import extend_rows  # noqa: E402
-from dsi.models.crossvocab import VOCAB_MODES, bridge_drafter  # noqa: E402
-from dsi.models.loading import load_pair  # noqa: E402
-from dsi.models.replay import accept_pattern  # noqa: E402
-from dsi.sampling import SamplingParams  # noqa: E402
+from dsi.errors import DraftUnavailable
+from dsi.evaluate.compare import CODE_PROMPTS, MethodConfig, MethodRun, iter_compare, set_threads
+from dsi.models.base import extend_rows
+from dsi.models.crossvocab import VOCAB_MODES, bridge_drafter
+from dsi.models.loading import load_pair
+from dsi.models.replay import accept_pattern
+from dsi.sampling import SamplingParams
 
 PROSE_PROMPTS = (
     "Explain in simple terms how a hash table works and why lookups are fast on average.",
@@ -223,22 +219,8 @@ def versions(backend: str) -> dict:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             out[dist] = None
-    try:
-        out["dsi_git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
-                                        capture_output=True, text=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        out["dsi_git"] = None
+    out["dsi_git"] = git_commit()
     return out
-
-
-def cpu_model() -> str | None:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
 
 
 def fmt_output(row: dict) -> str:
@@ -298,8 +280,16 @@ def main() -> int:
     p.add_argument("--merges", type=lambda v: v if v == "auto" else int(v), default="auto",
                    help="intersection mode: shared tokens per position whose merged tokens the law reaches "
                    "(dsi.models.merges; 0: plain TLI; auto, the default: by the drafter's row price)")
-    p.add_argument("--out")
-    args = p.parse_args()
+    add_options(p, "a tiny target and a tiny drafter of another vocabulary, hf fp32, 2 prompts x 6 tokens")
+    args = parse(p)
+    if shrink(args, backend="hf", dtype="fp32", prompts=2, tokens=6, repeats=1, si_k=[2], dsi_k=["2", "auto"],
+              dsi_sp=[1]):
+        from tests.tiny_hf import make_model_dir
+        from tests.tiny_vocab import save_model_dir
+
+        folder = scratch()
+        args.target = str(make_model_dir(folder / "target", seed=0))
+        args.drafter = str(save_model_dir("multilingual", folder / "drafter", seed=1))
     began = time.perf_counter()
     dsi_ks = [k if k == "auto" else int(k) for k in args.dsi_k]
     llama = args.backend == "llama.cpp"
@@ -326,10 +316,7 @@ def main() -> int:
     configs += [MethodConfig("dsi", k, sp, threads=args.dsi_threads) for sp in args.dsi_sp for k in dsi_ks]
 
     report: dict = {
-        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpu": cpu_model(),
-                    "cpus": os.cpu_count(), "torch_threads_default": torch.get_num_threads(),
-                    "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-                    "versions": versions(args.backend)},
+        "machine": {**machine(), "torch_threads_default": torch.get_num_threads(), "versions": versions(args.backend)},
         "config": {**vars(args), "dsi_k": dsi_ks, "load_s": load_s, "near_tie_margin": tie,
                    "threads_note": f"non-SI, SI, UAG: {args.threads} threads; DSI: drafter and each target server "
                                    f"{args.dsi_threads} thread(s)"},
@@ -341,9 +328,7 @@ def main() -> int:
     }
 
     def write() -> None:
-        if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(report, indent=2, default=str))
+        write_json(args.out, report)
 
     latencies: dict = {}
     if not args.no_ideal:
@@ -564,6 +549,8 @@ def main() -> int:
               + ("(use --dtype fp32 for exact equality)." if not llama else "(quantized llama.cpp kernels)."))
     report["summary"] = summary
     write()
+    print(json.dumps({"summary": summary, "rows": [{k: r.get(k) for k in ("temperature", "label", "total_s", "output")}
+                                                   for r in report["rows"]]}))
     bad = [f"T={r['temperature']} {r['label']}" for r in report["rows"]
            if r["method"] in ("si", "dsi") and r.get("output") == "differs"]
     if bad:

@@ -6,7 +6,8 @@ built-in code prompts, ``--repeats`` runs each (the modes alternate run by run);
 
     python benchmarks/deterministic_cost.py --backend llama.cpp --repeats 3 --out docs/data/deterministic-llama-2026-12-01.json
 
-Prints a table, then one JSON line.
+Prints a table, then one JSON line. ``--dry-run``: a tiny random pair for ``--backend``, 2 prompts x 6 tokens,
+one repeat.
 """
 
 from __future__ import annotations
@@ -14,15 +15,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+from _common import add_options, emit, parse, shrink, tiny_pair
 
-import dsi  # noqa: E402
-from dsi.engine.api import build_decoder, make_request  # noqa: E402
-from dsi.evaluate.bench import emit_record  # noqa: E402
-from dsi.evaluate.compare import CODE_PROMPTS  # noqa: E402
-from dsi.models.loading import load_pair  # noqa: E402
+import dsi
+from dsi.engine.api import build_decoder, make_request
+from dsi.evaluate.compare import CODE_PROMPTS
+from dsi.models.loading import load_pair
 
 METHODS = (("non-SI", dict(method="ar")), ("SI k=5", dict(method="si", lookahead=5)),
            ("DSI k=auto SP=1", dict(method="dsi", lookahead="auto", num_target_servers=1)))
@@ -37,10 +36,11 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
-    if args.out is not None and not args.out.parent.is_dir():
-        parser.error(f"--out={str(args.out)!r}: the folder {str(args.out.parent)!r} does not exist")
+    add_options(parser, "a tiny random pair for --backend, 2 prompts x 6 tokens, one repeat")
+    args = parse(parser)
+    if shrink(args, prompts=2, tokens=6, repeats=1):
+        args.target, args.drafter = tiny_pair(args.backend)
+        args.dtype = "fp32" if args.backend == "hf" else None
     target, drafter = load_pair(args.target, args.drafter, backend=args.backend, dtype=args.dtype, progress=False)
     prompts = [target.encode(p) for p in CODE_PROMPTS[: args.prompts]]
     seconds: dict[tuple[str, bool], list[float]] = {}
@@ -80,7 +80,7 @@ def main() -> int:
     doc = {"target": args.target, "drafter": args.drafter, "backend": args.backend, "dtype": args.dtype,
            "prompts": len(prompts), "tokens": args.tokens, "repeats": args.repeats, "rows": rows,
            "seconds": {f"{k[0]} deterministic={k[1]}": v for k, v in seconds.items()}}
-    emit_record(doc, args.out, indent=2)
+    emit(doc, args.out)
     return 0
 
 

@@ -14,7 +14,9 @@ engines, and what vLLM's skipped prefix cache costs on it.
     python benchmarks/embedded_pair_vllm.py --out docs/data/embedded_pair_vllm-2026-12-02.json
 
 Needs the vLLM venv (``bash packaging/vllm-venv.sh``) and the embedded pair converted once
-(``dsi generate --backend hf`` does it). Prints a table, then one JSON line.
+(``dsi generate --backend hf`` does it). Prints a table, then one JSON line. ``--dry-run``: a tiny random pair
+(two layers of width 128: vLLM's CPU attention needs heads of 32 or more), 1 prompt x 4 tokens, a context of 16
+tokens, one window.
 """
 
 from __future__ import annotations
@@ -22,15 +24,11 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from _common import add_options, emit, need_vllm, parse, shrink, tiny_pair
 
-from dsi.evaluate.bench import emit_record  # noqa: E402
-from tests.engine_servers import start_dsi_serve, start_vllm, vllm_python  # noqa: E402
+from tests.engine_servers import start_dsi_serve, start_vllm
 
 
 def verify_cost(url: str, vocab: int, context: list[int], k: int, windows: int) -> float:
@@ -63,10 +61,10 @@ def main() -> int:
     parser.add_argument("--lengths", type=int, nargs="+", default=[64, 256])
     parser.add_argument("-k", type=int, default=4)
     parser.add_argument("--windows", type=int, default=3)
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
-    if vllm_python() is None:
-        print("no vLLM venv: bash packaging/vllm-venv.sh", file=sys.stderr)
+    add_options(parser, "a tiny random pair (width 128), 1 prompt x 4 tokens, a 16-token context, one window")
+    args = parse(parser)
+    shrink(args, prompts=1, tokens=4, lengths=[16], windows=1)
+    if not need_vllm():
         return 2
     import dsi
     from dsi.evaluate.compare import CODE_PROMPTS
@@ -74,7 +72,11 @@ def main() -> int:
     from dsi.models.hf_checkpoint import resolve_model_dir
     from dsi.models.loading import load_model, release
 
-    target_dir, drafter_dir = str(resolve_model_dir("default-target")), str(resolve_model_dir("default-drafter"))
+    if args.dry_run:
+        target_dir, drafter_dir = tiny_pair(hidden=128)
+    else:
+        target_dir, drafter_dir = str(resolve_model_dir("default-target")), str(resolve_model_dir("default-drafter"))
+    limit = 256 if args.dry_run else 1024  # the tiny pair's context (make_model_dir's positions)
     target = load_model(target_dir, dtype="fp32", backend="hf", progress=False)
     vocab = target.vocab_size
     prompts = [target.encode(p) for p in CODE_PROMPTS[: args.prompts]]
@@ -91,7 +93,7 @@ def main() -> int:
     runs: dict = {"local non-SI": {"wall_s": local_s}}
     costs: dict = {}
     max_len = max(args.lengths) + 64
-    engine = start_vllm(target_dir, name="target", max_model_len=max(1024, max_len))
+    engine = start_vllm(target_dir, name="target", max_model_len=max(limit, max_len))
     try:
         engines = EngineTarget([engine.url], vocab_size=vocab)
         began = time.perf_counter()
@@ -101,7 +103,7 @@ def main() -> int:
                                 "first_difference": [first_difference(r.tokens, ref) for r, ref in zip(si, reference)],
                                 "acceptance": statistics.mean(r.stats.acceptance_rate for r in si)}
         costs["vllm"] = {n: verify_cost(engine.url, vocab, c, args.k, args.windows) for n, c in contexts.items()}
-        drafting = start_vllm(drafter_dir, name="drafter", max_model_len=1024)
+        drafting = start_vllm(drafter_dir, name="drafter", max_model_len=limit)
         try:
             began = time.perf_counter()
             dsi_runs = [dsi.generate(target=engines, drafter=drafter, prompt=p, method="dsi", lookahead="auto",
@@ -135,7 +137,7 @@ def main() -> int:
     for n in args.lengths:
         v, d = costs["vllm"][n], costs["dsi serve"][n]
         print(f"| {n} | {v:.3f} | {d:.3f} | {v / d:.1f} |")
-    emit_record({"reference": reference, "runs": runs, "seconds_per_verification": costs, "k": args.k}, args.out)
+    emit({"reference": reference, "runs": runs, "seconds_per_verification": costs, "k": args.k}, args.out)
     return 0
 
 

@@ -17,25 +17,21 @@ CPU thread (``--hidden``, ``--layers``; head size 32 or more, as vLLM's CPU atte
 
     python benchmarks/engine_cancel_and_batching.py --out docs/data/engine_cancel_batching-2026-12-02.json
 
-Needs the vLLM venv (``bash packaging/vllm-venv.sh``). Prints two tables, then one JSON line.
+Needs the vLLM venv (``bash packaging/vllm-venv.sh``). Prints two tables, then one JSON line. ``--dry-run``: one
+layer of width 128, a 256-token verification cancelled after 10 ms, 1 and 2 clients, 2 rounds.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from _common import add_options, emit, need_vllm, parse, scratch, shrink
 
-from dsi.evaluate.bench import emit_record  # noqa: E402
-from tests.engine_servers import start_dsi_serve, start_vllm, vllm_python  # noqa: E402
-from tests.tiny_hf import make_model_dir  # noqa: E402
+from tests.engine_servers import start_dsi_serve, start_vllm
+from tests.tiny_hf import make_model_dir
 
 
 def probe(engines, vocab: int) -> float:
@@ -127,13 +123,14 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
-    if vllm_python() is None:
-        print("no vLLM venv: bash packaging/vllm-venv.sh", file=sys.stderr)
+    add_options(parser, "one layer of width 128, a 256-token verification cancelled after 10 ms, 1 and 2 clients, "
+                "2 rounds")
+    args = parse(parser)
+    shrink(args, hidden=128, layers=1, cancel_context=256, cancel_after=0.01, repeats=1, clients=[1, 2], rounds=2)
+    if not need_vllm():
         return 2
     positions = args.cancel_context + 32
-    model = make_model_dir(Path(tempfile.mkdtemp()) / "model", seed=0, layers=args.layers, hidden=args.hidden,
+    model = make_model_dir(scratch() / "model", seed=0, layers=args.layers, hidden=args.hidden,
                            positions=positions)
     from transformers import AutoConfig
 
@@ -176,9 +173,8 @@ def main() -> int:
     for name, r in results.items():
         for b in r["batching"]:
             print(f"| {name} | {b['clients']} | {b['median_verification_s']:.4f} | {b['verifications_per_s']:.1f} |")
-    emit_record({"model": {"hidden": args.hidden, "layers": args.layers, "dtype": "fp32"},
-                 "cancel_context": args.cancel_context, "cancel_after_s": args.cancel_after, "results": results},
-                args.out)
+    emit({"model": {"hidden": args.hidden, "layers": args.layers, "dtype": "fp32"},
+          "cancel_context": args.cancel_context, "cancel_after_s": args.cancel_after, "results": results}, args.out)
     return 0
 
 

@@ -12,24 +12,20 @@ whole context; ``dsi serve`` keeps its slot's cache, so a window costs its own t
 
     python benchmarks/engine_verify_cost.py --out docs/data/engine_verify_cost-2026-12-01.json
 
-Needs the vLLM venv (``bash packaging/vllm-venv.sh``). Prints a table, then one JSON line.
+Needs the vLLM venv (``bash packaging/vllm-venv.sh``). Prints a table, then one JSON line. ``--dry-run``: one layer
+of width 128, contexts of 16 and 64 tokens, 2 windows.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-import tempfile
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from _common import add_options, emit, need_vllm, parse, scratch, shrink
 
-from dsi.evaluate.bench import emit_record  # noqa: E402
-from tests.engine_servers import start_dsi_serve, start_vllm, vllm_python  # noqa: E402
-from tests.tiny_hf import make_model_dir  # noqa: E402
+from tests.engine_servers import start_dsi_serve, start_vllm
+from tests.tiny_hf import make_model_dir
 
 
 def measure(url: str, vocab: int, lengths: list[int], k: int, windows: int) -> dict:
@@ -65,13 +61,13 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("-k", type=int, default=4, help="drafts per window (default 4)")
     parser.add_argument("--windows", type=int, default=7, help="verifications per length (default 7)")
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
-    if vllm_python() is None:
-        print("no vLLM venv: bash packaging/vllm-venv.sh", file=sys.stderr)
+    add_options(parser, "one layer of width 128, contexts of 16 and 64 tokens, 2 windows")
+    args = parse(parser)
+    shrink(args, hidden=128, layers=1, lengths=[16, 64], windows=2)
+    if not need_vllm():
         return 2
     positions = max(args.lengths) + args.k + 16
-    model = make_model_dir(Path(tempfile.mkdtemp()) / "model", seed=0, layers=args.layers, hidden=args.hidden,
+    model = make_model_dir(scratch() / "model", seed=0, layers=args.layers, hidden=args.hidden,
                            positions=positions)
     from transformers import AutoConfig
 
@@ -92,8 +88,8 @@ def main() -> int:
     for length in args.lengths:
         v, d = results["vllm"][length], results["dsi serve"][length]
         print(f"| {length} | {v:.4f} | {d:.4f} | {v / d:.2f} |")
-    emit_record({"model": {"hidden": args.hidden, "layers": args.layers, "dtype": "fp32"}, "k": args.k,
-                 "windows": args.windows, "seconds_per_verification": results}, args.out)
+    emit({"model": {"hidden": args.hidden, "layers": args.layers, "dtype": "fp32"}, "k": args.k,
+          "windows": args.windows, "seconds_per_verification": results}, args.out)
     return 0
 
 

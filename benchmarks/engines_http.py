@@ -17,7 +17,8 @@ servers as threads of this process and as HTTP engines:
 
     python benchmarks/engines_http.py --out docs/data/engines_http-channel-2026-12-02.json
 
-Prints a table, then one JSON line.
+Prints a table, then one JSON line. ``--dry-run``: the scenario with the fewest servers (phi3-14b-alpaca, SP =
+2), 6 tokens, one repeat, 5 round trips.
 """
 
 from __future__ import annotations
@@ -27,10 +28,8 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from _common import add_options, emit, parse, shrink
 
 DEFAULT_SCENARIOS = ["default", "half-accept", "all-accept", "never-accept", "vicuna13b-cnndm", "starcoder15b-humaneval"]
 VOCAB = 64
@@ -171,9 +170,10 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--calls", type=int, default=100, help="round trips for the per-task overhead (default 100)")
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
-    from dsi.evaluate.bench import SCENARIOS, Scenario, emit_record
+    add_options(parser, "phi3-14b-alpaca (SP = 2), 6 tokens, one repeat, 5 round trips")
+    args = parse(parser)
+    shrink(args, scenarios=["phi3-14b-alpaca"], tokens=6, repeats=1, calls=5)
+    from dsi.evaluate.bench import SCENARIOS, Scenario
 
     unknown = [s for s in args.scenarios if s not in SCENARIOS]
     if unknown:
@@ -200,7 +200,7 @@ def main() -> int:
               f"{f(r['dsi_over_ideal_channel'])} | {f(r['dsi_over_ideal_channel_drafter'])} | "
               f"{f(r['dsi_over_si_threads'])} | {f(r['dsi_over_si_http'])} | {f(r['dsi_over_si_channel'])} | "
               f"{r['identical_outputs']} |")
-    emit_record({"round_trip_ms": overhead, "rows": rows}, args.out)
+    emit({"round_trip_ms": overhead, "rows": rows}, args.out)
     return 0
 
 

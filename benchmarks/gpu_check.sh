@@ -11,7 +11,7 @@
 #      at the copy bandwidth measured in the same run; the first forwards give the capture time;
 #   a. the embedded pair (Qwen2.5-Coder 1.5B target / 0.5B drafter), its real greedy decisions
 #      replayed on random-weight models of its architectures (benchmarks/real_pair.py --replay,
-#      docs/results.md section 2) with CUDA graphs: non-SI, SI (k = 4) and DSI (event-driven windows)
+#      docs/results.md#real-models-on-a-cpu) with CUDA graphs: non-SI, SI (k = 4) and DSI (event-driven windows)
 #      with SP 1, 2, 4, target servers as processes (own interpreter and CUDA context) and as threads
 #      of one process (one graph launch a forward holds the GIL for microseconds);
 #   b. the same decisions on a Qwen2.5-14B target architecture (48 layers; random weights built on the

@@ -11,7 +11,8 @@ graphs, the first forward of each size (one eager warm-up forward and the captur
         qwen2.5-14b-instruct --device cuda:0 --dtype bf16
 
 Prints a table and one JSON line (``--out`` writes it too). On a CPU the graphs fall back to eager forwards (the
-static cache's padded shapes), and the bandwidth is the host memory's.
+static cache's padded shapes), and the bandwidth is the host memory's. ``--dry-run``: the 0.5B drafter's
+architecture at two layers of width 32 (benchmarks/tiny_configs.py), 2 repeats, a copy of 10 MB.
 """
 
 from __future__ import annotations
@@ -20,35 +21,13 @@ import argparse
 import gc
 import statistics
 import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT))
+from _common import add_options, emit, parse, shrink, timed, tiny_configs
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 PREFIX = 128
 PLANS = ("dynamic", "static", "graphs")
-
-
-def _sync(device: str) -> None:
-    import torch
-
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
-
-
-def timed(run, device: str, repeats: int) -> list[float]:
-    """Seconds of each of ``repeats`` synchronised calls of ``run``."""
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        run()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return times
 
 
 def bandwidth(device: str, gigabytes: float) -> float:
@@ -58,7 +37,7 @@ def bandwidth(device: str, gigabytes: float) -> float:
     n = int(gigabytes * 2**30) // 2
     src = torch.empty(n, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
-    seconds = statistics.median(timed(lambda: dst.copy_(src), device, 6)[1:])
+    seconds = statistics.median(timed(lambda: dst.copy_(src), 6, device)[1:])
     return 2 * n * 2 / seconds
 
 
@@ -86,7 +65,7 @@ def measure(config_dir: Path, device: str, dtype: str, tokens: int, repeats: int
                 session.truncate(PREFIX)
                 forward_rows(session, prefix + new, n, greedy=True)
 
-            first, *rest = timed(once, device, repeats + 1)  # the first: warm-up (with graphs: and the capture)
+            first, *rest = timed(once, repeats + 1, device)  # the first: warm-up (with graphs: and the capture)
             result[f"{n}_ms"] = 1e3 * statistics.median(rest)
             result[f"first_{n}_ms"] = 1e3 * first
         graphs = getattr(session, "_graphs", None)
@@ -97,8 +76,6 @@ def measure(config_dir: Path, device: str, dtype: str, tokens: int, repeats: int
 
 
 def main() -> int:
-    from dsi.evaluate.bench import emit_record
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", nargs="+", default=["qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"])
     parser.add_argument("--configs-dir", default=str(CONFIGS))
@@ -107,8 +84,10 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=5, help="a verification's tokens (default 5: k = 4)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--copy-gb", type=float, default=2.0, help="the bandwidth copy's size (default 2 GiB)")
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
+    add_options(parser, "the 0.5B drafter's architecture at 2 layers of width 32, 2 repeats, a 10 MB copy")
+    args = parse(parser)
+    if shrink(args, config=["qwen2.5-coder-0.5b-instruct"], repeats=2, copy_gb=0.01):
+        args.configs_dir = str(tiny_configs())
     speed = bandwidth(args.device, args.copy_gb)
     rows = []
     for name in args.config:
@@ -133,8 +112,8 @@ def main() -> int:
             print(f"| {row['config']} | {row['weights_gb']:.2f} | {read_ms:.2f} | {plan} | {r['1_ms']:.2f} | "
                   f"{r['1_ms'] / read_ms:.1f} | {r[f'{args.tokens}_ms']:.2f} | {r['first_1_ms']:.0f}, "
                   f"{r[f'first_{args.tokens}_ms']:.0f} | {r['captured']} |")
-    emit_record({"benchmark": "gpu_forwards", "device": args.device, "dtype": args.dtype, "prefix": PREFIX,
-                 "tokens": args.tokens, "repeats": args.repeats, "bandwidth_gb_s": speed / 1e9, "rows": rows}, args.out)
+    emit({"benchmark": "gpu_forwards", "device": args.device, "dtype": args.dtype, "prefix": PREFIX,
+          "tokens": args.tokens, "repeats": args.repeats, "bandwidth_gb_s": speed / 1e9, "rows": rows}, args.out)
     return 0
 
 

@@ -1,6 +1,7 @@
 """How long the offline simulator takes for Figure 1's grid (simulation only, no plotting).
 
     python benchmarks/heatmap_speed.py [--ndim 10 20] [--runs 3] [--out FILE.json]
+    python benchmarks/heatmap_speed.py --dry-run      # a grid of ndim 2, 20 tokens, once
 
 Prints a table for people and, last, one JSON line (machine, configuration, best and median
 seconds per grid). The goal of issue 4: ndim = 20 (8,820 configurations x 5 repeats x 1,000
@@ -10,13 +11,12 @@ tokens) in 3 s or less on a 2-core machine.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import time
 
 import numpy as np
+from _common import add_options, emit, machine, parse, shrink
 
 from dsi.sim.heatmap import grid
 from dsi.sim.offline import simulate_many
@@ -39,15 +39,11 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", default=None, help="also write the JSON here")
-    args = parser.parse_args()
-    machine = {
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "cpus": os.cpu_count(),
-        "processor": platform.processor() or platform.machine(),
-        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
-    }
+    add_options(parser, "a grid of ndim 2, 20 tokens, one run")
+    args = parse(parser)
+    shrink(args, ndim=[2], runs=1, tokens=20, repeats=1)
+    where = {**machine(), "numpy": np.__version__,
+             "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None}
     results = []
     print(f"{'ndim':>5} {'configs':>8} {'best s':>8} {'median s':>9}")
     for ndim in args.ndim:
@@ -56,11 +52,7 @@ def main() -> None:
         results.append({"ndim": ndim, "configs": configs, "seconds": seconds,
                         "best_s": min(seconds), "median_s": statistics.median(seconds)})  # fmt: skip
         print(f"{ndim:>5} {configs:>8} {min(seconds):>8.3f} {statistics.median(seconds):>9.3f}")
-    report = {"machine": machine, "tokens": args.tokens, "repeats": args.repeats, "results": results}
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
-    print(json.dumps(report))
+    emit({"machine": where, "tokens": args.tokens, "repeats": args.repeats, "results": results}, args.out)
 
 
 if __name__ == "__main__":

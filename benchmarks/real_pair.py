@@ -36,13 +36,15 @@ assisted generation is skipped in replay mode.
     python benchmarks/real_pair.py --record benchmarks/recordings/qwen-coder-code.json ...
     python benchmarks/real_pair.py --replay benchmarks/recordings/qwen-coder-code.json --device cuda:0 \\
         --target-devices cuda:0 --dsi processes:3,5:1,2,4 --dsi threads:5:1,2
+
+``--dry-run``: a tiny random pair for ``--backend`` (fp32; with ``--replay``, the recorded architectures at two
+layers of width 32), 2 prompts x 6 tokens, SI k = 2 and DSI k in {2, event-driven}, one repeat.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import threading
@@ -50,6 +52,7 @@ import time
 from pathlib import Path
 
 import torch
+from _common import add_options, machine, median_seconds, parse, shrink, tiny_configs, tiny_pair, write_json
 
 from dsi.evaluate.compare import CODE_PROMPTS, NEAR_TIE_MARGIN, MethodConfig, first_divergence, iter_compare
 from dsi.models.loading import load_pair
@@ -65,15 +68,6 @@ from dsi.models.replay import (
 from dsi.sim.events import simulate
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
-
-
-def median_seconds(fn, repeats: int) -> float:
-    runs = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        runs.append(time.perf_counter() - start)
-    return statistics.median(runs)
 
 
 def worker_latencies(model, prompt, threads: int, sizes, repeats: int = 5) -> dict:
@@ -251,14 +245,20 @@ def main() -> int:
     p.add_argument("--kv-cache", choices=["dynamic", "static"], default="dynamic",
                    help="hf: every model's KV cache (dsi.models.hf_static)")
     p.add_argument("--cuda-graphs", action="store_true", help="hf: captured CUDA graphs (implies --kv-cache static)")
-    p.add_argument("--out")
+    add_options(p, "a tiny random pair, 2 prompts x 6 tokens, SI k=2, DSI k in {2, auto} on threads, one repeat")
     p.add_argument("--record", metavar="FILE", help="save the pair's greedy decisions for --replay")
     p.add_argument("--replay", metavar="FILE", help="replay a --record file on random-weight models of the "
                                                     "recorded pair's architectures (benchmarks/configs/NAME)")
     p.add_argument("--target-config", metavar="NAME", help="replay: the target's architecture (default: the "
                                                            "recorded target's)")
     p.add_argument("--configs-dir", default=str(CONFIGS), help="replay: where architectures live (NAME/config.json)")
-    args = p.parse_args()
+    args = parse(p)
+    if shrink(args, tokens=6, prompts=2, repeats=1, si_k=[2], dsi=args.dsi or ["threads:2,auto:1"]):
+        if args.replay:
+            args.configs_dir = str(tiny_configs())
+        else:
+            args.target, args.drafter = tiny_pair(args.backend)
+        args.dtype = "fp32"
     began = time.perf_counter()
     specs = [parse_dsi_spec(s) for s in args.dsi] if args.dsi else [("threads", args.dsi_k, args.dsi_sp, None, None)]
     if any(t == "processes" for t, *_ in specs) and not args.replay:
@@ -333,9 +333,7 @@ def main() -> int:
             configs.append(picked)
 
     report: dict = {
-        "machine": {"python": platform.python_version(), "cpus": torch.get_num_threads(),
-                    "torch": torch.__version__, "platform": platform.platform(),
-                    "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
+        "machine": machine(),
         "config": {**vars(args), "pair": list(names)}, "rows": {}, "skipped": [],
     }
 
@@ -347,8 +345,7 @@ def main() -> int:
         row["engine_over_ideal"] = row["total_s"] / row["ideal_s"]
 
     def write() -> None:
-        if args.out:
-            Path(args.out).write_text(json.dumps(report, indent=2, default=str))
+        write_json(args.out, report)
 
     # latencies alone first: the ideal needs them, and a run cut short still has them
     latencies: dict = {}

@@ -29,7 +29,8 @@ drafter, processed alike, keeps up.
 
     python benchmarks/request_surface_cost.py --out docs/data/request_surface_cost-2026-12-01.json
 
-Prints a table, then one JSON line.
+Prints a table, then one JSON line. ``--dry-run``: a tiny random GGUF pair (tests/tiny_gguf.py), 2 prompts x 4
+tokens, one round.
 """
 
 from __future__ import annotations
@@ -37,10 +38,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from _common import add_options, emit, parse, shrink, tiny_pair
 
 KINDS = {
     "plain": {},
@@ -113,7 +112,6 @@ def position_costs(target, prompt: str, repeats: int = 50) -> dict[str, float]:
 def main() -> int:
     import httpx
 
-    from dsi.evaluate.bench import emit_record
     from dsi.evaluate.compare import CODE_PROMPTS
     from dsi.models.loading import load_pair
     from dsi.server import ServeConfig, create_app
@@ -127,8 +125,10 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--methods", nargs="+", choices=sorted(METHOD_NAMES), default=sorted(METHOD_NAMES))
     parser.add_argument("--kinds", nargs="+", choices=list(KINDS), default=list(KINDS))
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
+    add_options(parser, "a tiny random GGUF pair, 2 prompts x 4 tokens, one round")
+    args = parse(parser)
+    if shrink(args, prompts=2, tokens=4, repeats=1):
+        args.target, args.drafter = tiny_pair("llama.cpp")
     kinds = ["plain", *[k for k in args.kinds if k != "plain"]]
     target, drafter = load_pair(args.target, args.drafter, backend="llama.cpp", progress=False)
     prompts = CODE_PROMPTS[: args.prompts]
@@ -188,9 +188,9 @@ def main() -> int:
         low, high = r["mean_ratio_90"]
         print(f"| {r['method']} | {r['kind']} | {r['seconds']:.2f} | {r['ratio_to_plain']:.3f} | "
               f"{low:.3f}-{high:.3f} | {r['acceptance']:.3f} | {'yes' if r['same_output_as_plain'] else 'no'} |")
-    emit_record({"benchmark": "request_surface_cost", "target": args.target, "drafter": args.drafter,
-                 "prompts": len(prompts), "tokens": args.tokens, "repeats": args.repeats,
-                 "target_forward_ms": forward, "per_position_ms": per_position, "rows": rows}, args.out)
+    emit({"benchmark": "request_surface_cost", "target": args.target, "drafter": args.drafter,
+          "prompts": len(prompts), "tokens": args.tokens, "repeats": args.repeats,
+          "target_forward_ms": forward, "per_position_ms": per_position, "rows": rows}, args.out)
     return 0
 
 

@@ -1,4 +1,5 @@
-"""Where a backend's logits depend on how the forward was cut (docs/results.md section 11).
+"""Where a backend's logits depend on how the forward was cut
+(docs/results.md#where-the-logits-depend-on-the-cut).
 
 For one model, the largest logit difference of the same position computed:
 
@@ -21,7 +22,8 @@ fp32, through dsi's own sessions.
     python benchmarks/row_cuts.py llama.cpp ~/.cache/dsi/gguf/qwen2.5-coder-1.5b-instruct.gguf --out docs/data/row_cuts-llama-2026-12-01.json
     python benchmarks/row_cuts.py hf --hidden 256 --out docs/data/row_cuts-hf-2026-12-01.json
 
-Prints a table, then one JSON line.
+Prints a table, then one JSON line. ``--dry-run``: llama.cpp on a tiny random GGUF (tests/tiny_gguf.py; no
+GGUF argument) with a 40-token long probe, or hf at width 32.
 """
 
 from __future__ import annotations
@@ -29,13 +31,11 @@ from __future__ import annotations
 import argparse
 import ctypes
 import itertools
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
+from _common import add_options, emit, parse, scratch, shrink, tiny_pair
 
-ROOT = Path(__file__).resolve().parent.parent
 P = 24  # the probed position follows a 24-token prefix
 
 
@@ -191,16 +191,13 @@ def long_rows(open_session, n: int) -> dict:
 
 
 def hf(hidden: int) -> dict:
-    import tempfile
-
     import torch
 
-    sys.path.insert(0, str(ROOT))
     from dsi.models.hf import HFModel
     from tests.tiny_hf import make_model_dir
 
     torch.set_num_threads(2)
-    folder = make_model_dir(Path(tempfile.mkdtemp()) / "m", seed=0, layers=4, hidden=hidden)
+    folder = make_model_dir(scratch() / "m", seed=0, layers=4, hidden=hidden)
     rows = {}
     for dtype in ("bf16", "fp32"):
         model = HFModel.load(str(folder), dtype=dtype, progress=False)
@@ -222,8 +219,10 @@ def main() -> int:
     parser.add_argument("gguf", nargs="?", help="llama.cpp: the GGUF file")
     parser.add_argument("--hidden", type=int, default=256, help="hf: hidden size of the random model")
     parser.add_argument("--long", type=int, default=300, help="llama.cpp: tokens of the long-sequence probe")
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
+    add_options(parser, "llama.cpp: a tiny random GGUF, a 40-token long probe; hf: width 32")
+    args = parse(parser)
+    if shrink(args, long=40, hidden=32) and args.backend == "llama.cpp":
+        args.gguf = tiny_pair("llama.cpp")[0]
     if args.backend == "llama.cpp" and not args.gguf:
         parser.error("llama.cpp needs the GGUF file")
     doc = llama(args.gguf, args.long) if args.backend == "llama.cpp" else hf(args.hidden)
@@ -237,10 +236,7 @@ def main() -> int:
     for setting, found in doc.get("long", {}).get("rows", {}).items():
         print(f"{doc['long']['tokens']} tokens, {setting}: max {found['max']:.3g} from one token a forward on 2 "
               f"threads, first at position {found['first_position']}")
-    doc["date"] = time.strftime("%Y-%m-%d")
-    from dsi.evaluate.bench import emit_record
-
-    emit_record(doc, args.out, indent=2, stamp=False)
+    emit(doc, args.out)
     return 0
 
 

@@ -11,6 +11,7 @@ chat message and a token-id prompt, at the default body limit (expected: 413 at 
 
     python benchmarks/serve_big_prompt.py --tiny                 # tiny random model, built on the fly
     python benchmarks/serve_big_prompt.py --target qwen2.5-coder-0.5b-instruct --mb 20
+    python benchmarks/serve_big_prompt.py --dry-run              # --tiny with bodies of 0.2 MB
 
 Prints a table and one JSON line last (also written to ``--out``).
 """
@@ -20,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -30,8 +30,8 @@ import time
 from pathlib import Path
 
 import httpx
+from _common import add_options, emit, parse, shrink
 
-ROOT = Path(__file__).resolve().parents[1]
 TEXT = "The quick brown fox jumps over the lazy dog. "
 
 
@@ -106,13 +106,13 @@ def main() -> int:
                    help="dsi serve's backend (llama.cpp: a .gguf target or the embedded pair's short names)")
     p.add_argument("--cases", default="text,chat,ids",
                    help="prompts to send, in order, to each server: text, chat, ids (default text,chat,ids)")
-    p.add_argument("--out", default=None, help="write the JSON here")
-    args = p.parse_args()
+    add_options(p, "--tiny with bodies of 0.2 MB (under the default limit: refused for the context)")
+    args = parse(p)
+    shrink(args, tiny=True, mb=0.2)
     size = int(args.mb * 1e6)
     with tempfile.TemporaryDirectory() as tmp:
         target = args.target
         if args.tiny or target is None:
-            sys.path.insert(0, str(ROOT))
             from tests.tiny_hf import make_model_dir
 
             target = str(make_model_dir(Path(tmp) / "target", seed=0, layers=2))
@@ -138,11 +138,7 @@ def main() -> int:
     print(" | ".join(head))
     for row in rows:
         print(" | ".join(str(row[k]) if not isinstance(row[k], float) else f"{row[k]:g}" for k in head))
-    result = {"target": args.target or "tiny", "mb": args.mb, "machine": f"{platform.machine()}, "
-              f"{os.cpu_count()} CPUs, Python {platform.python_version()}", "rows": rows}
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2))
-    print(json.dumps(result))
+    emit({"target": args.target or "tiny", "mb": args.mb, "rows": rows}, args.out)
     return 0
 
 

@@ -8,6 +8,7 @@ response is *lost* if it fails or has no final chunk, *corrupted* if its text di
 reference. Finally SIGTERM, and the server must exit 0. Prints a table and writes JSON.
 
     python benchmarks/serve_load.py --tiny                       # tiny random pair, built on the fly
+    python benchmarks/serve_load.py --dry-run                    # --tiny, 2 clients x 1 request x 4 tokens
     python benchmarks/serve_load.py --target qwen2.5-coder-1.5b-instruct \\
         --drafter qwen2.5-coder-0.5b-instruct --dtype bf16 --clients 2 --requests 2 --max-tokens 32
 
@@ -19,20 +20,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import httpx
+from _common import add_options, emit, parse, shrink, tiny_pair
 
-ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [
     "def fibonacci(n):\n",
     "def is_prime(n: int) -> bool:\n",
@@ -41,25 +39,6 @@ PROMPTS = [
     "The three most important ideas in computer science are",
     "for i in range(10):\n",
 ]
-
-
-def build_tiny_pair(root: Path) -> tuple[str, str]:
-    """A tiny random Llama target and a drafter = target + 30% weight noise (acceptance ~0.5)."""
-    sys.path.insert(0, str(ROOT))
-    import torch
-    import transformers
-
-    from tests.tiny_hf import make_model_dir
-
-    target = make_model_dir(root / "target", seed=0, layers=2)
-    model = transformers.AutoModelForCausalLM.from_pretrained(target)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.3 * p.std() * torch.randn(p.shape, generator=gen))
-    model.save_pretrained(root / "drafter")
-    transformers.AutoTokenizer.from_pretrained(target).save_pretrained(root / "drafter")
-    return str(target), str(root / "drafter")
 
 
 class Server:
@@ -191,7 +170,7 @@ def run_method(method: str, args: argparse.Namespace, target: str, drafter: str)
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    src = p.add_mutually_exclusive_group(required=True)
+    src = p.add_mutually_exclusive_group()
     src.add_argument("--tiny", action="store_true", help="build a tiny random pair in a temporary directory")
     src.add_argument("--target", help="MODEL of the target (as for dsi serve)")
     p.add_argument("--drafter", help="MODEL of the drafter (with --target)")
@@ -209,15 +188,17 @@ def main() -> int:
                    help="torch threads of non-SI's single worker (default: --threads)")
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--start-timeout", type=float, default=300.0)
-    p.add_argument("--out", default="serve_load.json")
-    args = p.parse_args()
+    add_options(p, "--tiny, 2 clients x 1 request x 4 tokens, 2 prompts", out_default="serve_load.json")
+    args = parse(p)
+    shrink(args, tiny=True, clients=2, requests=1, max_tokens=4, prompts=2)
+    if not (args.tiny or args.target):
+        p.error("one of the arguments --tiny --target is required")
     if not (1 <= args.clients <= 64 and 1 <= args.requests <= 100 and 1 <= args.prompts <= len(PROMPTS)):
         p.error("--clients must be in [1, 64], --requests in [1, 100], --prompts in [1, %d]" % len(PROMPTS))
     if args.target and not args.drafter:
         p.error("--target needs --drafter")
-    with tempfile.TemporaryDirectory() as tmp:
-        target, drafter = build_tiny_pair(Path(tmp)) if args.tiny else (args.target, args.drafter)
-        runs = [run_method(m, args, target, drafter) for m in args.methods]
+    target, drafter = tiny_pair() if args.tiny else (args.target, args.drafter)
+    runs = [run_method(m, args, target, drafter) for m in args.methods]
     same = len({json.dumps(r["reference_texts"], sort_keys=True) for r in runs}) == 1
     header = ["method", "ok/sent", "lost", "corrupt", "tok/s", "req/s", "p50 s", "p95 s", "TTFT p50", "TTFT p95",
               "accept", "exit"]
@@ -229,17 +210,11 @@ def main() -> int:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
     for row in [header, *rows]:
         print("  ".join(str(x).rjust(w) for x, w in zip(row, widths, strict=True)))
-    machine = f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
     print(f"\n{'tiny random pair' if args.tiny else f'{args.target} / {args.drafter}'}, {args.dtype}; "
           f"{args.clients} clients x {args.requests} requests x {args.max_tokens} tokens; k={args.lookahead}, "
-          f"SP={args.sp}, {args.max_concurrent} slots; greedy outputs identical across methods: {same}; {machine}")
-    doc = {"config": vars(args), "machine": machine, "identical_across_methods": same,
-           "runs": [{k: v for k, v in r.items() if k != "reference_texts"} for r in runs]}
-    Path(args.out).write_text(json.dumps(doc, indent=2))
-    print(json.dumps({"out": args.out, **{r["method"]: {"tok_s": round(r["throughput_tok_s"], 2),
-                                                         "p50_s": round(r["latency_p50_s"], 4),
-                                                         "lost": r["lost"], "corrupted": r["corrupted"]}
-                                           for r in runs}}))
+          f"SP={args.sp}, {args.max_concurrent} slots; greedy outputs identical across methods: {same}")
+    emit({"config": vars(args), "identical_across_methods": same,
+          "runs": [{k: v for k, v in r.items() if k != "reference_texts"} for r in runs]}, args.out)
     bad = any(r["lost"] or r["corrupted"] or r["server_exit_code"] != 0 for r in runs) or not same
     return 1 if bad else 0
 

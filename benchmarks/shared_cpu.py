@@ -2,7 +2,8 @@
 
 On a small CPU machine DSI has no spare hardware for its target servers: every core a server
 uses is taken from the drafter, and DSI's time is bounded below by the drafter's time on what is
-left (see docs/results.md, section 2). This benchmark measures the most favourable split we know:
+left (see docs/results.md#transformers-in-detail-and-why-dsi-cannot-win-on-shared-cores). This benchmark
+measures the most favourable split we know:
 
 - SI with every worker on all ``--threads`` torch threads (the reference);
 - DSI with the drafter on all ``--threads`` threads and one target server in its own process on
@@ -17,19 +18,23 @@ at the first differing token says whether it was a floating-point near-tie (bf16
 different numbers of positions round differently; see docs/results.md).
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/shared_cpu.py --si-k 6 --dsi-k 5 8
+
+Prints a table, then one JSON line (``--out`` writes it too). ``--dry-run``: a tiny random pair (fp32), 2 prompts
+x 6 tokens, SI k = 2 and DSI k = 2, one repeat.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import os
 import statistics
 import sys
 
-from dsi.evaluate.compare import CODE_PROMPTS, NEAR_TIE_MARGIN, first_divergence
+from _common import add_options, emit, parse, shrink, tiny_pair
+
 from dsi.engine.api import build_decoder, make_request
+from dsi.evaluate.compare import CODE_PROMPTS, NEAR_TIE_MARGIN, first_divergence
 from dsi.models.loading import load_pair
 from dsi.sampling import SamplingParams
 
@@ -71,7 +76,10 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2, help="torch threads of SI and of DSI's drafter")
     p.add_argument("--si-k", type=int, nargs="+", default=[6])
     p.add_argument("--dsi-k", type=int, nargs="+", default=[5, 8])
-    args = p.parse_args()
+    add_options(p, "a tiny random pair (fp32), 2 prompts x 6 tokens, SI k=2, DSI k=2, one repeat")
+    args = parse(p)
+    if shrink(args, dtype="fp32", tokens=6, prompts=2, repeats=1, si_k=[2], dsi_k=[2]):
+        args.target, args.drafter = tiny_pair()
     if not hasattr(os, "SCHED_IDLE"):
         print("SCHED_IDLE needs Linux", file=sys.stderr)
         return 2
@@ -105,7 +113,7 @@ def main() -> int:
     for label, r in rows.items():
         print(f"{label:<24} {r['total_s']:7.2f} s  vs best SI {best_si / r['total_s']:.2f}x  "
               f"identical to SI: {r['identical']}")
-    print(json.dumps(rows))
+    emit({"config": vars(args), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "rows": rows}, args.out)
     return 0
 
 

@@ -7,6 +7,9 @@ The embedded Qwen2.5-Coder pair (1.5B target, 0.5B drafter; llama.cpp on the CPU
 of ``--repeats``. Every constrained output is parsed and validated against the schema.
 
     python benchmarks/structured_acceptance.py --out docs/data/structured_acceptance-DATE.json
+
+``--dry-run``: a tiny random GGUF pair (tests/tiny_gguf.py), 2 prompts x 16 tokens at most, the schema an enum of
+two strings (a random model completes it in a few tokens), SP = 1.
 """
 
 from __future__ import annotations
@@ -14,12 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT))
+from _common import add_options, emit, parse, scratch, shrink, tiny_pair
 
 SCHEMA = Path(__file__).resolve().parent / "configs" / "program-schema.json"  # five fields: string, enum, ...
 TASKS = ["a small Python module that parses CSV files", "a Rust command-line tool that counts words",
@@ -29,7 +29,6 @@ TASKS = ["a small Python module that parses CSV files", "a Rust command-line too
 
 def main() -> int:
     import dsi
-    from dsi.evaluate.bench import emit_record
     from dsi.models.loading import load_pair
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -40,13 +39,16 @@ def main() -> int:
     parser.add_argument("--sp", type=int, default=2)
     parser.add_argument("--schema", type=Path, default=SCHEMA,
                         help="a JSON schema file (default: benchmarks/configs/program-schema.json)")
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
+    add_options(parser, "a tiny random GGUF pair, 2 prompts x 16 tokens, an enum of two strings, SP=1")
+    args = parse(parser)
+    pair = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
+    if shrink(args, prompts=2, tokens=16, sp=1, schema=scratch() / "enum.json"):
+        pair = tiny_pair("llama.cpp")
+        args.schema.write_text(json.dumps({"enum": ["yes", "no"]}))
     schema = json.loads(args.schema.read_text())
     import jsonschema
 
-    target, drafter = load_pair("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", backend=args.backend,
-                                progress=False)
+    target, drafter = load_pair(*pair, backend=args.backend, progress=False)
     prompts = [target.encode(f"Describe {task} as a JSON object.", chat=True) for task in TASKS[: args.prompts]]
     methods = {"ar": dict(method="ar"), "si": dict(method="si", lookahead=4),
                "dsi": dict(method="dsi", lookahead="auto", num_target_servers=args.sp)}
@@ -84,8 +86,8 @@ def main() -> int:
         acc = "" if r["acceptance"] is None else f"{r['acceptance']:.3f}"
         print(f"| {r['method']} | {'JSON schema' if r['constrained'] else 'none'} | {r['tokens_per_s']:.1f} | "
               f"{r['tokens_per_s'] / base:.2f} | {acc} |")
-    emit_record({"benchmark": "structured_acceptance", "schema": schema, "prompts": len(prompts),
-                 "max_tokens": args.tokens, "sp": args.sp, "rows": rows}, args.out)
+    emit({"benchmark": "structured_acceptance", "schema": schema, "prompts": len(prompts),
+          "max_tokens": args.tokens, "sp": args.sp, "rows": rows}, args.out)
     return 0
 
 

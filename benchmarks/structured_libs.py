@@ -10,7 +10,8 @@ after k tokens and a rollback of k, the mask is the one before), and what ``pip`
     python benchmarks/structured_libs.py --out docs/data/structured_libs-DATE.json
 
 Each library is optional: one that does not import is reported as missing. Needs transformers (the tokenizer)
-and the embedded pair's GGUF in the cache (``dsi demo`` fetches it).
+and the embedded pair's GGUF in the cache (``dsi demo`` fetches it). ``--dry-run``: the tiny byte-level BPE
+tokenizer of tests/tiny_hf.py instead of Qwen's, no pip footprint.
 """
 
 from __future__ import annotations
@@ -20,11 +21,8 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT))
+from _common import add_options, emit, parse, shrink
 
 SCHEMA = {
     "type": "object",
@@ -186,15 +184,18 @@ def install_footprint(name: str) -> dict:
 
 
 def main() -> int:
-    from dsi.evaluate.bench import emit_record
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--library", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--no-footprint", action="store_true", help="skip pip's dry runs (they need the index)")
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
-    tok = tokenizer()
-    vocab = 151936
+    add_options(parser, "the tiny tokenizer of tests/tiny_hf.py (320 ids), no pip footprint")
+    args = parse(parser)
+    if shrink(args, no_footprint=True):
+        from tests.tiny_hf import make_tokenizer
+
+        tok = make_tokenizer()
+    else:
+        tok = tokenizer()
+    vocab = len(tok) if args.dry_run else 151936
     ids = tok.encode(INSTANCE)
     rows = {}
     for name in args.library:
@@ -206,7 +207,8 @@ def main() -> int:
             rows[name] = {"error": f"{type(exc).__name__}: {exc}"}
         if not args.no_footprint:
             rows[name]["install"] = install_footprint(name)
-    print(f"Qwen2.5 tokenizer, V = {vocab}; a {len(ids)}-token instance of a six-field schema")
+    print(f"{'a tiny' if args.dry_run else 'Qwen2.5'} tokenizer, V = {vocab}; a {len(ids)}-token instance of a "
+          "six-field schema")
     print("| library | tokenizer setup s | schema compile ms | regex compile ms | mask ms (median, max) | rollback | "
           "pip installs |")
     print("|---|---|---|---|---|---|---|")
@@ -220,8 +222,8 @@ def main() -> int:
         print(f"| {name} | {r['tokenizer_setup_s']:.2f} | {1e3 * r['schema_compile_s']:.1f} | "
               f"{1e3 * r['regex_compile_s']:.1f} | {r['mask_ms']:.3f}, {r['mask_ms_max']:.3f} | "
               f"{'yes' if r['rollback'] else 'NO'} | {pulls} |")
-    emit_record({"benchmark": "structured_libs", "vocab": vocab, "instance_tokens": len(ids), "schema": SCHEMA,
-                 "rows": rows}, args.out)
+    emit({"benchmark": "structured_libs", "vocab": vocab, "instance_tokens": len(ids), "schema": SCHEMA,
+          "rows": rows}, args.out)
     return 0
 
 

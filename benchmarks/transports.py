@@ -17,6 +17,7 @@ Two measurements per transport:
     python benchmarks/transports.py                                  # all transports here
     python benchmarks/transports.py --transports processes ray --out transports.json
     python benchmarks/transports.py --transports ray --ray-address auto   # on a running cluster
+    python benchmarks/transports.py --dry-run                        # threads and processes, a few trips
 
 Prints a table, then one JSON line; ``--out`` also writes the JSON report. Local Ray binds
 127.0.0.1 only (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``) and sends no usage statistics.
@@ -25,7 +26,6 @@ Prints a table, then one JSON line; ``--out`` also writes the JSON report. Local
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import queue
 import statistics
@@ -33,6 +33,7 @@ import sys
 import time
 
 import numpy as np
+from _common import add_options, emit, parse, shrink
 
 VARIANTS = {  # name -> (transport, transport_options)
     "threads": ("threads", {}),
@@ -130,8 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ray-address", default=None, help="Ray cluster to use (default: a local Ray on 127.0.0.1)")
-    parser.add_argument("--out", help="also write the JSON report to this file")
-    args = parser.parse_args(argv)
+    add_options(parser, "threads and processes, 5 round trips, 12 tokens at 5 ms / 1 ms forwards")
+    args = parse(parser, argv)
+    shrink(args, transports=["threads", "processes"], trips=5, vocab=[64], target_ms=5.0, drafter_ms=1.0,
+           servers=2, tokens=12, repeats=1)
 
     uses_ray = any(VARIANTS[v][0] == "ray" for v in args.transports)
     if uses_ray:
@@ -141,9 +144,7 @@ def main(argv: list[str] | None = None) -> int:
 
         ray.init(address=args.ray_address or "local", include_dashboard=False,
                  **({} if args.ray_address else {"num_cpus": os.cpu_count()}))
-    from dsi.evaluate.bench import machine_info
-
-    report = {"machine": machine_info(), "config": vars(args), "transports": {}}
+    report = {"config": vars(args), "transports": {}}
     for variant in args.transports:
         transport, options = VARIANTS[variant]
         print(f"[{variant}] round trips...", file=sys.stderr, flush=True)
@@ -169,11 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"scenario: target {args.target_ms} ms, drafter {args.drafter_ms} ms, a={args.acceptance}, "
           f"k={args.lookahead}, SP={args.servers}, {args.tokens} tokens, median of {args.repeats}; "
           f"identical outputs: {report['identical_outputs']}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
-    print(json.dumps(report))
+    emit(report, args.out)
     if uses_ray:
         import ray
 

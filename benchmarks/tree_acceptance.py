@@ -13,18 +13,16 @@ Prints a table per prompt set (chain, the best tree shape, their ratio, the chai
 bound of :func:`dsi.sim.trees.best_tree_tokens`: the best tree of B nodes against the chain under Sequoia's
 position-independent acceptance model, from how often the target's token is the drafter's first, second,
 ... choice), then one JSON line. The drafter's rankings come from one batched forward; on llama.cpp a row of a
-batch can differ slightly from a one-token row (docs/results.md section 11), which moves a few
-near-ties.
+batch can differ slightly from a one-token row (docs/results.md#where-the-logits-depend-on-the-cut), which moves a few
+near-ties. ``--dry-run``: a tiny random GGUF pair (tests/tiny_gguf.py), one prompt of 8 tokens per set.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from _common import add_options, emit, parse, shrink, tiny_pair
 
 BUDGETS = (4, 8, 16)
 TOP = 8  # drafter tokens kept per position
@@ -66,7 +64,6 @@ def record(target, drafter, prompts: list[str], tokens: int) -> list[tuple[list[
 
 def main() -> int:
     from dsi.cli.measure import PROMPT_SETS
-    from dsi.evaluate.bench import emit_record
     from dsi.models.crossvocab import bridge_drafter, shares_vocabulary
     from dsi.models.loading import load_pair
     from dsi.sim.trees import best_tree_tokens, rank_rates, replay_greedy
@@ -77,8 +74,10 @@ def main() -> int:
     parser.add_argument("--drafter", default="qwen2.5-coder-0.5b-instruct")
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--prompts", type=int, default=4, help="prompts per set")
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
+    add_options(parser, "a tiny random GGUF pair, one prompt of 8 tokens per set")
+    args = parse(parser)
+    if shrink(args, tokens=8, prompts=1):
+        args.target, args.drafter = tiny_pair("llama.cpp")
     target, drafter = load_pair(args.target, args.drafter, backend="llama.cpp", progress=False)
     if not shares_vocabulary(target, drafter):  # another tokenizer: greedy string mode cannot branch, so the
         drafter = bridge_drafter(target, drafter, "intersection")  # token intersection (its law over target ids)
@@ -107,8 +106,8 @@ def main() -> int:
         print(f"| {r['prompts']} | {r['greedy_agreement']:.2f} | {r['budget']} | {r['chain']:.2f} | {r['best_tree']} | "
               f"{r['best_tree_tokens']:.2f} | {r['ratio']:.3f} | {r['model_best_tree']:.2f} / {r['model_chain']:.2f} "
               f"({r['model_best_tree'] / r['model_chain']:.3f}) |")
-    emit_record({"benchmark": "tree_acceptance", "target": args.target, "drafter": args.drafter,
-                 "tokens": args.tokens, "prompts_per_set": args.prompts, "results": results}, args.out)
+    emit({"benchmark": "tree_acceptance", "target": args.target, "drafter": args.drafter,
+          "tokens": args.tokens, "prompts_per_set": args.prompts, "results": results}, args.out)
     return 0
 
 

@@ -8,7 +8,8 @@ n/2 + 1 paths). Median of ``--repeats`` forwards, synchronised.
 
     python benchmarks/tree_forward_cost.py --config qwen2.5-coder-1.5b-instruct --device cuda:0 --dtype bf16
 
-Prints a table and one JSON line (``--out`` writes it too). Where a tree of 16-64 nodes costs about one
+Prints a table and one JSON line (``--out`` writes it too); ``--dry-run``: the architecture at two layers of
+width 32 (benchmarks/tiny_configs.py), trees of 4 and 8 nodes, one repeat. Where a tree of 16-64 nodes costs about one
 token's forward (a memory-bound GPU), side children are free to verify; where it costs n tokens (a CPU),
 they cost what they compute.
 """
@@ -16,14 +17,9 @@ they cost what they compute.
 from __future__ import annotations
 
 import argparse
-import statistics
-import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT))
+from _common import add_options, emit, median_seconds, parse, shrink, tiny_configs
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 SIZES = (4, 8, 16, 32, 64)
@@ -31,22 +27,11 @@ PREFIX = 128
 
 
 def timed(run, device: str, repeats: int) -> float:
-    import torch
-
-    times = []
-    for _ in range(repeats + 1):  # the first is a warm-up
-        if device.startswith("cuda"):
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        run()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+    """The median seconds of ``repeats`` synchronised calls of ``run``, after one not counted."""
+    return median_seconds(run, repeats, device, warmup=1)
 
 
 def main() -> int:
-    from dsi.evaluate.bench import emit_record
     from dsi.models.base import forward_rows, path_tree_rows, tree_rows
     from dsi.models.replay import random_weights_model
     from dsi.trees import Widths, grow
@@ -58,8 +43,10 @@ def main() -> int:
     parser.add_argument("--dtype", default="fp32")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
+    add_options(parser, "the architecture at 2 layers of width 32, trees of 4 and 8 nodes, one repeat")
+    args = parse(parser)
+    if shrink(args, sizes=[4, 8], repeats=1):
+        args.configs_dir = str(tiny_configs())
     model = random_weights_model(Path(args.configs_dir) / args.config, args.dtype, args.device)
     vocab = model.vocab_size
     prefix = [(7 * i + 3) % vocab for i in range(PREFIX)]
@@ -93,8 +80,8 @@ def main() -> int:
     for r in rows:
         print(f"| {r['nodes']} | {r['paths']} | {r['chain_ms']:.2f} | {r['tree_ms']:.2f} | {r['paths_ms']:.2f} | "
               f"{r['tree_over_one']:.2f} | {r['tree_over_chain']:.2f} |")
-    emit_record({"benchmark": "tree_forward_cost", "config": args.config, "device": args.device, "dtype": args.dtype,
-                 "prefix": PREFIX, "one_token_ms": 1e3 * one, "repeats": args.repeats, "rows": rows}, args.out)
+    emit({"benchmark": "tree_forward_cost", "config": args.config, "device": args.device, "dtype": args.dtype,
+          "prefix": PREFIX, "one_token_ms": 1e3 * one, "repeats": args.repeats, "rows": rows}, args.out)
     return 0
 
 

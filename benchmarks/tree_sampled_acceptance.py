@@ -13,7 +13,7 @@ bonus), each with the target's law.
     python benchmarks/tree_sampled_acceptance.py --engine --out docs/data/tree_sampled_acceptance_engine-2026-12-03.json
 
 Sampled runs of different shapes commit different texts after their first side win, so a few runs' tokens per
-verification mostly measure how easy each text was (docs/results.md section 25).
+verification mostly measure how easy each text was (docs/results-log.md#2026-12-03).
 The default mode therefore measures the expected tokens per verification, paired: along the target's own
 sampled text (non-SI, each prompt and seed), every ``--stride``-th position starts one SI iteration of each
 shape (the real drafter drafting exactly as the engine does: ``TreeDrafter`` and ``grow``, the DRAFT
@@ -24,7 +24,8 @@ The chain is the trees' own main path, so the ratio compares the same drafts at 
 
     python benchmarks/tree_sampled_acceptance.py --out docs/data/tree_sampled_expected-2026-12-03.json
 
-Prints a table and one JSON line.
+Prints a table and one JSON line. ``--dry-run`` (either mode): a tiny random GGUF pair (tests/tiny_gguf.py), the
+code set's first prompt, one seed of 8 tokens, B = 4.
 """
 
 from __future__ import annotations
@@ -32,10 +33,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from _common import add_options, emit, parse, shrink, tiny_pair
 
 BUDGETS = (4, 8, 16)
 TREES = ("auto:0.1", "branches:0.1", "branches:0.05")
@@ -44,7 +43,6 @@ TREES = ("auto:0.1", "branches:0.1", "branches:0.05")
 def main() -> int:
     import dsi
     from dsi.cli.measure import PROMPT_SETS
-    from dsi.evaluate.bench import emit_record
     from dsi.models.crossvocab import bridge_drafter, shares_vocabulary
     from dsi.models.merges import MERGE_LOOKAHEAD
     from dsi.models.loading import load_pair
@@ -67,8 +65,10 @@ def main() -> int:
     parser.add_argument("--merges", type=int, default=MERGE_LOOKAHEAD, help="a drafter of another vocabulary: "
                         "shared tokens per position whose merged tokens its law reaches (dsi.models.merges; 0: "
                         "plain TLI)")
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
+    add_options(parser, "a tiny random GGUF pair, 1 prompt x 1 seed x 8 tokens of the code set, B = 4")
+    args = parse(parser)
+    if shrink(args, tokens=8, prompts=1, seeds=1, budgets=[4], sets=["code"]):
+        args.target, args.drafter = tiny_pair("llama.cpp")
     start = time.perf_counter()
     target, drafter = load_pair(args.target, args.drafter, backend="llama.cpp", progress=False)
     if not shares_vocabulary(target, drafter):  # another tokenizer: the token intersection (its law over target ids)
@@ -103,10 +103,10 @@ def main() -> int:
     print(f"{args.target} / {args.drafter}, llama.cpp, T = {args.temperature}, SI k = B, {args.prompts} prompts x "
           f"{args.seeds} seeds x {args.tokens} tokens per set ({time.perf_counter() - start:.0f} s)")
     print_table(results, args.trees, lambda r: (r["off"]["tokens_per_verification"], r["off"]["acceptance"]))
-    emit_record({"benchmark": "tree_sampled_acceptance", "target": args.target, "drafter": args.drafter,
-                 "merges": args.merges,
-                 "temperature": args.temperature, "tokens": args.tokens, "prompts_per_set": args.prompts,
-                 "seeds": args.seeds, "results": results}, args.out)
+    emit({"benchmark": "tree_sampled_acceptance", "target": args.target, "drafter": args.drafter,
+          "merges": args.merges,
+          "temperature": args.temperature, "tokens": args.tokens, "prompts_per_set": args.prompts,
+          "seeds": args.seeds, "results": results}, args.out)
     return 0
 
 
@@ -118,7 +118,6 @@ def expected_main(args, target, drafter, start: float) -> int:
     from dsi.cli.measure import PROMPT_SETS
     from dsi.engine.request import Request
     from dsi.engine.trees import TreeDrafter, _suffix_tree, expected_tree_tokens
-    from dsi.evaluate.bench import emit_record
     from dsi.models import CallableLM
     from dsi.models.base import forward_rows, tree_rows
     from dsi.sampling import process_logits
@@ -193,10 +192,10 @@ def expected_main(args, target, drafter, start: float) -> int:
           f"verification, {args.prompts} prompts x {args.seeds} seeds x {args.tokens} tokens per set, an iteration "
           f"every {args.stride} positions ({time.perf_counter() - start:.0f} s)")
     print_table(results, args.trees, lambda r: (r["chain"]["tokens_per_verification"], r["chain_acceptance"]))
-    emit_record({"benchmark": "tree_sampled_expected", "target": args.target, "drafter": args.drafter,
-                 "merges": args.merges,
-                 "temperature": args.temperature, "tokens": args.tokens, "prompts_per_set": args.prompts,
-                 "seeds": args.seeds, "stride": args.stride, "results": results}, args.out)
+    emit({"benchmark": "tree_sampled_expected", "target": args.target, "drafter": args.drafter,
+          "merges": args.merges,
+          "temperature": args.temperature, "tokens": args.tokens, "prompts_per_set": args.prompts,
+          "seeds": args.seeds, "stride": args.stride, "results": results}, args.out)
     return 0
 
 

@@ -4,9 +4,9 @@ second benchmark, at T = 0.7; ``tree_walltime.py`` times greedy requests on reco
 A sampled request is not decided by a recording (each seed writes its own text), so here the rows are the real
 pair's: :class:`Memoised` serves each model's row at a context from memory (float32, as llama.cpp gives it; the
 memory is emptied between prompt sets; a draft tree's rows in one copy, as a backend's tree kernel returns them,
-since section 36 of docs/results.md), computing it once with the real model (llama.cpp; ``--drafter
-smollm2-135m-instruct`` drafts through the token intersection). Both models are wrapped in ``WithLatency`` on
-the two cost models of ``tree_walltime.py``:
+since docs/results.md#dsi-trees-wall-time-on-the-gpu-like-model), computing it once with the real model
+(llama.cpp; ``--drafter smollm2-135m-instruct`` drafts through the token intersection). Both models are wrapped
+in ``WithLatency`` on the two cost models of ``tree_walltime.py``:
 
 - GPU-like: every forward costs the same (target 20 ms, drafter 2 ms), a tree of n nodes what a chain of n
   tokens costs;
@@ -26,20 +26,22 @@ pass, the text being the same every run), so by default (``--misses stand-in``) 
 row of its longest filled prefix, at the emulated cost, instead of a real forward that would stall the run for
 ~0.1 s; it can only move the work DSI discards, never a committed token, and every timed text is checked equal
 to its fill's. The stand-ins are counted per configuration. ``--misses compute`` computes them (and runs such a
-run again, up to 3 times), as sections 27-28 of docs/results.md did.
+run again, up to 3 times), as docs/results-log.md#2026-12-04 did.
 
 **Runs**, per prompt set and cost model: SI with k = ``--k``, its chain against the trees ``auto`` (priced from
 the emulated costs), ``auto:0.1`` and ``branches:0.05``; DSI with event-driven windows on SP = 2 and 4 target
 servers, chain against ``auto`` and ``auto:0.1`` (DSI's windows take leaf side children). Seeds
 0..S-1 per prompt (``--trees`` compares other trees with each chain, ``--servers`` picks DSI's server counts).
-Each shape writes its own text after its first side win (docs/results.md section 25), so the
+Each shape writes its own text after its first side win (docs/results-log.md#2026-12-03), so the
 ratio of time per token is reported with a bootstrap interval over the (prompt, seed) texts, paired: a resample
 draws texts, and each configuration's time per token over them is compared with its chain's over the same texts.
 
     python benchmarks/tree_sampled_walltime.py --drafter smollm2-135m-instruct \\
         --out docs/data/tree_sampled_walltime_smollm2-2026-12-03.json
 
-Prints one table per set and cost model, then one JSON line.
+Prints one table per set and cost model, then one JSON line. ``--dry-run``: a tiny random GGUF pair
+(tests/tiny_gguf.py), the code set's first prompt, one seed of 6 tokens, the GPU-like costs, one fill and one
+repeat.
 """
 
 from __future__ import annotations
@@ -49,14 +51,10 @@ import statistics
 import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.tree_walltime import COST_MODELS  # noqa: E402
+from _common import add_options, emit, parse, shrink, tiny_pair
+from tree_walltime import COST_MODELS
 
 CONFIGS = [  # (label, method, lookahead, servers, draft tree); each tree is compared with the chain before it
     ("SI chain", "si", None, 1, None),
@@ -247,7 +245,6 @@ def paired_interval(chain: list[dict], tree: list[dict], draws: int = 2000, seed
 
 def main() -> int:
     from dsi.cli.measure import PROMPT_SETS
-    from dsi.evaluate.bench import emit_record
     from dsi.models import WithLatency
     from dsi.models.crossvocab import bridge_drafter, shares_vocabulary
     from dsi.models.merges import MERGE_LOOKAHEAD
@@ -281,8 +278,11 @@ def main() -> int:
     parser.add_argument("--drafter-cost", choices=("per-forward", "per-row"), default="per-forward",
                         help="an emulated drafter row costs the real drafter's forwards per row in the fills (a "
                         "bridged drafter's merges look ahead in forwards of their own), or one forward")
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
+    add_options(parser, "a tiny random GGUF pair, 1 prompt x 1 seed x 6 tokens of the code set, GPU-like costs, "
+                "one fill, one repeat")
+    args = parse(parser)
+    if shrink(args, tokens=6, prompts=1, seeds=1, repeats=1, fills=1, sets=["code"], costs=["gpu-like"]):
+        args.target, args.drafter = tiny_pair("llama.cpp")
     start = time.perf_counter()
     real_target, real_drafter = load_pair(args.target, args.drafter, backend="llama.cpp", progress=False)
     if not shares_vocabulary(real_target, real_drafter):
@@ -351,11 +351,11 @@ def main() -> int:
     if counters.get("drafter_model_forwards") and memo_drafter.misses:
         print(f"the real drafter: {counters['drafter_model_forwards'] / memo_drafter.misses:.2f} forwards per row "
               f"({counters.get('drafter_merge_forwards', 0)} of them merges' lookaheads, {memo_drafter.misses} rows)")
-    emit_record({"benchmark": "tree_sampled_walltime", "target": args.target, "drafter": args.drafter,
-                 "merges": args.merges,
-                 "temperature": args.temperature, "tokens": args.tokens, "prompts_per_set": args.prompts,
-                 "seeds": args.seeds, "k": args.k, "repeats": args.repeats, "cost_models": COST_MODELS,
-                 "drafter_work": drafter_work, "results": results}, args.out)
+    emit({"benchmark": "tree_sampled_walltime", "target": args.target, "drafter": args.drafter,
+          "merges": args.merges,
+          "temperature": args.temperature, "tokens": args.tokens, "prompts_per_set": args.prompts,
+          "seeds": args.seeds, "k": args.k, "repeats": args.repeats, "cost_models": COST_MODELS,
+          "drafter_work": drafter_work, "results": results}, args.out)
     return 0
 
 

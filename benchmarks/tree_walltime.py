@@ -44,7 +44,8 @@ With ``--exact-si`` it times SI k = 5 with its chain against its ``auto``, ``bra
 the real drafter's rows (:class:`MemoDrafter`: computed once per context, then served from memory at the
 emulated cost), the correction of the replayed runs above for SI's dynamic trees.
 
-Prints one table per cost model and prompt set, then one JSON line.
+Prints one table per cost model and prompt set, then one JSON line. ``--dry-run`` (in any mode): a tiny random
+GGUF pair (tests/tiny_gguf.py), the code set's first prompt, 8 tokens, one repeat (``--budgets``: B = 4).
 """
 
 from __future__ import annotations
@@ -54,12 +55,9 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from _common import add_options, emit, parse, shrink, tiny_pair
 
 TOP = 8  # drafter tokens kept per position
 COST_MODELS = {
@@ -310,7 +308,6 @@ def si_walltime_exact(recordings: list[dict], vocab: int, drafter, repeats: int,
 
 def main() -> int:
     from dsi.cli.measure import PROMPT_SETS
-    from dsi.evaluate.bench import emit_record
     from dsi.models.crossvocab import bridge_drafter, shares_vocabulary
     from dsi.models.loading import load_pair
 
@@ -329,8 +326,10 @@ def main() -> int:
                         help="the prompt sets to record and run")
     parser.add_argument("--exact-si", action="store_true", help="SI's chain against its auto tree in wall time with "
                         "the real drafter's rows (memoised) instead of the replayed drafter")
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
+    add_options(parser, "a tiny random GGUF pair, 1 prompt x 8 tokens of the code set, one repeat (--budgets: 4)")
+    args = parse(parser)
+    if shrink(args, tokens=8, prompts=1, repeats=1, sets=["code"], budgets=args.budgets and [4]):
+        args.target, args.drafter = tiny_pair("llama.cpp")
     start = time.perf_counter()
     target, drafter = load_pair(args.target, args.drafter, backend="llama.cpp", progress=False)
     if not shares_vocabulary(target, drafter):  # another tokenizer: greedy string mode cannot branch, so the
@@ -352,9 +351,9 @@ def main() -> int:
                 print(f"| {cost_name} | {set_name} | {med['SI chain']:.3f} ({tpv['SI chain']:.2f}) | "
                       + " | ".join(f"{med[label]:.3f} ({tpv[label]:.2f}) | {g['tree_speedup'][label]:.3f}"
                                    for label in ("SI tree=auto", "SI tree=branches", "SI tree=best-first")) + " |")
-        emit_record({"benchmark": "tree_walltime_exact_si", "target": args.target, "drafter": args.drafter,
-                     "tokens": args.tokens, "prompts_per_set": args.prompts, "repeats": args.repeats,
-                     "results": results}, args.out)
+        emit({"benchmark": "tree_walltime_exact_si", "target": args.target, "drafter": args.drafter,
+              "tokens": args.tokens, "prompts_per_set": args.prompts, "repeats": args.repeats,
+              "results": results}, args.out)
         return 0
     if args.budgets:
         results = []
@@ -368,9 +367,9 @@ def main() -> int:
                 print(f"| {set_name} | {agreement:.2f} | {row['budget']} | {row['chain']:.2f} | "
                       + " | ".join(f"{row[name]:.2f} ({row[f'{name}_nodes_per_verification']:.1f}) | "
                                    f"{row[f'{name}_over_chain']:.3f}" for name in args.trees) + " |")
-        emit_record({"benchmark": "tree_budgets", "target": args.target, "drafter": args.drafter,
-                     "tokens": args.tokens, "prompts_per_set": args.prompts, "trees": list(args.trees),
-                     "results": results}, args.out)
+        emit({"benchmark": "tree_budgets", "target": args.target, "drafter": args.drafter,
+              "tokens": args.tokens, "prompts_per_set": args.prompts, "trees": list(args.trees),
+              "results": results}, args.out)
         return 0
     results = []
     for cost_name, cost in COST_MODELS.items():
@@ -398,8 +397,8 @@ def main() -> int:
                   f"{fastest_chain}): {got['auto']['reason']}")
     print(f"\n{args.target} / {args.drafter} recordings (llama.cpp, greedy), {args.prompts} prompts x {args.tokens} "
           f"tokens per set; {time.perf_counter() - start:.0f} s in all", file=sys.stderr)
-    emit_record({"benchmark": "tree_walltime", "target": args.target, "drafter": args.drafter, "tokens": args.tokens,
-                 "prompts_per_set": args.prompts, "repeats": args.repeats, "results": results}, args.out)
+    emit({"benchmark": "tree_walltime", "target": args.target, "drafter": args.drafter, "tokens": args.tokens,
+          "prompts_per_set": args.prompts, "repeats": args.repeats, "results": results}, args.out)
     return 0
 
 

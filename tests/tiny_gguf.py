@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.tiny_hf import SPECIALS, make_tokenizer
+from tests.tiny_hf import SPECIALS, make_tokenizer, perturb
 
 TOKEN_NORMAL, TOKEN_CONTROL = 1, 3  # llama_token_type
 
@@ -102,12 +102,15 @@ def finish(writer) -> None:
 
 
 def write_tiny_gguf(path: Path, seed: int = 0, layers: int = 2, hidden: int = 32, max_positions: int = 256,
-                    quant: str | None = None):
+                    quant: str | None = None, noise: float = 0.0):
     """Write the tiny Llama as ``path`` (a .gguf file); return ``(path, hf_model, tokenizer)``.
-    ``quant``: quantize its matrices (:data:`QUANTS`)."""
+    ``quant``: quantize its matrices (:data:`QUANTS`); ``noise``: perturb its weights first
+    (:func:`tests.tiny_hf.perturb`: a drafter for the unperturbed model)."""
     import gguf
 
     model, tok = tiny_llama(seed, layers, hidden, max_positions)
+    if noise:
+        perturb(model, noise)
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name(f"tiny-llama-{seed}")
     writer.add_vocab_size(len(tok))

@@ -33,6 +33,18 @@ def make_tokenizer(vocab_size: int = 320):
     return tok
 
 
+def perturb(model, noise: float, seed: int = 1):
+    """``model`` with seeded noise added to every tensor (``noise`` x the tensor's std), in place; returns it.
+    A copy of a tiny model perturbed by 0.3 drafts for it: the two agree on about half their greedy tokens."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for tensor in model.parameters():
+            tensor.add_(noise * tensor.std() * torch.randn(tensor.shape, generator=generator))
+    return model
+
+
 def make_model_dir(path: Path, arch: str = "llama", seed: int = 0, layers: int = 2, hidden: int = 32,
                    positions: int = 256) -> Path:
     """Save a random ``arch`` model with the test tokenizer to ``path`` (``positions``: its longest

@@ -232,19 +232,3 @@ def machine_info() -> dict:
         "cpus": os.cpu_count(),
         "platform": platform.platform(),
     }
-
-
-def emit_record(record: dict, out=None, *, indent: int | None = None, stamp: bool = True) -> str:
-    """A benchmark's record printed as one JSON line and written to ``out`` (a path) when given,
-    ``indent``-ed there; with ``stamp``, the date and :func:`machine_info` are added first. Returns the line."""
-    import json
-    import time
-    from pathlib import Path
-
-    if stamp:
-        record = {**record, "date": time.strftime("%Y-%m-%d"), "machine": machine_info()}
-    line = json.dumps(record)
-    if out is not None:
-        Path(out).write_text((line if indent is None else json.dumps(record, indent=indent)) + "\n", encoding="utf-8")
-    print(line)
-    return line
