@@ -6,7 +6,7 @@ an allocation that large with a fresh ``mmap`` (its threshold starts at 128 KiB 
 size of a block once freed) and hands freed heap memory back to the system past its trim threshold
 (twice that). Either way the next such array starts on fresh pages, and faulting them in costs as much
 as the arithmetic: on this project's 2-core machine a law made step by step took 1.2 ms with the
-defaults and 0.5 ms with the settings below (docs/results.md section 28).
+defaults and 0.5 ms with the settings below (docs/results-log.md#2026-12-04).
 
 :func:`tune_allocator` keeps such blocks in the heap (``M_MMAP_THRESHOLD`` at 32 MiB, the ceiling glibc's
 own dynamic threshold may reach) and keeps up to 256 MiB of freed heap for reuse (``M_TRIM_THRESHOLD``):

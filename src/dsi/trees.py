@@ -202,8 +202,8 @@ class Widths:
 DEFAULT_FLOOR = 0.1  # the least drafter probability of an "auto" side child where rows cost nothing
 # ... in DSI, priced: its windows carry a few drafts (1.3-3.8 on average on the H200), so its trees stay within
 # the 16 nodes an H200 verifies at one token's cost even at this floor, where SI's k-draft trees would not
-# (docs/results.md sections 33-34: on SmolLM2's sampled code DSI's trees at 0.02 were 4% faster than at 0.1, no
-# faster at 0.01)
+# (docs/results.md#gpu; docs/results-log.md#2026-12-04: on SmolLM2's sampled code DSI's trees at 0.02 were 4%
+# faster than at 0.1, no faster at 0.01)
 DSI_FLOOR = 0.02
 
 
@@ -217,28 +217,29 @@ def least_floor(method: str) -> float:
 # carried by the windows sent after it is drafted (a window whose chains grew is rooted at their position), so a
 # side child that wins goes on along its chain with the rows after it computed. One: the drafter's likeliest token
 # after the child, a guess at the target's draw there. Deeper chains were slower on SmolLM2 -> Qwen's code on the
-# GPU-like model (docs/results.md section 35: sampled 0.995 of the chain at 4 tokens against 1.097 at one; greedy
-# 1.028 / 1.101 / 1.143 at 4 / 2 / 1): the guess is the target's token after only half of the side children that
-# win, so a chain goes on past it for few of them, while every chain node costs the host a 152k-id row, and
-# the drafter's sampled nodes a processed law each
+# GPU-like model (sampled 0.995 of the chain at 4 tokens against 1.097 at one: docs/results-log.md#2026-12-04;
+# greedy 1.028 / 1.101 / 1.143 at 4 / 2 / 1: docs/results.md#dsi-trees-wall-time-on-the-gpu-like-model): the
+# guess is the target's token after only half of the side children that win, so a chain goes on past it for few
+# of them, while every chain node costs the host a 152k-id row, and the drafter's sampled nodes a processed law
+# each
 DSI_CHAIN_DEPTH = 1
 # DSI's "auto" grows those side chains too where a verified row costs at most this much of a one-token forward: a
 # chain's node pays where its side child wins and the guess is the target's draw, about half the side wins
-# (section 35: 18 of 36, 56 of 98), so it needs half the price a side child at DSI's least floor pays (REACH is
-# defined below: 0.02 * 0.6 / 2 = 0.006). A GPU's memory-bound forward is there (the H200 verifies 16 nodes at
-# one token's cost); a CPU's forward, linear in tokens, is far above it
+# (docs/results-log.md#2026-12-04: 18 of 36, 56 of 98), so it needs half the price a side child at DSI's least
+# floor pays (REACH is defined below: 0.02 * 0.6 / 2 = 0.006). A GPU's memory-bound forward is there (the H200
+# verifies 16 nodes at one token's cost); a CPU's forward, linear in tokens, is far above it
 CHAIN_PRICE = 0.006
 REACH = 0.6  # about how often a side child's window reaches its position where side children matter
 # A greedy side child is never the draft, so its drafter probability is at most 1/2, and it saves at most
 # (1/2 - floor) * REACH of a forward where it is found: from this priced floor up (rows at least 0.24 of a
 # forward, as on a CPU) at most 0.03 of a forward, and only where the drafter's top two are within 0.1 of each
 # other, while ranking every drafted row to look for it cost SI 3% of its wall time at the CPU-like floor 0.5,
-# where no greedy side child can be found at all (docs/results.md sections 23-24): greedy requests draft the
+# where no greedy side child can be found at all (docs/results-log.md#2026-12-03): greedy requests draft the
 # chain there (:func:`dsi.engine.trees.request_shape`). A sampled side child (the drafter's likeliest token where
 # the sampled draft was another) wins only where the draft is rejected and the residual's draw lands on it, far
 # less often than its drafter probability: from this floor up it won 6 times in 288 sampled tokens, and SI's
-# ``auto`` lost 6% to the chain on CPU-like emulated costs (docs/results.md section 27): sampled requests draft
-# the chain there too
+# ``auto`` lost 6% to the chain on CPU-like emulated costs (docs/results-log.md#2026-12-03): sampled requests
+# draft the chain there too
 CHAIN_FLOOR = 0.45
 
 
@@ -253,8 +254,8 @@ def floor_for_price(row_price: float, least: float = DEFAULT_FLOOR) -> float:
     REACH`` exceeds the price: the floor is ``row_price / REACH`` rounded up to a step of 0.05 (so a measured
     price rarely moves it), at least ``least`` (:data:`DEFAULT_FLOOR`; DSI's decoders :data:`DSI_FLOOR`) and at
     most 1 (where no side child is added). On emulated CPU-like costs (a row 0.27 of a forward) that is 0.5, the
-    floor at which "auto" came within 2% of the chain on four recorded sets (docs/results.md section 22); on a
-    GPU (rows nearly free), ``least``."""
+    floor at which "auto" came within 2% of the chain on four recorded sets
+    (docs/results.md#dsi-trees-wall-time-on-the-gpu-like-model); on a GPU (rows nearly free), ``least``."""
     if not isinstance(row_price, int | float) or isinstance(row_price, bool) or not 0.0 <= row_price <= 1.0:
         raise ConfigError(f"row_price={row_price!r} must be a number in [0, 1] (a row's cost in one-token forwards)")
     if not isinstance(least, int | float) or isinstance(least, bool) or not 0.0 < least <= 1.0:
@@ -343,8 +344,8 @@ class BestFirst:
     cumulative drafter probability (the product of the drafter's probabilities along the path),
     considering each expanded node's ``top`` most likely tokens. It may spend the budget below a side
     child, so its main path can be shorter than the chain's: it pays at budgets of 8-16, where a chain's
-    last drafts are rarely reached (docs/results.md section 19). DSI's windows are cut by timing, so it
-    cannot take a per-window node budget (:meth:`sides` refuses)."""
+    last drafts are rarely reached (docs/results.md#tokens-per-verification). DSI's windows are cut by
+    timing, so it cannot take a per-window node budget (:meth:`sides` refuses)."""
 
     top: int = 3
 

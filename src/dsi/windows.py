@@ -17,7 +17,8 @@ step of d seconds and SP servers. The event-driven policy needs no k:
   floor an idle server would get a one-draft window at once and be busy when a full window is
   ready; the servers then fall into step, one carrying large late windows and the others tiny
   ones. Measured on emulated latencies (target 20 ms, drafter 1 ms, SP = 2, a = 0.9): 1.25x the
-  best fixed k without the floor, 1.00x with it (docs/results.md);
+  best fixed k without the floor, 1.00x with it
+  (docs/results.md#event-driven-windows-against-every-fixed-lookahead);
 - ``min_window`` is Equation 1's smallest k from running estimates of T and d, lowered when
   rejections come early: the windows that cover the positions likely to be decided before the
   next rejection (``1.5 / (1 - a)`` of them for an estimated acceptance a, a margin over the mean

@@ -1,8 +1,9 @@
 """The embedded pair on the llama.cpp backend, as shipped (Q4_K_M). In the deterministic mode SI and DSI outputs equal non-SI's token for token and a seeded request gives the
 same tokens whatever ran before; without it they depart from non-SI where the target's two best tokens
 are a numerical near-tie (a batched verification forward and a one-token forward take different
-quantized kernels: docs/results.md sections 8 and 11), and the issue's repeated requests differ.
-Runs where the pair's GGUF is in the cache."""
+quantized kernels: docs/results.md#llamacpp-against-transformers and
+docs/results.md#where-the-logits-depend-on-the-cut), and the issue's repeated requests differ. Runs where the
+pair's GGUF is in the cache."""
 
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ def add_backend_args(g: argparse._ArgumentGroup | argparse.ArgumentParser, threa
                    help="compute every token in a forward of its own, so that outputs depend on the tokens alone "
                         "(greedy SI/DSI equal to non-SI bit for bit, a seed always gives the same text, for DSI "
                         "too); default off: it cuts verification forwards into single tokens (costs measured in "
-                        "docs/results.md section 11; docs/architecture.md, 'Deterministic inference')")
+                        "docs/results.md#what-the-mode-costs; docs/architecture.md, 'Deterministic inference')")
     g.add_argument("--max-model-len", "--n-ctx", dest="max_model_len", type=Number(int, 2), default=None, metavar="N",
                    help="the most tokens a session holds: llama.cpp's KV cells (default: the GGUF's training "
                         "context, at most 4096), or the hf backend's static cache (--kv-cache static; default: "

@@ -688,7 +688,8 @@ def shared_hardware_note(
     the drafter is not on a CPU or the target servers have devices of their own).
 
     DSI's target servers verify while the drafter drafts, which needs hardware the drafter does
-    not use; on a shared CPU each server takes cores from the drafter (docs/results.md, section 2).
+    not use; on a shared CPU each server takes cores from the drafter
+    (docs/results.md#transformers-in-detail-and-why-dsi-cannot-win-on-shared-cores).
     """
     si = [t for m, t in totals.items() if m.startswith("SI")]
     dsi = [t for m, t in totals.items() if m.startswith("DSI")]
@@ -698,7 +699,7 @@ def shared_hardware_note(
     return (f"note: DSI trails SI here because its drafter and {servers} target server{'s' if servers > 1 else ''} "
             f"share {cpus or 'the same'} CPU cores: every core a target server uses is taken from the drafter. "
             "DSI needs target servers with hardware of their own, e.g. --device cuda:0 --target-devices "
-            "cuda:1,cuda:2 (docs/results.md, section 2).")
+            "cuda:1,cuda:2 (docs/results.md#transformers-in-detail-and-why-dsi-cannot-win-on-shared-cores).")
 
 
 def _identical_mark(row: dict) -> str:

@@ -474,7 +474,8 @@ def _register_plan(subparsers) -> None:
     p.add_argument("--side-rescue", type=PROBABILITY, default=None, metavar="R",
                    help="also compare draft trees with chains (SI and DSI): R is the chance that a rejected draft's "
                         "correction is the drafter's second choice there (what a side child would rescue); "
-                        "the embedded pair's recordings give 0.46 on prose, 0.77 on code (docs/results.md section 15)")
+                        "the embedded pair's recordings give 0.46 on prose, 0.77 on code "
+                        "(docs/results.md#method-auto-and-the-planner-with-trees)")
     p.add_argument("--max-servers", type=COUNT, default=7, help="target servers available (default 7)")
     p.add_argument("--max-lookahead", type=COUNT, default=20, help="largest lookahead to consider (default 20)")
     p.add_argument("--tokens", type=COUNT, default=200, help="tokens per simulated request (default 200)")

@@ -34,8 +34,8 @@ them*:
    simple ones), as the measurements are noisy.
 
 Trees are weighed on greedy calibration, as everything here is: a sampled request's side children
-win less often than greedy ones (docs/results.md section 15), so a tree picked for greedy decoding
-may gain less when sampling; it never changes the output (:mod:`dsi.trees`).
+win less often than greedy ones (docs/results.md#why-a-sampled-side-child-rescues-less-than-a-greedy-one), so a
+tree picked for greedy decoding may gain less when sampling; it never changes the output (:mod:`dsi.trees`).
 
 The choice, with its evidence (latencies, acceptance, measured and predicted seconds of every
 candidate), is cached as JSON under ``<cache dir>/autotune/`` per (pair, dtypes, devices, threads,

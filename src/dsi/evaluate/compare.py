@@ -112,8 +112,9 @@ def iter_compare(
     ``warmup_tokens`` on the first prompt, or ``fresh_warmup_tokens`` (default ``warmup_tokens``)
     where its decoder was built for it: a benchmark on a GPU passes the timed length, since new
     workers' first request of that length allocates what later ones reuse (CUDA's caching
-    allocator), which must not fall inside one config's timed runs only (docs/results.md section
-    33). A caller that stops iterating early closes the decoder in use.
+    allocator), which must not fall inside one config's timed runs only
+    (docs/results.md#2026-12-04-event-driven-windows-a-warm-rerun-one-forward-trees). A caller that stops
+    iterating early closes the decoder in use.
     """
     params = sampling if sampling is not None else SamplingParams()
     firsts = {ids[0] for ids in prompt_ids}

@@ -37,8 +37,8 @@ target's tokens depart from those spelled (a rejection, a new request), the draf
 spelling the common prefix and spells the rest (a *re-encode* when that is more than its one token for
 one new target token; counted). It also keeps the target's cuts in the drafter's context, which the
 drafter follows in context: SmolLM2 drafting for Qwen agreed with the target more often this way than
-with its own tokenization of the text (docs/results.md section 26). In string mode the drafter's own greedy
-continuation is kept while the target's text follows it.
+with its own tokenization of the text (docs/results-log.md#2026-12-03). In string mode the drafter's own
+greedy continuation is kept while the target's text follows it.
 
 Requested modes: ``"string"``, ``"intersection"``, or ``"auto"`` (string for greedy requests,
 intersection for sampling). Exactness in string mode needs greedy decoding, so a sampling request
@@ -130,7 +130,7 @@ class CrossVocabularyDrafter:
         ``"auto"`` resolves once, on first use (:func:`~dsi.models.merges.merges_for`):
         :data:`~dsi.models.merges.MERGE_LOOKAHEAD` where a drafter forward costs about the same for a few tokens
         as for one (a stated low row price, an accelerator), else 0 (a CPU, where the lookahead forwards cost
-        more than they buy: docs/results.md section 31)."""
+        more than they buy: docs/results.md#merged-tokens-and-where-a-rejected-drafts-correction-lands)."""
         if self._merges is None:
             self._merges = merges_for(self.drafter)
         return self._merges

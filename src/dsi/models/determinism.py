@@ -5,17 +5,18 @@ was cut: one token or a batch of k + 1, a prompt prefilled at once or in chunks,
 KV computed in other batches (quantized llama.cpp kernels take other paths for one token than for
 several, and repack their weights for batched products; bf16 matrix products round by blocking).
 In SI and DSI the window sizes, the cache hits and the server a window lands on depend on timing and
-on earlier requests, so without care the output would too (docs/results.md section 11 measures it).
+on earlier requests, so without care the output would too (measured:
+docs/results.md#where-the-logits-depend-on-the-cut).
 
 The canonical cut. In deterministic mode a backend computes every token in a forward of its own,
 in order: the KV of position i and the row of position i are then computed by the same one-token
 forward over the same KV, whatever batch the caller asked for, whatever the session held before
 (a cache hit only skips forwards that were computed the same way) and however many threads the caller
 gave it. llama.cpp runs the mode without flash attention, whose CPU kernel splits a one-token forward's
-KV across the threads past 256 tokens (docs/results.md section 37). transformers runs the mode's CPU
-forwards on one torch intra-op thread, in the calling thread only: MKL's fp32 products and ATen's
-kernels may sum in an order that follows the thread count (on an AMD EPYC a tiny fp32 Llama's rows
-were 1.2e-7 apart on 1 and 2 threads, a 125M one's 1.7e-6; bf16 agreed there), and the methods of one
+KV across the threads past 256 tokens (docs/results.md#past-256-tokens-flash-attention-and-the-thread-count).
+transformers runs the mode's CPU forwards on one torch intra-op thread, in the calling thread only: MKL's fp32
+products and ATen's kernels may sum in an order that follows the thread count (on an AMD EPYC a tiny fp32 Llama's
+rows were 1.2e-7 apart on 1 and 2 threads, a 125M one's 1.7e-6; bf16 agreed there), and the methods of one
 comparison do run with different counts (the auto-tuner gives DSI's workers a share of the cores).
 The rows are those of one machine: another CPU kind or library build may round differently.
 So every window of every method sees exactly non-SI's rows: greedy SI and DSI equal non-SI token for
@@ -24,7 +25,7 @@ token, and a seeded request gives the same tokens whatever ran before and howeve
 What it costs: a verification forward over k + 1 tokens is cut into k + 1 one-token forwards. On the
 embedded pair on this project's 2-core CPU (llama.cpp) that costs non-SI 4% (its prompt is read a
 token at a time), SI 38% and DSI 51% (SI 99% and DSI 88% on a day this machine's one-token forwards were
-slower: docs/results.md section 37); on a GPU, where a verification costs about one forward, far
+slower: docs/results.md#what-the-mode-costs); on a GPU, where a verification costs about one forward, far
 more. transformers' one intra-op thread on a CPU costs nothing where a worker runs on one thread anyway
 (DSI's workers on a 2-core CPU) and nothing for fp32 decoding on the 2-core AMD EPYC (memory-bound);
 a bf16 one-token forward of a single worker given 2 threads takes 1.3-1.6x as long there (random

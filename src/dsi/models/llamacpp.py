@@ -59,7 +59,7 @@ DEFAULT_N_CTX = 4096  # KV cells per session when the caller does not say (the G
 N_BATCH = 512  # tokens per llama_decode call
 # the deterministic mode (one token per llama_decode) is off unless asked for: it costs non-SI 4-16%, but
 # SI 38-99% and DSI 51-88% on the embedded pair here, whose verification forwards it cuts into single
-# tokens (docs/results.md sections 11 and 37)
+# tokens (docs/results.md#what-the-mode-costs)
 DETERMINISTIC_DEFAULT = False
 _ABORTED = 2  # llama_decode's return code after the abort callback said stop
 MAX_TREE_PATHS = 16  # root-to-leaf paths of a draft tree verified in one forward (more: one forward per path)
@@ -284,8 +284,9 @@ class LlamaCppSession:
 
         In deterministic mode flash attention is off: llama.cpp's CPU flash attention splits the KV of a
         one-token forward across the threads once the cache view reaches 512 cells (past 256 tokens) and
-        merges the parts, so the row would depend on the thread count (measured: docs/results.md section
-        37). Without flash attention every reduction runs whole in one thread. Off it costs a prompt read
+        merges the parts, so the row would depend on the thread count (measured:
+        docs/results.md#past-256-tokens-flash-attention-and-the-thread-count). Without flash attention every
+        reduction runs whole in one thread. Off it costs a prompt read
         at once 3-5% on the embedded pair here, a one-token forward nothing measurable."""
         ll, owner = self._ll, self._owner
         params = ll.llama_context_default_params()

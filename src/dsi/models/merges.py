@@ -5,7 +5,8 @@ never be drafted, and a target whose tokenizer merges what the drafter writes in
 tokens often: SmolLM2 writes ``":"`` then ``"\\n"`` where Qwen writes ``":\\n"``, and ``"."`` ``"csv"``
 where Qwen writes ``".csv"``. On Qwen's code prompts the target's own token was outside the intersection at
 42 of 288 sampled positions, and those tokens held 35% of the mass a rejected draft's correction is drawn
-from (``benchmarks/tree_sampled_rules.py``; docs/results.md section 31).
+from (docs/results.md#merged-tokens-and-where-a-rejected-drafts-correction-lands;
+docs/data/tree_sampled_rules_smollm2-2026-12-04.json).
 
 A **merge** is a target token ``T`` outside the intersection whose bytes are a shared token ``a`` followed
 by one drafter token ``b`` (:class:`MergeTable`; several splits of one ``T`` are several merges). Where the
@@ -44,7 +45,8 @@ from dsi.models.vocabulary import Vocabulary
 
 MERGE_LOOKAHEAD = 3  # shared tokens per position whose lookahead rows the law is extended from (0: plain TLI)
 # ``merges="auto"`` looks ahead where one more token in a drafter forward costs at most this much of a one-token
-# forward (a GPU; a CPU's llama.cpp drafter: a row 2-2.6 times dearer with merges, docs/results.md section 31)
+# forward (a GPU; a CPU's llama.cpp drafter: a row 2-2.6 times dearer with merges,
+# docs/results.md#merged-tokens-and-where-a-rejected-drafts-correction-lands)
 MERGE_MAX_ROW_PRICE = 0.1
 MERGE_FLOOR = 0.01  # ... each at least this fraction of the likeliest shared token's probability
 

@@ -3,7 +3,7 @@
 A verification is a short forward (a window of drafts) whose answer a decoder waits on, so what the
 request path around it costs counts as much as the forward on a fast target. Over HTTP that path is
 about 4 ms on 2 cores (uvicorn, FastAPI's routing and validation, the job queue, two thread
-hand-offs, a JSON answer of ``prompt_logprobs`` entries; docs/results.md sections 12 and 16). Next to
+hand-offs, a JSON answer of ``prompt_logprobs`` entries; docs/results.md#emulated-latencies-over-engines). Next to
 its OpenAI port, ``dsi serve`` listens on a plain TCP port (its model card's ``dsi.scoring_port``)
 whose connections each have a thread of the server's that reads a request, runs the forward on an
 engine slot and writes the rows back: no event loop, no JSON, no per-row dicts. Only a dsi uses it

@@ -213,10 +213,11 @@ def _near_tie_drafter(context):
 @pytest.mark.parametrize("method,lookahead", [("si", 4), ("dsi", 3)])
 def test_greedy_requests_draft_the_chain_where_rows_price_the_floor_past_greedy_side_children(method, lookahead):
     """At a priced floor >= CHAIN_FLOOR (rows 0.25 of a forward: 0.45) a greedy side child could only
-    be a near tie of the drafter's top two, and ranking every row for it costs more than it saves (docs/results.md
-    section 24): greedy requests draft the chain, said in the stats; sampled requests too (a sampled side child,
-    the drafter's top token where the draft was another, wins far less often than its drafter probability:
-    section 27); a fixed "auto:0.45" still drafts trees, and every greedy output is the target's."""
+    be a near tie of the drafter's top two, and ranking every row for it costs more than it saves
+    (docs/results-log.md#2026-12-03): greedy requests draft the chain, said in the stats; sampled requests too (a
+    sampled side child, the drafter's top token where the draft was another, wins far less often than its drafter
+    probability: docs/results.md#why-a-sampled-side-child-rescues-less-than-a-greedy-one); a fixed "auto:0.45"
+    still drafts trees, and every greedy output is the target's."""
     from dsi.trees import CHAIN_FLOOR
     cpu = dict(ttft=0.009, tpot=0.009, token_s=0.003)  # a row 0.25 of a one-token forward
     assert floor_for_price(0.25) == CHAIN_FLOOR == 0.45 and floor_for_price(0.003 / 0.011) == 0.5

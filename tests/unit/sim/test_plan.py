@@ -98,7 +98,7 @@ def test_plan_is_the_fastest_candidate_within_the_budget():
 def test_the_plan_compares_draft_trees_with_chains_by_their_rescue_rate():
     """No rescue: a tree is its chain (SI's ``auto`` tree drafts the chain's k drafts, DSI's windows go out as
     the chain's do), so the same time; every rejection rescued: trees win in both. In between, SI gains more
-    than DSI, whose rejections still cost a restart (docs/results.md section 15)."""
+    than DSI, whose rejections still cost a restart (docs/results.md#method-auto-and-the-planner-with-trees)."""
     inputs = resolve_inputs(target_tpot_ms=20.0, drafter_tpot_ms=2.0, acceptance=0.6)
     common = dict(max_servers=3, max_lookahead=8, tokens=60, repeats=6, seed=1)
     gains = {}
