@@ -70,7 +70,7 @@ PY
 status=0
 if [ "$limit_tests" -gt 0 ]; then
     timeout "$limit_tests" python3 -m pytest -q -p no:cacheprovider tests/unit/models/test_hf.py \
-        tests/unit/models/test_hf_static.py tests/unit/models/test_replay.py 2>&1 | tee "$out/tests.log" || status=1
+        tests/unit/models/test_hf_static.py tests/unit/models/test_replay.py tests/unit/models/test_device_laws.py 2>&1 | tee "$out/tests.log" || status=1
 fi
 
 timeout "$limit_f" python3 benchmarks/gpu_forwards.py --config qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct \

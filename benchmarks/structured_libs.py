@@ -5,7 +5,8 @@ For each library: the tokenizer's setup; the compile time of a typical JSON sche
 string, an integer with a minimum, an enum, an array of strings, a nested object with a pattern, a boolean) and
 of a regex; the time of one next-token mask over the whole vocabulary, median over the tokens of a valid
 instance walked token by token (each mask, then the token consumed); whether the matcher rolls back (checked:
-after k tokens and a rollback of k, the mask is the one before), and what ``pip`` would install with it.
+after k tokens and a rollback of k, the mask is the one before), and what ``pip`` would install with it. Then
+dsi's own compile of a ``tool_choice: "required"`` schema over ``--tools`` N functions, and its first mask.
 
     python benchmarks/structured_libs.py --out docs/data/structured_libs-DATE.json
 
@@ -168,6 +169,40 @@ def outlines_case(tok, vocab: int, ids: list[int]) -> dict:
 CASES = {"xgrammar": xgrammar_case, "llguidance": llguidance_case, "outlines-core": outlines_case}
 
 
+def tool(i: int) -> dict:
+    """A function of eight parameters of mixed types (strings, numbers, enums, arrays, objects), as agents send."""
+    kinds = [{"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"},
+             {"type": "string", "enum": [f"opt{k}" for k in range(20)]},
+             {"type": "array", "items": {"type": "string"}, "maxItems": 5},
+             {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}, "required": ["a"]}]
+    props = {f"p{j}": kinds[(i * 3 + j) % len(kinds)] for j in range(8)}
+    return {"type": "function", "function": {"name": f"tool_{i}", "description": f"tool number {i}", "parameters": {
+        "type": "object", "properties": props, "required": list(props)[:4]}}}
+
+
+def tool_costs(tok, vocab: int, counts: list[int]) -> list[dict]:
+    """What dsi's own compile of ``tool_choice: "required"`` over N tools costs (dsi.server.tools builds the schema,
+    dsi.constraints compiles it within its LIMITS), and its first mask; the vocabulary's own setup (once per
+    vocabulary, about 0.3 s at 152k ids) is done before."""
+    from dsi.constraints import BoundConstraint, Constraint, TokenTable
+    from dsi.server.protocol import ChatCompletionRequest, validate_request
+    from dsi.server.tools import tool_calling
+
+    table = TokenTable.of_tokenizer(tok, vocab, [tok.eos_token_id])
+    BoundConstraint(Constraint.json_object(), table)  # the vocabulary's matcher tokenizer, once per vocabulary
+    rows = []
+    for n in counts:
+        request = validate_request(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
+                                                           "tools": [tool(i) for i in range(n)],
+                                                           "tool_choice": "required"})
+        schema = tool_calling(request).schema
+        bound, compile_s = _timed(lambda: BoundConstraint(Constraint.json_schema(schema), table))
+        _, mask_s = _timed(lambda: bound.allowed([]))
+        rows.append({"tools": n, "schema_chars": len(json.dumps(schema)), "compile_ms": 1e3 * compile_s,
+                     "first_mask_ms": 1e3 * mask_s})
+    return rows
+
+
 def install_footprint(name: str) -> dict:
     """What ``pip install NAME`` would add to an empty environment (pip's dry-run report)."""
     import subprocess
@@ -187,6 +222,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--library", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--no-footprint", action="store_true", help="skip pip's dry runs (they need the index)")
+    parser.add_argument("--tools", type=int, nargs="*", default=[8, 32, 128],
+                        help="also time dsi's compile of tool_choice 'required' over this many tools (none: skip)")
     add_options(parser, "the tiny tokenizer of tests/tiny_hf.py (320 ids), no pip footprint")
     args = parse(parser)
     if shrink(args, no_footprint=True):
@@ -222,8 +259,15 @@ def main() -> int:
         print(f"| {name} | {r['tokenizer_setup_s']:.2f} | {1e3 * r['schema_compile_s']:.1f} | "
               f"{1e3 * r['regex_compile_s']:.1f} | {r['mask_ms']:.3f}, {r['mask_ms_max']:.3f} | "
               f"{'yes' if r['rollback'] else 'NO'} | {pulls} |")
+    tools = tool_costs(tok, vocab, args.tools) if args.tools else []
+    if tools:
+        print("\ndsi's compile of tool_choice 'required' (dsi.server.tools, dsi.constraints), 8 parameters a tool")
+        print("| tools | schema characters | compile ms | first mask ms |")
+        print("|---|---|---|---|")
+        for r in tools:
+            print(f"| {r['tools']} | {r['schema_chars']:,} | {r['compile_ms']:.1f} | {r['first_mask_ms']:.2f} |")
     emit({"benchmark": "structured_libs", "vocab": vocab, "instance_tokens": len(ids), "schema": SCHEMA,
-          "rows": rows}, args.out)
+          "rows": rows, "tool_schemas": tools}, args.out)
     return 0
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -368,13 +368,8 @@ def greedy_tokens(logits: np.ndarray, params: SamplingParams, tokens: Sequence[i
         check_logit_row(row)
     if not params.moves_argmax:
         return np.argmax(rows, axis=-1).astype(np.int64)
-    n = rows.shape[0]
-    first = len(tokens) - n + 1  # the prefix length of row 0
-    counts = _Counts(tokens[:first], prompt_len, rows.shape[1]) if params.uses_prefix else None
-    out = np.empty(n, dtype=np.int64)
-    for j in range(n):
-        if j and counts is not None:
-            counts.add(tokens[first + j - 1])
+    out = np.empty(rows.shape[0], dtype=np.int64)
+    for j, counts in enumerate(chain_counts(params, tokens, prompt_len, rows.shape[0], rows.shape[1])):
         if params.constraint is not None:  # a mask touches most ids: the whole row
             row = np.asarray(rows[j], dtype=_shaping_dtype(rows[j], params))
             out[j] = int(np.argmax(_shape(row, params, counts, stop_ids)))
@@ -383,19 +378,32 @@ def greedy_tokens(logits: np.ndarray, params: SamplingParams, tokens: Sequence[i
     return out
 
 
-def _sparse_argmax(row: np.ndarray, params: SamplingParams, counts: _Counts | None, stop_ids: frozenset[int]) -> int:
-    """The first argmax of ``_shape(row, ...)`` without building it."""
-    vocab = row.size
+def touched_ids(params: SamplingParams, counts: _Counts | None, stop_ids: frozenset[int], vocab: int) -> np.ndarray:
+    """The ids whose logits the processors before temperature change in a row after ``counts`` (ascending int64):
+    the biased ids, the held stop ids, and the prompt's or output's ids the penalties touch."""
     touched: set[int] = {t for t, _ in params.logit_bias if t < vocab}
     if params.min_tokens and counts is not None and counts.generated < params.min_tokens:
         touched.update(t for t in stop_ids if 0 <= t < vocab)
     if counts is not None:
         touched |= counts.seen if params.repetition_penalty != 1.0 else counts.output.keys()
-    if not touched:
+    return np.fromiter(sorted(touched), np.int64, len(touched))
+
+
+def process_touched(values: np.ndarray, ids: np.ndarray, vocab: int, params: SamplingParams, counts: _Counts | None,
+                    stop_ids: frozenset[int]) -> np.ndarray:
+    """The processors before temperature on the raw logits ``values`` (float64) of the ids :func:`touched_ids`
+    gave, in place: what :func:`shape_logits` makes of them, bit for bit (the same code), wherever the rest of
+    the row is (a device: :mod:`dsi.models.device_laws`)."""
+    return _process(values, lambda which: np.searchsorted(ids, which), vocab, params, counts, stop_ids)
+
+
+def _sparse_argmax(row: np.ndarray, params: SamplingParams, counts: _Counts | None, stop_ids: frozenset[int]) -> int:
+    """The first argmax of ``_shape(row, ...)`` without building it."""
+    vocab = row.size
+    ids = touched_ids(params, counts, stop_ids, vocab)  # [m], ascending
+    if not ids.size:
         return int(np.argmax(row))
-    ids = np.fromiter(sorted(touched), np.int64, len(touched))  # [m], ascending
-    values = _process(row[ids].astype(np.float64), lambda which: np.searchsorted(ids, which), vocab, params,
-                      counts, stop_ids)
+    values = process_touched(row[ids].astype(np.float64), ids, vocab, params, counts, stop_ids)
     rest = row.copy()
     rest[ids] = -np.inf
     best = int(np.argmax(rest))
@@ -424,15 +432,22 @@ def shape_rows(logits: np.ndarray, params: SamplingParams, tokens: Sequence[int]
         check_logit_row(row)
     if not params.moves_argmax:
         return rows
-    n = rows.shape[0]
-    first = len(tokens) - n + 1  # the prefix length of row 0
-    counts = _Counts(tokens[:first], prompt_len, rows.shape[1]) if params.uses_prefix else None
     out = np.empty_like(rows)
+    for j, counts in enumerate(chain_counts(params, tokens, prompt_len, rows.shape[0], rows.shape[1])):
+        out[j] = _shape(rows[j], params, counts, stop_ids)
+    return out
+
+
+def chain_counts(params: SamplingParams, tokens: Sequence[int], prompt_len: int, n: int,
+                 vocab: int) -> Iterator[_Counts | None]:
+    """What the processors read of the prefix of each of the last ``n`` rows of a forward over ``tokens``, row by
+    row (one object, advanced by a token a row: read it before the next; None where no processor reads it)."""
+    first = len(tokens) - n + 1  # the prefix length of row 0
+    counts = _Counts(tokens[:first], prompt_len, vocab) if params.uses_prefix else None
     for j in range(n):
         if j and counts is not None:
             counts.add(tokens[first + j - 1])
-        out[j] = _shape(rows[j], params, counts, stop_ids)
-    return out
+        yield counts
 
 
 def shape_logits(logits: np.ndarray, params: SamplingParams, prefix: Prefix | None) -> np.ndarray:
@@ -808,6 +823,54 @@ def read_chain_laws(laws: LazyLaws, context: Sequence[int], draft_probs: Sequenc
         if not accepts(p_x, float(q_x), params, first + j):
             return ReadLaws(n, probs[: j + 1], {j: laws[j]})
     return ReadLaws(n, probs, {n - 1: laws[n - 1]})
+
+
+@dataclass(frozen=True)
+class ChainRead:
+    """How a target server reads a sampled chain verification's rows ``[n, V]`` (a forward's ``read``:
+    :func:`dsi.models.base.extend_rows`): the argmax ids of the processed rows (which checks each row), and the
+    laws processed as the decisions read them (:class:`LazyLaws`), or, with the drafts' drafter probabilities,
+    decided here (:func:`read_chain_laws`: only the law a decision reads goes back).
+
+    A session whose model decides on its device (the hf backend on a GPU:
+    :mod:`dsi.models.device_laws`) reads :attr:`on_device` chains there instead, and only the drafts'
+    probabilities and the one law cross to the host."""
+
+    tokens: tuple[int, ...]  # the verified context: row j follows tokens[: len - n + 1 + j]
+    params: SamplingParams
+    prompt_len: int
+    stop_ids: frozenset[int] = frozenset()
+    draft_probs: tuple[float, ...] | None = None
+
+    @property
+    def on_device(self) -> bool:
+        """Whether a device can decide this chain: its drafts' probabilities came with it."""
+        return self.draft_probs is not None and not self.params.greedy
+
+    def __call__(self, logits: np.ndarray) -> tuple[np.ndarray, LazyLaws | ReadLaws]:
+        params = self.params
+        tokens = greedy_tokens(logits, params, self.tokens, self.prompt_len, self.stop_ids)  # checks rows
+        laws = LazyLaws.of_chain(logits, params, self.tokens, self.prompt_len, self.stop_ids)
+        if self.draft_probs is None:
+            return tokens, laws
+        return tokens, read_chain_laws(laws, self.tokens, self.draft_probs, params)
+
+
+@dataclass(frozen=True)
+class GreedyRead:
+    """How a target server reads a greedy verification's rows ``[n, V]`` whose processors can move the argmax
+    (penalties, bias, ``min_tokens``, a constraint): the argmax ids of the processed rows
+    (:func:`greedy_tokens`). A session whose model decides on its device takes them there
+    (:func:`dsi.models.device_laws.greedy_ids`: the same ids, bit for bit), and only the ids cross."""
+
+    tokens: tuple[int, ...]  # the verified context: row j follows tokens[: len - n + 1 + j]
+    params: SamplingParams
+    prompt_len: int
+    stop_ids: frozenset[int] = frozenset()
+    on_device = True
+
+    def __call__(self, logits: np.ndarray) -> np.ndarray:
+        return greedy_tokens(logits, self.params, self.tokens, self.prompt_len, self.stop_ids)
 
 
 def bonus(p: np.ndarray, params: SamplingParams, position: int) -> int:

@@ -91,6 +91,8 @@ def test_gpu_forwards(dry_run):
     assert row["config"] == "qwen2.5-coder-0.5b-instruct" and positive(row["read_ms"])
     assert set(row["plans"]) == {"dynamic", "static", "graphs"}
     assert all(positive(p["1_ms"]) and positive(p["5_ms"]) for p in row["plans"].values())
+    graphs = row["plans"]["graphs"]
+    assert all(positive(graphs[f"{kind}_{where}_ms"]) for kind in ("sampled", "penalised") for where in ("host", "device"))
     assert positive(report["bandwidth_gb_s"]) and report["machine"]["torch"]
 
 
@@ -303,6 +305,10 @@ def test_structured_libs(dry_run):
     row = report["rows"]["llguidance"]
     assert row["completed"] and row["rollback"] and positive(row["mask_ms"])
     assert 0 < row["allowed_first"] <= report["vocab"]
+    tools = report["tool_schemas"]
+    assert [t["tools"] for t in tools] == [8, 32, 128]
+    assert all(positive(t["compile_ms"]) for t in tools)
+    assert tools[0]["schema_chars"] < tools[1]["schema_chars"] < tools[2]["schema_chars"]
 
 
 def test_structured_acceptance(dry_run):

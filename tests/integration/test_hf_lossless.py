@@ -85,7 +85,10 @@ def test_greedy_dsi_and_si_equal_transformers_generate(build, plan, no_thread_le
     pytest.param("auto", dict(presence_penalty=0.6, repetition_penalty=1.4, logit_bias={2: 0.8}, min_p=0.02),
                  marks=pytest.mark.slow),
     pytest.param("auto", {}, marks=pytest.mark.slow),  # on the static cache with graphs' padded shapes (below)
-], ids=["k1", "auto-processed", "auto-static-padded"])
+    pytest.param(3, dict(top_k=4, top_p=0.95), marks=pytest.mark.slow),  # decided on the device (below)
+    pytest.param(3, dict(presence_penalty=0.6, repetition_penalty=1.4, logit_bias={2: 0.8}, min_p=0.02),
+                 marks=pytest.mark.slow),  # processed, decided on the device
+], ids=["k1", "auto-processed", "auto-static-padded", "k3-device", "k3-device-processed"])
 def test_dsi_sampling_matches_the_exact_law_of_a_tiny_vocabulary_model(lookahead, processing, no_thread_leak, request):
     """The second token's row counts the first as output (penalties); every row is biased."""
     vocab, length, samples = 5, 2, 1200
@@ -93,7 +96,8 @@ def test_dsi_sampling_matches_the_exact_law_of_a_tiny_vocabulary_model(lookahead
     with torch.no_grad():  # make the distributions far from uniform so that errors would show
         target_model.lm_head.weight.mul_(8.0)
         drafter_model.lm_head.weight.mul_(8.0)
-    plan = PLANS["padded" if request.node.callspec.id == "auto-static-padded" else "dynamic"]
+    plan = {"auto-static-padded": PLANS["padded"], "k3-device": ForwardPlan(device_decisions=True),
+            "k3-device-processed": ForwardPlan(device_decisions=True)}.get(request.node.callspec.id, PLANS["dynamic"])
     target, drafter = HFModel(target_model, forward_plan=plan), HFModel(drafter_model, forward_plan=plan)
     prompt = (1, 2, 3)
     params = SamplingParams(temperature=1.0, **processing)

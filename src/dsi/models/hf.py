@@ -56,8 +56,10 @@ from dsi.models.hf_static import (
     new_positioned_cache, padded_size, visibility,
 )
 from dsi.models.sources import resolve_source
+from dsi.sampling import ChainRead, GreedyRead
 
 logger = logging.getLogger(__name__)
+ON_DEVICE = "device"  # what a forward hands back: its rows on the model's device, for a reader that decides there
 
 DTYPES = {
     "bf16": torch.bfloat16,
@@ -442,9 +444,20 @@ class HFModel:
             finally:
                 self._local.cancel = None
 
-    def _host_rows(self, logits: torch.Tensor, greedy: bool) -> torch.Tensor:
+    @property
+    def decides_on_device(self) -> bool:
+        """Whether sampled chain verifications are decided on this model's device (``forward_plan``'s
+        ``device_decisions``; by default on a GPU outside the deterministic mode, whose laws are the host's so
+        that every window, chain or tree, reads the same bits)."""
+        chosen = self.forward_plan.device_decisions
+        return self.device.type == "cuda" and not self.deterministic if chosen is None else chosen
+
+    def _host_rows(self, logits: torch.Tensor, greedy: bool | str) -> torch.Tensor:
         """Logit rows ``[rows, V]`` on the device as the host gets them: float32 on the CPU, or with ``greedy``
-        their argmax ids (int64 ``[rows]``, taken on the device so that only the ids cross)."""
+        their argmax ids (int64 ``[rows]``, taken on the device so that only the ids cross); with
+        ``greedy=ON_DEVICE`` the rows as they are, on the device (a reader decides there)."""
+        if greedy == ON_DEVICE:
+            return logits
         rows = logits.shape[0]
         if greedy:  # argmax of bf16 = argmax of its float32 copy; a row with NaN (no order) is marked -1
             ids = torch.where(torch.isnan(logits).any(dim=-1), -1, logits.argmax(dim=-1)).cpu()  # [rows] int64
@@ -553,8 +566,26 @@ class HFSession:
         tokens = check_token_ids(tokens, self._owner.vocab_size, "tokens", self._owner.name)
         return self.extend_rows(tokens, cancel, len(tokens), False)
 
-    def extend_rows(self, tokens: Sequence[int], cancel: CancelFlag | None, num_rows: int, greedy: bool) -> np.ndarray:
-        """The session interface's fast path (:func:`dsi.models.base.extend_rows`)."""
+    reads_rows = True  # a reader of a sampled chain is run where the rows are (models/device_laws.py)
+
+    def extend_rows(self, tokens: Sequence[int], cancel: CancelFlag | None, num_rows: int, greedy: bool,
+                    read: Any = None) -> Any:
+        """The session interface's fast path (:func:`dsi.models.base.extend_rows`); ``read`` of the rows, which a
+        sampled chain's reader (:class:`~dsi.sampling.ChainRead`) or a processed greedy one
+        (:class:`~dsi.sampling.GreedyRead`) does on the model's device where the model decides there
+        (:attr:`HFModel.decides_on_device`)."""
+        if read is not None and not greedy and isinstance(read, ChainRead | GreedyRead) and read.on_device \
+                and self._owner.decides_on_device:
+            from dsi.models.device_laws import greedy_ids, read_chain
+
+            rows = self._extend(tokens, cancel, num_rows, ON_DEVICE)
+            with torch.inference_mode(), self._on_stream():
+                return read_chain(rows, read) if isinstance(read, ChainRead) else greedy_ids(rows, read)
+        rows = self._extend(tokens, cancel, num_rows, greedy)
+        return rows if read is None else read(rows)
+
+    def _extend(self, tokens: Sequence[int], cancel: CancelFlag | None, num_rows: int, greedy: bool | str) -> Any:
+        """The last ``num_rows`` rows of a forward of ``tokens`` as :meth:`HFModel._host_rows` gives them."""
         owner = self._owner
         vocab = owner.vocab_size
         new = check_token_ids(tokens, vocab, "tokens", owner.name)
@@ -588,7 +619,7 @@ class HFSession:
                 self._restore(before)
                 raise
         self._tokens.extend(new)
-        return out.numpy()
+        return out if greedy == ON_DEVICE else out.numpy()
 
     def tree_rows(self, prefix: Sequence[int], tree: Any, cancel: CancelFlag | None = None, *, greedy: bool = False,
                   top: int | None = None) -> np.ndarray:

@@ -49,11 +49,15 @@ class ForwardPlan:
     ``kv_cache``: ``"dynamic"`` (transformers' ``DynamicCache``: grows and crops) or ``"static"``
     (:class:`PositionedCache`, preallocated). ``kv_cache_len``: the positions a static cache holds (None: the
     model's context, at most :data:`DEFAULT_KV_CACHE_LEN`); a session past it gets a ``ContextLengthError``.
-    ``cuda_graphs``: capture each forward's padded shape as a CUDA graph (needs the static cache)."""
+    ``cuda_graphs``: capture each forward's padded shape as a CUDA graph (needs the static cache).
+    ``device_decisions``: decide sampled chain verifications on the model's device (:mod:`dsi.models.device_laws`:
+    only the drafts' probabilities and one law cross to the host); None (the default): where the model is on a
+    GPU."""
 
     kv_cache: str = "dynamic"
     kv_cache_len: int | None = None
     cuda_graphs: bool = False
+    device_decisions: bool | None = None
 
     def __post_init__(self) -> None:
         if self.kv_cache not in KV_CACHES:
@@ -64,6 +68,8 @@ class ForwardPlan:
             raise ConfigError(f"kv_cache_len={self.kv_cache_len} sizes a static cache; pass kv_cache='static'")
         if not isinstance(self.cuda_graphs, bool):
             raise ConfigError(f"cuda_graphs={self.cuda_graphs!r} must be True or False")
+        if self.device_decisions is not None and not isinstance(self.device_decisions, bool):
+            raise ConfigError(f"device_decisions={self.device_decisions!r} must be True, False or None (on a GPU)")
         if self.cuda_graphs and self.kv_cache != "static":
             raise ConfigError("cuda_graphs=True needs kv_cache='static': a graph replays fixed buffers")
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from dsi.models.base import CancelFlag, ModelSession, forward_rows, tree_rows
 from dsi.logprobs import LogprobRows, logprob_rows
-from dsi.sampling import LazyLaws, ReadLaws, greedy_tokens, process_rows, read_chain_laws
+from dsi.sampling import ChainRead, GreedyRead, LazyLaws, greedy_tokens, process_rows
 from dsi.transport.base import TaskResult, VerifyTask
 
 
@@ -35,24 +35,16 @@ def run_verify_task(
         tokens = forward_rows(session, task.context, task.num_rows, cancel, greedy=True)  # [num_rows]
         return TaskResult(task.task_id, server_id, tokens, None, time.perf_counter() - start)
     if task.logprobs_mode is None and not task.sampling.greedy:  # the laws processed as the decisions read them
-        tokens, probs = forward_rows(session, task.context, task.num_rows, cancel, top=task.row_top,
-                                     read=lambda logits: _sampled_chain(logits, task))
+        read = ChainRead(task.context, task.sampling, task.prompt_len, task.stop_ids, task.draft_probs)
+        tokens, probs = forward_rows(session, task.context, task.num_rows, cancel, top=task.row_top, read=read)
         return TaskResult(task.task_id, server_id, tokens, probs, time.perf_counter() - start)
+    if task.logprobs_mode is None:  # greedy, processed: the ids of the processed rows (on a GPU: only they cross)
+        read = GreedyRead(task.context, task.sampling, task.prompt_len, task.stop_ids)
+        tokens = forward_rows(session, task.context, task.num_rows, cancel, top=task.row_top, read=read)
+        return TaskResult(task.task_id, server_id, tokens, None, time.perf_counter() - start)
     logits = forward_rows(session, task.context, task.num_rows, cancel, top=task.row_top)  # [num_rows, V]
     tokens, probs, logprobs = read_rows(logits, task)
     return TaskResult(task.task_id, server_id, tokens, probs, time.perf_counter() - start, logprobs)
-
-
-def _sampled_chain(logits: np.ndarray, task: VerifyTask) -> tuple[np.ndarray, LazyLaws | ReadLaws]:
-    """A sampled chain's rows ``[num_rows, V]`` read for the decisions (within the forward where the session runs
-    a caller's reading: :func:`dsi.models.base.extend_rows`): the argmax ids of the processed rows (which checks
-    each row), and the laws processed as they are read, or, with the drafts' drafter probabilities, decided here
-    (:func:`~dsi.sampling.read_chain_laws`: only the law a decision reads goes back)."""
-    tokens = greedy_tokens(logits, task.sampling, task.context, task.prompt_len, task.stop_ids)  # checks rows
-    probs = LazyLaws.of_chain(logits, task.sampling, task.context, task.prompt_len, task.stop_ids)
-    if task.draft_probs is None:
-        return tokens, probs
-    return tokens, read_chain_laws(probs, task.context, task.draft_probs, task.sampling)
 
 
 def _run_tree_task(session: ModelSession, task: VerifyTask, server_id: int, cancel: CancelFlag | None,

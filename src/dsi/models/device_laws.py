@@ -1,0 +1,174 @@
+"""A verification's decisions on the model's device: rows read where they are.
+
+A sampled chain task that carries its drafts' drafter probabilities (:class:`~dsi.sampling.ChainRead`) needs of
+its ``n`` rows only the target's probability of each draft, up to the first rejection, and one whole law (the
+rejected row's, for its residual, or the last row's); a greedy one whose processors can move the argmax
+(:class:`~dsi.sampling.GreedyRead`) needs only each processed row's argmax. On a GPU the rows are on the device:
+this module processes them there and moves to the host only those numbers, where the host path moved ``n`` rows of
+152k floats and processed each one it read in numpy.
+
+- The processors before temperature (:func:`shape_rows`): the few ids they touch in each row are gathered, processed
+  on the host by the host's own code (:func:`dsi.sampling.process_touched`) and written back, and a constraint's
+  masks set the rest to -inf: the shaped rows are the host's bit for bit, and so are greedy's argmax ids.
+- Sampled laws (:func:`distribution`): temperature, min_p, top-k and top-p in a few batched kernels, as
+  :func:`dsi.sampling._distribution` does (float32, the same float64 comparisons). The accept test itself stays
+  :func:`dsi.sampling.accepts` on the host (a counter-based uniform against ``p / q``): the engine's own test on the
+  same numbers. The laws are the processed softmax within float32 rounding, as the host's are, but not bit for bit
+  the host's (another ``exp`` and summation order): a request whose rows are all decided on one device gives the
+  same tokens for one seed whatever the SP and timing; a mix of the two paths may differ where a uniform falls
+  within rounding of a boundary.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from dsi.errors import ModelError
+from dsi.sampling import (
+    _SCALED_T,
+    LAW_DTYPE,
+    ChainRead,
+    GreedyRead,
+    Prefix,
+    ReadLaws,
+    SamplingParams,
+    accepts,
+    chain_counts,
+    process_touched,
+    shape_logits,
+    touched_ids,
+)
+
+
+def check_rows(rows: torch.Tensor) -> None:
+    """:class:`ModelError` for a row with a NaN logit, or with -inf only (:func:`dsi.sampling.check_logit_row`)."""
+    top = rows.max(dim=-1).values  # [n]; NaN where a row has one
+    bad = torch.isnan(top) | (top == -math.inf)
+    if bool(bad.any()):
+        which = torch.nonzero(bad).flatten().tolist()
+        raise ModelError(f"the target returned NaN or all -inf logits in rows {which} of {rows.shape[0]}: no "
+                         "distribution can be made of them")
+
+
+def shape_rows(rows: torch.Tensor, params: SamplingParams, tokens: Sequence[int], prompt_len: int,
+               stop_ids: frozenset[int]) -> torch.Tensor:
+    """:func:`dsi.sampling.shape_rows` on the device: the last ``n`` rows of a forward over ``tokens`` after the
+    processors before temperature, float64 ``[n, V]``, bit for bit the host's. The ids the processors touch are
+    gathered to the host (a few numbers a row), processed there by the host's own code
+    (:func:`~dsi.sampling.process_touched`) and written back; a constraint's masks (made on the host from the
+    output) set the rest to -inf. Checked: a row left without a possible token raises as on the host."""
+    n, vocab = rows.shape
+    x = rows.to(torch.float64, copy=True)  # [n, V]; the model's output buffer (a graph's) stays as it is
+    touched = [touched_ids(params, counts, stop_ids, vocab)
+               for counts in chain_counts(params, tokens, prompt_len, n, vocab)]
+    flat = [j * vocab + ids for j, ids in enumerate(touched) if ids.size]
+    if flat:
+        where = torch.from_numpy(np.concatenate(flat)).to(x.device)
+        raw = x.view(-1)[where].cpu().numpy()  # the touched ids' raw values, one transfer
+        done = 0
+        for ids, counts in zip(touched, chain_counts(params, tokens, prompt_len, n, vocab)):
+            if ids.size:
+                raw[done:done + ids.size] = process_touched(raw[done:done + ids.size], ids, vocab, params, counts,
+                                                            stop_ids)
+                done += ids.size
+        x.view(-1)[where] = torch.from_numpy(raw).to(x.device)
+    if params.constraint is not None:
+        allowed = np.stack([constraint_mask(params, counts, vocab)
+                            for counts in chain_counts(params, tokens, prompt_len, n, vocab)])
+        x.masked_fill_(~torch.from_numpy(allowed).to(x.device), -math.inf)
+    empty = x.max(dim=-1).values == -math.inf
+    if bool(empty.any()):  # the host's own error for that row (a constraint's, or min_tokens')
+        j = int(torch.nonzero(empty).flatten()[0])
+        prefix = Prefix(tuple(tokens[: len(tokens) - n + 1 + j]), prompt_len, stop_ids)
+        shape_logits(rows[j].cpu().numpy(), params, prefix if params.uses_prefix else None)
+        raise ModelError(f"row {j} of {n}: no token is possible after the processors")
+    return x
+
+
+def constraint_mask(params: SamplingParams, counts, vocab: int) -> np.ndarray:
+    """``[V]`` bool: the ids a request's constraint allows after the output ``counts`` holds (all of them where
+    the row's output ran past an EOS or a refused draft: :mod:`dsi.constraints`)."""
+    allowed = params.constraint.allowed(counts.tail)
+    if allowed.size >= vocab:
+        return allowed[:vocab]
+    return np.concatenate([allowed, np.zeros(vocab - allowed.size, dtype=bool)])
+
+
+def greedy_ids(rows: torch.Tensor, read: GreedyRead) -> np.ndarray:
+    """:class:`~dsi.sampling.GreedyRead` on the device: the first argmax of each processed row, the same ids as
+    the host's :func:`~dsi.sampling.greedy_tokens` (the shaped rows are the host's bit for bit); only they cross."""
+    check_rows(rows)
+    shaped = shape_rows(rows, read.params, read.tokens, read.prompt_len, read.stop_ids)
+    return shaped.argmax(dim=-1).cpu().numpy().astype(np.int64)
+
+
+def distribution(rows: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The sampled laws ``[n, V]`` (float32) of logit rows ``[n, V]`` (checked, on any device): temperature,
+    min_p, top-k and top-p, each row as :func:`dsi.sampling.process_logits` processes it; a float64 row (shaped
+    by :func:`shape_rows`) is shifted by its maximum in float64 and then rounded, as the host does."""
+    x = rows if rows.dtype == torch.float64 else rows.to(torch.float32)  # [n, V]; written only out of place
+    top = x.max(dim=-1, keepdim=True).values  # [n, 1]
+    infinite = top == math.inf  # the limit as those logits grow: they share the mass equally
+    if bool(infinite.any()):
+        x = torch.where(infinite & torch.isposinf(x), 0.0, torch.where(infinite, -math.inf, x))
+        top = torch.where(infinite, 0.0, top)
+    order_by = x  # top-p orders by the logits themselves (ties of rounded probabilities keep the logits' order)
+    law = (x - top).to(torch.float32)  # <= 0, exactly 0 at the maximum
+    t = params.temperature
+    if _SCALED_T[0] <= t <= _SCALED_T[1]:
+        if t != 1.0:
+            law.mul_(float(np.float32(1.0 / t)))
+    else:
+        law = (law.to(torch.float64) / t).to(torch.float32)
+    if params.min_p > 0.0:  # compared in float64, as numpy compares a float32 law with np.log's float64
+        law[law.to(torch.float64) < math.log(params.min_p)] = -math.inf
+    vocab = law.shape[-1]
+    if params.top_k and params.top_k < vocab:
+        kth = torch.topk(law, params.top_k, dim=-1).values[:, -1:]  # [n, 1]
+        law[law < kth] = -math.inf  # ties with the k-th are kept
+    law.exp_()
+    law /= law.sum(dim=-1, keepdim=True)
+    if params.top_p < 1.0:
+        order = torch.argsort(-order_by, dim=-1, stable=True)  # [n, V], most likely first
+        cumulative = torch.cumsum(law.gather(-1, order).to(torch.float64), dim=-1)
+        goal = torch.full((law.shape[0], 1), params.top_p, dtype=torch.float64, device=law.device)
+        keep = torch.searchsorted(cumulative, goal, right=False) + 1  # [n, 1], at least one token
+        kept = torch.arange(vocab, device=law.device)[None] < keep  # [n, V] in sorted order
+        mask = torch.zeros_like(kept).scatter_(-1, order, kept)
+        law = torch.where(mask, law, 0.0)
+        law /= law.sum(dim=-1, keepdim=True)
+    return law
+
+
+def read_chain(rows: torch.Tensor, chain: ChainRead) -> tuple[np.ndarray, ReadLaws]:
+    """What :class:`~dsi.sampling.ChainRead` gives of a sampled chain's rows ``[n, V]`` (on the device), decided
+    there: the rows' argmax ids and a :class:`~dsi.sampling.ReadLaws` with the drafts' target probabilities up to
+    the first rejection and the one law the decisions read."""
+    params = chain.params
+    n = rows.shape[0]
+    context = chain.tokens
+    draft_probs = chain.draft_probs
+    if draft_probs is None or len(draft_probs) != n - 1:
+        raise ModelError(f"{n} rows compare {n - 1} drafts; got {None if draft_probs is None else len(draft_probs)} "
+                         "drafter probabilities")
+    check_rows(rows)
+    shaped = shape_rows(rows, params, context, chain.prompt_len, chain.stop_ids) if params.moves_argmax else rows
+    laws = distribution(shaped, params)  # [n, V] float32
+    first = len(context) - n + 1  # the absolute position row 0 decides
+    drafts = torch.tensor(context[first:first + n - 1], dtype=torch.long, device=laws.device)  # [n - 1]
+    picked = laws[torch.arange(n - 1, device=laws.device), drafts]  # [n - 1]
+    # one transfer: the argmax of each processed row (temperature, min_p, top-k and top-p keep the order of the
+    # logits they are given) and the drafts' probabilities
+    both = torch.cat([shaped.argmax(dim=-1).to(torch.float64), picked.to(torch.float64)]).cpu().numpy()
+    tokens, probs = both[:n].astype(np.int64), both[n:]
+    read = n - 1  # every draft accepted: the last row's law (its bonus, or the next draft's decision)
+    for j, q_x in enumerate(draft_probs):
+        if not accepts(float(probs[j]), float(q_x), params, first + j):
+            read = j
+            break
+    law = laws[read].cpu().numpy().astype(LAW_DTYPE, copy=False)
+    return tokens, ReadLaws(n, probs[: min(read + 1, n - 1)], {read: law})

@@ -1,0 +1,266 @@
+"""Sampled chain decisions on the model's device (dsi.models.device_laws), on the CPU: the laws torch makes are
+the host's (dsi.sampling) within float32 rounding with the same support, the decisions read the same rows and
+decide alike, and a tiny Hugging Face target deciding on its device keeps SI's and DSI's output law (seeded
+chi-square against the target's law enumerated in float64) and one output per seed for any SP."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from dsi.models.device_laws import distribution, greedy_ids, read_chain  # noqa: E402
+from dsi.sampling import ChainRead, LazyLaws, SamplingParams, process_logits, read_chain_laws  # noqa: E402
+
+PARAMS = [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7, top_k=50),
+    SamplingParams(temperature=1.3, top_p=0.9),
+    SamplingParams(temperature=0.8, top_k=40, top_p=0.8, min_p=0.02),
+    SamplingParams(temperature=1e-39),  # 1 / T is no float32: divided in float64 (the limit: the argmax)
+    SamplingParams(temperature=2.0, min_p=0.1),
+]
+
+
+def rows(seed: int, n: int = 4, vocab: int = 3000) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    out = (rng.standard_normal((n, vocab)) * 3).astype(np.float32)
+    out[0, :5] = out[0, :5].max() + 1.0  # ties at the top
+    out[1, 7:20] = -np.inf
+    out[2, 11] = np.inf  # +inf: all the mass on it
+    return out
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("params", PARAMS, ids=repr)
+@pytest.mark.parametrize("seed", range(3))
+def test_device_laws_are_the_host_s_within_float32_rounding_with_the_same_support(params, seed, device):
+    logits = rows(seed)
+    device = distribution(torch.from_numpy(logits).to(device), params).cpu().numpy()
+    for j, row in enumerate(logits):
+        host = process_logits(row, params)
+        np.testing.assert_array_equal(device[j] > 0, host > 0)
+        np.testing.assert_allclose(device[j], host, rtol=0, atol=2e-7)
+        assert abs(float(device[j].sum(dtype=np.float64)) - 1.0) < 1e-5
+
+
+def test_a_broken_row_is_refused_on_the_device_too():
+    from dsi.errors import ModelError
+
+    from dsi.sampling import GreedyRead
+
+    bad = rows(0)
+    bad[3, 5] = np.nan
+    bad[1] = -np.inf
+    chain = ChainRead((1, 2, 3, 4, 5, 6), SamplingParams(temperature=1.0), 3, frozenset(), (0.5, 0.5, 0.5))
+    with pytest.raises(ModelError, match=r"NaN or all -inf logits in rows \[1, 3\] of 4"):
+        read_chain(torch.from_numpy(bad), chain)
+    with pytest.raises(ModelError, match=r"NaN or all -inf logits in rows \[1, 3\] of 4"):
+        greedy_ids(torch.from_numpy(bad), GreedyRead((1, 2, 3, 4, 5, 6), SamplingParams(logit_bias={1: 1.0}), 3))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("params", PARAMS[:4], ids=repr)
+def test_a_chain_decided_on_the_device_reads_the_rows_the_host_reads_and_decides_alike(params, device):
+    """Over many seeds (accepts and rejections at every row), the device's ReadLaws give the host's decisions:
+    the same accept probabilities (within rounding), the same row read whole, its law within rounding."""
+    logits = rows(7, n=5)
+    n = len(logits)
+    rejected_at = set()
+    for seed in range(60):
+        rng = np.random.default_rng(seed)
+        sampled = replace(params, seed=seed)
+        host_laws = [process_logits(row, sampled) for row in logits]
+        drafts = tuple(int(rng.choice(len(logits[0]), p=host_laws[j] / host_laws[j].sum(dtype=np.float64)))
+                       for j in range(n - 1))
+        context = (1, 2, 3) + drafts
+        # drafter probabilities up to 3 times the target's: each draft accepted with probability 1/3 to 1
+        draft_probs = tuple(float(host_laws[j][x]) * rng.uniform(0.5, 3.0) for j, x in enumerate(drafts))
+        host = read_chain_laws(LazyLaws.of_chain(logits, sampled, context, 3), context, draft_probs, sampled)
+        tokens, device_read = read_chain(torch.from_numpy(logits).to(device),
+                                         ChainRead(context, sampled, 3, frozenset(), draft_probs))
+        assert sorted(device_read.laws) == sorted(host.laws), seed
+        np.testing.assert_allclose(device_read.accept_probs, host.accept_probs, rtol=1e-5, atol=1e-9)
+        [row] = host.laws
+        np.testing.assert_allclose(device_read.laws[row], host.laws[row], rtol=0, atol=2e-7)
+        np.testing.assert_array_equal(tokens, np.argmax(logits, axis=-1))
+        rejected_at.add(row)
+    assert len(rejected_at) >= 3  # rejections at several rows, and chains accepted whole (row n - 1)
+
+
+def tiny_pair(device_decisions: bool):
+    """A tiny-vocabulary Llama target (peaked laws) and another as its drafter, deciding on their device or not."""
+    import transformers
+
+    from dsi.models.hf import HFModel
+    from dsi.models.hf_static import ForwardPlan
+
+    models = []
+    for seed in (3, 4):
+        torch.manual_seed(seed)
+        config = transformers.LlamaConfig(vocab_size=5, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                          bos_token_id=0, eos_token_id=None, pad_token_id=0)
+        model = transformers.LlamaForCausalLM(config).eval()
+        with torch.no_grad():
+            model.lm_head.weight.mul_(8.0)
+        models.append(model)
+    plan = ForwardPlan(device_decisions=device_decisions)
+    return models[0], HFModel(models[0], forward_plan=plan), HFModel(models[1], forward_plan=plan)
+
+
+@pytest.mark.hf
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_target_deciding_on_its_device_keeps_the_law_and_one_output_per_seed(monkeypatch, no_thread_leak):
+    """SI and DSI with a target that decides its chains on its device (forced on the CPU): the device path runs,
+    a seed gives one output for SP 1-3 and both methods' windows, and 600 seeded two-token outputs follow the
+    target's exact law (chi-square, alpha 1e-4; the slow suite runs 1200 in tests/integration/test_hf_lossless.py)."""
+    from scipy.stats import chisquare
+
+    import dsi
+    import dsi.models.device_laws as device_laws
+    from dsi.engine.api import build_decoder, make_request
+    from dsi.sampling import Prefix
+
+    model, target, drafter = tiny_pair(True)
+    assert target.decides_on_device and not tiny_pair(False)[1].decides_on_device
+    calls = []
+    real = device_laws.read_chain
+    monkeypatch.setattr(device_laws, "read_chain", lambda rows, chain: calls.append(rows.shape) or real(rows, chain))
+    params = SamplingParams(temperature=1.0, top_k=4, top_p=0.95, seed=11)
+    outs = {tuple(dsi.generate(target=target, drafter=drafter, prompt=(1, 2, 3), max_new_tokens=12, lookahead=3,
+                               num_target_servers=sp, sampling=params).tokens) for sp in (1, 2, 3)}
+    assert len(outs) == 1 and calls and all(shape[1] == 5 for shape in calls)
+
+    def law_of(context):
+        with torch.no_grad():
+            row = model(torch.tensor([list(context)])).logits[0, -1].double().numpy()
+        p = process_logits(row, params, Prefix(context, 3))
+        return p / p.sum(dtype=np.float64)
+
+    prompt, samples = (1, 2, 3), 600
+    law = {(a, b): pa * pb for a, pa in enumerate(law_of(prompt)) for b, pb in enumerate(law_of(prompt + (a,)))}
+    counts = dict.fromkeys(law, 0)
+    decoder = build_decoder(target=target, drafter=drafter, method="si", lookahead=2)
+    rejections = 0
+    try:
+        for seed in range(samples):
+            out = decoder.generate(make_request(prompt, 2, replace(params, seed=seed), None, 5))
+            counts[tuple(out.tokens)] += 1
+            rejections += out.stats.rejections
+    finally:
+        decoder.close()
+    keys = [k for k in law if law[k] * samples >= 5]
+    observed = np.array([counts[k] for k in keys] + [samples - sum(counts[k] for k in keys)])
+    expected = np.array([law[k] for k in keys] + [1 - sum(law[k] for k in keys)]) * samples
+    assert rejections > samples // 10
+    assert chisquare(observed, expected).pvalue > 1e-4, (observed, expected.round(1))
+
+
+# ---- processed rows: penalties, bias, min_tokens and a constraint ------------------------------------------------
+
+CHARS = [*"0123456789abcdefghij", *'{}":, ']
+EOS = len(CHARS)
+
+
+def processed_params(greedy: bool, constraint: bool = True) -> list[SamplingParams]:
+    from dsi.constraints import BoundConstraint, Constraint, TokenTable
+
+    table = TokenTable(tuple(c.encode() for c in CHARS) + (b"",), (EOS,))
+    temperature = {} if greedy else dict(temperature=0.9, top_p=0.95)
+    cases = [SamplingParams(presence_penalty=0.7, frequency_penalty=0.3, repetition_penalty=1.4, **temperature),
+             SamplingParams(logit_bias={3: 2.0, 5: -1.5, 9: 0.25}, min_tokens=6, **temperature)]
+    if constraint:
+        cases.append(SamplingParams(constraint=BoundConstraint(Constraint.regex("[a-c]+[0-9]{2,4}"), table),
+                                    repetition_penalty=1.2, **temperature))
+        cases.append(SamplingParams(constraint=BoundConstraint(Constraint.regex("(ab|c)[0-9]+"), table),
+                                    **temperature))  # a constraint alone: the rows keep their dtype on the host
+    return cases
+
+
+def processed_rows(seed: int, n: int = 4) -> np.ndarray:
+    out = (np.random.default_rng(seed).standard_normal((n, EOS + 1)) * 2).astype(np.float32)
+    out[:, 3] = out[:, 7]  # ties between a touched and an untouched id
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("params", processed_params(greedy=True), ids=repr)
+def test_processed_rows_shaped_on_the_device_are_the_host_s_bit_for_bit(params, device):
+    from dsi.models.device_laws import shape_rows
+    from dsi.sampling import GreedyRead, greedy_tokens
+    from dsi.sampling import shape_rows as host_shape_rows
+
+    for seed in range(5):
+        logits = processed_rows(seed)
+        context = (2, 3, 3, 10, 11, 12 + seed % 3, 3, 14)  # a prompt of 3, an output of 5 (rows: its last 4)
+        stops = frozenset({EOS, 5})
+        host = host_shape_rows(logits, params, context, 3, stops)
+        shaped = shape_rows(torch.from_numpy(logits).to(device), params, context, 3, stops).cpu().numpy()
+        np.testing.assert_array_equal(shaped, host.astype(np.float64))
+        ids = greedy_ids(torch.from_numpy(logits).to(device), GreedyRead(context, params, 3, stops))
+        np.testing.assert_array_equal(ids, greedy_tokens(logits, params, context, 3, stops))
+
+
+@pytest.mark.parametrize("params", processed_params(greedy=False), ids=repr)
+def test_processed_sampled_chains_decided_on_the_device_decide_as_the_host(params):
+    logits = processed_rows(1, n=5)
+    rows_read = set()
+    for seed in range(40):
+        rng = np.random.default_rng(seed)
+        sampled = replace(params, seed=seed)
+        context = (2, 3, 3, 10, 11) + tuple(int(t) for t in rng.integers(0, EOS, 4))
+        host = read_chain_laws(LazyLaws.of_chain(logits, sampled, context, 3), context, (0.3,) * 4, sampled)
+        _, device = read_chain(torch.from_numpy(logits), ChainRead(context, sampled, 3, frozenset(), (0.3,) * 4))
+        assert sorted(device.laws) == sorted(host.laws), seed
+        np.testing.assert_allclose(device.accept_probs, host.accept_probs, rtol=1e-5, atol=1e-9)
+        [row] = host.laws
+        np.testing.assert_allclose(device.laws[row], host.laws[row], rtol=0, atol=2e-7)
+        rows_read.add(row)
+    assert len(rows_read) >= 2
+
+
+def test_a_row_with_nothing_possible_fails_on_the_device_with_the_host_s_error():
+    from dsi.constraints import BoundConstraint, Constraint, TokenTable
+    from dsi.models.device_laws import shape_rows
+    from dsi.sampling import NothingAllowed
+
+    table = TokenTable(tuple(c.encode() for c in CHARS) + (b"",), (EOS,))
+    params = SamplingParams(constraint=BoundConstraint(Constraint.regex("a[0-9]"), table))
+    logits = processed_rows(0, n=1)
+    logits[0, CHARS.index("a")] = -np.inf  # the one token the grammar allows first
+    with pytest.raises(NothingAllowed, match="the regex constraint allows none of the tokens left"):
+        shape_rows(torch.from_numpy(logits), params, (1, 2), 2, frozenset())
+
+
+@pytest.mark.hf
+@pytest.mark.usefixtures("one_torch_thread")
+def test_processed_greedy_decided_on_the_device_equals_non_si_on_the_host(monkeypatch, no_thread_leak):
+    """Greedy SI and DSI with penalties and bias, and with a constraint, on a target that takes its processed
+    argmax on its device: token for token non-SI's on the host (the shaped rows are the host's bit for bit)."""
+    import dsi
+    import dsi.models.device_laws as device_laws
+    from dsi.constraints import BoundConstraint, Constraint, TokenTable
+
+    _, target, drafter = tiny_pair(True)
+    _, host_target, _ = tiny_pair(False)
+    calls = []
+    real = device_laws.greedy_ids
+    monkeypatch.setattr(device_laws, "greedy_ids", lambda rows, read: calls.append(1) or real(rows, read))
+    table = TokenTable((b"a", b"b", b"c", b"d", b""), (4,))
+    for params in (SamplingParams(presence_penalty=0.8, repetition_penalty=1.5, logit_bias={2: 1.0}),
+                   SamplingParams(constraint=BoundConstraint(Constraint.regex("[ab]{2,5}c[cd]{1,6}"), table))):
+        want = dsi.generate(target=host_target, prompt=(1, 2, 3), method="ar", max_new_tokens=14, sampling=params,
+                            eos_token_id=4).tokens
+        for method, lookahead, servers in (("si", 3, 1), ("dsi", 3, 2), ("dsi", "auto", 3)):
+            out = dsi.generate(target=target, drafter=drafter, prompt=(1, 2, 3), method=method, lookahead=lookahead,
+                               num_target_servers=servers, max_new_tokens=14, sampling=params, eos_token_id=4)
+            assert out.tokens == want, (params, method, lookahead, servers)
+    assert calls
