@@ -84,7 +84,7 @@ def shape_rows(rows: torch.Tensor, params: SamplingParams, tokens: Sequence[int]
     if bool(empty.any()):  # the host's own error for that row (a constraint's, or min_tokens')
         j = int(torch.nonzero(empty).flatten()[0])
         prefix = Prefix(tuple(tokens[: len(tokens) - n + 1 + j]), prompt_len, stop_ids)
-        shape_logits(rows[j].cpu().numpy(), params, prefix if params.uses_prefix else None)
+        shape_logits(rows[j].float().cpu().numpy(), params, prefix if params.uses_prefix else None)
         raise ModelError(f"row {j} of {n}: no token is possible after the processors")
     return x
 

@@ -191,21 +191,25 @@ def processed_rows(seed: int, n: int = 4) -> np.ndarray:
     return out
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("params", processed_params(greedy=True), ids=repr)
-def test_processed_rows_shaped_on_the_device_are_the_host_s_bit_for_bit(params, device):
+def test_processed_rows_shaped_on_the_device_are_the_host_s_bit_for_bit(params, device, dtype):
+    """The host gets a bf16 model's rows as float32 (HFModel._host_rows): the device's shaping of the bf16 rows
+    is the host's of those copies."""
     from dsi.models.device_laws import shape_rows
     from dsi.sampling import GreedyRead, greedy_tokens
     from dsi.sampling import shape_rows as host_shape_rows
 
     for seed in range(5):
-        logits = processed_rows(seed)
+        rows_on_device = torch.from_numpy(processed_rows(seed)).to(device, getattr(torch, dtype))
+        logits = rows_on_device.float().cpu().numpy()  # what the host path reads
         context = (2, 3, 3, 10, 11, 12 + seed % 3, 3, 14)  # a prompt of 3, an output of 5 (rows: its last 4)
         stops = frozenset({EOS, 5})
         host = host_shape_rows(logits, params, context, 3, stops)
-        shaped = shape_rows(torch.from_numpy(logits).to(device), params, context, 3, stops).cpu().numpy()
+        shaped = shape_rows(rows_on_device, params, context, 3, stops).cpu().numpy()
         np.testing.assert_array_equal(shaped, host.astype(np.float64))
-        ids = greedy_ids(torch.from_numpy(logits).to(device), GreedyRead(context, params, 3, stops))
+        ids = greedy_ids(rows_on_device, GreedyRead(context, params, 3, stops))
         np.testing.assert_array_equal(ids, greedy_tokens(logits, params, context, 3, stops))
 
 
@@ -236,8 +240,9 @@ def test_a_row_with_nothing_possible_fails_on_the_device_with_the_host_s_error()
     params = SamplingParams(constraint=BoundConstraint(Constraint.regex("a[0-9]"), table))
     logits = processed_rows(0, n=1)
     logits[0, CHARS.index("a")] = -np.inf  # the one token the grammar allows first
-    with pytest.raises(NothingAllowed, match="the regex constraint allows none of the tokens left"):
-        shape_rows(torch.from_numpy(logits), params, (1, 2), 2, frozenset())
+    for rows in (torch.from_numpy(logits), torch.from_numpy(logits).bfloat16()):
+        with pytest.raises(NothingAllowed, match="the regex constraint allows none of the tokens left"):
+            shape_rows(rows, params, (1, 2), 2, frozenset())
 
 
 @pytest.mark.hf
