@@ -873,6 +873,27 @@ class GreedyRead:
         return greedy_tokens(logits, self.params, self.tokens, self.prompt_len, self.stop_ids)
 
 
+@dataclass(frozen=True)
+class BonusRead:
+    """How non-SI reads its one sampled row: the target's own token at ``position`` (:func:`bonus`) from the law
+    of the row after ``tokens``. A session whose model decides on its device draws it there
+    (:func:`dsi.models.device_laws.bonus_token`), and only the token crosses."""
+
+    tokens: tuple[int, ...]
+    params: SamplingParams
+    prompt_len: int
+    stop_ids: frozenset[int] = frozenset()
+    on_device = True
+
+    @property
+    def position(self) -> int:
+        return len(self.tokens)
+
+    def __call__(self, logits: np.ndarray) -> int:
+        law = process_rows(logits[-1:], self.params, self.tokens, self.prompt_len, self.stop_ids)[0]
+        return bonus(law, self.params, self.position)
+
+
 def bonus(p: np.ndarray, params: SamplingParams, position: int) -> int:
     """The target's own token at ``position`` (no draft to test): argmax or a sample from ``p``."""
     if params.greedy:

@@ -18,7 +18,7 @@ from dsi.engine.result import GenerationResult
 from dsi.engine.stats import GenerationStats
 from dsi.models.base import LanguageModel, check_sampling, forward_rows
 from dsi.models.determinism import start_fresh_unless_deterministic
-from dsi.sampling import bonus
+from dsi.sampling import BonusRead, GreedyRead, bonus
 from dsi.transport.server import read_rows
 
 
@@ -54,17 +54,28 @@ class AutoregressiveDecoder(DecoderLifecycle):
                 token = int(tokens[0]) if probs is None else bonus(probs[0], request.sampling, position)
                 return token, None if logprobs is None else logprobs[0]
 
-            # an argmax id where greedy decoding reads the raw row (and no logprobs); else the token read from the row
+            # an argmax id where greedy decoding reads the raw row (and no logprobs); without logprobs, the token
+            # read from the processed row (on a GPU, where the row is: dsi.models.device_laws); else the token and
+            # its logprobs
+            greedy = request.sampling.greedy
+            reader: object = read
+            if task.ids_only:
+                reader = None
+            elif task.logprobs_mode is None:
+                reader = (GreedyRead if greedy else BonusRead)(task.context, request.sampling, task.prompt_len,
+                                                               task.stop_ids)
             with model_errors("target"):
                 got = forward_rows(self._session, task.context, 1, greedy=task.ids_only, top=task.row_top,
-                                   read=None if task.ids_only else read)
+                                   read=reader)
             elapsed = time.perf_counter() - start
             stats.target_busy_s += elapsed
             stats.completed_target_s += elapsed
             stats.target_forwards += 1
             stats.completed_target_forwards += 1
-            if task.ids_only:
+            if task.ids_only or (task.logprobs_mode is None and greedy):  # argmax ids
                 out.commit(int(got[-1]))
+            elif task.logprobs_mode is None:  # the drawn token
+                out.commit(int(got))
             else:
                 out.commit(*got)
             stats.bonus_tokens += 1

@@ -3,7 +3,8 @@
 A sampled chain task that carries its drafts' drafter probabilities (:class:`~dsi.sampling.ChainRead`) needs of
 its ``n`` rows only the target's probability of each draft, up to the first rejection, and one whole law (the
 rejected row's, for its residual, or the last row's); a greedy one whose processors can move the argmax
-(:class:`~dsi.sampling.GreedyRead`) needs only each processed row's argmax. On a GPU the rows are on the device:
+(:class:`~dsi.sampling.GreedyRead`) needs only each processed row's argmax; non-SI's draw
+(:class:`~dsi.sampling.BonusRead`) only its token. On a GPU the rows are on the device:
 this module processes them there and moves to the host only those numbers, where the host path moved ``n`` rows of
 152k floats and processed each one it read in numpy.
 
@@ -31,9 +32,11 @@ from dsi.errors import ModelError
 from dsi.sampling import (
     _SCALED_T,
     LAW_DTYPE,
+    BonusRead,
     ChainRead,
     GreedyRead,
     Prefix,
+    Purpose,
     ReadLaws,
     SamplingParams,
     accepts,
@@ -41,6 +44,7 @@ from dsi.sampling import (
     process_touched,
     shape_logits,
     touched_ids,
+    uniform,
 )
 
 
@@ -172,3 +176,21 @@ def read_chain(rows: torch.Tensor, chain: ChainRead) -> tuple[np.ndarray, ReadLa
             break
     law = laws[read].cpu().numpy().astype(LAW_DTYPE, copy=False)
     return tokens, ReadLaws(n, probs[: min(read + 1, n - 1)], {read: law})
+
+
+def bonus_token(rows: torch.Tensor, read: BonusRead) -> int:
+    """:class:`~dsi.sampling.BonusRead` on the device: the law of the last row (processed as
+    :func:`read_chain`'s), and the token its inverse CDF gives the BONUS uniform (:func:`dsi.sampling.uniform`, from
+    the host): a running sum in float64, as :func:`dsi.sampling.sample_from`'s, landing on a token of positive
+    probability. Only the token crosses."""
+    params = read.params
+    row = rows[-1:]
+    check_rows(row)
+    shaped = shape_rows(row, params, read.tokens, read.prompt_len, read.stop_ids) if params.moves_argmax else row
+    law = distribution(shaped, params)[0]  # [V] float32
+    cdf = torch.cumsum(law.to(torch.float64), dim=0)
+    goal = uniform(params.seed, read.position, Purpose.BONUS) * cdf[-1]
+    index = torch.searchsorted(cdf, goal.reshape(1), right=True).clamp_(max=law.shape[0] - 1)
+    # rounding may land past the mass or on a zero-probability token: the last positive one at or before it
+    positive = torch.nonzero(law[: int(index) + 1] > 0).flatten()
+    return int(positive[-1]) if positive.numel() else int(torch.nonzero(law > 0).flatten()[0])

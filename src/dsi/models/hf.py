@@ -56,7 +56,7 @@ from dsi.models.hf_static import (
     new_positioned_cache, padded_size, visibility,
 )
 from dsi.models.sources import resolve_source
-from dsi.sampling import ChainRead, GreedyRead
+from dsi.sampling import BonusRead, ChainRead, GreedyRead
 
 logger = logging.getLogger(__name__)
 ON_DEVICE = "device"  # what a forward hands back: its rows on the model's device, for a reader that decides there
@@ -571,16 +571,18 @@ class HFSession:
     def extend_rows(self, tokens: Sequence[int], cancel: CancelFlag | None, num_rows: int, greedy: bool,
                     read: Any = None) -> Any:
         """The session interface's fast path (:func:`dsi.models.base.extend_rows`); ``read`` of the rows, which a
-        sampled chain's reader (:class:`~dsi.sampling.ChainRead`) or a processed greedy one
-        (:class:`~dsi.sampling.GreedyRead`) does on the model's device where the model decides there
-        (:attr:`HFModel.decides_on_device`)."""
-        if read is not None and not greedy and isinstance(read, ChainRead | GreedyRead) and read.on_device \
-                and self._owner.decides_on_device:
-            from dsi.models.device_laws import greedy_ids, read_chain
+        sampled chain's reader (:class:`~dsi.sampling.ChainRead`), a processed greedy one
+        (:class:`~dsi.sampling.GreedyRead`) or non-SI's draw (:class:`~dsi.sampling.BonusRead`) does on the
+        model's device where the model decides there (:attr:`HFModel.decides_on_device`)."""
+        if read is not None and not greedy and isinstance(read, ChainRead | GreedyRead | BonusRead) \
+                and read.on_device and self._owner.decides_on_device:
+            from dsi.models import device_laws
 
+            decide = {ChainRead: device_laws.read_chain, GreedyRead: device_laws.greedy_ids,
+                      BonusRead: device_laws.bonus_token}[type(read)]
             rows = self._extend(tokens, cancel, num_rows, ON_DEVICE)
             with torch.inference_mode(), self._on_stream():
-                return read_chain(rows, read) if isinstance(read, ChainRead) else greedy_ids(rows, read)
+                return decide(rows, read)
         rows = self._extend(tokens, cancel, num_rows, greedy)
         return rows if read is None else read(rows)
 

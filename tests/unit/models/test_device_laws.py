@@ -122,12 +122,9 @@ def test_a_target_deciding_on_its_device_keeps_the_law_and_one_output_per_seed(m
     """SI and DSI with a target that decides its chains on its device (forced on the CPU): the device path runs,
     a seed gives one output for SP 1-3 and both methods' windows, and 600 seeded two-token outputs follow the
     target's exact law (chi-square, alpha 1e-4; the slow suite runs 1200 in tests/integration/test_hf_lossless.py)."""
-    from scipy.stats import chisquare
-
     import dsi
     import dsi.models.device_laws as device_laws
-    from dsi.engine.api import build_decoder, make_request
-    from dsi.sampling import Prefix
+    from dsi.engine.api import build_decoder
 
     model, target, drafter = tiny_pair(True)
     assert target.decides_on_device and not tiny_pair(False)[1].decides_on_device
@@ -139,29 +136,42 @@ def test_a_target_deciding_on_its_device_keeps_the_law_and_one_output_per_seed(m
                                num_target_servers=sp, sampling=params).tokens) for sp in (1, 2, 3)}
     assert len(outs) == 1 and calls and all(shape[1] == 5 for shape in calls)
 
+    decoder = build_decoder(target=target, drafter=drafter, method="si", lookahead=2)
+    try:
+        rejections = assert_two_token_law(model, params, decoder)
+    finally:
+        decoder.close()
+    assert rejections > 600 // 10
+
+
+def assert_two_token_law(model, params: SamplingParams, decoder, samples: int = 600) -> int:
+    """Seeded two-token outputs of ``decoder`` after (1, 2, 3) against ``model``'s exact law under ``params``
+    (chi-square, alpha 1e-4; cells expected below 5 pooled); returns the rejections counted."""
+    from scipy.stats import chisquare
+
+    from dsi.engine.api import make_request
+    from dsi.sampling import Prefix
+
+    prompt = (1, 2, 3)
+
     def law_of(context):
         with torch.no_grad():
             row = model(torch.tensor([list(context)])).logits[0, -1].double().numpy()
         p = process_logits(row, params, Prefix(context, 3))
         return p / p.sum(dtype=np.float64)
 
-    prompt, samples = (1, 2, 3), 600
     law = {(a, b): pa * pb for a, pa in enumerate(law_of(prompt)) for b, pb in enumerate(law_of(prompt + (a,)))}
     counts = dict.fromkeys(law, 0)
-    decoder = build_decoder(target=target, drafter=drafter, method="si", lookahead=2)
     rejections = 0
-    try:
-        for seed in range(samples):
-            out = decoder.generate(make_request(prompt, 2, replace(params, seed=seed), None, 5))
-            counts[tuple(out.tokens)] += 1
-            rejections += out.stats.rejections
-    finally:
-        decoder.close()
+    for seed in range(samples):
+        out = decoder.generate(make_request(prompt, 2, replace(params, seed=seed), None, 5))
+        counts[tuple(out.tokens)] += 1
+        rejections += out.stats.rejections
     keys = [k for k in law if law[k] * samples >= 5]
     observed = np.array([counts[k] for k in keys] + [samples - sum(counts[k] for k in keys)])
     expected = np.array([law[k] for k in keys] + [1 - sum(law[k] for k in keys)]) * samples
-    assert rejections > samples // 10
     assert chisquare(observed, expected).pvalue > 1e-4, (observed, expected.round(1))
+    return rejections
 
 
 # ---- processed rows: penalties, bias, min_tokens and a constraint ------------------------------------------------
@@ -269,3 +279,45 @@ def test_processed_greedy_decided_on_the_device_equals_non_si_on_the_host(monkey
                                num_target_servers=servers, max_new_tokens=14, sampling=params, eos_token_id=4)
             assert out.tokens == want, (params, method, lookahead, servers)
     assert calls
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("params", PARAMS[:4] + processed_params(greedy=False, constraint=False), ids=repr)
+def test_non_si_draws_on_the_device_the_host_s_token(params, device):
+    """Non-SI's draw (BonusRead) on the device: the inverse CDF of the device's law at the BONUS uniform, the
+    host's token for every seed here (they could part only where a uniform falls within float32 rounding of a
+    boundary between two tokens' cumulative mass)."""
+    from dsi.models.device_laws import bonus_token
+    from dsi.sampling import BonusRead
+
+    logits = processed_rows(2, n=1)
+    context = (2, 3, 3, 10, 11, 12)
+    for seed in range(200):
+        read = BonusRead(context, replace(params, seed=seed), 3, frozenset({EOS}))
+        assert bonus_token(torch.from_numpy(logits).to(device), read) == read(logits), seed
+
+
+@pytest.mark.hf
+@pytest.mark.usefixtures("one_torch_thread")
+def test_non_si_deciding_on_the_device_keeps_the_law_and_greedy_is_the_host_s(monkeypatch):
+    """Non-SI on a target that decides on its device: greedy with penalties token for token the host's; sampled,
+    600 seeded two-token outputs follow the exact law (chi-square, alpha 1e-4)."""
+    import dsi
+    import dsi.models.device_laws as device_laws
+
+    model, target, _ = tiny_pair(True)
+    _, host_target, _ = tiny_pair(False)
+    calls = []
+    real = device_laws.bonus_token
+    monkeypatch.setattr(device_laws, "bonus_token", lambda rows, read: calls.append(1) or real(rows, read))
+    penalised = SamplingParams(presence_penalty=0.8, repetition_penalty=1.5, logit_bias={2: 1.0})
+    assert (dsi.generate(target=target, prompt=(1, 2, 3), method="ar", max_new_tokens=14, sampling=penalised).tokens
+            == dsi.generate(target=host_target, prompt=(1, 2, 3), method="ar", max_new_tokens=14,
+                            sampling=penalised).tokens)
+    params = SamplingParams(temperature=1.0, top_k=4, top_p=0.95, presence_penalty=0.5)
+    decoder = dsi.build_decoder(target=target, method="ar")
+    try:
+        assert_two_token_law(model, params, decoder)
+    finally:
+        decoder.close()
+    assert len(calls) >= 2 * 600
