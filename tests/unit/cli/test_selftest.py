@@ -3,6 +3,8 @@ can fail), and its statistics are right."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import json
 
 import pytest
@@ -148,8 +150,17 @@ def test_selftest_fails_when_verification_rows_ignore_the_penalties(capsys, pair
             self.prompt_len = self.lengths[int(index) % len(self)]  # as if nothing had been generated
             return super().__getitem__(index)
 
+    def reader_without_the_output(reader):  # a chain's reader (sampled, or greedy and processed) that loses it
+        class WithoutTheOutput(reader):
+            def __call__(self, logits):
+                return reader.__call__(replace(self, prompt_len=len(self.tokens)), logits)
+
+        return WithoutTheOutput
+
     monkeypatch.setattr(server, "process_rows", without_the_output)
     monkeypatch.setattr(server, "LazyLaws", LawsWithoutTheOutput)
+    monkeypatch.setattr(server, "ChainRead", reader_without_the_output(server.ChainRead))
+    monkeypatch.setattr(server, "GreedyRead", reader_without_the_output(server.GreedyRead))
     code, doc = selftest(capsys, pair, "--presence-penalty", "1.5")  # the rows lose it (repetition would not)
     assert code == 1
     failed = [c["name"] for c in doc["checks"] if not c["passed"]]
