@@ -28,6 +28,7 @@ import hashlib
 import math
 import struct
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -701,7 +702,7 @@ def draft_from_logits(logits: np.ndarray, params: SamplingParams, position: int,
     Greedy: ``(argmax of the processed logits, None)`` (no distribution needed); sampling: a draw
     from ``q``. ``prefix``: the drafter's tokens before the row (penalties, ``min_tokens``).
     """
-    try:
+    with drafting():
         if params.greedy:
             row = np.asarray(logits)
             if not params.moves_argmax:
@@ -711,9 +712,18 @@ def draft_from_logits(logits: np.ndarray, params: SamplingParams, position: int,
             # sparse: touched ids only
             return int(greedy_tokens(row[None], params, tokens, prompt_len, stop_ids)[0]), None
         q = process_logits(logits, params, prefix)  # [V]
-    except NothingAllowed as exc:  # the target's own row decides this position
-        raise DraftUnavailable(f"the drafter's row has no token the request allows: {exc}") from None
     return draft_token(q, params, position), q
+
+
+@contextmanager
+def drafting() -> Iterator[None]:
+    """Processing a drafter's row: where the request's constraint allows none of its tokens (a drafter of another
+    vocabulary, whose row covers only the tokens both share), there is nothing to draft
+    (:class:`~dsi.errors.DraftUnavailable`: the target's own row decides the position), not a failed request."""
+    try:
+        yield
+    except NothingAllowed as exc:
+        raise DraftUnavailable(f"the drafter's row has no token the request allows: {exc}") from None
 
 
 def decide_greedy(target_token: int, draft: int) -> Decision:
@@ -813,33 +823,49 @@ def read_chain_laws(laws: LazyLaws, context: Sequence[int], draft_probs: Sequenc
     ``draft_probs[j]``; each is decided here (:func:`accepts`, the engine's own test on the same numbers) up to
     the first rejection. See :class:`ReadLaws`."""
     n = len(laws)
+    first = len(context) - n + 1  # the absolute position row 0 decides
+    probs, read = decide_chain(lambda j: float(laws[j][int(context[first + j])]), n, draft_probs, params, first)
+    return ReadLaws(n, probs, {read: laws[read]})
+
+
+def decide_chain(target_prob, n: int, draft_probs: Sequence[float], params: SamplingParams,
+                 first: int) -> tuple[np.ndarray, int]:
+    """The decisions of a sampled chain of ``n`` rows whose row ``j < n - 1`` compares a draft of drafter
+    probability ``draft_probs[j]`` at absolute position ``first + j``, and ``target_prob(j)``, the target's (read
+    only up to the first rejection): those target probabilities, and the row whose whole law the decisions go on
+    to read (the rejected one, for its residual, or the last). One code for the host and a device
+    (:mod:`dsi.models.device_laws`)."""
     if len(draft_probs) != n - 1:
         raise ConfigError(f"{n} rows compare {n - 1} drafts; got {len(draft_probs)} drafter probabilities")
-    first = len(context) - n + 1  # the absolute position row 0 decides
     probs = np.empty(n - 1, dtype=np.float64)
     for j, q_x in enumerate(draft_probs):
-        draft = int(context[first + j])
-        probs[j] = p_x = float(laws[j][draft])
+        probs[j] = p_x = target_prob(j)
         if not accepts(p_x, float(q_x), params, first + j):
-            return ReadLaws(n, probs[: j + 1], {j: laws[j]})
-    return ReadLaws(n, probs, {n - 1: laws[n - 1]})
+            return probs[: j + 1], j
+    return probs, n - 1
 
 
 @dataclass(frozen=True)
-class ChainRead:
-    """How a target server reads a sampled chain verification's rows ``[n, V]`` (a forward's ``read``:
-    :func:`dsi.models.base.extend_rows`): the argmax ids of the processed rows (which checks each row), and the
-    laws processed as the decisions read them (:class:`LazyLaws`), or, with the drafts' drafter probabilities,
-    decided here (:func:`read_chain_laws`: only the law a decision reads goes back).
+class RowsRead:
+    """How the last ``n`` rows of a forward over ``tokens`` are read (a forward's ``read``:
+    :func:`dsi.models.base.extend_rows`; row ``j`` follows ``tokens[: len - n + 1 + j]``). A session whose model
+    decides on its device (the hf backend on a GPU: :mod:`dsi.models.device_laws`) reads :attr:`on_device` ones
+    there, and only what the decisions need crosses to the host."""
 
-    A session whose model decides on its device (the hf backend on a GPU:
-    :mod:`dsi.models.device_laws`) reads :attr:`on_device` chains there instead, and only the drafts'
-    probabilities and the one law cross to the host."""
-
-    tokens: tuple[int, ...]  # the verified context: row j follows tokens[: len - n + 1 + j]
+    tokens: tuple[int, ...]
     params: SamplingParams
     prompt_len: int
     stop_ids: frozenset[int] = frozenset()
+    on_device = True
+
+
+@dataclass(frozen=True)
+class ChainRead(RowsRead):
+    """A target server's reading of a sampled chain verification: the argmax ids of the processed rows (which
+    checks each row), and the laws processed as the decisions read them (:class:`LazyLaws`), or, with the drafts'
+    drafter probabilities, decided here (:func:`read_chain_laws`: only the law a decision reads goes back; on a
+    device, only the drafts' probabilities and that law cross)."""
+
     draft_probs: tuple[float, ...] | None = None
 
     @property
@@ -857,33 +883,19 @@ class ChainRead:
 
 
 @dataclass(frozen=True)
-class GreedyRead:
-    """How a target server reads a greedy verification's rows ``[n, V]`` whose processors can move the argmax
-    (penalties, bias, ``min_tokens``, a constraint): the argmax ids of the processed rows
-    (:func:`greedy_tokens`). A session whose model decides on its device takes them there
-    (:func:`dsi.models.device_laws.greedy_ids`: the same ids, bit for bit), and only the ids cross."""
-
-    tokens: tuple[int, ...]  # the verified context: row j follows tokens[: len - n + 1 + j]
-    params: SamplingParams
-    prompt_len: int
-    stop_ids: frozenset[int] = frozenset()
-    on_device = True
+class GreedyRead(RowsRead):
+    """A greedy verification whose processors can move the argmax (penalties, bias, ``min_tokens``, a
+    constraint): the argmax ids of the processed rows (:func:`greedy_tokens`; on a device the same ids, bit for
+    bit, and only they cross)."""
 
     def __call__(self, logits: np.ndarray) -> np.ndarray:
         return greedy_tokens(logits, self.params, self.tokens, self.prompt_len, self.stop_ids)
 
 
 @dataclass(frozen=True)
-class BonusRead:
-    """How non-SI reads its one sampled row: the target's own token at ``position`` (:func:`bonus`) from the law
-    of the row after ``tokens``. A session whose model decides on its device draws it there
-    (:func:`dsi.models.device_laws.bonus_token`), and only the token crosses."""
-
-    tokens: tuple[int, ...]
-    params: SamplingParams
-    prompt_len: int
-    stop_ids: frozenset[int] = frozenset()
-    on_device = True
+class BonusRead(RowsRead):
+    """Non-SI's one sampled row: the target's own token at ``position`` (:func:`bonus`) from the row's law (on a
+    device only the token crosses)."""
 
     @property
     def position(self) -> int:

@@ -39,12 +39,12 @@ from dsi.logprobs import likeliest, top_ids
 from dsi.models.base import LanguageModel, ModelSession, forward_rows, guessable_positions, tree_rows
 from dsi.models.costs import forward_costs
 from dsi.sampling import (
-    NothingAllowed,
     Prefix,
     SamplingParams,
     bonus,
     decide,
     draft_from_logits,
+    drafting,
     residual,
     shape_logits,
 )
@@ -178,10 +178,8 @@ def _greedy_logits(row: np.ndarray, params: SamplingParams, prefix: Prefix) -> n
     nothing to draft)."""
     if not params.moves_argmax:
         return np.asarray(row)
-    try:
+    with drafting():
         return shape_logits(row, params, prefix)
-    except NothingAllowed as exc:
-        raise DraftUnavailable(f"the drafter's row has no token the request allows: {exc}") from None
 
 
 def _softmax_at(shaped: np.ndarray, ids: Sequence[int], top: float) -> np.ndarray:

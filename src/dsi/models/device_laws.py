@@ -39,8 +39,8 @@ from dsi.sampling import (
     Purpose,
     ReadLaws,
     SamplingParams,
-    accepts,
     chain_counts,
+    decide_chain,
     process_touched,
     shape_logits,
     touched_ids,
@@ -67,8 +67,11 @@ def shape_rows(rows: torch.Tensor, params: SamplingParams, tokens: Sequence[int]
     output) set the rest to -inf. Checked: a row left without a possible token raises as on the host."""
     n, vocab = rows.shape
     x = rows.to(torch.float64, copy=True)  # [n, V]; the model's output buffer (a graph's) stays as it is
-    touched = [touched_ids(params, counts, stop_ids, vocab)
-               for counts in chain_counts(params, tokens, prompt_len, n, vocab)]
+    touched, allowed = [], []  # per row: the ids the processors touch, and a constraint's mask
+    for counts in chain_counts(params, tokens, prompt_len, n, vocab):
+        touched.append(touched_ids(params, counts, stop_ids, vocab))
+        if params.constraint is not None:
+            allowed.append(constraint_mask(params, counts, vocab))
     flat = [j * vocab + ids for j, ids in enumerate(touched) if ids.size]
     if flat:
         where = torch.from_numpy(np.concatenate(flat)).to(x.device)
@@ -80,10 +83,8 @@ def shape_rows(rows: torch.Tensor, params: SamplingParams, tokens: Sequence[int]
                                                             stop_ids)
                 done += ids.size
         x.view(-1)[where] = torch.from_numpy(raw).to(x.device)
-    if params.constraint is not None:
-        allowed = np.stack([constraint_mask(params, counts, vocab)
-                            for counts in chain_counts(params, tokens, prompt_len, n, vocab)])
-        x.masked_fill_(~torch.from_numpy(allowed).to(x.device), -math.inf)
+    if allowed:
+        x.masked_fill_(~torch.from_numpy(np.stack(allowed)).to(x.device), -math.inf)
     empty = x.max(dim=-1).values == -math.inf
     if bool(empty.any()):  # the host's own error for that row (a constraint's, or min_tokens')
         j = int(torch.nonzero(empty).flatten()[0])
@@ -155,10 +156,6 @@ def read_chain(rows: torch.Tensor, chain: ChainRead) -> tuple[np.ndarray, ReadLa
     params = chain.params
     n = rows.shape[0]
     context = chain.tokens
-    draft_probs = chain.draft_probs
-    if draft_probs is None or len(draft_probs) != n - 1:
-        raise ModelError(f"{n} rows compare {n - 1} drafts; got {None if draft_probs is None else len(draft_probs)} "
-                         "drafter probabilities")
     check_rows(rows)
     shaped = shape_rows(rows, params, context, chain.prompt_len, chain.stop_ids) if params.moves_argmax else rows
     laws = distribution(shaped, params)  # [n, V] float32
@@ -168,14 +165,9 @@ def read_chain(rows: torch.Tensor, chain: ChainRead) -> tuple[np.ndarray, ReadLa
     # one transfer: the argmax of each processed row (temperature, min_p, top-k and top-p keep the order of the
     # logits they are given) and the drafts' probabilities
     both = torch.cat([shaped.argmax(dim=-1).to(torch.float64), picked.to(torch.float64)]).cpu().numpy()
-    tokens, probs = both[:n].astype(np.int64), both[n:]
-    read = n - 1  # every draft accepted: the last row's law (its bonus, or the next draft's decision)
-    for j, q_x in enumerate(draft_probs):
-        if not accepts(float(probs[j]), float(q_x), params, first + j):
-            read = j
-            break
-    law = laws[read].cpu().numpy().astype(LAW_DTYPE, copy=False)
-    return tokens, ReadLaws(n, probs[: min(read + 1, n - 1)], {read: law})
+    tokens, picked_probs = both[:n].astype(np.int64), both[n:]
+    probs, read = decide_chain(lambda j: float(picked_probs[j]), n, chain.draft_probs, params, first)
+    return tokens, ReadLaws(n, probs, {read: laws[read].cpu().numpy().astype(LAW_DTYPE, copy=False)})
 
 
 def bonus_token(rows: torch.Tensor, read: BonusRead) -> int:

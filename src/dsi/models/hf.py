@@ -55,11 +55,15 @@ from dsi.models.hf_static import (
     GRAPH_MAX_TOKENS, ForwardPlan, GraphSet, additive_mask, check_full_attention, has_sliding_layers,
     new_positioned_cache, padded_size, visibility,
 )
+from dsi.models import device_laws
 from dsi.models.sources import resolve_source
 from dsi.sampling import BonusRead, ChainRead, GreedyRead
 
 logger = logging.getLogger(__name__)
 ON_DEVICE = "device"  # what a forward hands back: its rows on the model's device, for a reader that decides there
+# how each reader of rows (dsi.sampling.RowsRead) decides where the rows are
+DEVICE_READERS = {ChainRead: device_laws.read_chain, GreedyRead: device_laws.greedy_ids,
+                  BonusRead: device_laws.bonus_token}
 
 DTYPES = {
     "bf16": torch.bfloat16,
@@ -574,12 +578,8 @@ class HFSession:
         sampled chain's reader (:class:`~dsi.sampling.ChainRead`), a processed greedy one
         (:class:`~dsi.sampling.GreedyRead`) or non-SI's draw (:class:`~dsi.sampling.BonusRead`) does on the
         model's device where the model decides there (:attr:`HFModel.decides_on_device`)."""
-        if read is not None and not greedy and isinstance(read, ChainRead | GreedyRead | BonusRead) \
-                and read.on_device and self._owner.decides_on_device:
-            from dsi.models import device_laws
-
-            decide = {ChainRead: device_laws.read_chain, GreedyRead: device_laws.greedy_ids,
-                      BonusRead: device_laws.bonus_token}[type(read)]
+        decide = DEVICE_READERS.get(type(read))
+        if decide is not None and not greedy and read.on_device and self._owner.decides_on_device:
             rows = self._extend(tokens, cancel, num_rows, ON_DEVICE)
             with torch.inference_mode(), self._on_stream():
                 return decide(rows, read)

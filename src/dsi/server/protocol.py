@@ -304,7 +304,18 @@ class NamedToolChoice(_Strict):
     function: FunctionName
 
 
-class ChatCompletionRequest(_GenerationRequest):
+class _Chat:
+    """What a chat template reads of a request with ``messages`` and ``tools``."""
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.template_message() for m in self.messages]
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools as chat templates read them (None: no tools)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+
+class ChatCompletionRequest(_Chat, _GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
@@ -317,13 +328,6 @@ class ChatCompletionRequest(_GenerationRequest):
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def template_messages(self) -> list[dict[str, Any]]:
-        return [m.template_message() for m in self.messages]
-
-    def template_tools(self) -> list[dict] | None:
-        """The tools as chat templates read them (None: no tools)."""
-        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
-
 
 class TokenizeCompletionRequest(_Strict):
     """vLLM's ``POST /tokenize`` of a text prompt."""
@@ -334,7 +338,7 @@ class TokenizeCompletionRequest(_Strict):
     return_token_strs: bool = False  # vLLM's; only false is supported
 
 
-class TokenizeChatRequest(_Strict):
+class TokenizeChatRequest(_Chat, _Strict):
     """vLLM's ``POST /tokenize`` of a chat: the chat template applied to ``messages``."""
 
     model: str | None = None
@@ -344,12 +348,6 @@ class TokenizeChatRequest(_Strict):
     add_special_tokens: bool = False  # on top of the template's own (vLLM's default: none)
     return_token_strs: bool = False
     tools: list[ChatTool] | None = Field(default=None, max_length=MAX_TOOLS)  # rendered by the template
-
-    def template_messages(self) -> list[dict[str, Any]]:
-        return [m.template_message() for m in self.messages]
-
-    def template_tools(self) -> list[dict] | None:
-        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
 
 class DetokenizeRequest(_Strict):

@@ -124,13 +124,15 @@ def test_a_target_deciding_on_its_device_keeps_the_law_and_one_output_per_seed(m
     target's exact law (chi-square, alpha 1e-4; the slow suite runs 1200 in tests/integration/test_hf_lossless.py)."""
     import dsi
     import dsi.models.device_laws as device_laws
+    import dsi.models.hf as hf
+    from dsi.sampling import ChainRead
     from dsi.engine.api import build_decoder
 
     model, target, drafter = tiny_pair(True)
     assert target.decides_on_device and not tiny_pair(False)[1].decides_on_device
     calls = []
     real = device_laws.read_chain
-    monkeypatch.setattr(device_laws, "read_chain", lambda rows, chain: calls.append(rows.shape) or real(rows, chain))
+    monkeypatch.setitem(hf.DEVICE_READERS, ChainRead, lambda rows, chain: calls.append(rows.shape) or real(rows, chain))
     params = SamplingParams(temperature=1.0, top_k=4, top_p=0.95, seed=11)
     outs = {tuple(dsi.generate(target=target, drafter=drafter, prompt=(1, 2, 3), max_new_tokens=12, lookahead=3,
                                num_target_servers=sp, sampling=params).tokens) for sp in (1, 2, 3)}
@@ -262,13 +264,15 @@ def test_processed_greedy_decided_on_the_device_equals_non_si_on_the_host(monkey
     argmax on its device: token for token non-SI's on the host (the shaped rows are the host's bit for bit)."""
     import dsi
     import dsi.models.device_laws as device_laws
+    import dsi.models.hf as hf
+    from dsi.sampling import GreedyRead
     from dsi.constraints import BoundConstraint, Constraint, TokenTable
 
     _, target, drafter = tiny_pair(True)
     _, host_target, _ = tiny_pair(False)
     calls = []
     real = device_laws.greedy_ids
-    monkeypatch.setattr(device_laws, "greedy_ids", lambda rows, read: calls.append(1) or real(rows, read))
+    monkeypatch.setitem(hf.DEVICE_READERS, GreedyRead, lambda rows, read: calls.append(1) or real(rows, read))
     table = TokenTable((b"a", b"b", b"c", b"d", b""), (4,))
     for params in (SamplingParams(presence_penalty=0.8, repetition_penalty=1.5, logit_bias={2: 1.0}),
                    SamplingParams(constraint=BoundConstraint(Constraint.regex("[ab]{2,5}c[cd]{1,6}"), table))):
@@ -304,12 +308,14 @@ def test_non_si_deciding_on_the_device_keeps_the_law_and_greedy_is_the_host_s(mo
     600 seeded two-token outputs follow the exact law (chi-square, alpha 1e-4)."""
     import dsi
     import dsi.models.device_laws as device_laws
+    import dsi.models.hf as hf
+    from dsi.sampling import BonusRead
 
     model, target, _ = tiny_pair(True)
     _, host_target, _ = tiny_pair(False)
     calls = []
     real = device_laws.bonus_token
-    monkeypatch.setattr(device_laws, "bonus_token", lambda rows, read: calls.append(1) or real(rows, read))
+    monkeypatch.setitem(hf.DEVICE_READERS, BonusRead, lambda rows, read: calls.append(1) or real(rows, read))
     penalised = SamplingParams(presence_penalty=0.8, repetition_penalty=1.5, logit_bias={2: 1.0})
     assert (dsi.generate(target=target, prompt=(1, 2, 3), method="ar", max_new_tokens=14, sampling=penalised).tokens
             == dsi.generate(target=host_target, prompt=(1, 2, 3), method="ar", max_new_tokens=14,
