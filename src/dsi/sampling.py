@@ -614,17 +614,39 @@ def _distribution(row: np.ndarray, params: SamplingParams) -> np.ndarray:
         np.exp(law, out=law)  # the maximum has 1, so the sum is in [1, V]
     law /= law.sum()
     if params.top_p < 1.0:
-        # most likely first; ordered by the logits themselves, so probabilities that rounding made
-        # equal keep the logits' order (the first argmax always comes first and is always kept)
-        order = np.argsort(-row, kind="stable")  # [V]
-        cumulative = np.cumsum(law[order], dtype=np.float64)
-        # keep the smallest prefix whose mass reaches top_p (always at least one token)
-        keep_count = int(np.searchsorted(cumulative, params.top_p, side="left")) + 1
         mask = np.zeros(law.size, dtype=bool)
-        mask[order[:keep_count]] = True
+        mask[nucleus(row, law, params.top_p)] = True
         law = np.where(mask, law, LAW_DTYPE(0.0))
         law /= law.sum()
     return law
+
+
+NUCLEUS_FIRST = 1024  # the likeliest ids top-p orders first; 8 times more each time their mass falls short
+
+
+def nucleus(row: np.ndarray, law: np.ndarray, top_p: float) -> np.ndarray:
+    """The ids top-p keeps of a law ``[V]`` and the logits ``row`` ``[V]`` it was made of: the smallest prefix of
+    the ids ordered by their logits, most likely first (ties in id order, so probabilities that rounding made
+    equal keep the logits' order, and the first argmax comes first), whose mass, summed in float64 in that order,
+    reaches ``top_p``; every id where rounding leaves the whole mass short of it; always at least one.
+
+    Only the likeliest ids are sorted (:data:`NUCLEUS_FIRST`, every id tied with the last of them included),
+    and more only where their mass falls short of ``top_p``: the same ids, in the same order and summed to the
+    same numbers, as a sort of the whole vocabulary (10 ms over 152k ids), at a partition's cost."""
+    size = row.size
+    count = NUCLEUS_FIRST
+    while True:
+        if count >= size:
+            order = np.argsort(-row, kind="stable")  # [V]
+        else:
+            kth = np.partition(row, size - count)[size - count]  # the count-th largest logit
+            candidates = np.flatnonzero(row >= kth)  # in id order: a stable sort keeps ties so
+            order = candidates[np.argsort(-row[candidates], kind="stable")]
+        cumulative = np.cumsum(law[order], dtype=np.float64)
+        keep = int(np.searchsorted(cumulative, top_p, side="left"))  # the first prefix reaching top_p
+        if keep < order.size or order.size == size:
+            return order[: keep + 1]
+        count *= 8
 
 
 SAMPLE_BLOCK = 2048  # ids per block of sample_from's two-level search

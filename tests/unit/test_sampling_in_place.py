@@ -150,3 +150,57 @@ def test_the_two_level_draw_never_returns_a_token_without_mass():
 def test_the_two_level_draw_refuses_rows_without_a_law(bad):
     with pytest.raises(ModelError, match="cannot sample from a distribution"):
         sample_from(bad, 0.3)
+
+
+def full_sort_nucleus(row: np.ndarray, law: np.ndarray, top_p: float) -> np.ndarray:
+    """top-p's kept ids by a sort of the whole vocabulary (what _distribution did before)."""
+    order = np.argsort(-row, kind="stable")
+    cumulative = np.cumsum(law[order], dtype=np.float64)
+    return order[: int(np.searchsorted(cumulative, top_p, side="left")) + 1]
+
+
+def nucleus_rows(rng: np.random.Generator, size: int):
+    """Rows top-p must get right: peaked (the first candidates suffice), flat (they fall short, more are sorted),
+    bf16-like (many exact ties, also across the last candidate), with -inf entries, and small vocabularies."""
+    yield (rng.standard_normal(size) * 8).astype(np.float32)  # peaked
+    yield (rng.standard_normal(size) * 0.5).astype(np.float32)  # flat: most ids in the nucleus
+    yield np.round(rng.standard_normal(size) * 4, 1).astype(np.float32)  # ties everywhere
+    tied = np.full(size, -2.0, dtype=np.float32)
+    tied[: size // 3] = 1.0  # a third of the ids tied at the top, across NUCLEUS_FIRST
+    yield tied
+    masked = (rng.standard_normal(size) * 3).astype(np.float64)
+    masked[rng.random(size) < 0.9] = -np.inf  # constraints and min_tokens leave few ids
+    masked[size // 2] = 0.0  # (a checked row has one)
+    yield masked
+
+
+@pytest.mark.parametrize("size", [3, 1000, 5000, 151_936])
+@pytest.mark.parametrize("top_p", [1e-9, 0.3, 0.9, 0.999, 1.0 - 1e-12])
+def test_top_p_keeps_the_ids_a_sort_of_the_whole_vocabulary_keeps(size, top_p):
+    from dsi.sampling import nucleus
+
+    rng = np.random.default_rng(size)
+    for row in nucleus_rows(rng, size):
+        law = _distribution(row, SamplingParams(temperature=0.8, seed=1))
+        got, want = nucleus(row, law, top_p), full_sort_nucleus(row, law, top_p)
+        assert np.array_equal(got, want), (size, top_p, got.size, want.size)
+        # and the law top-p makes of them, bit for bit
+        params = SamplingParams(temperature=0.8, seed=1, top_p=top_p)
+        assert np.array_equal(_distribution(row, params), plain_distribution(row, params))
+
+
+def test_top_p_sorts_only_the_likeliest_ids_of_a_peaked_row(monkeypatch):
+    import dsi.sampling
+
+    sorted_sizes = []
+    argsort = np.argsort
+
+    def counting(a, *args, **kwargs):
+        sorted_sizes.append(np.asarray(a).size)
+        return argsort(a, *args, **kwargs)
+
+    monkeypatch.setattr(dsi.sampling.np, "argsort", counting)
+    row = (np.random.default_rng(0).standard_normal(151_936) * 8).astype(np.float32)
+    law = _distribution(row, SamplingParams(temperature=1.0, seed=1, top_p=0.95))
+    assert sorted_sizes and max(sorted_sizes) <= dsi.sampling.NUCLEUS_FIRST
+    assert 0 < np.count_nonzero(law) < dsi.sampling.NUCLEUS_FIRST

@@ -48,6 +48,8 @@ TRANSPORTS = ("threads", "processes", "ray")
 REQUESTS: dict[str, SamplingParams] = {
     "greedy": SamplingParams(),
     "sampled": SamplingParams(temperature=0.7, seed=1),
+    # Qwen2.5-Instruct's generation_config: top-p and top-k filter every law a draft or a verification reads
+    "nucleus": SamplingParams(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05, seed=1),
 }
 
 

@@ -96,6 +96,16 @@ def test_a_scenario_reports_each_method_over_its_ideal_and_the_host_split(no_thr
         run_gpu_scenario(scenario, requests=("beam",))
 
 
+def test_a_nucleus_request_runs_with_its_filters_on_a_whole_vocabulary(no_thread_leak):
+    from dsi.evaluate.gpu_class import REQUESTS
+
+    params = REQUESTS["nucleus"]
+    assert params.top_p < 1 and params.top_k and params.repetition_penalty != 1 and not params.greedy
+    (row,) = run_gpu_scenario(GpuScenario("tiny", 3.0, 0.5, servers=2), tokens=16, repeats=1,
+                              transports=("threads",), requests=("nucleus",))
+    assert row["request"] == "nucleus" and row["identical_outputs"] and row["output_tokens"] == 16
+
+
 def test_the_cli_runs_a_gpu_class_scenario_as_json(capsys, no_thread_leak):
     assert set(GPU_SCENARIOS) >= {"gpu-7/1", "gpu-3/0.4"}
     code = main(["bench", "--gpu-class", "--scenario", "gpu-3/0.4", "--tokens", "12", "--repeats", "1",
