@@ -9,7 +9,8 @@
 #      architectures (random weights, bf16), one token and a k = 4 verification, eager on the dynamic
 #      cache, eager on the static cache and as captured CUDA graphs, against the weights' read time
 #      at the copy bandwidth measured in the same run; the first forwards give the capture time; and a
-#      sampled and a penalised greedy verification decided on the host and on the device (device_laws.py);
+#      sampled and a penalised greedy verification, and a drafter step with its draw, decided on the
+#      host and on the device (device_laws.py);
 #   a. the embedded pair (Qwen2.5-Coder 1.5B target / 0.5B drafter), its real greedy decisions
 #      replayed on random-weight models of its architectures (benchmarks/real_pair.py --replay,
 #      docs/results.md#real-models-on-a-cpu) with CUDA graphs: non-SI, SI (k = 4) and DSI (event-driven windows)

@@ -6,8 +6,8 @@ cached tokens: the median time of a forward of 1 token (a drafter step, non-SI) 
 verification), each run from the prefix again, per forward plan; the weights' read time at the bandwidth measured
 in the same run (a device-to-device copy of ``--copy-gb``: read and write, so bytes x 2 over its time); and, with
 graphs, the first forward of each size (one eager warm-up forward and the capture) as the capture time. On the
-graphs plan, a sampled and a penalised greedy verification decided on the host and on the device
-(models/device_laws.py).
+graphs plan, a sampled and a penalised greedy verification, and a drafter's step with its draw, decided on the
+host and on the device (models/device_laws.py).
 
     python benchmarks/gpu_forwards.py --config qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct \\
         qwen2.5-14b-instruct --device cuda:0 --dtype bf16
@@ -81,27 +81,31 @@ def measure(config_dir: Path, device: str, dtype: str, tokens: int, repeats: int
 
 def sampled_verification(model, session, prefix: list[int], tokens: int, repeats: int, device: str) -> dict:
     """A verification of ``tokens`` rows decided on the host (the rows cross, numpy processes them) and on the
-    device (models/device_laws.py: a few numbers cross): sampled (top_p 0.95, its drafts' drafter probabilities
-    with it) and greedy with a repetition penalty; forward and decisions, median ms."""
+    device (models/device_laws.py: a few numbers cross): sampled (T 0.7, top_k 20, top_p 0.8, its drafts' drafter
+    probabilities with it) and greedy with a repetition penalty; and a drafter's one-token step with its sampled
+    draw (the same sampling; on the device only the token and its probability cross). Forward and decisions,
+    median ms."""
     from dataclasses import replace
 
     from dsi.models.base import forward_rows
-    from dsi.sampling import ChainRead, GreedyRead, SamplingParams
+    from dsi.sampling import ChainRead, DraftRead, GreedyRead, SamplingParams
 
     vocab = model.vocab_size
     context = tuple(prefix + [(5 * i + 1) % vocab for i in range(tokens)])
-    reads = {"sampled": ChainRead(context, SamplingParams(temperature=1.0, top_p=0.95, seed=1), PREFIX, frozenset(),
-                                  (0.5,) * (tokens - 1)),
-             "penalised": GreedyRead(context, SamplingParams(repetition_penalty=1.2), PREFIX)}
+    # Qwen2.5-Instruct's sampling: with top_k first, random weights' flat rows cost what a trained model's would
+    nucleus = SamplingParams(temperature=0.7, top_k=20, top_p=0.8, seed=1)
+    reads = {"sampled": (ChainRead(context, nucleus, PREFIX, frozenset(), (0.5,) * (tokens - 1)), tokens),
+             "penalised": (GreedyRead(context, SamplingParams(repetition_penalty=1.2), PREFIX), tokens),
+             "draft": (DraftRead(context[: PREFIX + 1], nucleus, PREFIX), 1)}  # a drafter's step and its draw
     plan = model.forward_plan
     out = {}
-    for kind, read in reads.items():
+    for kind, (read, rows) in reads.items():
         for label, on_device in (("host", False), ("device", True)):
             model.forward_plan = replace(plan, device_decisions=on_device)
 
-            def once(read=read):
+            def once(read=read, rows=rows):
                 session.truncate(PREFIX)
-                forward_rows(session, context, tokens, read=read)
+                forward_rows(session, read.tokens, rows, read=read)
 
             _, *rest = timed(once, repeats + 1, device)
             out[f"{kind}_{label}_ms"] = 1e3 * statistics.median(rest)
@@ -147,12 +151,14 @@ def main() -> int:
                   f"{r['1_ms'] / read_ms:.1f} | {r[f'{args.tokens}_ms']:.2f} | {r['first_1_ms']:.0f}, "
                   f"{r[f'first_{args.tokens}_ms']:.0f} | {r['captured']} |")
     print(f"\na {args.tokens}-row verification on the {PLANS[-1]} plan, forward and decisions, ms: rows to the host "
-          "(numpy) | decided on the device; sampled (top_p 0.95), then greedy with a repetition penalty")
+          "(numpy) | decided on the device; sampled (T 0.7, top_k 20, top_p 0.8), then greedy with a repetition "
+          "penalty; then a one-token step with its sampled draw (the same sampling)")
     for row in rows:
         if "error" not in row:
             last = row["plans"][PLANS[-1]]
             print(f"| {row['config']} | {last['sampled_host_ms']:.2f} | {last['sampled_device_ms']:.2f} | "
-                  f"{last['penalised_host_ms']:.2f} | {last['penalised_device_ms']:.2f} |")
+                  f"{last['penalised_host_ms']:.2f} | {last['penalised_device_ms']:.2f} | "
+                  f"{last['draft_host_ms']:.2f} | {last['draft_device_ms']:.2f} |")
     emit({"benchmark": "gpu_forwards", "device": args.device, "dtype": args.dtype, "prefix": PREFIX,
           "tokens": args.tokens, "repeats": args.repeats, "bandwidth_gb_s": speed / 1e9, "rows": rows}, args.out)
     return 0

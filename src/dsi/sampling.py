@@ -928,6 +928,22 @@ class BonusRead(RowsRead):
         return bonus(law, self.params, self.position)
 
 
+@dataclass(frozen=True)
+class DraftRead(RowsRead):
+    """A drafter's reading of its forward's last row: the draft at :attr:`position` and its processed law ``q``
+    (None when greedy): :func:`draft_from_logits`. On a device the law is made and drawn from there
+    (:func:`dsi.models.device_laws.draft`): only the token and its probability cross, and the law stays there
+    until a decision reads it whole (a rejection's residual)."""
+
+    @property
+    def position(self) -> int:
+        return len(self.tokens)
+
+    def __call__(self, logits: np.ndarray) -> tuple[int, np.ndarray | None]:
+        prefix = Prefix(self.tokens, self.prompt_len, self.stop_ids)
+        return draft_from_logits(np.asarray(logits)[-1], self.params, self.position, prefix)
+
+
 def bonus(p: np.ndarray, params: SamplingParams, position: int) -> int:
     """The target's own token at ``position`` (no draft to test): argmax or a sample from ``p``."""
     if params.greedy:

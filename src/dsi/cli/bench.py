@@ -41,9 +41,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--sp", type=COUNT, default=None,
                    help="with --gpu-class: DSI's target servers (default 4; a machine with few cores hosts fewer)")
     p.add_argument("--request", action="append", choices=list(REQUESTS), metavar="KIND",
-                   help="with --gpu-class: greedy, sampled (T=0.7, seed 1) or nucleus (Qwen2.5-Instruct's sampling: T=0.7, "
-                        "top_p 0.8, top_k 20, repetition_penalty 1.05, seed 1) requests (repeatable; default greedy "
-                        "and sampled)")
+                   help="with --gpu-class: greedy, sampled (T=0.7, seed 1) or nucleus (Qwen2.5-Instruct's "
+                        "sampling: T=0.7, top_p 0.8, top_k 20, repetition_penalty 1.05, seed 1) requests "
+                        "(repeatable; default greedy and sampled)")
     p.add_argument("--windows", action="store_true",
                    help="compare DSI's window policies instead: every fixed k in 1..10 and event-driven "
                         "windows (--lookahead auto), with the best fixed k and k = 5 as references")

@@ -37,7 +37,7 @@ from dsi.models.base import (
     session_counters,
     tree_rows,
 )
-from dsi.sampling import Prefix, SamplingParams, draft_from_logits
+from dsi.sampling import DraftRead, Prefix, SamplingParams, draft_from_logits
 from dsi.engine.trees import draft_with_alternatives, likeliest_draft
 from dsi.trees import ROOT, DraftTree
 from dsi.transport.liveness import HISTORY, LivenessPolicy
@@ -285,19 +285,25 @@ class DraftWorker:
                 ids_only = drafts_ids_only(self._model, params) and not job.alternatives
                 drafted: list[int] = []
 
-                def draw(rows: np.ndarray) -> tuple[int, np.ndarray | None, tuple[int, ...]]:
-                    """The next draft from a forward's last row (run within the forward where the session can:
-                    :func:`dsi.models.base.extend_rows`'s ``read``): after ``drafted``, at its position."""
+                def draw() -> Callable[[np.ndarray], tuple]:
+                    """How a forward's last row gives the next draft, after ``drafted`` at its position (run within
+                    the forward where the session can: :func:`dsi.models.base.extend_rows`'s ``read``): its argmax
+                    id, the draft with its side children (trees), or a :class:`~dsi.sampling.DraftRead` (decided
+                    on the drafter's device where it decides there)."""
                     if ids_only:
-                        return int(rows[-1]), None, ()
-                    prefix = Prefix((*job.context, *drafted), job.prompt_len, job.eos_token_ids)
-                    return _draft_at(rows[-1], job, len(job.context) + len(drafted), prefix)
+                        return lambda ids: (int(ids[-1]), None)
+                    tokens = (*job.context, *drafted)
+                    if job.alternatives:
+                        return lambda rows: _draft_at(rows[-1], job, len(tokens),
+                                                      Prefix(tokens, job.prompt_len, job.eos_token_ids))
+                    return DraftRead(tokens, params, job.prompt_len, job.eos_token_ids)
 
-                drawn = self._forward(lambda: forward_rows(session, job.context, 1, cancel, greedy=ids_only, read=draw))
+                drawn = self._forward(lambda: forward_rows(session, job.context, 1, cancel, greedy=ids_only,
+                                                           read=draw()))
                 steps: tuple[SideStep, ...] = ()
                 chains: dict[tuple[int, int], list[int]] = {}  # (draft index, side child) -> the chain after it
                 while True:
-                    token, q, sides = drawn
+                    token, q, sides = (*drawn, ())[:3]  # a DraftRead's and an id's have no side children
                     drafted.append(token)
                     if cancel.is_set():
                         raise TaskCancelled("drafts abandoned")
@@ -312,9 +318,9 @@ class DraftWorker:
                         out, steps = self._forward(lambda: self._with_chains(session, job, drafted, chains, growing))
                         for step in steps:
                             chains[(step.root, step.side)].append(step.token)
-                        drawn = draw(out[None])
+                        drawn = draw()(out[None])
                     else:
-                        drawn = self._forward(lambda: extend_rows(session, [token], cancel, 1, ids_only, read=draw))
+                        drawn = self._forward(lambda: extend_rows(session, [token], cancel, 1, ids_only, read=draw()))
                         steps = ()
         except ContextLengthError as exc:  # a declared limit reached: no more drafts, not a failure
             log.debug("drafter stopped after %d drafts at its context limit: %s", count, exc)

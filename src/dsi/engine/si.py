@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -37,7 +37,7 @@ from dsi.models.base import (
     session_counters,
 )
 from dsi.models.determinism import start_fresh_unless_deterministic
-from dsi.sampling import bonus, decide_greedy, decide_row, draft_from_logits
+from dsi.sampling import DraftRead, bonus, decide_greedy, decide_row
 from dsi.transport.base import TaskResult, VerifyTask
 from dsi.transport.server import run_verify_task
 from dsi.trees import TreeShape, grow
@@ -182,14 +182,14 @@ class SpeculativeDecoder(DecoderLifecycle):
                 stats.drafter_forwards += 1
                 ids_only = drafts_ids_only(self._drafter_model, params)
 
-                def draw(rows: np.ndarray) -> tuple[int, np.ndarray | None]:
-                    """The next draft from the forward's last row (within the forward where the session can)."""
+                def draw() -> DraftRead | Callable[[np.ndarray], tuple[int, None]]:
+                    """How the forward's last row gives the next draft (within the forward where the session can;
+                    on the drafter's device where it decides there): its argmax id, or a DraftRead."""
                     if ids_only:
-                        return int(rows[-1]), None
-                    context = base + tuple(drafts)
-                    return draft_from_logits(rows[-1], params, len(context), request.prefix(context))
+                        return lambda ids: (int(ids[-1]), None)
+                    return DraftRead(base + tuple(drafts), params, len(request.prompt), request.eos_token_ids)
 
-                drawn = forward_rows(self._drafter, base, 1, greedy=ids_only, read=draw)
+                drawn = forward_rows(self._drafter, base, 1, greedy=ids_only, read=draw())
                 while True:
                     token, q = drawn
                     drafts.append(token)
@@ -197,7 +197,7 @@ class SpeculativeDecoder(DecoderLifecycle):
                     if len(drafts) >= count or token in request.eos_token_ids:
                         break
                     stats.drafter_forwards += 1
-                    drawn = extend_rows(self._drafter, [token], None, 1, ids_only, read=draw)
+                    drawn = extend_rows(self._drafter, [token], None, 1, ids_only, read=draw())
         except ContextLengthError:  # the drafter's declared limit: no more drafts this iteration
             limited = True
         except DraftUnavailable:  # nothing to propose here (a drafter of another vocabulary): no more drafts now

@@ -11,6 +11,8 @@ this module processes them there and moves to the host only those numbers, where
 - The processors before temperature (:func:`shape_rows`): the few ids they touch in each row are gathered, processed
   on the host by the host's own code (:func:`dsi.sampling.process_touched`) and written back, and a constraint's
   masks set the rest to -inf: the shaped rows are the host's bit for bit, and so are greedy's argmax ids.
+- A drafter's draw (:func:`draft`): its law made and drawn from on the device; the token and its probability
+  cross, and the law stays there (:class:`DeviceLaw`) until a rejection's residual reads it whole.
 - Sampled laws (:func:`distribution`): temperature, min_p, top-k and top-p in a few batched kernels, as
   :func:`dsi.sampling._distribution` does (float32, the same float64 comparisons). The accept test itself stays
   :func:`dsi.sampling.accepts` on the host (a counter-based uniform against ``p / q``): the engine's own test on the
@@ -34,6 +36,7 @@ from dsi.sampling import (
     LAW_DTYPE,
     BonusRead,
     ChainRead,
+    DraftRead,
     GreedyRead,
     Prefix,
     Purpose,
@@ -41,6 +44,7 @@ from dsi.sampling import (
     SamplingParams,
     chain_counts,
     decide_chain,
+    drafting,
     process_touched,
     shape_logits,
     touched_ids,
@@ -173,16 +177,94 @@ def read_chain(rows: torch.Tensor, chain: ChainRead) -> tuple[np.ndarray, ReadLa
 def bonus_token(rows: torch.Tensor, read: BonusRead) -> int:
     """:class:`~dsi.sampling.BonusRead` on the device: the law of the last row (processed as
     :func:`read_chain`'s), and the token its inverse CDF gives the BONUS uniform (:func:`dsi.sampling.uniform`, from
-    the host): a running sum in float64, as :func:`dsi.sampling.sample_from`'s, landing on a token of positive
-    probability. Only the token crosses."""
+    the host: :func:`inverse_cdf`). Only the token crosses."""
+    law = _last_law(rows, read)
+    return int(inverse_cdf(law, uniform(read.params.seed, read.position, Purpose.BONUS)))
+
+
+def draft(rows: torch.Tensor, read: DraftRead) -> tuple[int, DeviceLaw | None]:
+    """:class:`~dsi.sampling.DraftRead` on the device: the drafter's last row processed as :func:`read_chain`'s
+    rows are. Greedy: the first argmax of the processed row (the host's id, bit for bit) and no law; sampled: the
+    token the law's inverse CDF gives the DRAFT uniform (:func:`inverse_cdf`), the token and its probability in one
+    transfer, and the law left on the device (:class:`DeviceLaw`). A row the request's constraint empties drafts
+    nothing (:func:`dsi.sampling.drafting`), as on the host."""
+    params = read.params
+    with drafting():
+        if params.greedy:
+            return int(_last_row(rows, read).argmax()), None
+        law = _last_law(rows, read)
+    token = inverse_cdf(law, uniform(params.seed, read.position, Purpose.DRAFT))
+    both = torch.stack([token.to(torch.float64), law[token].to(torch.float64)]).cpu().numpy()
+    return int(both[0]), DeviceLaw(law, int(both[0]), float(both[1]))
+
+
+def _last_law(rows: torch.Tensor, read: BonusRead | DraftRead) -> torch.Tensor:
+    """The sampled law ``[V]`` (float32, on the rows' device) of the last of ``rows``, checked and processed as
+    :func:`read_chain`'s rows are."""
+    return distribution(_last_row(rows, read)[None], read.params)[0]
+
+
+def _last_row(rows: torch.Tensor, read: BonusRead | DraftRead) -> torch.Tensor:
+    """The last of ``rows``, checked, after the processors before temperature (:func:`shape_rows`; float64)
+    where they can move it."""
     params = read.params
     row = rows[-1:]
     check_rows(row)
-    shaped = shape_rows(row, params, read.tokens, read.prompt_len, read.stop_ids) if params.moves_argmax else row
-    law = distribution(shaped, params)[0]  # [V] float32
+    return (shape_rows(row, params, read.tokens, read.prompt_len, read.stop_ids) if params.moves_argmax else row)[0]
+
+
+def inverse_cdf(law: torch.Tensor, u: float) -> torch.Tensor:
+    """The token (a 0-d tensor on the law's device: nothing crosses) that the inverse CDF of ``law`` ``[V]`` gives
+    the uniform ``u``: a running sum in float64, as :func:`dsi.sampling.sample_from`'s, and the last token of
+    positive probability at or before where it reaches ``u`` times the mass (rounding may land past the mass or
+    on a zero-probability token; the first positive one where none is before)."""
+    vocab = law.shape[0]
     cdf = torch.cumsum(law.to(torch.float64), dim=0)
-    goal = uniform(params.seed, read.position, Purpose.BONUS) * cdf[-1]
-    index = torch.searchsorted(cdf, goal.reshape(1), right=True).clamp_(max=law.shape[0] - 1)
-    # rounding may land past the mass or on a zero-probability token: the last positive one at or before it
-    positive = torch.nonzero(law[: int(index) + 1] > 0).flatten()
-    return int(positive[-1]) if positive.numel() else int(torch.nonzero(law > 0).flatten()[0])
+    index = torch.searchsorted(cdf, (u * cdf[-1]).reshape(1), right=True).clamp_(max=vocab - 1)  # [1]
+    ids = torch.arange(vocab, device=law.device)
+    positive = law > 0
+    before = torch.where(positive & (ids <= index), ids, -1).max()
+    return torch.where(before >= 0, before, torch.where(positive, ids, vocab).min())
+
+
+class DeviceLaw:
+    """A drafter's processed law ``q`` ``[V]`` (float32) kept on its device (:func:`draft`). ``q[token]`` of the
+    drafted token is the number that crossed with it; any other read (another id, ``np.asarray(q)``: a
+    rejection's residual, a tree's walk) brings the whole law to the host, once. Pickled as that host array."""
+
+    __slots__ = ("_law", "_token", "_prob", "_host")
+
+    def __init__(self, law: torch.Tensor, token: int, prob: float) -> None:
+        self._law = law
+        self._token = token
+        self._prob = LAW_DTYPE(prob)
+        self._host: np.ndarray | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._law.shape)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(LAW_DTYPE)
+
+    def __len__(self) -> int:
+        return self._law.shape[0]
+
+    def host(self) -> np.ndarray:
+        """The law on the host (copied once; the same array afterwards)."""
+        if self._host is None:
+            self._host = self._law.cpu().numpy().astype(LAW_DTYPE, copy=False)
+        return self._host
+
+    def __getitem__(self, index):
+        if isinstance(index, int | np.integer) and int(index) == self._token:
+            return self._prob
+        return self.host()[index]
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = self.host() if dtype is None else self.host().astype(dtype, copy=False)
+        return out.copy() if copy else out
+
+    def __reduce__(self):
+        return np.asarray, (self.host(),)

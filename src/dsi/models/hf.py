@@ -57,13 +57,13 @@ from dsi.models.hf_static import (
 )
 from dsi.models import device_laws
 from dsi.models.sources import resolve_source
-from dsi.sampling import BonusRead, ChainRead, GreedyRead
+from dsi.sampling import BonusRead, ChainRead, DraftRead, GreedyRead
 
 logger = logging.getLogger(__name__)
 ON_DEVICE = "device"  # what a forward hands back: its rows on the model's device, for a reader that decides there
 # how each reader of rows (dsi.sampling.RowsRead) decides where the rows are
 DEVICE_READERS = {ChainRead: device_laws.read_chain, GreedyRead: device_laws.greedy_ids,
-                  BonusRead: device_laws.bonus_token}
+                  BonusRead: device_laws.bonus_token, DraftRead: device_laws.draft}
 
 DTYPES = {
     "bf16": torch.bfloat16,
@@ -450,7 +450,8 @@ class HFModel:
 
     @property
     def decides_on_device(self) -> bool:
-        """Whether sampled chain verifications are decided on this model's device (``forward_plan``'s
+        """Whether rows are read on this model's device: sampled chain verifications, processed greedy rows and
+        draws (the target's and a drafter's) are decided there (``forward_plan``'s
         ``device_decisions``; by default on a GPU outside the deterministic mode, whose laws are the host's so
         that every window, chain or tree, reads the same bits)."""
         chosen = self.forward_plan.device_decisions
@@ -576,8 +577,9 @@ class HFSession:
                     read: Any = None) -> Any:
         """The session interface's fast path (:func:`dsi.models.base.extend_rows`); ``read`` of the rows, which a
         sampled chain's reader (:class:`~dsi.sampling.ChainRead`), a processed greedy one
-        (:class:`~dsi.sampling.GreedyRead`) or non-SI's draw (:class:`~dsi.sampling.BonusRead`) does on the
-        model's device where the model decides there (:attr:`HFModel.decides_on_device`)."""
+        (:class:`~dsi.sampling.GreedyRead`), non-SI's draw (:class:`~dsi.sampling.BonusRead`) or a drafter's
+        (:class:`~dsi.sampling.DraftRead`) does on the model's device where the model decides there
+        (:attr:`HFModel.decides_on_device`)."""
         decide = DEVICE_READERS.get(type(read))
         if decide is not None and not greedy and read.on_device and self._owner.decides_on_device:
             rows = self._extend(tokens, cancel, num_rows, ON_DEVICE)

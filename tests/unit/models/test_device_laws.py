@@ -122,22 +122,29 @@ def test_a_target_deciding_on_its_device_keeps_the_law_and_one_output_per_seed(m
     """SI and DSI with a target that decides its chains on its device (forced on the CPU): the device path runs,
     a seed gives one output for SP 1-3 and both methods' windows, and 600 seeded two-token outputs follow the
     target's exact law (chi-square, alpha 1e-4; the slow suite runs 1200 in tests/integration/test_hf_lossless.py)."""
-    import dsi
     import dsi.models.device_laws as device_laws
     import dsi.models.hf as hf
     from dsi.sampling import ChainRead
-    from dsi.engine.api import build_decoder
 
     model, target, drafter = tiny_pair(True)
     assert target.decides_on_device and not tiny_pair(False)[1].decides_on_device
     calls = []
     real = device_laws.read_chain
     monkeypatch.setitem(hf.DEVICE_READERS, ChainRead, lambda rows, chain: calls.append(rows.shape) or real(rows, chain))
+    assert_one_output_per_seed_and_the_law(model, target, drafter)
+    assert calls and all(shape[1] == 5 for shape in calls)
+
+
+def assert_one_output_per_seed_and_the_law(model, target, drafter) -> None:
+    """Sampled DSI on ``target`` with ``drafter`` gives one output per seed for SP 1-3, and 600 seeded two-token SI
+    outputs follow ``model``'s exact law (:func:`assert_two_token_law`), with rejections enough to test residuals."""
+    import dsi
+    from dsi.engine.api import build_decoder
+
     params = SamplingParams(temperature=1.0, top_k=4, top_p=0.95, seed=11)
     outs = {tuple(dsi.generate(target=target, drafter=drafter, prompt=(1, 2, 3), max_new_tokens=12, lookahead=3,
                                num_target_servers=sp, sampling=params).tokens) for sp in (1, 2, 3)}
-    assert len(outs) == 1 and calls and all(shape[1] == 5 for shape in calls)
-
+    assert len(outs) == 1
     decoder = build_decoder(target=target, drafter=drafter, method="si", lookahead=2)
     try:
         rejections = assert_two_token_law(model, params, decoder)
@@ -327,3 +334,99 @@ def test_non_si_deciding_on_the_device_keeps_the_law_and_greedy_is_the_host_s(mo
     finally:
         decoder.close()
     assert len(calls) >= 2 * 600
+
+
+# ---- a drafter's draws on its device ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("params", PARAMS[:4] + processed_params(greedy=False, constraint=False)
+                         + processed_params(greedy=True, constraint=False), ids=repr)
+def test_a_drafter_draws_on_its_device_the_host_s_draft(params, device):
+    """A drafter's row read on its device (DraftRead): greedy, the host's processed argmax and no law; sampled,
+    the host's token at the DRAFT uniform for every seed here, its probability as the law left on the device
+    gives it, and that law within float32 rounding of the host's with the same support."""
+    from dsi.models.device_laws import DeviceLaw, draft
+    from dsi.sampling import DraftRead
+
+    logits = processed_rows(4, n=2)
+    context = (2, 3, 3, 10, 11, 12)
+    rows = torch.from_numpy(logits).to(device)
+    drafted = set()
+    for seed in range(200 if not params.greedy else 1):
+        read = DraftRead(context, replace(params, seed=seed), 3, frozenset({EOS}))
+        token, q = draft(rows, read)
+        want, want_q = read(logits)
+        assert token == want, seed
+        drafted.add(token)
+        if params.greedy:
+            assert q is None and want_q is None
+            continue
+        assert isinstance(q, DeviceLaw) and q.shape == want_q.shape
+        law = np.asarray(q)
+        assert q[token] == law[token] > 0 and law.dtype == np.float32
+        assert np.array_equal(law > 0, want_q > 0)
+        np.testing.assert_allclose(law, want_q, rtol=0, atol=2e-7)
+    assert params.greedy or len(drafted) >= 2  # the uniforms reach several tokens
+
+
+def test_a_law_left_on_the_device_reads_as_the_host_array_it_copies_once():
+    import pickle
+
+    from dsi.models.device_laws import draft
+    from dsi.sampling import DraftRead, residual
+
+    logits = processed_rows(5, n=1)
+    token, q = draft(torch.from_numpy(logits), DraftRead((1, 2), SamplingParams(temperature=0.9, seed=3), 2))
+    p = process_logits(processed_rows(6, n=1)[0], SamplingParams(temperature=0.9))
+    host = q.host()
+    other = (token + 1) % len(q)
+    assert q[other] == host[other] and q.host() is host  # copied once
+    assert np.array_equal(residual(p, q), residual(p, host))
+    assert np.array_equal(pickle.loads(pickle.dumps(q)), host)
+
+
+def test_a_drafter_row_its_constraint_empties_drafts_nothing_on_the_device_too():
+    from dsi.constraints import BoundConstraint, Constraint, TokenTable
+    from dsi.errors import DraftUnavailable
+    from dsi.models.device_laws import draft
+    from dsi.sampling import DraftRead
+
+    table = TokenTable(tuple(c.encode() for c in CHARS) + (b"",), (EOS,))
+    logits = processed_rows(0, n=1)
+    logits[0, CHARS.index("a")] = -np.inf  # the one token the grammar allows first
+    for temperature in (0.0, 0.8):
+        params = SamplingParams(temperature=temperature, constraint=BoundConstraint(Constraint.regex("a[0-9]"), table))
+        read = DraftRead((1, 2), params, 2)
+        for reader in (read, lambda rows: draft(torch.from_numpy(rows), read)):
+            with pytest.raises(DraftUnavailable, match="no token the request allows"):
+                reader(logits)
+
+
+@pytest.mark.hf
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_drafter_drawing_on_its_device_keeps_the_law_and_greedy_output(monkeypatch, no_thread_leak):
+    """SI and DSI whose drafter draws on its device and whose target reads rows on the host: greedy with
+    penalties token for token non-SI's; sampled, one output per seed for SP 1-3 and 600 seeded two-token SI
+    outputs following the target's exact law (chi-square, alpha 1e-4)."""
+    import dsi
+    import dsi.models.device_laws as device_laws
+    import dsi.models.hf as hf
+    from dsi.sampling import DraftRead
+
+    model, host_target, _ = tiny_pair(False)
+    _, _, drafter = tiny_pair(True)
+    calls = []
+    real = device_laws.draft
+    monkeypatch.setitem(hf.DEVICE_READERS, DraftRead, lambda rows, read: calls.append(read.params.greedy)
+                        or real(rows, read))
+    penalised = SamplingParams(presence_penalty=0.8, repetition_penalty=1.5, logit_bias={2: 1.0})
+    want = dsi.generate(target=host_target, prompt=(1, 2, 3), method="ar", max_new_tokens=14, sampling=penalised)
+    for method, servers in (("si", 1), ("dsi", 2)):
+        out = dsi.generate(target=host_target, drafter=drafter, prompt=(1, 2, 3), method=method, lookahead=3,
+                           num_target_servers=servers, max_new_tokens=14, sampling=penalised)
+        assert out.tokens == want.tokens, method
+    assert True in calls
+    calls.clear()
+    assert_one_output_per_seed_and_the_law(model, host_target, drafter)
+    assert False in calls
