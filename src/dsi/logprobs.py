@@ -13,8 +13,10 @@ servers. Two distributions can be reported (vLLM's ``logprobs_mode``):
   bias, min_tokens), whose argmax greedy decoding takes.
 
 Rows are kept as float32 values and a log-normaliser (:class:`LogprobRows`: what travels from a
-remote server, with no full-vocabulary subtraction); entries are plain Python numbers. Nothing here
-knows about models, threads or engines.
+remote server, with no full-vocabulary subtraction); entries are plain Python numbers. A row read
+where it was made (a GPU: :class:`LogprobsRead`) may instead carry only its top N and the tokens a
+decision can commit there (:class:`TopLogprobs`, in :class:`ReadLogprobs`). Nothing here knows
+about models, threads or engines.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dsi.errors import ConfigError
-from dsi.sampling import Prefix, SamplingParams, process_rows, shape_rows
+from dsi.errors import ConfigError, ModelError
+from dsi.sampling import BonusRead, ChainRead, GreedyRead, Prefix, SamplingParams, process_rows, shape_rows
 
 LOGPROBS_MODES = ("raw", "processed")
 
@@ -84,8 +86,9 @@ def raw_rows(values: np.ndarray) -> LogprobRows:
     """Rows of logits ``[n, V]`` as :class:`LogprobRows` (log-softmax: lse = logsumexp): the raw mode."""
     x = np.asarray(values, dtype=np.float32)
     top = x.max(axis=-1)  # [n]
-    if np.isposinf(top).any():  # the softmax's limit: the +inf logits share the mass
-        x = np.where(np.isposinf(x), np.float32(0.0), np.float32(-np.inf))
+    limit = np.isposinf(top)  # [n]: the softmax's limit in those rows: their +inf logits share the mass
+    if limit.any():
+        x = np.where(limit[:, None], np.where(np.isposinf(x), np.float32(0.0), np.float32(-np.inf)), x)
         top = x.max(axis=-1)
     total = np.empty(len(x))  # [n] float64, each >= 1
     shifted = np.empty(x.shape[-1], dtype=np.float32)  # one buffer for every row: no [n, V] temporaries
@@ -117,9 +120,70 @@ def logprob_row(logits: np.ndarray, params: SamplingParams, prefix: Prefix, mode
                         None if probs is None else probs[None])[0]
 
 
-def entry(row: tuple[np.ndarray, float], token: int, top: int) -> TokenLogprob:
-    """The :class:`TokenLogprob` of ``token`` in the log-probability row ``(values [V], lse)``, with its
-    ``top`` most likely tokens (``top`` 0: none)."""
+@dataclass(frozen=True)
+class TopLogprobs:
+    """What a log-probability row read where it was made sends of itself: its most likely tokens ``(id,
+    logprob)`` (most likely first, ties in id order: :func:`top_ids`), and the log-probabilities of the tokens a
+    decision can commit at that row (``known``: the row's draft where it is accepted, a greedy row's argmax,
+    a drawn token)."""
+
+    top: tuple[tuple[int, float], ...]
+    known: dict[int, float]
+
+    def logprob(self, token: int) -> float:
+        if token not in self.known:
+            raise ModelError(f"the target server sent log-probabilities of tokens {sorted(self.known)} at this row, "
+                             f"not of the token {token} committed there: the engine and the server disagree on a "
+                             "decision")
+        return self.known[token]
+
+
+@dataclass(frozen=True)
+class ReadLogprobs:
+    """The log-probability rows of a task read where they were made: each a :class:`TopLogprobs`, or where a
+    token the server cannot know is committed (a correction or a bonus drawn by the engine from the law it
+    sent), the whole row ``(values [V], lse)``. ``rows[j]`` is what :func:`entry` takes."""
+
+    rows: tuple[TopLogprobs | tuple[np.ndarray, float], ...]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, j: int) -> TopLogprobs | tuple[np.ndarray, float]:
+        return self.rows[j]
+
+
+@dataclass(frozen=True)
+class LogprobsRead:
+    """A task's rows read with their log-probabilities: ``decisions`` (a :class:`~dsi.sampling.ChainRead`,
+    :class:`~dsi.sampling.GreedyRead` or :class:`~dsi.sampling.BonusRead`: what the rows give without logprobs)
+    and the log-probability rows in ``mode``, for entries of ``top`` most likely tokens. On the host: every
+    row, whole (:func:`logprob_rows`); on a device (:func:`dsi.models.device_laws.with_logprobs`): only each
+    row's top and the tokens its decision can commit cross (:class:`ReadLogprobs`), a row whole only where the
+    engine draws the token (a sampled chain's row whose law it reads)."""
+
+    decisions: ChainRead | GreedyRead | BonusRead
+    mode: str
+    top: int
+
+    @property
+    def on_device(self) -> bool:
+        return self.decisions.on_device
+
+    def __call__(self, logits: np.ndarray) -> tuple[object, LogprobRows]:
+        d = self.decisions
+        n = 1 if isinstance(d, BonusRead) else len(np.asarray(logits))
+        rows = np.asarray(logits)[-n:]
+        return d(logits), logprob_rows(rows, d.params, d.tokens, d.prompt_len, d.stop_ids, self.mode)
+
+
+def entry(row: tuple[np.ndarray, float] | TopLogprobs, token: int, top: int) -> TokenLogprob:
+    """The :class:`TokenLogprob` of ``token`` in the log-probability row ``(values [V], lse)`` (or a
+    :class:`TopLogprobs`), with its ``top`` most likely tokens (``top`` 0: none)."""
+    if isinstance(row, TopLogprobs):
+        if top > len(row.top):
+            raise ModelError(f"the target server sent {len(row.top)} most likely tokens of a row; {top} are asked")
+        return TokenLogprob(int(token), row.logprob(int(token)), row.top[:top])
     values, lse = np.asarray(row[0]), row[1]
     best = tuple((i, float(values[i]) - lse) for i in top_ids(values, top))
     return TokenLogprob(int(token), float(values[token]) - lse, best)

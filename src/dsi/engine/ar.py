@@ -18,8 +18,8 @@ from dsi.engine.result import GenerationResult
 from dsi.engine.stats import GenerationStats
 from dsi.models.base import LanguageModel, check_sampling, forward_rows
 from dsi.models.determinism import start_fresh_unless_deterministic
-from dsi.sampling import BonusRead, GreedyRead, bonus
-from dsi.transport.server import read_rows
+from dsi.logprobs import LogprobsRead
+from dsi.sampling import BonusRead, GreedyRead
 
 
 class AutoregressiveDecoder(DecoderLifecycle):
@@ -45,25 +45,15 @@ class AutoregressiveDecoder(DecoderLifecycle):
             out.check_abort()
             task = request.verify_task(0, out.tokens, 1)
             start = time.perf_counter()
-            position = len(out.tokens)
-
-            def read(rows: np.ndarray, task=task, position=position) -> tuple[int, object]:
-                """The token and its logprob row from the forward's row (within the forward where the session
-                can: :func:`dsi.models.base.extend_rows`)."""
-                tokens, probs, logprobs = read_rows(rows, task)
-                token = int(tokens[0]) if probs is None else bonus(probs[0], request.sampling, position)
-                return token, None if logprobs is None else logprobs[0]
-
-            # an argmax id where greedy decoding reads the raw row (and no logprobs); without logprobs, the token
-            # read from the processed row (on a GPU, where the row is: dsi.models.device_laws); else the token and
-            # its logprobs
+            # an argmax id where greedy decoding reads the raw row (and no logprobs); else the token read from the
+            # processed row, with its logprob row where asked (on a GPU, where the row is: dsi.models.device_laws)
             greedy = request.sampling.greedy
-            reader: object = read
-            if task.ids_only:
-                reader = None
-            elif task.logprobs_mode is None:
+            reader: object = None
+            if not task.ids_only:
                 reader = (GreedyRead if greedy else BonusRead)(task.context, request.sampling, task.prompt_len,
                                                                task.stop_ids)
+                if task.logprobs_mode is not None:
+                    reader = LogprobsRead(reader, task.logprobs_mode, task.logprobs_top)
             with model_errors("target"):
                 got = forward_rows(self._session, task.context, 1, greedy=task.ids_only, top=task.row_top,
                                    read=reader)
@@ -72,12 +62,9 @@ class AutoregressiveDecoder(DecoderLifecycle):
             stats.completed_target_s += elapsed
             stats.target_forwards += 1
             stats.completed_target_forwards += 1
-            if task.ids_only or (task.logprobs_mode is None and greedy):  # argmax ids
-                out.commit(int(got[-1]))
-            elif task.logprobs_mode is None:  # the drawn token
-                out.commit(int(got))
-            else:
-                out.commit(*got)
+            got, logprobs = got if task.logprobs_mode is not None else (got, None)
+            token = int(got[-1]) if task.ids_only or greedy else int(got)  # argmax ids, or the drawn token
+            out.commit(token, None if logprobs is None else logprobs[0])
             stats.bonus_tokens += 1
         return GenerationResult(out.finalize(), stats, out.logprobs)
 

@@ -55,13 +55,13 @@ class Request:
         ``draft_probs``: see :class:`~dsi.transport.base.VerifyTask` (sampled chain tasks without logprobs)."""
         return VerifyTask(task_id, tuple(context), num_rows, self.sampling, len(self.prompt), self.eos_token_ids,
                           None if self.logprobs is None else self.logprobs_mode, tree,
-                          None if draft_probs is None else tuple(float(x) for x in draft_probs))
+                          None if draft_probs is None else tuple(float(x) for x in draft_probs), self.logprobs)
 
     @property
     def decided_remotely(self) -> bool:
-        """Whether a chain verification of this request may be decided on its target server (sampled, and no
-        logprobs, which need every row): its tasks then carry their drafts' drafter probabilities."""
-        return not self.sampling.greedy and self.logprobs is None
+        """Whether a chain verification of this request may be decided on its target server (sampled): its tasks
+        then carry their drafts' drafter probabilities."""
+        return not self.sampling.greedy
 
     def tree_task(self, task_id: int, prefix: Sequence[int], tree: DraftTree) -> VerifyTask:
         """The task of scoring the draft ``tree`` after ``prefix`` (its ``1 + len(tree)`` rows) for this request."""

@@ -13,6 +13,8 @@ this module processes them there and moves to the host only those numbers, where
   masks set the rest to -inf: the shaped rows are the host's bit for bit, and so are greedy's argmax ids.
 - A drafter's draw (:func:`draft`): its law made and drawn from on the device; the token and its probability
   cross, and the law stays there (:class:`DeviceLaw`) until a rejection's residual reads it whole.
+- Log-probabilities (:func:`with_logprobs`): each row's top N and the log-probabilities of the tokens its decision
+  can commit; a whole row only where the engine draws the token from a law it reads.
 - Sampled laws (:func:`distribution`): temperature, min_p, top-k and top-p in a few batched kernels, as
   :func:`dsi.sampling._distribution` does (float32, the same float64 comparisons). The accept test itself stays
   :func:`dsi.sampling.accepts` on the host (a counter-based uniform against ``p / q``): the engine's own test on the
@@ -31,6 +33,7 @@ import numpy as np
 import torch
 
 from dsi.errors import ModelError
+from dsi.logprobs import LogprobsRead, ReadLogprobs, TopLogprobs
 from dsi.sampling import (
     _SCALED_T,
     LAW_DTYPE,
@@ -268,3 +271,85 @@ class DeviceLaw:
 
     def __reduce__(self):
         return np.asarray, (self.host(),)
+
+
+def with_logprobs(rows: torch.Tensor, read: LogprobsRead) -> tuple[object, ReadLogprobs]:
+    """:class:`~dsi.logprobs.LogprobsRead` on the device: its decisions as without logprobs (:data:`DECISIONS`),
+    and of each row's log-probabilities (in the read's mode, as :func:`dsi.logprobs.logprob_rows` makes them) only
+    its ``top`` most likely tokens (ties in id order) and the tokens its decision can commit: a greedy row's argmax,
+    non-SI's draw, a sampled chain's accepted drafts. The row whose law a sampled chain's decisions read (the engine
+    draws its correction or bonus from it) crosses whole. One transfer for the numbers."""
+    decisions = read.decisions
+    got = DECISIONS[type(decisions)](rows, decisions)
+    n = 1 if isinstance(decisions, BonusRead) else rows.shape[0]
+    rows = rows[-n:]
+    if isinstance(decisions, GreedyRead):
+        known = [[int(t)] for t in got]
+    elif isinstance(decisions, BonusRead):
+        known = [[int(got)]]
+    else:  # a sampled chain: the drafts its rows compare, and the row whose law the decisions read
+        first = len(decisions.tokens) - n + 1
+        known = [[int(decisions.tokens[first + j])] for j in range(n - 1)] + [[]]
+    whole = set(got[1].laws) if isinstance(decisions, ChainRead) else set()
+    values, lse = _logprob_values(rows, decisions, read.mode)  # [n, V] float32, [n] float64
+    top = min(read.top, values.shape[1])
+    top_ids, top_values = _top(values, top) if top else (None, None)
+    ids = torch.tensor([t for row in known for t in row], dtype=torch.long, device=values.device)
+    owner = torch.tensor([j for j, row in enumerate(known) for _ in row], dtype=torch.long, device=values.device)
+    parts = [lse, values[owner, ids].to(torch.float64)]
+    if top:
+        parts += [top_ids.flatten().to(torch.float64), top_values.flatten().to(torch.float64)]
+    numbers = torch.cat(parts).cpu().numpy()  # exact: ids < 2**53, float32 values widened
+    lse_host = numbers[:n]
+    at = n + len(ids)
+    picked = numbers[n:at]
+    if top:
+        host_ids = numbers[at:at + n * top].astype(np.int64).reshape(n, top)
+        host_values = numbers[at + n * top:].astype(np.float32).reshape(n, top)
+    out, done = [], 0
+    for j in range(n):
+        if j in whole:
+            out.append((values[j].cpu().numpy(), float(lse_host[j])))
+            done += len(known[j])
+            continue
+        mine = {t: float(np.float32(picked[done + i])) - lse_host[j] for i, t in enumerate(known[j])}
+        done += len(known[j])
+        best = tuple((int(i), float(v) - lse_host[j]) for i, v in zip(host_ids[j], host_values[j])) if top else ()
+        out.append(TopLogprobs(best, mine))
+    return got, ReadLogprobs(tuple(out))
+
+
+def _logprob_values(rows: torch.Tensor, read, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability rows as :func:`dsi.logprobs.logprob_rows` makes them, on the device: float32 values
+    ``[n, V]`` and their float64 log-normalisers ``[n]`` (a value minus its row's normaliser is the
+    log-probability). Raw: the logits; processed greedy: the rows after the processors before temperature;
+    processed sampled: the log of the law (normaliser 0)."""
+    params = read.params
+    if mode == "processed" and not params.greedy:
+        shaped = shape_rows(rows, params, read.tokens, read.prompt_len, read.stop_ids) if params.moves_argmax else rows
+        law = distribution(shaped, params)
+        return torch.log(law), torch.zeros(law.shape[0], dtype=torch.float64, device=law.device)
+    if mode == "processed" and params.moves_argmax:
+        rows = shape_rows(rows, params, read.tokens, read.prompt_len, read.stop_ids)
+    x = rows.to(torch.float32)
+    top = x.max(dim=-1, keepdim=True).values  # [n, 1]
+    infinite = top == math.inf  # the softmax's limit: the +inf logits share the mass
+    if bool(infinite.any()):
+        x = torch.where(infinite, torch.where(torch.isposinf(x), 0.0, -math.inf), x)
+        top = x.max(dim=-1, keepdim=True).values
+    total = torch.exp(x - top).sum(dim=-1, dtype=torch.float64)  # [n], each >= 1
+    return x, top[:, 0].to(torch.float64) + torch.log(total)
+
+
+def _top(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ids ``[n, k]`` of each row's ``k`` largest ``values`` and those values, largest first, ties in id order
+    (also at the k-th: every id tied with it is considered, the lower ids kept), as :func:`dsi.logprobs.top_ids`."""
+    kth = torch.topk(values, k, dim=-1).values[:, -1:]  # [n, 1], the k-th largest value
+    # every id at least the k-th (ties included) first, by value then id: a stable sort of -value over ids in order
+    key = torch.where(values >= kth, -values, math.inf)
+    order = torch.sort(key, dim=-1, stable=True).indices[:, :k]  # [n, k]
+    return order, values.gather(-1, order)
+
+
+# how each decision reader is read on the device (the target servers' and non-SI's; a drafter's: draft)
+DECISIONS = {ChainRead: read_chain, GreedyRead: greedy_ids, BonusRead: bonus_token}

@@ -57,13 +57,15 @@ from dsi.models.hf_static import (
 )
 from dsi.models import device_laws
 from dsi.models.sources import resolve_source
+from dsi.logprobs import LogprobsRead
 from dsi.sampling import BonusRead, ChainRead, DraftRead, GreedyRead
 
 logger = logging.getLogger(__name__)
 ON_DEVICE = "device"  # what a forward hands back: its rows on the model's device, for a reader that decides there
 # how each reader of rows (dsi.sampling.RowsRead) decides where the rows are
 DEVICE_READERS = {ChainRead: device_laws.read_chain, GreedyRead: device_laws.greedy_ids,
-                  BonusRead: device_laws.bonus_token, DraftRead: device_laws.draft}
+                  BonusRead: device_laws.bonus_token, DraftRead: device_laws.draft,
+                  LogprobsRead: device_laws.with_logprobs}
 
 DTYPES = {
     "bf16": torch.bfloat16,
@@ -577,8 +579,9 @@ class HFSession:
                     read: Any = None) -> Any:
         """The session interface's fast path (:func:`dsi.models.base.extend_rows`); ``read`` of the rows, which a
         sampled chain's reader (:class:`~dsi.sampling.ChainRead`), a processed greedy one
-        (:class:`~dsi.sampling.GreedyRead`), non-SI's draw (:class:`~dsi.sampling.BonusRead`) or a drafter's
-        (:class:`~dsi.sampling.DraftRead`) does on the model's device where the model decides there
+        (:class:`~dsi.sampling.GreedyRead`), non-SI's draw (:class:`~dsi.sampling.BonusRead`), a drafter's
+        (:class:`~dsi.sampling.DraftRead`) or any of the first three with log-probabilities
+        (:class:`~dsi.logprobs.LogprobsRead`) does on the model's device where the model decides there
         (:attr:`HFModel.decides_on_device`)."""
         decide = DEVICE_READERS.get(type(read))
         if decide is not None and not greedy and read.on_device and self._owner.decides_on_device:

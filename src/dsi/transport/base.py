@@ -19,7 +19,7 @@ from typing import Protocol
 
 import numpy as np
 
-from dsi.logprobs import LogprobRows
+from dsi.logprobs import LogprobRows, ReadLogprobs
 from dsi.models.base import common_prefix_length, top_hint
 from dsi.sampling import LazyLaws, ReadLaws, SamplingParams
 from dsi.trees import DraftTree
@@ -49,15 +49,19 @@ class VerifyTask:
     # ``context``); the server then decides them itself and answers with what the decisions read
     # (dsi.sampling.ReadLaws: one law instead of n). None: the answer holds every row's law.
     draft_probs: tuple[float, ...] | None = None
+    # with logprobs_mode: the most likely tokens each committed token's entry reports (a device then sends only
+    # them and the tokens a decision can commit: dsi.logprobs.LogprobsRead); None: whole rows (prompt logprobs)
+    logprobs_top: int | None = None
 
     def __post_init__(self) -> None:
         if self.tree is not None and self.num_rows != 1 + len(self.tree):
             raise ValueError(f"a tree task of {len(self.tree)} nodes has {1 + len(self.tree)} rows, not {self.num_rows}")
         if self.draft_probs is not None and (self.tree is not None or self.sampling.greedy
-                                             or self.logprobs_mode is not None
+                                             or (self.logprobs_mode is not None and self.logprobs_top is None)
                                              or len(self.draft_probs) != self.num_rows - 1):
-            raise ValueError(f"draft_probs go with a sampled chain task without logprobs, one per draft its "
-                             f"{self.num_rows} rows compare ({self.num_rows - 1}); got {len(self.draft_probs)}")
+            raise ValueError(f"draft_probs go with a sampled chain task (whose logprobs, if any, are entries' top "
+                             f"N), one per draft its {self.num_rows} rows compare ({self.num_rows - 1}); got "
+                             f"{len(self.draft_probs)}")
 
     @property
     def held_context(self) -> tuple[int, ...]:
@@ -93,7 +97,9 @@ class TaskResult:
     # draft_probs: only what its decisions read, dsi.sampling.ReadLaws); None when greedy
     probs: np.ndarray | LazyLaws | ReadLaws | None
     compute_s: float  # server time spent on the task
-    logprobs: LogprobRows | None = None  # [num_rows, V] log-probabilities (dsi.logprobs), when the task asked
+    # [num_rows, V] log-probabilities (dsi.logprobs), when the task asked; read on a device: each row's top and
+    # the tokens its decision can commit (ReadLogprobs)
+    logprobs: LogprobRows | ReadLogprobs | None = None
 
 
 @dataclass(frozen=True)

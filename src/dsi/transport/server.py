@@ -5,7 +5,8 @@ KV cache), runs one forward over the rest (a tree task: the tree's paths, :func:
 and turns the logit rows into what the orchestrator needs: argmax tokens (of the processed rows) always, and
 when sampling the processed laws, which the decisions process as they read them
 (:class:`~dsi.sampling.LazyLaws`: a verification reads its rows up to the first rejection, a tree's along one
-path) unless log-probabilities are asked for (they need every row processed). A sampled chain task that carries
+path), with the log-probability rows where asked (:class:`~dsi.logprobs.LogprobsRead`; whole rows for prompt
+logprobs). A sampled chain task that carries
 its drafts' drafter probabilities is decided here, row by row up to the first rejection, and answered with the
 target's probability of each draft and the one law a decision reads (:func:`~dsi.sampling.read_chain_laws`): a
 remote server sends one vocabulary row where it sent ``n``.
@@ -19,7 +20,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from dsi.models.base import CancelFlag, ModelSession, forward_rows, tree_rows
-from dsi.logprobs import LogprobRows, logprob_rows
+from dsi.logprobs import LogprobRows, LogprobsRead, logprob_rows
 from dsi.sampling import ChainRead, GreedyRead, LazyLaws, greedy_tokens, process_rows
 from dsi.transport.base import TaskResult, VerifyTask
 
@@ -34,16 +35,19 @@ def run_verify_task(
     if task.ids_only:  # only the argmax ids leave the model (on a GPU: only they cross to the host)
         tokens = forward_rows(session, task.context, task.num_rows, cancel, greedy=True)  # [num_rows]
         return TaskResult(task.task_id, server_id, tokens, None, time.perf_counter() - start)
-    if task.logprobs_mode is None and not task.sampling.greedy:  # the laws processed as the decisions read them
-        read = ChainRead(task.context, task.sampling, task.prompt_len, task.stop_ids, task.draft_probs)
-        tokens, probs = forward_rows(session, task.context, task.num_rows, cancel, top=task.row_top, read=read)
-        return TaskResult(task.task_id, server_id, tokens, probs, time.perf_counter() - start)
-    if task.logprobs_mode is None:  # greedy, processed: the ids of the processed rows (on a GPU: only they cross)
+    if task.logprobs_mode is not None and task.logprobs_top is None:  # whole rows (prompt logprobs)
+        logits = forward_rows(session, task.context, task.num_rows, cancel, top=task.row_top)  # [num_rows, V]
+        tokens, probs, logprobs = read_rows(logits, task)
+        return TaskResult(task.task_id, server_id, tokens, probs, time.perf_counter() - start, logprobs)
+    if task.sampling.greedy:  # processed greedy: the ids of the processed rows (on a GPU: only they cross)
         read = GreedyRead(task.context, task.sampling, task.prompt_len, task.stop_ids)
-        tokens = forward_rows(session, task.context, task.num_rows, cancel, top=task.row_top, read=read)
-        return TaskResult(task.task_id, server_id, tokens, None, time.perf_counter() - start)
-    logits = forward_rows(session, task.context, task.num_rows, cancel, top=task.row_top)  # [num_rows, V]
-    tokens, probs, logprobs = read_rows(logits, task)
+    else:  # the laws processed as the decisions read them
+        read = ChainRead(task.context, task.sampling, task.prompt_len, task.stop_ids, task.draft_probs)
+    if task.logprobs_mode is not None:  # and the entries' rows (on a GPU: their top N and the committed tokens')
+        read = LogprobsRead(read, task.logprobs_mode, task.logprobs_top)
+    got = forward_rows(session, task.context, task.num_rows, cancel, top=task.row_top, read=read)
+    got, logprobs = got if task.logprobs_mode is not None else (got, None)
+    tokens, probs = (got, None) if task.sampling.greedy else got
     return TaskResult(task.task_id, server_id, tokens, probs, time.perf_counter() - start, logprobs)
 
 

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from dsi.models.device_laws import distribution, greedy_ids, read_chain  # noqa: E402
-from dsi.sampling import ChainRead, LazyLaws, SamplingParams, process_logits, read_chain_laws  # noqa: E402
+from dsi.sampling import ChainRead, LazyLaws, Prefix, SamplingParams, process_logits, read_chain_laws  # noqa: E402
 
 PARAMS = [
     SamplingParams(temperature=1.0),
@@ -430,3 +430,136 @@ def test_a_drafter_drawing_on_its_device_keeps_the_law_and_greedy_output(monkeyp
     calls.clear()
     assert_one_output_per_seed_and_the_law(model, host_target, drafter)
     assert False in calls
+
+
+# ---- log-probabilities read on the device -------------------------------------------------------------------------
+
+
+def assert_same_entry(got, want) -> None:
+    assert got.token == want.token and got.logprob == pytest.approx(want.logprob, abs=2e-6)
+    assert [i for i, _ in got.top] == [i for i, _ in want.top]  # ties in id order, as on the host
+    np.testing.assert_allclose([v for _, v in got.top], [v for _, v in want.top], atol=2e-6)
+
+
+def logprob_reads(seed: int):
+    """Each kind of decisions with log-probabilities (greedy raw and processed, non-SI's draw, a sampled chain with
+    its drafts' probabilities), with the rows they read and the tokens an engine can commit at each row."""
+    from dsi.sampling import BonusRead, GreedyRead
+
+    logits = processed_rows(seed, n=4)
+    logits[1, :6] = logits[1].max()  # ties at the top of a row
+    context = (2, 3, 3, 10, 11, 12, 4, 5)
+    stops = frozenset({EOS})
+    greedy, sampled = processed_params(greedy=True, constraint=False), processed_params(greedy=False,
+                                                                                       constraint=False)
+    for params in (SamplingParams(), *greedy):
+        yield GreedyRead(context, params, 3, stops), logits
+    for params in (*PARAMS[:4], *sampled):
+        params = replace(params, seed=seed)
+        yield BonusRead(context, params, 3, stops), logits[-1:]
+        host_laws = [process_logits(row, params, Prefix(context[: len(context) - 3 + j], 3, stops))
+                     for j, row in enumerate(logits)]
+        draft_probs = tuple(float(host_laws[j][x]) * 1.5 for j, x in enumerate(context[-3:]))
+        yield ChainRead(context, params, 3, stops, draft_probs), logits
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["raw", "processed"])
+def test_logprobs_read_on_the_device_are_the_host_s_entries_and_only_the_committed_tokens_cross(mode, device):
+    """Every row's entry for the tokens a decision can commit there, and its top 5 (ties in id order), equal the
+    host's (within float32 rounding); a row crosses whole only where the engine draws the token (a sampled chain's
+    read row), and asking another token of a row that crossed as its top raises rather than reporting a wrong one."""
+    from dsi.errors import ModelError
+    from dsi.logprobs import LogprobsRead, TopLogprobs, entry
+    from dsi.models.device_laws import with_logprobs
+    from dsi.sampling import BonusRead
+
+    kinds = set()
+    for seed in range(3):
+        for decisions, logits in logprob_reads(seed):
+            read = LogprobsRead(decisions, mode, 5)
+            (got, device_rows), (want, host_rows) = with_logprobs(torch.from_numpy(logits).to(device), read), read(logits)
+            if isinstance(decisions, ChainRead):
+                assert sorted(got[1].laws) == sorted(want[1].laws)
+                np.testing.assert_array_equal(got[0], want[0])
+                read_row = next(iter(want[1].laws))
+                first = len(decisions.tokens) - len(logits) + 1
+                committed = {j: [decisions.tokens[first + j]] for j in range(read_row)}
+                committed[read_row] = list(range(0, logits.shape[1], 3))  # the engine's draw: any token
+            elif isinstance(decisions, BonusRead):
+                assert got == want
+                committed = {0: [got]}
+            else:
+                np.testing.assert_array_equal(got, want)
+                committed = {j: [int(t)] for j, t in enumerate(got)}
+            kinds.add(type(decisions).__name__)
+            assert len(device_rows) == len(host_rows)
+            for j, tokens in committed.items():
+                whole = not isinstance(device_rows[j], TopLogprobs)
+                assert whole == (isinstance(decisions, ChainRead) and j == read_row)
+                for token in tokens:
+                    assert_same_entry(entry(device_rows[j], token, 5), entry(host_rows[j], token, 5))
+                if not whole:
+                    other = next(t for t in range(logits.shape[1]) if t not in tokens)
+                    with pytest.raises(ModelError, match=f"not of the token {other} committed there"):
+                        entry(device_rows[j], other, 5)
+    assert kinds == {"GreedyRead", "BonusRead", "ChainRead"}
+
+
+def test_whole_row_logprobs_keep_each_rows_own_limit():
+    """A block of raw rows where one row has +inf logits: that row's +inf share the mass, the others keep theirs
+    (the host once made every row of such a block -inf but its +inf)."""
+    from dsi.logprobs import raw_rows
+
+    block = rows(0, n=3)  # row 2 has a +inf logit
+    out = raw_rows(block).dense()
+    assert out[2, 11] == 0.0 and np.isneginf(np.delete(out[2], 11)).all()
+    for j in (0, 1):
+        np.testing.assert_allclose(np.exp(out[j]).sum(), 1.0, rtol=1e-6)
+        np.testing.assert_allclose(out[j], raw_rows(block[j:j + 1]).dense()[0], rtol=0, atol=0)
+
+
+@pytest.mark.hf
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("mode", ["raw", "processed"])
+def test_logprobs_read_on_the_device_through_every_method_are_non_si_s_on_the_host(mode, monkeypatch,
+                                                                                 no_thread_leak):
+    """Non-SI, SI and DSI (SP 1 and 2) on a tiny pair deciding on its device, asking logprobs: greedy (plain and
+    penalised) gives non-SI's tokens on the host and its entries; sampled, every method's entries are the
+    entries of the rows that decided its tokens (non-SI's on the host for that output), and DSI one output per
+    seed whatever its SP."""
+    import dsi
+    import dsi.models.device_laws as device_laws
+    import dsi.models.hf as hf
+    from dsi.logprobs import LogprobsRead, entry, logprob_row
+
+    model, target, drafter = tiny_pair(True)
+    _, host_target, _ = tiny_pair(False)
+    calls = []
+    real = device_laws.with_logprobs
+    monkeypatch.setitem(hf.DEVICE_READERS, LogprobsRead, lambda rows, read: calls.append(1) or real(rows, read))
+    prompt = (1, 2, 3)
+
+    def host_entries(tokens, params):
+        with torch.no_grad():
+            logits = model(torch.tensor([[*prompt, *tokens]])).logits[0].float().numpy()
+        return [entry(logprob_row(logits[len(prompt) - 1 + i], params, Prefix((*prompt, *tokens[:i]), 3), mode), t, 3)
+                for i, t in enumerate(tokens)]
+
+    for params in (SamplingParams(), SamplingParams(presence_penalty=0.8, repetition_penalty=1.5),
+                   SamplingParams(temperature=1.0, top_k=4, seed=5), SamplingParams(temperature=0.9, seed=6,
+                                                                                  frequency_penalty=0.4)):
+        outs = set()
+        for method, servers in (("ar", 1), ("si", 1), ("dsi", 1), ("dsi", 2)):
+            out = dsi.generate(target=target, drafter=drafter, prompt=prompt, method=method, lookahead=3,
+                               num_target_servers=servers, max_new_tokens=10, sampling=params, logprobs=3,
+                               logprobs_mode=mode)
+            for got, want in zip(out.logprobs, host_entries(out.tokens, params), strict=True):
+                assert_same_entry(got, want)
+            if method == "dsi":
+                outs.add(tuple(out.tokens))
+            if params.greedy:
+                assert out.tokens == dsi.generate(target=host_target, prompt=prompt, method="ar", max_new_tokens=10,
+                                                  sampling=params).tokens
+        assert len(outs) == 1
+    assert calls
