@@ -83,10 +83,12 @@ def sampled_verification(model, session, prefix: list[int], tokens: int, repeats
     """A verification of ``tokens`` rows decided on the host (the rows cross, numpy processes them) and on the
     device (models/device_laws.py: a few numbers cross): sampled (T 0.7, top_k 20, top_p 0.8, its drafts' drafter
     probabilities with it) and greedy with a repetition penalty; and a drafter's one-token step with its sampled
-    draw (the same sampling; on the device only the token and its probability cross). Forward and decisions,
-    median ms."""
+    draw (the same sampling; on the device only the token and its probability cross); and the sampled
+    verification with ``logprobs=5`` (raw; on the device each row's top 5 and its draft's logprob cross).
+    Forward and decisions, median ms."""
     from dataclasses import replace
 
+    from dsi.logprobs import LogprobsRead
     from dsi.models.base import forward_rows
     from dsi.sampling import ChainRead, DraftRead, GreedyRead, SamplingParams
 
@@ -96,7 +98,9 @@ def sampled_verification(model, session, prefix: list[int], tokens: int, repeats
     nucleus = SamplingParams(temperature=0.7, top_k=20, top_p=0.8, seed=1)
     reads = {"sampled": (ChainRead(context, nucleus, PREFIX, frozenset(), (0.5,) * (tokens - 1)), tokens),
              "penalised": (GreedyRead(context, SamplingParams(repetition_penalty=1.2), PREFIX), tokens),
-             "draft": (DraftRead(context[: PREFIX + 1], nucleus, PREFIX), 1)}  # a drafter's step and its draw
+             "draft": (DraftRead(context[: PREFIX + 1], nucleus, PREFIX), 1),  # a drafter's step and its draw
+             "logprobs": (LogprobsRead(ChainRead(context, nucleus, PREFIX, frozenset(), (0.5,) * (tokens - 1)),
+                                       "raw", 5), tokens)}  # the sampled verification with logprobs=5
     plan = model.forward_plan
     out = {}
     for kind, (read, rows) in reads.items():
@@ -105,7 +109,7 @@ def sampled_verification(model, session, prefix: list[int], tokens: int, repeats
 
             def once(read=read, rows=rows):
                 session.truncate(PREFIX)
-                forward_rows(session, read.tokens, rows, read=read)
+                forward_rows(session, context if rows > 1 else read.tokens, rows, read=read)
 
             _, *rest = timed(once, repeats + 1, device)
             out[f"{kind}_{label}_ms"] = 1e3 * statistics.median(rest)
@@ -152,13 +156,15 @@ def main() -> int:
                   f"{r[f'first_{args.tokens}_ms']:.0f} | {r['captured']} |")
     print(f"\na {args.tokens}-row verification on the {PLANS[-1]} plan, forward and decisions, ms: rows to the host "
           "(numpy) | decided on the device; sampled (T 0.7, top_k 20, top_p 0.8), then greedy with a repetition "
-          "penalty; then a one-token step with its sampled draw (the same sampling)")
+          "penalty; then a one-token step with its sampled draw (the same sampling); then the sampled one with "
+          "logprobs=5")
     for row in rows:
         if "error" not in row:
             last = row["plans"][PLANS[-1]]
             print(f"| {row['config']} | {last['sampled_host_ms']:.2f} | {last['sampled_device_ms']:.2f} | "
                   f"{last['penalised_host_ms']:.2f} | {last['penalised_device_ms']:.2f} | "
-                  f"{last['draft_host_ms']:.2f} | {last['draft_device_ms']:.2f} |")
+                  f"{last['draft_host_ms']:.2f} | {last['draft_device_ms']:.2f} | "
+                  f"{last['logprobs_host_ms']:.2f} | {last['logprobs_device_ms']:.2f} |")
     emit({"benchmark": "gpu_forwards", "device": args.device, "dtype": args.dtype, "prefix": PREFIX,
           "tokens": args.tokens, "repeats": args.repeats, "bandwidth_gb_s": speed / 1e9, "rows": rows}, args.out)
     return 0
