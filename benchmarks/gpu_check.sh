@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The prepared run for a lent GPU machine (an H100 or an H200: machine.txt says which; no registry
 # access, nothing installed from here; it needs only torch, transformers and numpy, which its image
-# has). Fits 9 minutes of wall time (45 + 15 + 75 + 120 + 150 + 120 s and the start); parts in order of
+# has). Fits 9 minutes of wall time (45 + 25 + 75 + 120 + 150 + 120 s and the start); parts in order of
 # value, each with its own time limit, each writing as it goes:
 #   0. the HF backend's tests (dynamic and static caches, graphs' shapes), the replay's and the device
 #      decisions' (tests/unit/models/test_device_laws.py), CUDA ones included (they skip on a CPU);
@@ -74,7 +74,7 @@ if [ "$limit_tests" -gt 0 ]; then
     timeout "$limit_tests" python3 -m pytest -q -p no:cacheprovider tests/unit/models/test_hf.py \
         tests/unit/models/test_hf_static.py tests/unit/models/test_replay.py 2>&1 | tee "$out/tests.log" || status=1
     # the device decisions' CUDA variants only (their CPU ones run in CI)
-    timeout 15 python3 -m pytest -q -p no:cacheprovider tests/unit/models/test_device_laws.py -k cuda 2>&1 \
+    timeout 25 python3 -m pytest -q -p no:cacheprovider tests/unit/models/test_device_laws.py -k cuda 2>&1 \
         | tee -a "$out/tests.log" || status=1
 fi
 
