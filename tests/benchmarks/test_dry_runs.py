@@ -92,8 +92,18 @@ def test_gpu_forwards(dry_run):
     assert set(row["plans"]) == {"dynamic", "static", "graphs"}
     assert all(positive(p["1_ms"]) and positive(p["5_ms"]) for p in row["plans"].values())
     graphs = row["plans"]["graphs"]
-    assert all(positive(graphs[f"{kind}_{where}_ms"]) for kind in ("sampled", "penalised") for where in ("host", "device"))
+    assert all(positive(graphs[f"{kind}_{where}_ms"]) for kind in ("sampled", "penalised", "draft", "logprobs")
+               for where in ("host", "device"))
     assert positive(report["bandwidth_gb_s"]) and report["machine"]["torch"]
+
+
+def test_law_cost(dry_run):
+    report = dry_run("law_cost.py")
+    rows = report["rows"]
+    assert [(r["request"], r["prompt"]) for r in rows] == [(q, p) for p in (10, 100)
+                                                            for q in ("sampled", "nucleus", "top-p")]
+    assert all(positive(r[key]) for r in rows for key in ("draft_ms", "verification_laws_ms", "device_host_part_ms"))
+    assert report["vocab"] == 4096 and report["allocator_tuned"] in (True, False)
 
 
 def test_tree_forward_cost(dry_run):

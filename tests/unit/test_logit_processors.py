@@ -370,3 +370,40 @@ def test_a_greedy_processed_draft_is_the_argmax_of_the_drafters_processed_row():
         assert draft_from_logits(row, params, len(tokens), prefix) == (want, None)
     with pytest.raises(ConfigError, match="need the tokens before the row"):
         draft_from_logits(np.zeros(4), SamplingParams(presence_penalty=1.0), 3)
+
+
+@pytest.mark.parametrize("vocab", [50, 3000])
+def test_the_ids_a_row_s_processors_touch_are_the_prompt_s_and_output_s_as_a_set_says(vocab):
+    """The ids the prompt or the output holds (found once per prompt, and grown by each token added), and the ids
+    the processors touch (bias, held stop ids, penalised ids), against sets built from scratch for each row."""
+    from dsi.sampling import _Counts, touched_ids
+
+    rng = np.random.default_rng(vocab)
+    stops = frozenset({1, vocab - 1, vocab + 5})  # one outside the row's vocabulary
+    for trial in range(20):
+        tokens = [int(t) for t in rng.integers(-2, vocab + 3, int(rng.integers(0, 300)))]  # ids outside it too
+        prompt_len = int(rng.integers(0, len(tokens) + 1))  # a row's prefix holds its prompt
+        bias = {int(t): 1.0 for t in rng.integers(0, vocab + 4, 3)}
+        counts = _Counts(tokens, prompt_len, vocab)
+        again = _Counts(tokens + [3], prompt_len, vocab)
+        assert again._prompt is counts._prompt  # one search per prompt
+        prefix = list(tokens)
+        for step in range(12):
+            if step:
+                prefix.append(int(rng.integers(-1, vocab + 1)))  # an id outside the vocabulary now and then
+            if step % 3 == 0:  # counted from scratch, else by adding the new token
+                counts = _Counts(prefix, prompt_len, vocab)
+            else:
+                counts.add(prefix[-1])
+            prompt, output = prefix[:prompt_len], prefix[prompt_len:]
+            seen = {t for t in prompt + output if 0 <= t < vocab}
+            assert counts.seen.tolist() == sorted(seen)
+            for params in (SamplingParams(repetition_penalty=1.2, logit_bias=bias),
+                           SamplingParams(presence_penalty=0.5, min_tokens=len(output) + 1),
+                           SamplingParams(frequency_penalty=0.5, logit_bias=bias, min_tokens=1)):
+                want = {t for t, _ in params.logit_bias if t < vocab}
+                if params.min_tokens > len(output):
+                    want |= {t for t in stops if 0 <= t < vocab}
+                want |= seen if params.repetition_penalty != 1.0 else {t for t in output if 0 <= t < vocab}
+                got = touched_ids(params, counts, stops, vocab)
+                assert got.dtype == np.int64 and got.tolist() == sorted(want), (trial, step, params)

@@ -4,6 +4,8 @@ float64 softmax it rounds."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -187,6 +189,13 @@ def test_top_p_keeps_the_ids_a_sort_of_the_whole_vocabulary_keeps(size, top_p):
         # and the law top-p makes of them, bit for bit
         params = SamplingParams(temperature=0.8, seed=1, top_p=top_p)
         assert np.array_equal(_distribution(row, params), plain_distribution(row, params))
+        # after top-k or min_p, whose few ids of positive mass are the candidates
+        for filtered in (SamplingParams(temperature=0.8, seed=1, top_k=40), SamplingParams(temperature=0.8, seed=1,
+                                                                                         min_p=0.05)):
+            law = _distribution(row, filtered)
+            assert np.array_equal(nucleus(row, law, top_p, few=True), full_sort_nucleus(row, law, top_p))
+            params = replace(filtered, top_p=top_p)
+            assert np.array_equal(_distribution(row, params), plain_distribution(row, params))
 
 
 def test_top_p_sorts_only_the_likeliest_ids_of_a_peaked_row(monkeypatch):
