@@ -283,39 +283,33 @@ def with_logprobs(rows: torch.Tensor, read: LogprobsRead) -> tuple[object, ReadL
     got = DECISIONS[type(decisions)](rows, decisions)
     n = 1 if isinstance(decisions, BonusRead) else rows.shape[0]
     rows = rows[-n:]
-    if isinstance(decisions, GreedyRead):
-        known = [[int(t)] for t in got]
-    elif isinstance(decisions, BonusRead):
-        known = [[int(got)]]
-    else:  # a sampled chain: the drafts its rows compare, and the row whose law the decisions read
+    if isinstance(decisions, GreedyRead):  # a greedy row commits its argmax
+        committed: list[int | None] = [int(t) for t in got]
+    elif isinstance(decisions, BonusRead):  # non-SI's draw
+        committed = [int(got)]
+    else:  # a sampled chain: row j its draft where accepted; the engine draws at the row whose law it reads
         first = len(decisions.tokens) - n + 1
-        known = [[int(decisions.tokens[first + j])] for j in range(n - 1)] + [[]]
-    whole = set(got[1].laws) if isinstance(decisions, ChainRead) else set()
+        committed = [int(decisions.tokens[first + j]) for j in range(n - 1)] + [None]
+    whole = set(got[1].laws) if isinstance(decisions, ChainRead) else set()  # those rows cross whole
     values, lse = _logprob_values(rows, decisions, read.mode)  # [n, V] float32, [n] float64
     top = min(read.top, values.shape[1])
-    top_ids, top_values = _top(values, top) if top else (None, None)
-    ids = torch.tensor([t for row in known for t in row], dtype=torch.long, device=values.device)
-    owner = torch.tensor([j for j, row in enumerate(known) for _ in row], dtype=torch.long, device=values.device)
-    parts = [lse, values[owner, ids].to(torch.float64)]
+    ids = torch.tensor([0 if t is None else t for t in committed], dtype=torch.long, device=values.device)
+    parts = [lse, values[torch.arange(n, device=values.device), ids].to(torch.float64)]
     if top:
+        top_ids, top_values = _top(values, top)  # [n, top] each
         parts += [top_ids.flatten().to(torch.float64), top_values.flatten().to(torch.float64)]
-    numbers = torch.cat(parts).cpu().numpy()  # exact: ids < 2**53, float32 values widened
-    lse_host = numbers[:n]
-    at = n + len(ids)
-    picked = numbers[n:at]
-    if top:
-        host_ids = numbers[at:at + n * top].astype(np.int64).reshape(n, top)
-        host_values = numbers[at + n * top:].astype(np.float32).reshape(n, top)
-    out, done = [], 0
+    numbers = torch.cat(parts).cpu().numpy()  # one transfer; exact: ids < 2**53, float32 values widened
+    lse_host, picked = numbers[:n], numbers[n:2 * n]
+    best_ids = numbers[2 * n:2 * n + n * top].astype(np.int64).reshape(n, top)
+    best_values = numbers[2 * n + n * top:].astype(np.float32).reshape(n, top)
+    out: list[TopLogprobs | tuple[np.ndarray, float]] = []
     for j in range(n):
         if j in whole:
             out.append((values[j].cpu().numpy(), float(lse_host[j])))
-            done += len(known[j])
             continue
-        mine = {t: float(np.float32(picked[done + i])) - lse_host[j] for i, t in enumerate(known[j])}
-        done += len(known[j])
-        best = tuple((int(i), float(v) - lse_host[j]) for i, v in zip(host_ids[j], host_values[j])) if top else ()
-        out.append(TopLogprobs(best, mine))
+        known = {} if committed[j] is None else {committed[j]: float(np.float32(picked[j])) - lse_host[j]}
+        best = tuple((int(i), float(v) - lse_host[j]) for i, v in zip(best_ids[j], best_values[j]))
+        out.append(TopLogprobs(best, known))
     return got, ReadLogprobs(tuple(out))
 
 
