@@ -95,8 +95,9 @@ def test_a_chain_decided_on_the_device_reads_the_rows_the_host_reads_and_decides
     assert len(rejected_at) >= 3  # rejections at several rows, and chains accepted whole (row n - 1)
 
 
-def tiny_pair(device_decisions: bool):
-    """A tiny-vocabulary Llama target (peaked laws) and another as its drafter, deciding on their device or not."""
+def tiny_pair(device_decisions: bool | None, device: str = "cpu"):
+    """A tiny-vocabulary Llama target (peaked laws) and another as its drafter on ``device``, deciding there or not
+    (None: the default, on where the device is a GPU)."""
     import transformers
 
     from dsi.models.hf import HFModel
@@ -113,7 +114,8 @@ def tiny_pair(device_decisions: bool):
             model.lm_head.weight.mul_(8.0)
         models.append(model)
     plan = ForwardPlan(device_decisions=device_decisions)
-    return models[0], HFModel(models[0], forward_plan=plan), HFModel(models[1], forward_plan=plan)
+    return (models[0], HFModel(models[0], device=device, forward_plan=plan),
+            HFModel(models[1], device=device, forward_plan=plan))
 
 
 @pytest.mark.hf
@@ -435,10 +437,10 @@ def test_a_drafter_drawing_on_its_device_keeps_the_law_and_greedy_output(monkeyp
 # ---- log-probabilities read on the device -------------------------------------------------------------------------
 
 
-def assert_same_entry(got, want) -> None:
-    assert got.token == want.token and got.logprob == pytest.approx(want.logprob, abs=2e-6)
+def assert_same_entry(got, want, atol: float = 2e-6) -> None:
+    assert got.token == want.token and got.logprob == pytest.approx(want.logprob, abs=atol)
     assert [i for i, _ in got.top] == [i for i, _ in want.top]  # ties in id order, as on the host
-    np.testing.assert_allclose([v for _, v in got.top], [v for _, v in want.top], atol=2e-6)
+    np.testing.assert_allclose([v for _, v in got.top], [v for _, v in want.top], atol=atol)
 
 
 def logprob_reads(seed: int):
@@ -563,3 +565,44 @@ def test_logprobs_read_on_the_device_through_every_method_are_non_si_s_on_the_ho
                                                   sampling=params).tokens
         assert len(outs) == 1
     assert calls
+
+
+@pytest.mark.hf
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_method_decides_on_the_device_as_the_host_does(device, monkeypatch, no_thread_leak):
+    """The tiny pair on ``device`` deciding there (a GPU: its plan's default; the CPU: forced on): every kind of
+    read goes through the device (counted), greedy with penalties gives non-SI's tokens on the host (the same
+    weights, decided on the CPU's host path), logprob entries match the host's within float32 rounding (a GPU's
+    forward: 1e-4) with the same top tokens, and a sampled seed gives DSI one output for SP 1 and 2 (the CUDA variant runs in
+    gpu_check.sh part 0; the laws' chi-squares run on the CPU)."""
+    import dsi
+    import dsi.models.hf as hf
+
+    _, target, drafter = tiny_pair(True if device == "cpu" else None, device)
+    _, host_target, host_drafter = tiny_pair(False)
+    assert target.decides_on_device and drafter.decides_on_device
+    kinds = []
+    for kind, real in list(hf.DEVICE_READERS.items()):
+        monkeypatch.setitem(hf.DEVICE_READERS, kind, lambda rows, read, real=real: kinds.append(type(read).__name__)
+                            or real(rows, read))
+    prompt = (1, 2, 3)
+    for params in (SamplingParams(presence_penalty=0.8, repetition_penalty=1.5, logit_bias={2: 1.0}),
+                   SamplingParams(temperature=0.9, top_k=4, top_p=0.95, seed=7)):
+        for method, servers in (("ar", 1), ("si", 1), ("dsi", 1), ("dsi", 2)):
+            got = [dsi.generate(target=t, drafter=None if method == "ar" else d, prompt=prompt, method=method,
+                                lookahead=3, num_target_servers=servers, max_new_tokens=10, sampling=params,
+                                logprobs=3)
+                   for t, d in ((target, drafter), (host_target, host_drafter))]
+            if params.greedy:
+                assert got[0].tokens == got[1].tokens, method
+            if got[0].tokens == got[1].tokens:  # sampled: equal but where a uniform falls within rounding
+                for a, b in zip(got[0].logprobs, got[1].logprobs, strict=True):
+                    assert_same_entry(a, b, 2e-6 if device == "cpu" else 1e-4)  # a GPU's forward rounds otherwise
+        outs = {tuple(dsi.generate(target=target, drafter=drafter, prompt=prompt, lookahead=3, num_target_servers=sp,
+                                   max_new_tokens=10, sampling=params).tokens) for sp in (1, 2)}
+        assert len(outs) == 1
+        plain = [dsi.generate(target=t, prompt=prompt, method="ar", max_new_tokens=10, sampling=params).tokens
+                 for t in (target, host_target)]  # non-SI without logprobs: its draw alone
+        assert not params.greedy or plain[0] == plain[1]
+    assert {"LogprobsRead", "DraftRead", "ChainRead", "GreedyRead", "BonusRead"} <= set(kinds)
