@@ -15,9 +15,8 @@ repetition_penalty 1.05) and ``top-p`` (T 0.7, top_p 0.9: the nucleus without to
 from __future__ import annotations
 
 import argparse
-import statistics
 
-from _common import add_options, emit, parse, shrink, timed
+from _common import add_options, emit, median_seconds, parse, shrink
 
 import numpy as np
 
@@ -40,14 +39,13 @@ def measure(vocab: int, prompt: int, repeats: int, seed: int = 0) -> list[dict]:
     out = []
     for name, params in REQUESTS.items():
         position = iter(range(10**9))
-        draft = timed(lambda: draft_from_logits(row, params, prompt + next(position), Prefix(tokens, prompt)),
-                      repeats + 1)[1:]
-        laws = timed(lambda: process_rows(rows, params, tokens, prompt), repeats + 1)[1:]
-        touched = timed(lambda: [touched_ids(params, c, frozenset(), vocab)
-                                 for c in chain_counts(params, tokens, prompt, ROWS, vocab)], repeats + 1)[1:]
-        out.append({"request": name, "prompt": prompt, "vocab": vocab, "draft_ms": 1e3 * statistics.median(draft),
-                    "verification_laws_ms": 1e3 * statistics.median(laws),
-                    "device_host_part_ms": 1e3 * statistics.median(touched)})
+        draft = median_seconds(lambda: draft_from_logits(row, params, prompt + next(position), Prefix(tokens, prompt)),
+                               repeats, warmup=1)
+        laws = median_seconds(lambda: process_rows(rows, params, tokens, prompt), repeats, warmup=1)
+        touched = median_seconds(lambda: [touched_ids(params, c, frozenset(), vocab)
+                                          for c in chain_counts(params, tokens, prompt, ROWS, vocab)], repeats, warmup=1)
+        out.append({"request": name, "prompt": prompt, "vocab": vocab, "draft_ms": 1e3 * draft,
+                    "verification_laws_ms": 1e3 * laws, "device_host_part_ms": 1e3 * touched})
     return out
 
 

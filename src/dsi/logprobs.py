@@ -27,7 +27,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from dsi.errors import ConfigError, ModelError
-from dsi.sampling import BonusRead, ChainRead, GreedyRead, Prefix, SamplingParams, process_rows, shape_rows
+from dsi.sampling import (
+    BonusRead,
+    ChainRead,
+    GreedyRead,
+    LastRowRead,
+    Prefix,
+    SamplingParams,
+    process_rows,
+    shape_rows,
+)
 
 LOGPROBS_MODES = ("raw", "processed")
 
@@ -172,8 +181,7 @@ class LogprobsRead:
 
     def __call__(self, logits: np.ndarray) -> tuple[object, LogprobRows]:
         d = self.decisions
-        n = 1 if isinstance(d, BonusRead) else len(np.asarray(logits))
-        rows = np.asarray(logits)[-n:]
+        rows = np.asarray(logits)[-1:] if isinstance(d, LastRowRead) else np.asarray(logits)
         return d(logits), logprob_rows(rows, d.params, d.tokens, d.prompt_len, d.stop_ids, self.mode)
 
 

@@ -674,23 +674,28 @@ def nucleus(row: np.ndarray, law: np.ndarray, top_p: float, few: bool = False) -
     if few:
         candidates = np.flatnonzero(law > 0)  # in id order (a bool mask: 15 times faster than of the floats)
         if candidates.size <= NUCLEUS_FIRST:
-            order = candidates[np.argsort(-row[candidates], kind="stable")]
-            keep = int(np.searchsorted(np.cumsum(law[order], dtype=np.float64), top_p, side="left"))
+            order, keep = _nucleus_of(row, law, candidates, top_p)
             if keep < order.size:
                 return order[: keep + 1]
     count = NUCLEUS_FIRST
     while True:
         if count >= size:
-            order = np.argsort(-row, kind="stable")  # [V]
+            candidates = np.arange(size)
         else:
             kth = np.partition(row, size - count)[size - count]  # the count-th largest logit
-            candidates = np.flatnonzero(row >= kth)  # in id order: a stable sort keeps ties so
-            order = candidates[np.argsort(-row[candidates], kind="stable")]
-        cumulative = np.cumsum(law[order], dtype=np.float64)
-        keep = int(np.searchsorted(cumulative, top_p, side="left"))  # the first prefix reaching top_p
+            candidates = np.flatnonzero(row >= kth)  # in id order
+        order, keep = _nucleus_of(row, law, candidates, top_p)
         if keep < order.size or order.size == size:
             return order[: keep + 1]
         count *= 8
+
+
+def _nucleus_of(row: np.ndarray, law: np.ndarray, candidates: np.ndarray, top_p: float) -> tuple[np.ndarray, int]:
+    """``candidates`` (ids in id order, a prefix of the ids ordered by their logits) most likely first (a stable
+    sort: ties keep id order), and the index of the first of them at which their mass, summed in float64 in that
+    order, reaches ``top_p`` (``len(candidates)`` where it falls short)."""
+    order = candidates[np.argsort(-row[candidates], kind="stable")]
+    return order, int(np.searchsorted(np.cumsum(law[order], dtype=np.float64), top_p, side="left"))
 
 
 SAMPLE_BLOCK = 2048  # ids per block of sample_from's two-level search
@@ -959,13 +964,18 @@ class GreedyRead(RowsRead):
 
 
 @dataclass(frozen=True)
-class BonusRead(RowsRead):
-    """Non-SI's one sampled row: the target's own token at ``position`` (:func:`bonus`) from the row's law (on a
-    device only the token crosses)."""
+class LastRowRead(RowsRead):
+    """A reading of a forward's last row only: a draw at :attr:`position`, the one after ``tokens``."""
 
     @property
     def position(self) -> int:
         return len(self.tokens)
+
+
+@dataclass(frozen=True)
+class BonusRead(LastRowRead):
+    """Non-SI's one sampled row: the target's own token at ``position`` (:func:`bonus`) from the row's law (on a
+    device only the token crosses)."""
 
     def __call__(self, logits: np.ndarray) -> int:
         law = process_rows(logits[-1:], self.params, self.tokens, self.prompt_len, self.stop_ids)[0]
@@ -973,15 +983,11 @@ class BonusRead(RowsRead):
 
 
 @dataclass(frozen=True)
-class DraftRead(RowsRead):
+class DraftRead(LastRowRead):
     """A drafter's reading of its forward's last row: the draft at :attr:`position` and its processed law ``q``
     (None when greedy): :func:`draft_from_logits`. On a device the law is made and drawn from there
     (:func:`dsi.models.device_laws.draft`): only the token and its probability cross, and the law stays there
     until a decision reads it whole (a rejection's residual)."""
-
-    @property
-    def position(self) -> int:
-        return len(self.tokens)
 
     def __call__(self, logits: np.ndarray) -> tuple[int, np.ndarray | None]:
         prefix = Prefix(self.tokens, self.prompt_len, self.stop_ids)

@@ -41,9 +41,11 @@ from dsi.sampling import (
     ChainRead,
     DraftRead,
     GreedyRead,
+    LastRowRead,
     Prefix,
     Purpose,
     ReadLaws,
+    RowsRead,
     SamplingParams,
     chain_counts,
     decide_chain,
@@ -114,8 +116,7 @@ def greedy_ids(rows: torch.Tensor, read: GreedyRead) -> np.ndarray:
     """:class:`~dsi.sampling.GreedyRead` on the device: the first argmax of each processed row, the same ids as
     the host's :func:`~dsi.sampling.greedy_tokens` (the shaped rows are the host's bit for bit); only they cross."""
     check_rows(rows)
-    shaped = shape_rows(rows, read.params, read.tokens, read.prompt_len, read.stop_ids)
-    return shaped.argmax(dim=-1).cpu().numpy().astype(np.int64)
+    return _shaped(rows, read).argmax(dim=-1).cpu().numpy().astype(np.int64)
 
 
 def distribution(rows: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -164,7 +165,7 @@ def read_chain(rows: torch.Tensor, chain: ChainRead) -> tuple[np.ndarray, ReadLa
     n = rows.shape[0]
     context = chain.tokens
     check_rows(rows)
-    shaped = shape_rows(rows, params, context, chain.prompt_len, chain.stop_ids) if params.moves_argmax else rows
+    shaped = _shaped(rows, chain)
     laws = distribution(shaped, params)  # [n, V] float32
     first = len(context) - n + 1  # the absolute position row 0 decides
     drafts = torch.tensor(context[first:first + n - 1], dtype=torch.long, device=laws.device)  # [n - 1]
@@ -201,19 +202,24 @@ def draft(rows: torch.Tensor, read: DraftRead) -> tuple[int, DeviceLaw | None]:
     return int(both[0]), DeviceLaw(law, int(both[0]), float(both[1]))
 
 
-def _last_law(rows: torch.Tensor, read: BonusRead | DraftRead) -> torch.Tensor:
+def _last_law(rows: torch.Tensor, read: LastRowRead) -> torch.Tensor:
     """The sampled law ``[V]`` (float32, on the rows' device) of the last of ``rows``, checked and processed as
     :func:`read_chain`'s rows are."""
     return distribution(_last_row(rows, read)[None], read.params)[0]
 
 
-def _last_row(rows: torch.Tensor, read: BonusRead | DraftRead) -> torch.Tensor:
-    """The last of ``rows``, checked, after the processors before temperature (:func:`shape_rows`; float64)
-    where they can move it."""
-    params = read.params
+def _last_row(rows: torch.Tensor, read: LastRowRead) -> torch.Tensor:
+    """The last of ``rows``, checked and :func:`_shaped`."""
     row = rows[-1:]
     check_rows(row)
-    return (shape_rows(row, params, read.tokens, read.prompt_len, read.stop_ids) if params.moves_argmax else row)[0]
+    return _shaped(row, read)[0]
+
+
+def _shaped(rows: torch.Tensor, read: RowsRead) -> torch.Tensor:
+    """The last ``n`` rows of a forward over ``read.tokens`` after the processors before temperature
+    (:func:`shape_rows`, float64) where they can move the argmax; else the rows as they are."""
+    params = read.params
+    return shape_rows(rows, params, read.tokens, read.prompt_len, read.stop_ids) if params.moves_argmax else rows
 
 
 def inverse_cdf(law: torch.Tensor, u: float) -> torch.Tensor:
@@ -274,15 +280,15 @@ class DeviceLaw:
 
 
 def with_logprobs(rows: torch.Tensor, read: LogprobsRead) -> tuple[object, ReadLogprobs]:
-    """:class:`~dsi.logprobs.LogprobsRead` on the device: its decisions as without logprobs (:data:`DECISIONS`),
+    """:class:`~dsi.logprobs.LogprobsRead` on the device: its decisions as without logprobs (:data:`READERS`),
     and of each row's log-probabilities (in the read's mode, as :func:`dsi.logprobs.logprob_rows` makes them) only
     its ``top`` most likely tokens (ties in id order) and the tokens its decision can commit: a greedy row's argmax,
     non-SI's draw, a sampled chain's accepted drafts. The row whose law a sampled chain's decisions read (the engine
     draws its correction or bonus from it) crosses whole. One transfer for the numbers."""
     decisions = read.decisions
-    got = DECISIONS[type(decisions)](rows, decisions)
-    n = 1 if isinstance(decisions, BonusRead) else rows.shape[0]
-    rows = rows[-n:]
+    got = READERS[type(decisions)](rows, decisions)
+    rows = rows[-1:] if isinstance(decisions, LastRowRead) else rows
+    n = rows.shape[0]
     if isinstance(decisions, GreedyRead):  # a greedy row commits its argmax
         committed: list[int | None] = [int(t) for t in got]
     elif isinstance(decisions, BonusRead):  # non-SI's draw
@@ -318,13 +324,11 @@ def _logprob_values(rows: torch.Tensor, read, mode: str) -> tuple[torch.Tensor, 
     ``[n, V]`` and their float64 log-normalisers ``[n]`` (a value minus its row's normaliser is the
     log-probability). Raw: the logits; processed greedy: the rows after the processors before temperature;
     processed sampled: the log of the law (normaliser 0)."""
-    params = read.params
-    if mode == "processed" and not params.greedy:
-        shaped = shape_rows(rows, params, read.tokens, read.prompt_len, read.stop_ids) if params.moves_argmax else rows
-        law = distribution(shaped, params)
-        return torch.log(law), torch.zeros(law.shape[0], dtype=torch.float64, device=law.device)
-    if mode == "processed" and params.moves_argmax:
-        rows = shape_rows(rows, params, read.tokens, read.prompt_len, read.stop_ids)
+    if mode == "processed":
+        rows = _shaped(rows, read)
+        if not read.params.greedy:
+            law = distribution(rows, read.params)
+            return torch.log(law), torch.zeros(law.shape[0], dtype=torch.float64, device=law.device)
     x = rows.to(torch.float32)
     top = x.max(dim=-1, keepdim=True).values  # [n, 1]
     infinite = top == math.inf  # the softmax's limit: the +inf logits share the mass
@@ -345,5 +349,6 @@ def _top(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return order, values.gather(-1, order)
 
 
-# how each decision reader is read on the device (the target servers' and non-SI's; a drafter's: draft)
-DECISIONS = {ChainRead: read_chain, GreedyRead: greedy_ids, BonusRead: bonus_token}
+# how each reader of rows (dsi.sampling.RowsRead, dsi.logprobs.LogprobsRead) is read on the device
+READERS = {ChainRead: read_chain, GreedyRead: greedy_ids, BonusRead: bonus_token, DraftRead: draft,
+           LogprobsRead: with_logprobs}

@@ -57,15 +57,10 @@ from dsi.models.hf_static import (
 )
 from dsi.models import device_laws
 from dsi.models.sources import resolve_source
-from dsi.logprobs import LogprobsRead
-from dsi.sampling import BonusRead, ChainRead, DraftRead, GreedyRead
 
 logger = logging.getLogger(__name__)
 ON_DEVICE = "device"  # what a forward hands back: its rows on the model's device, for a reader that decides there
-# how each reader of rows (dsi.sampling.RowsRead) decides where the rows are
-DEVICE_READERS = {ChainRead: device_laws.read_chain, GreedyRead: device_laws.greedy_ids,
-                  BonusRead: device_laws.bonus_token, DraftRead: device_laws.draft,
-                  LogprobsRead: device_laws.with_logprobs}
+DEVICE_READERS = device_laws.READERS  # how each reader of rows decides where the rows are
 
 DTYPES = {
     "bf16": torch.bfloat16,
