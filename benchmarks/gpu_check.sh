@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The prepared run for a lent GPU machine (an H100 or an H200: machine.txt says which; no registry
 # access, nothing installed from here; it needs only torch, transformers and numpy, which its image
-# has). Fits 9 minutes of wall time (45 + 25 + 75 + 120 + 150 + 120 s and the start); parts in order of
+# has). Fits 9 minutes of wall time (45 + 35 + 75 + 120 + 150 + 120 s and the start); parts in order of
 # value, each with its own time limit, each writing as it goes:
-#   0. the HF backend's tests (dynamic and static caches, graphs' shapes), the replay's and the device
-#      decisions' (tests/unit/models/test_device_laws.py), CUDA ones included (they skip on a CPU);
+#   0. the HF backend's tests (dynamic and static caches, graphs' shapes; on CUDA, graphs captured by
+#      sessions in four threads at once against the CPU's rows), the replay's and the device decisions'
+#      (tests/unit/models/test_device_laws.py, every method with and without graphs), CUDA ones included
+#      (they skip on a CPU);
 #   f. forwards (benchmarks/gpu_forwards.py): the 0.5B drafter, the 1.5B and the 14B target
 #      architectures (random weights, bf16), one token and a k = 4 verification, eager on the dynamic
 #      cache, eager on the static cache and as captured CUDA graphs, against the weights' read time
@@ -46,11 +48,12 @@ else
     device=cuda:0 dtype=bf16 limit_tests=45 limit_f=75 limit_a=120 limit_b=150 limit_c=120
     forwards=(--repeats 20)
     common=(--repeats "${REPEATS:-2}")
-    # 14B copies: the driver's own and one per server process (29.5 GB each); threads share the driver's
+    # 14B copies that fit (27.5 GiB each, 32 with its cache and activations): the driver's own, and one per
+    # server process beside it (an H200's 140 GiB: 3 processes; an H100's 80 GiB: 1); threads share the driver's
     copies=$(python3 -c "import torch; print(int(torch.cuda.mem_get_info()[0] / 2**30 // 32) if torch.cuda.is_available() else 1)")
-    b_sps=1,2,3
-    [ "$copies" -le 3 ] && b_sps=1,2
-    a_dsi=(--dsi processes:auto:1,2,4 --dsi threads:auto:1,2,4) b_dsi=(--dsi "processes:auto:$b_sps" --dsi threads:auto:1,2,4)
+    b_servers=$(( copies - 1 < 3 ? copies - 1 : 3 ))
+    a_dsi=(--dsi processes:auto:1,2,4 --dsi threads:auto:1,2,4) b_dsi=(--dsi threads:auto:1,2,4)
+    [ "$b_servers" -ge 1 ] && b_dsi=(--dsi "processes:auto:$(seq -s, 1 "$b_servers")" "${b_dsi[@]}")
     si=(--si-k 4)
 fi
 
@@ -74,7 +77,7 @@ if [ "$limit_tests" -gt 0 ]; then
     timeout "$limit_tests" python3 -m pytest -q -p no:cacheprovider tests/unit/models/test_hf.py \
         tests/unit/models/test_hf_static.py tests/unit/models/test_replay.py 2>&1 | tee "$out/tests.log" || status=1
     # the device decisions' CUDA variants only (their CPU ones run in CI)
-    timeout 25 python3 -m pytest -q -p no:cacheprovider tests/unit/models/test_device_laws.py -k cuda 2>&1 \
+    timeout 35 python3 -m pytest -q -p no:cacheprovider tests/unit/models/test_device_laws.py -k cuda 2>&1 \
         | tee -a "$out/tests.log" || status=1
 fi
 

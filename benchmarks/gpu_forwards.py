@@ -3,7 +3,8 @@ static cache, and captured CUDA graphs (issue 51; part of benchmarks/gpu_check.s
 
 For each architecture (random weights of ``benchmarks/configs/NAME``, built on the device) after a prefix of 128
 cached tokens: the median time of a forward of 1 token (a drafter step, non-SI) and of ``--tokens`` tokens (a
-verification), each run from the prefix again, per forward plan; the weights' read time at the bandwidth measured
+verification), each run from the prefix again, per forward plan (the static ones at their default length, 4,096
+positions, of which a forward attends over its span: models/hf_static.py); the weights' read time at the bandwidth measured
 in the same run (a device-to-device copy of ``--copy-gb``: read and write, so bytes x 2 over its time); and, with
 graphs, the first forward of each size (one eager warm-up forward and the capture) as the capture time. On the
 graphs plan, a sampled and a penalised greedy verification, and a drafter's step with its draw, decided on the
@@ -48,8 +49,8 @@ def measure(config_dir: Path, device: str, dtype: str, tokens: int, repeats: int
     from dsi.models.hf_static import ForwardPlan
     from dsi.models.replay import random_weights_model
 
-    plans = {"dynamic": ForwardPlan(), "static": ForwardPlan("static", kv_cache_len=PREFIX + 64),
-             "graphs": ForwardPlan("static", kv_cache_len=PREFIX + 64, cuda_graphs=True)}
+    # the static plans at their default cache length (DEFAULT_KV_CACHE_LEN positions), as a user gets them
+    plans = {"dynamic": ForwardPlan(), "static": ForwardPlan("static"), "graphs": ForwardPlan("static", cuda_graphs=True)}
     model = random_weights_model(config_dir, dtype, device)
     weights = sum(p.numel() * p.element_size() for p in model.model.parameters())
     vocab = model.vocab_size

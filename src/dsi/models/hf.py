@@ -53,7 +53,7 @@ from dsi.models.determinism import check_deterministic
 from dsi.models.hf_checkpoint import checkpoint_dir
 from dsi.models.hf_static import (
     GRAPH_MAX_TOKENS, ForwardPlan, GraphSet, additive_mask, check_full_attention, has_sliding_layers,
-    new_positioned_cache, padded_size, visibility,
+    attended, new_positioned_cache, padded_size, visibility,
 )
 from dsi.models import device_laws
 from dsi.models.sources import resolve_source
@@ -751,7 +751,8 @@ class HFSession:
         else:
             position_ids = torch.tensor([positions + list(range(start + n, start + size))], dtype=torch.long,
                                         device=device)
-        mask = additive_mask(visibility(start, size, n, cache.max_len, allowed, device), owner.model.dtype)
+        cache.attend = attended(start + size, cache.max_len, self._graphs is not None)  # what attention reads
+        mask = additive_mask(visibility(start, size, n, cache.attend, allowed, device), owner.model.dtype)
         if cancel is not None and cancel.is_set():
             raise TaskCancelled("forward cancelled before it started")
         logits = None

@@ -9,15 +9,23 @@ runs it as hundreds of small kernel launches with the host in between. Here:
   the host, and a rollback only moves that length: nothing is copied or freed. Attention reads the whole buffer
   under an explicit mask (a key is visible to a query only at or before its position, or, in a draft tree, along
   its ancestors), so positions past the session's length, stale or never written, are never read.
+- **An attention span** (:func:`attended`): a forward's attention reads the cache's first positions only, up to
+  the end of what it writes (with graphs, rounded up to a power of two, at least :data:`ATTEND_MIN`, so that a
+  session's graphs are few): a grouped-query model repeats its keys and values for every head it attends over,
+  so a forward over the whole preallocated cache (4,096 positions by default) read and wrote several times the
+  keys and values it needed (on the CPU, a 4-token forward of the 0.5B drafter's architecture took 1.8 times as
+  long at 4,096 positions as at 192).
 - **Padded shapes**: with graphs on, a forward of ``n`` new tokens runs as one of ``n`` rounded up to a power of
   two (at most :data:`GRAPH_MAX_TOKENS`; longer ones, a prompt's, run as they are). The padding tokens come after
   the real ones, each visible only to itself and the real context, and are written past the session's length, so
   the real rows are what an unpadded forward gives.
-- **CUDA graphs** (:class:`GraphSet`): one graph per padded size and session, captured at its first use after one
-  eager warm-up forward, replayed with the inputs copied into its static buffers. Cancellation is checked between
-  replays (a replay takes milliseconds). Where a graph cannot be captured (not a CUDA device, a model whose
-  forward synchronises with the host), the forward runs eagerly on the same padded shapes, and the model says so
-  once.
+- **CUDA graphs** (:class:`GraphSet`): one graph per padded size, attention span and session, captured at its
+  first use after one eager warm-up forward, replayed with the inputs copied into its static buffers.
+  Captures in one process take turns (:data:`_CAPTURE_LOCK`: PyTorch supports one capture underway at a time,
+  and target servers as threads and the drafter beside them reach their first forwards together). Cancellation
+  is checked between replays (a replay takes milliseconds). Where a graph cannot be captured (not a
+  CUDA device, a model whose forward synchronises with the host), the forward runs eagerly on the same padded
+  shapes and spans, and the model says so once.
 
 What is *not* here: sampling and decisions (a session returns rows or argmax ids; see :mod:`dsi.sampling`).
 """
@@ -40,6 +48,7 @@ logger = logging.getLogger(__name__)
 KV_CACHES = ("dynamic", "static")
 DEFAULT_KV_CACHE_LEN = 4096  # positions a static cache holds when neither the user nor the model says fewer
 GRAPH_MAX_TOKENS = 64  # forwards of more new tokens (prompts) run eagerly, unpadded
+ATTEND_MIN = 256  # with graphs, the fewest cache positions a forward attends over (spans double from there)
 
 
 @dataclass(frozen=True)
@@ -113,6 +122,18 @@ def padded_size(n: int, graphs: bool) -> int:
     return size
 
 
+def attended(end: int, max_len: int, graphs: bool) -> int:
+    """The cache positions a forward attends over when it writes up to position ``end`` (exclusive) of a cache of
+    ``max_len``: ``end``, or with graphs ``end`` rounded up to a power of two, at least :data:`ATTEND_MIN` (a
+    graph per span: a handful per session, and at most twice the positions needed); never past ``max_len``."""
+    if not graphs:
+        return min(end, max_len)
+    span = ATTEND_MIN
+    while span < end:
+        span *= 2
+    return min(span, max_len)
+
+
 # ---- the cache ---------------------------------------------------------------------------------------------
 @functools.cache
 def _positioned_class() -> type:
@@ -133,7 +154,8 @@ def _positioned_class() -> type:
             index = self._owner.write_at
             self.keys.index_copy_(2, index, key_states)
             self.values.index_copy_(2, index, value_states)
-            return self.keys, self.values
+            span = self._owner.attend  # attention reads these first positions only (views: nothing is copied)
+            return self.keys[:, :, :span], self.values[:, :, :span]
 
         def get_seq_length(self) -> int:
             return self._owner.length
@@ -147,24 +169,27 @@ def _positioned_class() -> type:
             super().__init__(layers=[PositionedLayer(max_len, self) for _ in range(layers)])
             self.max_len = max_len
             self.length = 0
+            self.attend = max_len
             self.write_at = torch.zeros(1, dtype=torch.long, device=device)
 
         def get_seq_length(self, layer_idx: int = 0) -> int:
             return self.length
 
         def get_mask_sizes(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
-            return self.max_len, 0
+            return self.attend, 0
 
     return Positioned
 
 
 class PositionedCache:
     """Built by :func:`new_positioned_cache`: a transformers ``Cache`` of :data:`length` valid positions out of
-    ``max_len`` preallocated ones, whose layers write each forward's keys and values at :attr:`write_at`."""
+    ``max_len`` preallocated ones, whose layers write each forward's keys and values at :attr:`write_at` and give
+    attention the first :attr:`attend` positions."""
 
     write_at: torch.Tensor
     length: int
     max_len: int
+    attend: int
 
 
 def new_positioned_cache(config: Any, max_len: int, device: torch.device) -> Any:
@@ -172,12 +197,13 @@ def new_positioned_cache(config: Any, max_len: int, device: torch.device) -> Any
     return _positioned_class()(config, max_len, device)
 
 
-def visibility(start: int, size: int, real: int, max_len: int, allowed: torch.Tensor | None,
+def visibility(start: int, size: int, real: int, span: int, allowed: torch.Tensor | None,
                device: torch.device) -> torch.Tensor:
-    """``[size, max_len]`` bool: which cache positions each of a forward's ``size`` queries (``real`` of them
-    real, written at ``start ..``) may attend to. Real queries: ``allowed`` (``[real, start + real]``, a tree's
-    mask) or causal; padding queries: the context before ``start`` and themselves only."""
-    keys = torch.arange(max_len, device=device)
+    """``[size, span]`` bool: which of the first ``span`` cache positions (at least ``start + size``) each of a
+    forward's ``size`` queries (``real`` of them real, written at ``start ..``) may attend to. Real queries:
+    ``allowed`` (``[real, start + real]``, a tree's mask) or causal; padding queries: the context before ``start``
+    and themselves only."""
+    keys = torch.arange(span, device=device)
     writes = torch.arange(start, start + size, device=device)
     mask = keys[None, :] <= writes[:, None]  # causal over what this forward writes and everything before
     if size > real:
@@ -197,20 +223,26 @@ def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 # ---- CUDA graphs ---------------------------------------------------------------------------------------------
+# One capture underway at a time in a process: PyTorch's capture state (its RNG's and the caching allocator's
+# bookkeeping of a capture's pool) is global, and it never meant two captures to overlap. Other threads' eager
+# forwards and replays on their own streams go on during a capture (captures are "thread_local").
+_CAPTURE_LOCK = threading.Lock()
 @dataclass
 class _Graph:
     graph: Any
     ids: torch.Tensor  # [1, size]
     positions: torch.Tensor  # [1, size]
     write_at: torch.Tensor  # [size]
-    mask: torch.Tensor  # [1, 1, size, max_len]
+    mask: torch.Tensor  # [1, 1, size, span]
     logits: torch.Tensor  # [1, size, V]: what a replay leaves
 
 
 class GraphSet:
-    """One session's captured forwards, by padded size. ``run`` replays the graph of the inputs' size (capturing it
-    first: one eager forward as its warm-up, then the capture), or returns None where graphs cannot run here
-    (the caller then runs the forward eagerly); a failed capture is logged once per model and not tried again."""
+    """One session's captured forwards, by padded size and attention span (the mask's last two dimensions; the
+    cache's :attr:`~PositionedCache.attend` is that span when ``run`` is called). ``run`` replays the graph of the
+    inputs' shape (capturing it first: one eager forward as its warm-up, then the capture), or returns None where
+    graphs cannot run here (the caller then runs the forward eagerly); a failed capture is logged once per model
+    and not tried again."""
 
     _warned: set[int] = set()
     _warn_lock = threading.Lock()
@@ -219,7 +251,7 @@ class GraphSet:
         self._owner = owner
         self._cache = cache
         self._stream = stream
-        self._graphs: dict[int, _Graph] = {}
+        self._graphs: dict[tuple[int, int], _Graph] = {}
         self._pool = None
         self.disabled = owner.device.type != "cuda"
         if self.disabled:
@@ -237,8 +269,7 @@ class GraphSet:
             mask: torch.Tensor) -> torch.Tensor | None:
         if self.disabled:
             return None
-        size = ids.shape[1]
-        graph = self._graphs.get(size)
+        graph = self._graphs.get(tuple(mask.shape[-2:]))  # (size, span)
         if graph is None:
             graph = self._capture(ids, positions, write_at, mask)
             if graph is None:
@@ -262,13 +293,14 @@ class GraphSet:
         previous = cache.write_at
         cache.write_at = inputs[2]
         try:
-            owner._run_model(inputs[0], cache, None, attention_mask=inputs[3], position_ids=inputs[1])  # warm-up
-            torch.cuda.current_stream(owner.device).synchronize()
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
-                out = owner._run_model(inputs[0], cache, None, attention_mask=inputs[3], position_ids=inputs[1])
+            with _CAPTURE_LOCK:
+                owner._run_model(inputs[0], cache, None, attention_mask=inputs[3], position_ids=inputs[1])  # warm-up
+                torch.cuda.current_stream(owner.device).synchronize()
+                if self._pool is None:
+                    self._pool = torch.cuda.graph_pool_handle()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
+                    out = owner._run_model(inputs[0], cache, None, attention_mask=inputs[3], position_ids=inputs[1])
             captured = _Graph(graph, *inputs, out.logits)
         except Exception as exc:  # noqa: BLE001 - any capture failure: eager from now on, said once
             self.disabled = True
@@ -277,6 +309,6 @@ class GraphSet:
             return None
         finally:
             cache.write_at = previous
-        self._graphs[ids.shape[1]] = captured
+        self._graphs[tuple(mask.shape[-2:])] = captured
         self.captures += 1
         return captured

@@ -95,9 +95,9 @@ def test_a_chain_decided_on_the_device_reads_the_rows_the_host_reads_and_decides
     assert len(rejected_at) >= 3  # rejections at several rows, and chains accepted whole (row n - 1)
 
 
-def tiny_pair(device_decisions: bool | None, device: str = "cpu"):
+def tiny_pair(device_decisions: bool | None, device: str = "cpu", graphs: bool = False):
     """A tiny-vocabulary Llama target (peaked laws) and another as its drafter on ``device``, deciding there or not
-    (None: the default, on where the device is a GPU)."""
+    (None: the default, on where the device is a GPU), with CUDA graphs (on the static cache) or not."""
     import transformers
 
     from dsi.models.hf import HFModel
@@ -113,7 +113,8 @@ def tiny_pair(device_decisions: bool | None, device: str = "cpu"):
         with torch.no_grad():
             model.lm_head.weight.mul_(8.0)
         models.append(model)
-    plan = ForwardPlan(device_decisions=device_decisions)
+    plan = (ForwardPlan("static", cuda_graphs=True, device_decisions=device_decisions) if graphs
+            else ForwardPlan(device_decisions=device_decisions))
     return (models[0], HFModel(models[0], device=device, forward_plan=plan),
             HFModel(models[1], device=device, forward_plan=plan))
 
@@ -569,17 +570,21 @@ def test_logprobs_read_on_the_device_through_every_method_are_non_si_s_on_the_ho
 
 @pytest.mark.hf
 @pytest.mark.usefixtures("one_torch_thread")
-@pytest.mark.parametrize("device", DEVICES)
-def test_every_method_decides_on_the_device_as_the_host_does(device, monkeypatch, no_thread_leak):
-    """The tiny pair on ``device`` deciding there (a GPU: its plan's default; the CPU: forced on): every kind of
-    read goes through the device (counted), greedy with penalties gives non-SI's tokens on the host (the same
-    weights, decided on the CPU's host path), logprob entries match the host's within float32 rounding (a GPU's
-    forward: 1e-4) with the same top tokens, and a sampled seed gives DSI one output for SP 1 and 2 (the CUDA variant runs in
-    gpu_check.sh part 0; the laws' chi-squares run on the CPU)."""
+@pytest.mark.parametrize("device, graphs", [
+    ("cpu", False), ("cpu", True),  # on the CPU, graphs' padded shapes on the static cache, run eagerly
+    pytest.param("cuda", False, marks=DEVICES[1].marks), pytest.param("cuda", True, marks=DEVICES[1].marks),
+], ids=["cpu", "cpu-padded", "cuda", "cuda-graphs"])
+def test_every_method_decides_on_the_device_as_the_host_does(device, graphs, monkeypatch, no_thread_leak):
+    """The tiny pair on ``device`` deciding there (a GPU: its plan's default, eager or with CUDA graphs, whose
+    sessions in DSI's server threads capture at once; the CPU: forced on): every kind of read goes through the
+    device (counted), greedy with penalties gives non-SI's tokens on the host (the same weights, decided on the
+    CPU's host path), logprob entries match the host's within float32 rounding (a GPU's forward: 1e-4) with the
+    same top tokens, and a sampled seed gives DSI one output for SP 1 and 2 (the CUDA variants run in gpu_check.sh
+    part 0; the laws' chi-squares run on the CPU)."""
     import dsi
     import dsi.models.hf as hf
 
-    _, target, drafter = tiny_pair(True if device == "cpu" else None, device)
+    _, target, drafter = tiny_pair(True if device == "cpu" else None, device, graphs)
     _, host_target, host_drafter = tiny_pair(False)
     assert target.decides_on_device and drafter.decides_on_device
     kinds = []

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 from dsi.errors import ConfigError, ContextLengthError  # noqa: E402
 from dsi.models.hf import HFModel  # noqa: E402
 from dsi.models.hf_static import (  # noqa: E402
-    DEFAULT_KV_CACHE_LEN, GRAPH_MAX_TOKENS, ForwardPlan, GraphSet, padded_size, visibility,
+    ATTEND_MIN, DEFAULT_KV_CACHE_LEN, GRAPH_MAX_TOKENS, ForwardPlan, GraphSet, attended, padded_size, visibility,
 )
 from tests.unit.models.test_hf import IDS, reference, tiny_llama  # noqa: E402
 
@@ -49,15 +49,56 @@ def test_padded_sizes_are_powers_of_two_up_to_the_graph_limit_and_only_with_grap
     assert padded_size(5, False) == 5
 
 
+def test_attention_spans_end_where_a_forward_writes_and_with_graphs_double_from_a_minimum():
+    assert [attended(end, 4096, False) for end in (1, 200, 257, 5000)] == [1, 200, 257, 4096]
+    assert [attended(end, 4096, True) for end in (1, ATTEND_MIN, ATTEND_MIN + 1, 1500, 4096, 5000)] == \
+        [ATTEND_MIN, ATTEND_MIN, 2 * ATTEND_MIN, 2048, 4096, 4096]
+    assert attended(300, 600, True) == 512 and attended(520, 600, True) == 600  # never past the cache
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_attention_reads_the_span_of_the_cache_not_all_of_it_and_the_rows_stay_exact(graphs, monkeypatch):
+    """A session of a model with a long context attends over the cache positions up to what each forward writes
+    (with graphs' padded shapes, a power of two from ATTEND_MIN), not over all of its preallocated positions, and
+    its rows are a from-scratch forward's, also past the first span and after a rollback."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                                      eos_token_id=1, bos_token_id=0, pad_token_id=0)
+    raw = transformers.LlamaForCausalLM(config).eval()
+    keys_read = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(query, key, value, *args, **kwargs):
+        keys_read.append(key.shape[2])
+        return sdpa(query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    ids = [(7 * i + 3) % 97 for i in range(ATTEND_MIN + 40)]
+    session = _static(raw, cuda_graphs=graphs).new_session()
+    assert session._cache.max_len == 2048
+    first = ATTEND_MIN - 3
+    session.extend(ids[:first])
+    keys_read.clear()
+    rows = session.extend(ids[first:first + 5])  # crosses the first span: 5 tokens (8 with graphs) written
+    assert set(keys_read) == {2 * ATTEND_MIN if graphs else first + 5}
+    np.testing.assert_allclose(rows, reference(raw, ids[:first + 5])[first:], atol=1e-5)
+    session.truncate(10)
+    keys_read.clear()
+    rows = session.extend(ids[10:12])
+    assert set(keys_read) == {ATTEND_MIN if graphs else 12}
+    np.testing.assert_allclose(rows, reference(raw, ids[:12])[10:], atol=1e-5)
+
+
 def test_padding_queries_see_the_context_and_themselves_and_no_real_query_sees_them():
-    seen = visibility(start=3, size=4, real=2, max_len=10, allowed=None, device=torch.device("cpu")).numpy()
+    seen = visibility(start=3, size=4, real=2, span=10, allowed=None, device=torch.device("cpu")).numpy()
     want = np.zeros((4, 10), dtype=bool)
     want[0, :4] = want[1, :5] = True  # real queries at 3 and 4: causal
     want[2, :3] = want[3, :3] = True  # padding at 5 and 6: the context ...
     want[2, 5] = want[3, 6] = True  # ... and itself
     np.testing.assert_array_equal(seen, want)
     tree = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 1]], dtype=torch.bool)  # two siblings after 3 tokens
-    seen = visibility(start=3, size=2, real=2, max_len=8, allowed=tree, device=torch.device("cpu")).numpy()
+    seen = visibility(start=3, size=2, real=2, span=8, allowed=tree, device=torch.device("cpu")).numpy()
     np.testing.assert_array_equal(seen[:, :5], tree.numpy())
     assert not seen[:, 5:].any()
 
@@ -167,3 +208,213 @@ def test_the_cli_passes_the_cache_and_graphs_to_the_hf_backend_and_refuses_them_
         max_model_len(args(max_model_len=256))
     with pytest.raises(ConfigError, match="apply to the hf backend"):
         forward_plan(args(kv_cache="static", backend_choice=BackendChoice("llama.cpp", "a GGUF on the CPU")))
+
+
+class _FakeCuda:
+    """torch.cuda's graph pieces as a CPU stands in for them: a capture counts how many captures overlap, and keeps
+    the forward its body ran (:class:`_Owner` leaves it in ``captured``); a replay runs that forward again on the
+    tensors it was captured with, writing its output in place, as a graph's kernels do."""
+
+    def __init__(self, fail: bool = False) -> None:
+        import threading
+
+        self.fail, self.lock, self.captured = fail, threading.Lock(), threading.local()
+        self.underway = self.most_underway = self.replays = 0
+
+    def install(self, monkeypatch) -> None:
+        import contextlib
+
+        fake = self
+
+        class Graph:
+            def __init__(self):
+                self.forward = None
+
+            def replay(self):
+                fake.replays += 1
+                self.forward()
+
+        @contextlib.contextmanager
+        def graph(g, pool=None, stream=None, capture_error_mode="global"):
+            assert capture_error_mode == "thread_local" and pool == "pool"
+            with fake.lock:
+                fake.underway += 1
+                fake.most_underway = max(fake.most_underway, fake.underway)
+            try:
+                __import__("time").sleep(0.02)  # long enough for another thread's capture to overlap, were it let
+                if fake.fail:
+                    raise RuntimeError("operation not permitted when stream is capturing\nmore")
+                yield
+                g.forward = fake.captured.forward
+            finally:
+                with fake.lock:
+                    fake.underway -= 1
+
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+        monkeypatch.setattr(torch.cuda, "graph", graph)
+        monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+        monkeypatch.setattr(torch.cuda, "current_stream",
+                            lambda device=None: type("S", (), {"synchronize": lambda self: None})())
+
+
+class _Owner:
+    """An HFModel's part a GraphSet uses: a device, a name, and ``_run_model`` (here: logits = a function of the
+    inputs, so that a replay's output can be checked), counting its calls."""
+
+    def __init__(self, fake: _FakeCuda) -> None:
+        self.device, self.name, self.calls, self._fake = torch.device("cuda"), "tiny", 0, fake
+
+    def _run_model(self, ids, cache, cancel, attention_mask, position_ids):
+        self.calls += 1
+        write_at = cache.write_at
+
+        def logits():
+            return (ids * 10 + position_ids + write_at[None]).float()[..., None]  # [1, size, 1]
+
+        out = type("Out", (), {"logits": logits()})()
+        self._fake.captured.forward = lambda: out.logits.copy_(logits())
+        return out
+
+
+def _inputs(size: int, start: int, span: int):
+    ids = torch.arange(1, size + 1)[None]
+    write_at = torch.arange(start, start + size)
+    return ids, write_at[None], write_at, torch.zeros(1, 1, size, span)
+
+
+def _cache():
+    return type("Cache", (), {"write_at": torch.zeros(1, dtype=torch.long)})()
+
+
+def test_a_graph_is_captured_once_per_size_and_span_and_replays_read_the_new_inputs(monkeypatch):
+    """GraphSet's bookkeeping, with torch.cuda's graph calls stood in for on the CPU: the first forward of a
+    (size, span) warms up and captures, later ones replay with their inputs copied in (the output is the new
+    inputs', not the captured ones'), a new span is a new graph, and the cache's write_at is restored."""
+    fake = _FakeCuda()
+    fake.install(monkeypatch)
+    owner, cache = _Owner(fake), _cache()
+    graphs = GraphSet(owner, cache, stream=None)
+    assert not graphs.disabled
+    first = graphs.run(*_inputs(4, 10, 256))
+    assert graphs.captures == 1 and owner.calls == 2  # the warm-up and the capture's forward
+    for start in (20, 30):
+        out = graphs.run(*_inputs(4, start, 256))
+        want = torch.arange(1, 5) * 10 + 2 * torch.arange(start, start + 4)  # ids, positions and write_at: new
+        torch.testing.assert_close(out[0, :, 0], want.float())
+    assert out is first  # the graph's own output buffer, rewritten by each replay
+    assert graphs.captures == 1 and owner.calls == 2 and fake.replays == 3  # replays run no Python forward
+    graphs.run(*_inputs(4, 300, 512))  # the next span: a graph of its own
+    graphs.run(*_inputs(1, 300, 512))
+    assert graphs.captures == 3 and sorted(graphs._graphs) == [(1, 512), (4, 256), (4, 512)]
+    assert cache.write_at.tolist() == [0]
+
+
+def test_captures_in_one_process_take_turns(monkeypatch):
+    """Sessions whose first forwards come together (target servers as threads, the drafter) capture one at a
+    time: PyTorch supports one capture underway at a time."""
+    import threading
+
+    fake = _FakeCuda()
+    fake.install(monkeypatch)
+    sets = [GraphSet(_Owner(fake), _cache(), stream=None) for _ in range(4)]
+    barrier = threading.Barrier(len(sets))
+
+    def first_forward(graphs):
+        barrier.wait()
+        graphs.run(*_inputs(2, 5, 256))
+
+    threads = [threading.Thread(target=first_forward, args=(g,)) for g in sets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [g.captures for g in sets] == [1, 1, 1, 1]
+    assert fake.most_underway == 1
+
+
+def test_a_failed_capture_runs_that_session_eagerly_and_says_so_once(monkeypatch, caplog):
+    fake = _FakeCuda(fail=True)
+    fake.install(monkeypatch)
+    owner = _Owner(fake)
+    with caplog.at_level(logging.WARNING, logger="dsi.models.hf_static"):
+        sets = [GraphSet(owner, _cache(), stream=None) for _ in range(2)]
+        assert [g.run(*_inputs(2, 5, 256)) for g in sets] == [None, None]  # the caller runs it eagerly
+        assert sets[0].run(*_inputs(2, 5, 256)) is None and owner.calls == 2  # not tried again: one warm-up each
+    said = [r.getMessage() for r in caplog.records if "could not be captured" in r.getMessage()]
+    assert said == ["tiny: a CUDA graph could not be captured (RuntimeError: operation not permitted when stream "
+                    "is capturing); its forwards run eagerly"]
+    assert all(g.disabled and g.captures == 0 for g in sets)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@needs_cuda
+def test_cuda_graphs_are_captured_and_replay_a_from_scratch_forward_s_rows(caplog):
+    """On a GPU (gpu_check.sh part 0): sessions in four threads of one process at once, each capturing its graphs
+    at their first use, give the CPU's from-scratch rows for a prompt, one-token steps, windows of 2 to 5 tokens,
+    a rollback, a second attention span and a draft tree in one forward; every one of them captured its graphs
+    (none fell back to eager forwards), and a replayed forward synchronises with the host once, for its ids."""
+    import copy
+    import threading
+    import warnings
+
+    from dsi.models.base import extend_rows, forward_rows
+    from dsi.trees import ROOT, DraftTree
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                                      eos_token_id=1, bos_token_id=0, pad_token_id=0)
+    raw = transformers.LlamaForCausalLM(config).eval()
+    ids = [(7 * i + 3) % 97 for i in range(ATTEND_MIN + 20)]
+    ref = reference(raw, ids)
+    model = HFModel(copy.deepcopy(raw), device="cuda:0", forward_plan=ForwardPlan("static", cuda_graphs=True))
+    failures: list[str] = []
+    sessions = []
+
+    def work():
+        try:
+            session = model.new_session()
+            sessions.append(session)
+            got = [session.extend(ids[:20])]
+            for t in ids[20:24]:
+                got.append(session.extend([t]))
+            for k in (2, 3, 4, 5):
+                got.append(session.extend(ids[len(session.tokens): len(session.tokens) + k]))
+            np.testing.assert_allclose(np.concatenate(got), ref[:38], atol=1e-4)
+            session.truncate(30)
+            np.testing.assert_allclose(session.extend(ids[30:34]), ref[30:34], atol=1e-4)
+            forward_rows(session, ids[: ATTEND_MIN - 2], 1)  # a prompt's length: eager
+            np.testing.assert_allclose(session.extend(ids[ATTEND_MIN - 2: ATTEND_MIN + 3]),
+                                       ref[ATTEND_MIN - 2: ATTEND_MIN + 3], atol=1e-4)  # into the second span
+        except Exception as exc:  # noqa: BLE001 - reported on the main thread
+            failures.append(f"{type(exc).__name__}: {exc}")
+
+    with caplog.at_level(logging.WARNING, logger="dsi.models.hf_static"):
+        threads = [threading.Thread(target=work) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    assert not failures, failures
+    assert not [r for r in caplog.records if "could not be captured" in r.getMessage()]
+    assert all(not s._graphs.disabled and s._graphs.captures >= 5 for s in sessions)
+    assert {span for s in sessions for _, span in s._graphs._graphs} == {ATTEND_MIN, 2 * ATTEND_MIN}
+
+    session = sessions[0]
+    tree = DraftTree((2, 7, 9, 6, 8, 3), (ROOT, ROOT, ROOT, 0, 0, 3))
+    cpu = HFModel(raw).new_session()
+    np.testing.assert_allclose(session.tree_rows(ids[:12], tree), cpu.tree_rows(ids[:12], tree), atol=1e-4)
+    session.truncate(12)
+    extend_rows(session, ids[12:16], None, 2, greedy=True)  # captured (size 4) before the count
+    session.truncate(12)
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = extend_rows(session, ids[12:16], None, 2, greedy=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert got.tolist() == np.argmax(ref[14:16], axis=-1).tolist()
+    assert len(caught) <= 3, [str(w.message) for w in caught]  # the ids in, the argmax ids out
