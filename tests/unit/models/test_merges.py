@@ -12,7 +12,7 @@ from dsi.models import CallableLM
 from dsi.models.crossvocab import CrossVocabularyDrafter, bridge_drafter
 from dsi.models.merges import MergeTable, merge_candidates, merge_logits
 from dsi.models.vocabulary import Vocabulary
-from dsi.sampling import SamplingParams, process_logits
+from dsi.sampling import SamplingParams
 from tests.tiny_vocab import PiecesTokenizer
 
 T_TEXTS = ["a", "b", "ab", "c", "abc", "bc!", "!"]  # target ids 0..6
