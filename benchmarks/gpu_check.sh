@@ -27,6 +27,11 @@
 # Part d, the 16-core CPU question, is benchmarks/gpu_check_cpu.sh: a second run of the same length.
 # The tree forwards (issue 24) are benchmarks/tree_forward_cost.py, recorded in docs/results.md.
 #
+# Files (at most 8 come back from a lent machine): machine.txt, run.log (every part's output, in order),
+# forwards.json, pair_graphs.json, target14b_graphs.json, target14b.json and report.md
+# (benchmarks/gpu_report.py: the tables for docs/results.md and issue 51's goals; run it again on the files
+# brought back if the run was cut off before it).
+#
 # Usage, from the repository root:  bash benchmarks/gpu_check.sh     (writes to $OUT or results/)
 # DRY_RUN=1 runs every part on the CPU with tiny configurations of the same architectures and a
 # few tokens (tests/integration/test_gpu_check.py does, so this script cannot rot between runs).
@@ -35,6 +40,8 @@ set -uo pipefail
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 out="${OUT:-results}"
 mkdir -p "$out"
+log="$out/run.log"
+: > "$log"
 recording=benchmarks/recordings/qwen2.5-coder-code-64.json
 if [ -n "${DRY_RUN:-}" ]; then
     configs="$(mktemp -d)"
@@ -74,26 +81,31 @@ PY
 
 status=0
 if [ "$limit_tests" -gt 0 ]; then
+    echo "== part 0: tests" | tee -a "$log"
     timeout "$limit_tests" python3 -m pytest -q -p no:cacheprovider tests/unit/models/test_hf.py \
-        tests/unit/models/test_hf_static.py tests/unit/models/test_replay.py 2>&1 | tee "$out/tests.log" || status=1
+        tests/unit/models/test_hf_static.py tests/unit/models/test_replay.py 2>&1 | tee -a "$log" || status=1
     # the device decisions' CUDA variants only (their CPU ones run in CI)
     timeout 35 python3 -m pytest -q -p no:cacheprovider tests/unit/models/test_device_laws.py -k cuda 2>&1 \
-        | tee -a "$out/tests.log" || status=1
+        | tee -a "$log" || status=1
 fi
 
+echo "== part f: forwards" | tee -a "$log"
 timeout "$limit_f" python3 benchmarks/gpu_forwards.py --config qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct \
     qwen2.5-14b-instruct --device "$device" --dtype "$dtype" "${forwards[@]}" --out "$out/forwards.json" 2>&1 \
-    | grep -v "Loading weights" | tee "$out/forwards.log" || status=1
+    | grep -v "Loading weights" | tee -a "$log" || status=1
 
 part() {  # part NAME LIMIT ARGS...: one real_pair.py run, cut off at LIMIT s (it stops starting
     local name=$1 limit=$2  # new configurations 60 s before that, so its table still prints)
     shift 2
+    echo "== part $name" | tee -a "$log"
     timeout "$limit" python3 benchmarks/real_pair.py --replay "$recording" --device "$device" --dtype "$dtype" \
         --target-devices "$device" --deadline $((limit - 60 > 10 ? limit - 60 : 10)) "${common[@]}" "$@" \
-        --out "$out/$name.json" 2>&1 | grep -v "Loading weights" | tee "$out/$name.log"
+        --out "$out/$name.json" 2>&1 | grep -v "Loading weights" | tee -a "$log"
 }
 part pair_graphs "$limit_a" --cuda-graphs "${si[@]}" "${a_dsi[@]}" || status=1
 part target14b_graphs "$limit_b" --cuda-graphs --target-config qwen2.5-14b-instruct "${si[@]}" "${b_dsi[@]}" || status=1
 part target14b "$limit_c" --target-config qwen2.5-14b-instruct "${si[@]}" "${b_dsi[@]}" || status=1
-echo "gpu_check exit $status"
+python3 benchmarks/gpu_report.py "$out" > "$out/report.md" || status=1
+cat "$out/report.md"
+echo "gpu_check exit $status" | tee -a "$log"
 exit $status

@@ -24,6 +24,10 @@ def test_gpu_check_dry_run_measures_every_part(tmp_path):
     done = subprocess.run(["bash", "benchmarks/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # at most 8 files come back from a lent machine
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["forwards.json", "machine.txt", "pair_graphs.json",
+                                                          "report.md", "run.log", "target14b.json",
+                                                          "target14b_graphs.json"]
     assert "torch" in (tmp_path / "machine.txt").read_text()
     forwards = json.loads((tmp_path / "forwards.json").read_text())
     assert [r["config"] for r in forwards["rows"]] == ["qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct",
@@ -49,8 +53,16 @@ def test_gpu_check_dry_run_measures_every_part(tmp_path):
             if row["method"] == "dsi":
                 assert row["target_forward_in_run_s"] > 0 and row["drafter_forward_in_run_s"] > 0, label
         assert set(report["latencies_s"]["1"]) == {"drafter", "target"}
-    log = (tmp_path / "target14b_graphs.log").read_text()
-    assert "vocabularies 152064 / 151936" in log and "DSI k=auto SP=1 processes" in log
+    log = (tmp_path / "run.log").read_text()
+    parts = [line for line in log.splitlines() if line.startswith("== part ")]
+    assert parts == ["== part f: forwards", "== part pair_graphs", "== part target14b_graphs", "== part target14b"]
+    part_b = log[log.index("== part target14b_graphs"): log.index("== part target14b\n")]
+    assert "vocabularies 152064 / 151936" in part_b and "DSI k=auto SP=1 processes" in part_b
+    assert log.rstrip().endswith("gpu_check exit 0")
+    report = (tmp_path / "report.md").read_text()  # benchmarks/gpu_report.py on this folder
+    assert "Missing" not in report and "Issue 51's goals:" in report
+    assert len([line for line in report.splitlines() if line.startswith("| non-SI | ")]) == 3  # a row per part
+    assert "| the drafter's step with graphs at most 3 ms |" in report and "not measured" not in report
 
 
 def test_gpu_check_cpu_dry_run_splits_cores_between_drafter_and_servers(tmp_path):
