@@ -6,15 +6,16 @@ runs it as hundreds of small kernel launches with the host in between. Here:
 - **A static cache** (:class:`PositionedCache`): every layer's keys and values are preallocated to
   ``kv_cache_len`` positions at the session's first forward. A forward writes its new keys and values *at the
   positions it is given* (``index_copy_`` at :attr:`PositionedCache.write_at`), the session keeps the length on
-  the host, and a rollback only moves that length: nothing is copied or freed. Attention reads the whole buffer
-  under an explicit mask (a key is visible to a query only at or before its position, or, in a draft tree, along
-  its ancestors), so positions past the session's length, stale or never written, are never read.
+  the host, and a rollback only moves that length: nothing is copied or freed. Attention reads the buffer (its
+  span, below) under an explicit mask (a key is visible to a query only at or before its position, or, in a
+  draft tree, along its ancestors), so positions past the session's length, stale or never written, are never
+  read.
 - **An attention span** (:func:`attended`): a forward's attention reads the cache's first positions only, up to
   the end of what it writes (with graphs, rounded up to a power of two, at least :data:`ATTEND_MIN`, so that a
   session's graphs are few): a grouped-query model repeats its keys and values for every head it attends over,
   so a forward over the whole preallocated cache (4,096 positions by default) read and wrote several times the
-  keys and values it needed (on the CPU, a 4-token forward of the 0.5B drafter's architecture took 1.8 times as
-  long at 4,096 positions as at 192).
+  keys and values it needed (on the CPU, a 5-token forward of the 1.5B target's architecture took 1.8 times as
+  long: docs/results.md, "The static cache on a CPU").
 - **Padded shapes**: with graphs on, a forward of ``n`` new tokens runs as one of ``n`` rounded up to a power of
   two (at most :data:`GRAPH_MAX_TOKENS`; longer ones, a prompt's, run as they are). The padding tokens come after
   the real ones, each visible only to itself and the real context, and are written past the session's length, so
@@ -227,6 +228,8 @@ def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 # bookkeeping of a capture's pool) is global, and it never meant two captures to overlap. Other threads' eager
 # forwards and replays on their own streams go on during a capture (captures are "thread_local").
 _CAPTURE_LOCK = threading.Lock()
+
+
 @dataclass
 class _Graph:
     graph: Any
