@@ -618,7 +618,9 @@ def _distribution(row: np.ndarray, params: SamplingParams) -> np.ndarray:
     This runs for every drafted token and every verified row a sampled request reads, over the whole vocabulary,
     so it is a few passes over one float32 array, in place: the logits shifted by their maximum (in the row's own
     dtype, then rounded to float32; so the maximum is exactly 0 and nothing overflows), scaled by ``1 / T``, the
-    filters, ``exp`` and the normalisation. A temperature so small (or so large) that ``1 / T`` is no normal
+    filters, ``exp`` and the normalisation. With a top-k of at most :data:`NUCLEUS_FIRST` ids, only the ids it
+    keeps (:func:`_top_k`) are filtered, exponentiated and normalised, by the whole array's sum: the same law bit
+    for bit, at a third less of the cost. A temperature so small (or so large) that ``1 / T`` is no normal
     float32 divides in float64 instead, which takes the limit (as T goes to 0, every logit below the maximum goes
     to -inf). Laws are compared and
     composed in float64 where a decision reads them (:func:`decide`, :func:`residual`, :func:`sample_from`), so
@@ -633,6 +635,7 @@ def _distribution(row: np.ndarray, params: SamplingParams) -> np.ndarray:
         return probs
     law = np.empty(row.shape, dtype=LAW_DTYPE)  # [V], the one array written below
     temperature = params.temperature
+    candidates = None  # the ids of positive mass where top-k leaves few (in id order), for top-p
     with np.errstate(over="ignore", under="ignore"):
         np.subtract(row, top, out=law)  # <= 0, exactly 0 at the maximum; a gap beyond float32 is -inf
         if _SCALED_T[0] <= temperature <= _SCALED_T[1]:
@@ -640,15 +643,27 @@ def _distribution(row: np.ndarray, params: SamplingParams) -> np.ndarray:
                 law *= LAW_DTYPE(1.0 / temperature)
         else:
             np.divide(law, temperature, out=law, dtype=np.float64)
-        if params.min_p > 0.0:  # relative to the most likely token (at 0): p < min_p * p_max
-            law[law < np.log(params.min_p)] = -np.inf
-        if params.top_k and params.top_k < law.size:
-            kth = np.partition(law, -params.top_k)[-params.top_k]
-            law[law < kth] = -np.inf  # ties with the k-th are kept, and so the maximum
-        np.exp(law, out=law)  # the maximum has 1, so the sum is in [1, V]
-    law /= law.sum()
+        if 0 < params.top_k <= NUCLEUS_FIRST and params.top_k < law.size:  # few ids left: only they are computed
+            ids, scores = _top_k(law, params.top_k)  # ties with the k-th are kept, and so the maximum
+            if params.min_p > 0.0:  # relative to the most likely token (at 0): p < min_p * p_max
+                kept = ~(scores < np.log(params.min_p))
+                ids, scores = ids[kept], scores[kept]
+            np.exp(scores, out=scores)
+            law[:] = 0.0
+            law[ids] = scores  # the whole-vocabulary law, zero outside the few
+            scores /= law.sum()  # the whole array's sum: the same rounding as below
+            law[ids] = scores
+            candidates = ids[scores > 0]
+        else:
+            if params.min_p > 0.0:  # relative to the most likely token (at 0): p < min_p * p_max
+                law[law < np.log(params.min_p)] = -np.inf
+            if params.top_k and params.top_k < law.size:
+                kth = np.partition(law, -params.top_k)[-params.top_k]
+                law[law < kth] = -np.inf  # ties with the k-th are kept, and so the maximum
+            np.exp(law, out=law)  # the maximum has 1, so the sum is in [1, V]
+            law /= law.sum()
     if params.top_p < 1.0:
-        kept = nucleus(row, law, params.top_p, few=0 < params.top_k <= NUCLEUS_FIRST or params.min_p > 0.0)
+        kept = nucleus(row, law, params.top_p, few=params.min_p > 0.0, candidates=candidates)
         nucleus_law = np.zeros_like(law)
         nucleus_law[kept] = law[kept]
         law = nucleus_law
@@ -657,9 +672,29 @@ def _distribution(row: np.ndarray, params: SamplingParams) -> np.ndarray:
 
 
 NUCLEUS_FIRST = 1024  # the likeliest ids top-p orders first; 8 times more each time their mass falls short
+TOP_K_GROUPS = 1024  # ids grouped by their residue modulo this: the groups' maxima bound a top-k's k-th score
 
 
-def nucleus(row: np.ndarray, law: np.ndarray, top_p: float, few: bool = False) -> np.ndarray:
+def _top_k(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ids (in id order) and the values of the entries of ``scores`` ``[V]`` at least its ``k``-th largest (ties
+    with it included), as a partition of the whole array selects them. For ``k`` well under
+    :data:`TOP_K_GROUPS`: the ``k``-th largest of the maxima of the groups of ids of one residue modulo
+    :data:`TOP_K_GROUPS` is at most the ``k``-th largest score (``k`` groups hold a score at least it), so only the
+    few scores at least that bound are partitioned: a strided maximum and one comparison over the array, where a
+    partition of it took 90 us over 152k ids and masking the rest another 70."""
+    size, groups = scores.size, TOP_K_GROUPS
+    if 4 * k <= groups and size >= 8 * groups:
+        maxima = scores[: size - size % groups].reshape(-1, groups).max(axis=0)  # [groups]
+        ids = np.flatnonzero(scores >= np.partition(maxima, groups - k)[groups - k])
+    else:
+        ids = np.arange(size)
+    values = scores[ids]
+    kept = values >= np.partition(values, values.size - k)[values.size - k]
+    return ids[kept], values[kept]
+
+
+def nucleus(row: np.ndarray, law: np.ndarray, top_p: float, few: bool = False,
+            candidates: np.ndarray | None = None) -> np.ndarray:
     """The ids top-p keeps of a law ``[V]`` and the logits ``row`` ``[V]`` it was made of: the smallest prefix of
     the ids ordered by their logits, most likely first (ties in id order, so probabilities that rounding made
     equal keep the logits' order, and the first argmax comes first), whose mass, summed in float64 in that order,
@@ -669,10 +704,12 @@ def nucleus(row: np.ndarray, law: np.ndarray, top_p: float, few: bool = False) -
     and more only where their mass falls short of ``top_p``: the same ids, in the same order and summed to the
     same numbers, as a sort of the whole vocabulary (10 ms over 152k ids), at a partition's cost. ``few``: top-k
     or min_p left few ids of positive mass, so they are the candidates (every id of zero mass has a smaller logit
-    than each of them: the law is non-decreasing in the logits), without the partition."""
+    than each of them: the law is non-decreasing in the logits), without the partition; ``candidates``: those ids
+    already known (in id order)."""
     size = row.size
-    if few:
-        candidates = np.flatnonzero(law > 0)  # in id order (a bool mask: 15 times faster than of the floats)
+    if few or candidates is not None:
+        if candidates is None:
+            candidates = np.flatnonzero(law > 0)  # in id order (a bool mask: 15 times faster than of the floats)
         if candidates.size <= NUCLEUS_FIRST:
             order, keep = _nucleus_of(row, law, candidates, top_p)
             if keep < order.size:

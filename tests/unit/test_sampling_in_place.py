@@ -198,18 +198,63 @@ def test_top_p_keeps_the_ids_a_sort_of_the_whole_vocabulary_keeps(size, top_p):
             assert np.array_equal(_distribution(row, params), plain_distribution(row, params))
 
 
+def _sizes_given_to(monkeypatch, name: str) -> list[int]:
+    """The sizes of the arrays dsi.sampling passes to ``np.<name>`` from now on (the function still runs)."""
+    import dsi.sampling
+
+    sizes = []
+    real = getattr(np, name)
+
+    def counting(a, *args, **kwargs):
+        sizes.append(np.asarray(a).size)
+        return real(a, *args, **kwargs)
+
+    monkeypatch.setattr(dsi.sampling.np, name, counting)
+    return sizes
+
+
 def test_top_p_sorts_only_the_likeliest_ids_of_a_peaked_row(monkeypatch):
     import dsi.sampling
 
-    sorted_sizes = []
-    argsort = np.argsort
-
-    def counting(a, *args, **kwargs):
-        sorted_sizes.append(np.asarray(a).size)
-        return argsort(a, *args, **kwargs)
-
-    monkeypatch.setattr(dsi.sampling.np, "argsort", counting)
+    sorted_sizes = _sizes_given_to(monkeypatch, "argsort")
     row = (np.random.default_rng(0).standard_normal(151_936) * 8).astype(np.float32)
     law = _distribution(row, SamplingParams(temperature=1.0, seed=1, top_p=0.95))
     assert sorted_sizes and max(sorted_sizes) <= dsi.sampling.NUCLEUS_FIRST
     assert 0 < np.count_nonzero(law) < dsi.sampling.NUCLEUS_FIRST
+
+
+def _top_k_rows(rng: np.random.Generator, size: int):
+    """Rows top-k meets: peaked, ties at the k-th across groups of ids, few finite entries, one value."""
+    yield (rng.standard_normal(size) * 8).astype(np.float32)
+    tied = (rng.standard_normal(size) * 2).astype(np.float32)
+    tied[rng.choice(size, 60, replace=False)] = 9.0  # 60 ids tied at the top, in many residue groups
+    yield tied
+    few = np.full(size, -np.inf, dtype=np.float32)
+    few[rng.choice(size, 7, replace=False)] = rng.standard_normal(7).astype(np.float32)
+    yield few
+    yield np.zeros(size, dtype=np.float32)
+
+
+@pytest.mark.parametrize("size", [1000, 8192, 151_936])
+@pytest.mark.parametrize("k", [1, 5, 20, 60, 256, 257, 1024])
+def test_top_k_selects_what_a_partition_of_the_whole_row_selects(size, k):
+    from dsi.sampling import _top_k
+
+    rng = np.random.default_rng(size + k)
+    for row in _top_k_rows(rng, size):
+        if k >= size:
+            continue
+        ids, values = _top_k(row, k)
+        kth = np.partition(row, -k)[-k]
+        want = np.flatnonzero(row >= kth)  # ties with the k-th kept
+        assert np.array_equal(ids, want) and np.array_equal(values, row[want]), (size, k)
+
+
+def test_top_k_partitions_only_the_few_scores_above_its_bound(monkeypatch):
+    import dsi.sampling
+
+    sizes = _sizes_given_to(monkeypatch, "partition")
+    row = (np.random.default_rng(0).standard_normal(151_936) * 8).astype(np.float32)
+    law = _distribution(row, SamplingParams(temperature=0.7, seed=1, top_k=20, top_p=0.8))
+    assert sizes and max(sizes) <= dsi.sampling.TOP_K_GROUPS  # the groups' maxima, then the few above their bound
+    assert 0 < np.count_nonzero(law) <= 20
