@@ -686,11 +686,11 @@ def _top_k(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     if 4 * k <= groups and size >= 8 * groups:
         maxima = scores[: size - size % groups].reshape(-1, groups).max(axis=0)  # [groups]
         ids = np.flatnonzero(scores >= np.partition(maxima, groups - k)[groups - k])
-    else:
-        ids = np.arange(size)
-    values = scores[ids]
+        values = scores[ids]
+    else:  # too few groups for a useful bound: every score is a candidate
+        ids, values = None, scores
     kept = values >= np.partition(values, values.size - k)[values.size - k]
-    return ids[kept], values[kept]
+    return (np.flatnonzero(kept) if ids is None else ids[kept]), values[kept]
 
 
 def nucleus(row: np.ndarray, law: np.ndarray, top_p: float, few: bool = False,
