@@ -272,11 +272,13 @@ class GraphSet:
             mask: torch.Tensor) -> torch.Tensor | None:
         if self.disabled:
             return None
-        graph = self._graphs.get(tuple(mask.shape[-2:]))  # (size, span)
+        key = tuple(mask.shape[-2:])  # (size, span)
+        graph = self._graphs.get(key)
         if graph is None:
             graph = self._capture(ids, positions, write_at, mask)
             if graph is None:
                 return None
+            self._graphs[key] = graph
         graph.ids.copy_(ids)
         graph.positions.copy_(positions)
         graph.write_at.copy_(write_at)
@@ -312,6 +314,5 @@ class GraphSet:
             return None
         finally:
             cache.write_at = previous
-        self._graphs[tuple(mask.shape[-2:])] = captured
         self.captures += 1
         return captured

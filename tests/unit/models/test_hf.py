@@ -27,11 +27,11 @@ ATOL = 1e-5
 VOCAB = 97
 
 
-def tiny_llama(seed: int = 0, layers: int = 4, vocab: int = VOCAB):
+def tiny_llama(seed: int = 0, layers: int = 4, vocab: int = VOCAB, positions: int = 64):
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(
         vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, eos_token_id=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions, eos_token_id=1,
         bos_token_id=0, pad_token_id=0,
     )
     return transformers.LlamaForCausalLM(config).eval()

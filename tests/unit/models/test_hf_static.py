@@ -61,11 +61,7 @@ def test_attention_reads_the_span_of_the_cache_not_all_of_it_and_the_rows_stay_e
     """A session of a model with a long context attends over the cache positions up to what each forward writes
     (with graphs' padded shapes, a power of two from ATTEND_MIN), not over all of its preallocated positions, and
     its rows are a from-scratch forward's, also past the first span and after a rollback."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                                      eos_token_id=1, bos_token_id=0, pad_token_id=0)
-    raw = transformers.LlamaForCausalLM(config).eval()
+    raw = tiny_llama(layers=2, vocab=97, positions=2048)
     keys_read = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
@@ -362,11 +358,7 @@ def test_cuda_graphs_are_captured_and_replay_a_from_scratch_forward_s_rows(caplo
     from dsi.models.base import extend_rows, forward_rows
     from dsi.trees import ROOT, DraftTree
 
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                                      eos_token_id=1, bos_token_id=0, pad_token_id=0)
-    raw = transformers.LlamaForCausalLM(config).eval()
+    raw = tiny_llama(layers=3, vocab=97, positions=1024)
     ids = [(7 * i + 3) % 97 for i in range(ATTEND_MIN + 20)]
     ref = reference(raw, ids)
     model = HFModel(copy.deepcopy(raw), device="cuda:0", forward_plan=ForwardPlan("static", cuda_graphs=True))
