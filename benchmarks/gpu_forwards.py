@@ -6,7 +6,8 @@ cached tokens: the median time of a forward of 1 token (a drafter step, non-SI) 
 verification), each run from the prefix again, per forward plan (the static ones at their default length, 4,096
 positions, of which a forward attends over its span: models/hf_static.py); the weights' read time at the bandwidth measured
 in the same run (a device-to-device copy of ``--copy-gb``: read and write, so bytes x 2 over its time); and, with
-graphs, the first forward of each size (one eager warm-up forward and the capture) as the capture time. On the
+graphs, the first forward of each size (one eager warm-up forward and the capture) as the capture time, and the
+replay of each graph alone (the device's part of a forward; the rest is the host's). On the
 graphs plan, a sampled and a penalised greedy verification, and a drafter's step with its draw, decided on the
 host and on the device (models/device_laws.py).
 
@@ -75,9 +76,27 @@ def measure(config_dir: Path, device: str, dtype: str, tokens: int, repeats: int
             result.update(sampled_verification(model, session, prefix, tokens, min(repeats, 10), device))
         graphs = getattr(session, "_graphs", None)
         result["captured"] = graphs.captures if graphs is not None else 0
+        if result["captured"]:
+            result.update(replay_ms(graphs, tokens, repeats, device))
         row["plans"][name] = result
         session.close()  # its cache and graphs go
     return row
+
+
+def replay_ms(graphs, tokens: int, repeats: int, device: str) -> dict:
+    """The device's time of the graphs a forward of 1 and of ``tokens`` tokens after the prefix replayed (the
+    replay alone, on the inputs its last forward left): a forward's time less it is the host's part of it
+    (making the inputs, the copies in and out, the engine's Python)."""
+    from dsi.models.hf_static import padded_size
+
+    out = {}
+    for n in (1, tokens):
+        size = padded_size(n, True)
+        spans = [span for (s, span) in graphs._graphs if s == size]
+        if spans:
+            graph = graphs._graphs[(size, min(spans))].graph  # the first span: where a forward after the prefix is
+            out[f"replay_{n}_ms"] = 1e3 * statistics.median(timed(graph.replay, repeats + 1, device)[1:])
+    return out
 
 
 def sampled_verification(model, session, prefix: list[int], tokens: int, repeats: int, device: str) -> dict:

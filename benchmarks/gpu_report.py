@@ -146,20 +146,23 @@ def markdown(found: dict) -> str:
     if forwards:
         lines += ["", f"Forwards ({forwards['dtype']}, random weights, after {forwards['prefix']} cached tokens, "
                   f"median of {forwards['repeats']}; copy bandwidth {forwards['bandwidth_gb_s']:.0f} GB/s, read and "
-                  "write; capture: a size's first forward with graphs less a replay), ms:", "",
+                  "write; capture: a size's first forward with graphs less a replay; graph alone: its replay "
+                  "without the host's part of a forward), ms:", "",
                   f"| architecture | weights GB | read ms | plan | 1 token | x read | {forwards['tokens']} tokens | "
-                  "capture (1, n) | graphs |", "|---|---|---|---|---|---|---|---|---|"]
+                  "capture (1, n) | graph alone (1, n) | graphs |", "|---|---|---|---|---|---|---|---|---|---|"]
         n = str(forwards["tokens"])
         for row in forwards["rows"]:
             if "error" in row:
-                lines.append(f"| {row['config']} | {row['error'][:80]} ||||||||")
+                lines.append(f"| {row['config']} | {row['error'][:80]} |||||||||")
                 continue
             for plan, r in row["plans"].items():
                 capture = (f"{r['first_1_ms'] - r['1_ms']:.0f}, {r[f'first_{n}_ms'] - r[f'{n}_ms']:.0f}"
                            if r["captured"] else "-")  # none captured: eager forwards, no capture to time
+                alone = (f"{r['replay_1_ms']:.2f}, {r[f'replay_{n}_ms']:.2f}"
+                         if f"replay_{n}_ms" in r and "replay_1_ms" in r else "-")
                 lines.append(f"| {row['config']} | {row['weights_gb']:.2f} | {row['read_ms']:.2f} | {plan} | "
                              f"{r['1_ms']:.2f} | {r['1_ms'] / row['read_ms']:.1f} | {r[f'{n}_ms']:.2f} | {capture} | "
-                             f"{r['captured']} |")
+                             f"{alone} | {r['captured']} |")
         lines += ["", "Decided on the host | on the device (graphs plan; forward and decision, ms): a sampled "
                   f"{n}-token verification (T 0.7, top_k 20, top_p 0.8), a penalised greedy one, a drafter's step "
                   "with its draw, the sampled one with logprobs=5:", "",

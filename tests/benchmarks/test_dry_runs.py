@@ -97,6 +97,17 @@ def test_gpu_forwards(dry_run):
     assert positive(report["bandwidth_gb_s"]) and report["machine"]["torch"]
 
 
+def test_forward_host_cost(dry_run):
+    """A replayed forward's host part (graph replays stood in for): its torch calls are views and the copies in and
+    out; no mask, argmax or NaN check is made outside the graph."""
+    needs(*HF)
+    report = dry_run("forward_host_cost.py")
+    assert set(report["rows"]) == {"1", "5"}
+    for row in report["rows"].values():
+        assert positive(row["host_us"]) and row["torch_calls"] == len(row["calls"])
+        assert not set(row["calls"]) & {"arange", "le", "zeros", "masked_fill_", "argmax", "isnan", "where", "any"}
+
+
 def test_law_cost(dry_run):
     report = dry_run("law_cost.py")
     rows = report["rows"]

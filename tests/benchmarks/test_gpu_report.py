@@ -20,7 +20,9 @@ import gpu_report  # noqa: E402
 
 def _plans(one: float, five: float, captured: int = 0) -> dict:
     plan = {"1_ms": one, "5_ms": five, "first_1_ms": one + 40, "first_5_ms": five + 60, "captured": captured}
-    return {"dynamic": {**plan, "1_ms": one * 3, "captured": 0}, "static": {**plan, "captured": 0}, "graphs": plan}
+    replays = {"replay_1_ms": one - 0.25, "replay_5_ms": five - 0.5}  # a graph alone: the forward less its host part
+    return {"dynamic": {**plan, "1_ms": one * 3, "captured": 0}, "static": {**plan, "captured": 0},
+            "graphs": {**plan, **replays}}
 
 
 def _row(method: str, total: float, identical: bool = True, ideal: float | None = None) -> dict:
@@ -89,7 +91,8 @@ def test_the_program_prints_the_tables_and_writes_the_goals(folder, tmp_path):
     assert done.returncode == 0, done.stderr
     text = done.stdout
     assert "Missing (a part cut off before it wrote, or failed): pair_graphs.json." in text
-    assert "| qwen2.5-14b-instruct | 29.50 | 10.00 | graphs | 14.00 | 1.4 | 15.00 | 40, 60 | 2 |" in text
+    assert "| qwen2.5-14b-instruct | 29.50 | 10.00 | graphs | 14.00 | 1.4 | 15.00 | 40, 60 | 13.75, 14.50 | 2 |" in text
+    assert "| qwen2.5-14b-instruct | 29.50 | 10.00 | static | 14.00 | 1.4 | 15.00 | - | - | 0 |" in text
     assert "| DSI k=auto SP=2 | 3.00 | 64.0 | 3.20 | 2.00 | 0.90 | 1.00 | 12.0 | 1.0 | - | NO |" in text
     assert "| target14b_graphs | 20.0 | 32.0 (SI k=4) | 48.0 (DSI k=auto SP=1) | 100.0 |" in text
     report = json.loads(out.read_text())

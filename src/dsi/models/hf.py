@@ -52,8 +52,8 @@ from dsi.models.base import (
 from dsi.models.determinism import check_deterministic
 from dsi.models.hf_checkpoint import checkpoint_dir
 from dsi.models.hf_static import (
-    GRAPH_MAX_TOKENS, ForwardPlan, GraphSet, additive_mask, check_full_attention, has_sliding_layers,
-    attended, new_positioned_cache, padded_size, visibility,
+    GRAPH_MAX_TOKENS, ForwardInputs, ForwardPlan, GraphSet, additive_mask, attended, check_full_attention,
+    greedy_ids, has_sliding_layers, new_positioned_cache, padded_size,
 )
 from dsi.models import device_laws
 from dsi.models.sources import resolve_source
@@ -460,15 +460,17 @@ class HFModel:
         ``greedy=ON_DEVICE`` the rows as they are, on the device (a reader decides there)."""
         if greedy == ON_DEVICE:
             return logits
-        rows = logits.shape[0]
         if greedy:  # argmax of bf16 = argmax of its float32 copy; a row with NaN (no order) is marked -1
-            ids = torch.where(torch.isnan(logits).any(dim=-1), -1, logits.argmax(dim=-1)).cpu()  # [rows] int64
-            if bool((ids < 0).any()):
-                raise ModelError(f"{self.name} returned NaN logits (rows "
-                                 f"{torch.nonzero(ids < 0).flatten().tolist()} of the last {rows}); its forward "
-                                 "is numerically broken")
-            return ids
+            return self._checked_ids(greedy_ids(logits).cpu())  # [rows] int64
         return logits.float().cpu()  # [rows, V]
+
+    def _checked_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Greedy ids on the host (:func:`~dsi.models.hf_static.greedy_ids`), refused where a row had a NaN."""
+        bad = ids.numpy() < 0
+        if bad.any():
+            raise ModelError(f"{self.name} returned NaN logits (rows {np.flatnonzero(bad).tolist()} of the last "
+                             f"{len(bad)}); its forward is numerically broken")
+        return ids
 
     @contextlib.contextmanager
     def _intra_op_threads(self) -> Any:
@@ -536,13 +538,16 @@ class HFSession:
             self._stream = torch.cuda.Stream(device=owner.device)
             self._stream.wait_stream(torch.cuda.current_stream(owner.device))  # the weights are ready
         self._graphs: GraphSet | None = None
+        self._dtype = owner.model.dtype
+        context = owner.model_context  # the session's limit, read once (a config's attributes are slow to read)
+        self._limit = self._plan.cache_len(context) if self._plan.static else context
         self._cache = self._new_cache()
 
     def _new_cache(self) -> Any:
         owner = self._owner
         if self._plan.static:  # its buffers are allocated at the first forward
-            cache = new_positioned_cache(owner.model.config, self._plan.cache_len(owner.model_context), owner.device)
-            self._graphs = GraphSet(owner, cache, self._stream) if self._plan.cuda_graphs else None
+            cache = new_positioned_cache(owner.model.config, self._limit, owner.device)
+            self._graphs = GraphSet(owner, self._graph_body, self._stream) if self._plan.cuda_graphs else None
             return cache
         from transformers import DynamicCache
 
@@ -594,7 +599,7 @@ class HFSession:
         if not new:
             return np.empty((0,) if greedy else (0, vocab), dtype=np.int64 if greedy else np.float32)
         num_rows = check_int(num_rows, "num_rows", 1, len(new))
-        limit = owner.max_context
+        limit = self._limit
         if limit is not None and len(self._tokens) + len(new) > limit:
             raise ContextLengthError(
                 f"{len(self._tokens) + len(new)} tokens exceed max_context={limit} of {owner.name}")
@@ -641,8 +646,8 @@ class HFSession:
         fresh = prefix[keep:]
         new = fresh + nodes
         depth = max(tree.depth(i) for i in range(len(tree)))
-        if owner.max_context is not None and len(prefix) + depth > owner.max_context:
-            raise ContextLengthError(f"{len(prefix) + depth} tokens exceed max_context={owner.max_context} of "
+        if self._limit is not None and len(prefix) + depth > self._limit:
+            raise ContextLengthError(f"{len(prefix) + depth} tokens exceed max_context={self._limit} of "
                                      f"{owner.name}")
         if cancel is not None and cancel.is_set():
             raise TaskCancelled("forward cancelled before it started")
@@ -659,7 +664,7 @@ class HFSession:
             with torch.inference_mode(), self._on_stream():
                 try:
                     out = self._static_forward(new, keep, cancel, 1 + n, greedy, positions=positions,
-                                               allowed=torch.from_numpy(allowed))
+                                               allowed=allowed)
                 except BaseException:
                     self._restore(keep)
                     raise
@@ -687,6 +692,10 @@ class HFSession:
     def truncate(self, length: int) -> None:
         length = check_int(length, "truncate length", 0, len(self._tokens))
         if length == len(self._tokens):
+            return
+        if self._plan.static:  # a static cache only moves its length
+            self._cache.length = length
+            del self._tokens[length:]
             return
         with torch.inference_mode(), self._on_stream():
             self._restore(length)
@@ -729,46 +738,58 @@ class HFSession:
     # -- the static cache (dsi.models.hf_static) -------------------------------------------------------
 
     def _static_forward(self, new: list[int], start: int, cancel: CancelFlag | None, num_rows: int, greedy: bool,
-                        positions: list[int] | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor | None:
+                        positions: list[int] | None = None, allowed: np.ndarray | None = None) -> torch.Tensor | None:
         """One forward of ``new`` written at cache positions ``start ..`` (padded to a graph's size where graphs
         are on), each query seeing ``allowed`` (a tree's ``[n, start + n]`` mask) or the causal context, at
         ``positions`` (default: its cache position); the last ``num_rows`` real rows as :meth:`HFModel._host_rows`
-        gives them (None for 0), and the cache's length ``start + n`` after it."""
-        owner, cache = self._owner, self._cache
+        gives them (None for 0), and the cache's length ``start + n`` after it. Its inputs are made on the host
+        and cross in one copy (:class:`~dsi.models.hf_static.ForwardInputs`)."""
+        owner, cache, graphs = self._owner, self._cache, self._graphs
         n = len(new)
         if start + n > cache.max_len:
             raise ContextLengthError(f"{start + n} tokens exceed the static cache of {cache.max_len} positions of "
                                      f"{owner.name} (kv_cache_len)")
-        size = padded_size(n, self._graphs is not None)
+        size = padded_size(n, graphs is not None)
         if start + size > cache.max_len:
             size = n  # no room for the padding at the end of the cache: this forward as it is
-        device = owner.device
-        pad = size - n
-        ids = torch.tensor([new + [0] * pad], dtype=torch.long, device=device)  # [1, size]
-        write_at = torch.arange(start, start + size, device=device)  # [size]
-        if positions is None:
-            position_ids = write_at[None]
-        else:
-            position_ids = torch.tensor([positions + list(range(start + n, start + size))], dtype=torch.long,
-                                        device=device)
-        cache.attend = attended(start + size, cache.max_len, self._graphs is not None)  # what attention reads
-        mask = additive_mask(visibility(start, size, n, cache.attend, allowed, device), owner.model.dtype)
+        span = attended(start + size, cache.max_len, graphs is not None)  # what attention reads
+        graphed = graphs is not None and not graphs.disabled and size <= GRAPH_MAX_TOKENS
+        inputs = graphs.inputs(size, span) if graphed else ForwardInputs(size, span, owner.device)
+        inputs.fill(new, start, positions, allowed)
         if cancel is not None and cancel.is_set():
             raise TaskCancelled("forward cancelled before it started")
-        logits = None
-        if self._graphs is not None and size <= GRAPH_MAX_TOKENS:
-            logits = self._graphs.run(ids, position_ids, write_at, mask)  # None: eager (said once)
-        if logits is None:
-            cache.write_at = write_at
+        inputs.send()
+        replayed = graphs.run(inputs) if graphed else None  # None: eager (a capture failed: said once)
+        if replayed is None:
             keep = {}
             if owner._keep_kwarg is not None and num_rows < size:  # the output layer on the rows read only
-                keep[owner._keep_kwarg] = torch.arange(n - max(num_rows, 1), n, device=device)
-            logits = owner._run_model(ids, cache, cancel, attention_mask=mask, position_ids=position_ids, **keep).logits
+                keep[owner._keep_kwarg] = (max(num_rows, 1) if size == n else
+                                           torch.arange(n - max(num_rows, 1), n, device=owner.device))
+            logits, ids = self._run_static(inputs, cancel, **keep), None
+        else:
+            logits, ids = replayed
         cache.length = start + n
         if num_rows == 0:
             return None
         rows = logits[0, n - num_rows: n] if logits.shape[1] == size else logits[0, -num_rows:]  # [num_rows, V]
-        return owner._host_rows(rows, greedy)
+        if replayed is None or greedy == ON_DEVICE:
+            return owner._host_rows(rows, greedy)
+        if greedy:  # the graph's argmax: only the ids cross (copies: the graph's buffers are its next replay's)
+            return owner._checked_ids(ids[n - num_rows: n].to("cpu", copy=True))
+        return rows.to("cpu", torch.float32, copy=True)
+
+    def _run_static(self, inputs: ForwardInputs, cancel: CancelFlag | None, **keep: Any) -> torch.Tensor:
+        """The model's forward on the static cache of ``inputs`` (on the device), its logits ``[1, rows, V]``."""
+        cache = self._cache
+        cache.write_at, cache.attend = inputs.write_at, inputs.span
+        mask = additive_mask(inputs.visible, self._dtype)
+        return self._owner._run_model(inputs.ids, cache, cancel, attention_mask=mask, position_ids=inputs.positions,
+                                      **keep).logits
+
+    def _graph_body(self, inputs: ForwardInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a captured graph runs: the forward on ``inputs`` and its rows' greedy ids."""
+        logits = self._run_static(inputs, None)
+        return logits, greedy_ids(logits[0])
 
     def _keep_main_path(self, at: int, main: list[int]) -> None:
         """After a tree forward: the main path's keys and values (at cache positions ``main``) moved to ``at ..``,

@@ -20,8 +20,13 @@ runs it as hundreds of small kernel launches with the host in between. Here:
   two (at most :data:`GRAPH_MAX_TOKENS`; longer ones, a prompt's, run as they are). The padding tokens come after
   the real ones, each visible only to itself and the real context, and are written past the session's length, so
   the real rows are what an unpadded forward gives.
+- **Inputs made on the host** (:class:`ForwardInputs`): a forward's ids, positions, cache positions and
+  visibility are written with numpy into one buffer (pinned on a GPU) and cross in one copy that the host does
+  not wait for; the additive mask and the greedy ids (:func:`greedy_ids`) are made on the device, inside the
+  forward's graph where there is one. A replayed forward thus costs the host one copy in, one graph launch and
+  the copy of what it reads out, where building its inputs with torch took about fifteen kernel launches.
 - **CUDA graphs** (:class:`GraphSet`): one graph per padded size, attention span and session, captured at its
-  first use after one eager warm-up forward, replayed with the inputs copied into its static buffers.
+  first use after one eager warm-up forward, on the inputs' buffers of its shape, which each forward rewrites.
   Captures in one process take turns (:data:`_CAPTURE_LOCK`: PyTorch supports one capture underway at a time,
   and target servers as threads and the drafter beside them reach their first forwards together). Cancellation
   is checked between replays (a replay takes milliseconds). Where a graph cannot be captured (not a
@@ -39,6 +44,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from dsi.errors import ConfigError
@@ -198,20 +204,20 @@ def new_positioned_cache(config: Any, max_len: int, device: torch.device) -> Any
     return _positioned_class()(config, max_len, device)
 
 
-def visibility(start: int, size: int, real: int, span: int, allowed: torch.Tensor | None,
-               device: torch.device) -> torch.Tensor:
-    """``[size, span]`` bool: which of the first ``span`` cache positions (at least ``start + size``) each of a
-    forward's ``size`` queries (``real`` of them real, written at ``start ..``) may attend to. Real queries:
-    ``allowed`` (``[real, start + real]``, a tree's mask) or causal; padding queries: the context before ``start``
-    and themselves only."""
-    keys = torch.arange(span, device=device)
-    writes = torch.arange(start, start + size, device=device)
-    mask = keys[None, :] <= writes[:, None]  # causal over what this forward writes and everything before
+def visibility(start: int, size: int, real: int, span: int, allowed: np.ndarray | None,
+               out: np.ndarray | None = None) -> np.ndarray:
+    """``[size, span]`` bool (into ``out`` where given): which of the first ``span`` cache positions (at least
+    ``start + size``) each of a forward's ``size`` queries (``real`` of them real, written at ``start ..``) may
+    attend to. Real queries: ``allowed`` (``[real, start + real]``, a tree's mask) or causal; padding queries: the
+    context before ``start`` and themselves only."""
+    mask = np.empty((size, span), dtype=bool) if out is None else out
+    writes = np.arange(start, start + size)
+    np.less_equal(np.arange(span)[None, :], writes[:, None], out=mask)  # causal over this forward and before it
     if size > real:
         mask[real:, start:] = False
-        mask[real:].scatter_(1, writes[real:, None], True)  # a padding query sees itself, never a real new token
+        mask[np.arange(real, size), writes[real:]] = True  # a padding query sees itself, never a real new token
     if allowed is not None:
-        mask[:real, : start + real] = allowed.to(device)
+        mask[:real, : start + real] = allowed
         mask[:real, start + real:] = False
     return mask
 
@@ -223,6 +229,66 @@ def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask[None, None]
 
 
+def greedy_ids(rows: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (``[rows]`` int64, where the rows are), ``-1`` for a row with a NaN: torch's argmax
+    takes a NaN for the largest value (on the CPU and on CUDA alike), so the value at the argmax is NaN exactly
+    where a row has one, and no second pass over the rows looks for it."""
+    top = rows.argmax(dim=-1)
+    return top.masked_fill_(torch.isnan(rows.gather(-1, top[:, None])[:, 0]), -1)
+
+
+class ForwardInputs:
+    """One static forward's inputs in one buffer, so that they cross to the device in one copy: its ids, position
+    ids and cache positions (``int64 [size]`` each), then the visibility (``bool [size, span]``, made additive on
+    the device, inside the forward's graph where there is one). :meth:`fill` writes them on the host through
+    numpy views; :meth:`send` copies the buffer to the device, on a GPU from pinned memory without waiting for it
+    (the next :meth:`fill` waits for that copy to have landed). On a CPU the host buffer is the device's.
+
+    The device views (:attr:`ids`, :attr:`positions`, :attr:`write_at`, :attr:`visible`) stay where they are: a
+    graph captured on them reads what each :meth:`send` writes."""
+
+    def __init__(self, size: int, span: int, device: torch.device) -> None:
+        self.size, self.span = size, span
+        ints = 3 * size * 8
+        nbytes = ints + size * span
+        on_gpu = device.type == "cuda"
+        self._host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=on_gpu)
+        self._device = torch.empty(nbytes, dtype=torch.uint8, device=device) if on_gpu else self._host
+        self._sent = torch.cuda.Event() if on_gpu else None
+        self._in_flight = False
+        host = self._host.numpy()
+        self._ids, self._positions, self._write_at = host[:ints].view(np.int64).reshape(3, size)
+        self._visible = host[ints:].view(np.bool_).reshape(size, span)
+        columns = self._device[:ints].view(torch.int64).view(3, size)
+        self.ids, self.positions = columns[0][None], columns[1][None]  # [1, size] each
+        self.write_at = columns[2]  # [size]
+        self.visible = self._device[ints:].view(torch.bool).view(size, span)
+
+    def fill(self, new: list[int], start: int, positions: list[int] | None = None,
+             allowed: np.ndarray | None = None) -> None:
+        """A forward of ``new`` (padded with id 0 to :attr:`size`) written at ``start ..``, at ``positions`` (the
+        real tokens'; default and for padding: where each is written), its real queries seeing ``allowed`` or the
+        causal context (:func:`visibility`)."""
+        if self._in_flight:
+            self._sent.synchronize()  # the last send's copy has read the host buffer
+            self._in_flight = False
+        real = len(new)
+        self._ids[:real] = new
+        self._ids[real:] = 0
+        self._write_at[:] = np.arange(start, start + self.size)
+        self._positions[:] = self._write_at
+        if positions is not None:
+            self._positions[:real] = positions
+        visibility(start, self.size, real, self.span, allowed, out=self._visible)
+
+    def send(self) -> None:
+        """The filled buffer to the device (on the current stream; nothing to do on a CPU)."""
+        if self._device is not self._host:
+            self._device.copy_(self._host, non_blocking=True)
+            self._sent.record()
+            self._in_flight = True
+
+
 # ---- CUDA graphs ---------------------------------------------------------------------------------------------
 # One capture underway at a time in a process: PyTorch's capture state (its RNG's and the caching allocator's
 # bookkeeping of a capture's pool) is global, and it never meant two captures to overlap. Other threads' eager
@@ -230,33 +296,38 @@ def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 _CAPTURE_LOCK = threading.Lock()
 
 
+def capturable(device: torch.device) -> bool:
+    """Whether forwards on ``device`` can be captured as CUDA graphs."""
+    return device.type == "cuda"
+
+
 @dataclass
 class _Graph:
     graph: Any
-    ids: torch.Tensor  # [1, size]
-    positions: torch.Tensor  # [1, size]
-    write_at: torch.Tensor  # [size]
-    mask: torch.Tensor  # [1, 1, size, span]
     logits: torch.Tensor  # [1, size, V]: what a replay leaves
+    ids: torch.Tensor  # [size]: each row's argmax (-1 for a row with a NaN), from the same replay
 
 
 class GraphSet:
-    """One session's captured forwards, by padded size and attention span (the mask's last two dimensions; the
-    cache's :attr:`~PositionedCache.attend` is that span when ``run`` is called). ``run`` replays the graph of the
-    inputs' shape (capturing it first: one eager forward as its warm-up, then the capture), or returns None where
-    graphs cannot run here (the caller then runs the forward eagerly); a failed capture is logged once per model
-    and not tried again."""
+    """One session's captured forwards, by padded size and attention span, each on the :class:`ForwardInputs` that
+    :meth:`inputs` keeps for its shape: a forward fills and sends those inputs, and :meth:`run` replays the graph
+    of their shape (capturing it first: one eager call of ``body`` as its warm-up, then ``body`` captured), so
+    that a replayed forward costs the host one copy in, one launch, and the copy of what it reads out.
+    ``body(inputs)`` is the session's forward on ``inputs``: the logits ``[1, size, V]`` and their rows' greedy
+    ids (:func:`greedy_ids`), made inside the graph. ``run`` returns None where graphs cannot run here (the caller
+    then runs the forward eagerly); a failed capture is logged once per model and not tried again."""
 
     _warned: set[int] = set()
     _warn_lock = threading.Lock()
 
-    def __init__(self, owner: Any, cache: Any, stream: Any) -> None:
+    def __init__(self, owner: Any, body: Any, stream: Any) -> None:
         self._owner = owner
-        self._cache = cache
+        self._body = body
         self._stream = stream
         self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._inputs: dict[tuple[int, int], ForwardInputs] = {}
         self._pool = None
-        self.disabled = owner.device.type != "cuda"
+        self.disabled = not capturable(owner.device)
         if self.disabled:
             self._say_once("CUDA graphs need a CUDA device; %s runs its forwards eagerly (on the same padded shapes)")
         self.captures = 0
@@ -268,51 +339,44 @@ class GraphSet:
             GraphSet._warned.add(id(self._owner))
         logger.warning(message, self._owner.name, *args)
 
-    def run(self, ids: torch.Tensor, positions: torch.Tensor, write_at: torch.Tensor,
-            mask: torch.Tensor) -> torch.Tensor | None:
+    def inputs(self, size: int, span: int) -> ForwardInputs:
+        """The inputs of a forward of ``size`` tokens attending over ``span`` positions: the same buffers at every
+        call for that shape (a graph reads them where it was captured)."""
+        key = (size, span)
+        inputs = self._inputs.get(key)
+        if inputs is None:
+            inputs = self._inputs[key] = ForwardInputs(size, span, self._owner.device)
+        return inputs
+
+    def run(self, inputs: ForwardInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The logits and greedy ids of a forward on ``inputs`` (from :meth:`inputs`, filled and sent), replayed;
+        None where graphs cannot run here."""
         if self.disabled:
             return None
-        key = tuple(mask.shape[-2:])  # (size, span)
+        key = (inputs.size, inputs.span)
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._capture(ids, positions, write_at, mask)
+            graph = self._capture(inputs)
             if graph is None:
                 return None
             self._graphs[key] = graph
-        graph.ids.copy_(ids)
-        graph.positions.copy_(positions)
-        graph.write_at.copy_(write_at)
-        graph.mask.copy_(mask)
-        previous = self._cache.write_at
-        self._cache.write_at = graph.write_at
-        try:
-            graph.graph.replay()
-        finally:
-            self._cache.write_at = previous
-        return graph.logits
+        graph.graph.replay()
+        return graph.logits, graph.ids
 
-    def _capture(self, ids: torch.Tensor, positions: torch.Tensor, write_at: torch.Tensor,
-                 mask: torch.Tensor) -> _Graph | None:
-        owner, cache = self._owner, self._cache
-        inputs = (ids.clone(), positions.clone(), write_at.clone(), mask.clone())
-        previous = cache.write_at
-        cache.write_at = inputs[2]
+    def _capture(self, inputs: ForwardInputs) -> _Graph | None:
         try:
             with _CAPTURE_LOCK:
-                owner._run_model(inputs[0], cache, None, attention_mask=inputs[3], position_ids=inputs[1])  # warm-up
-                torch.cuda.current_stream(owner.device).synchronize()
+                self._body(inputs)  # the warm-up: lazily made buffers and kernels' choices, outside the capture
+                torch.cuda.current_stream(self._owner.device).synchronize()
                 if self._pool is None:
                     self._pool = torch.cuda.graph_pool_handle()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
-                    out = owner._run_model(inputs[0], cache, None, attention_mask=inputs[3], position_ids=inputs[1])
-            captured = _Graph(graph, *inputs, out.logits)
+                    logits, ids = self._body(inputs)
         except Exception as exc:  # noqa: BLE001 - any capture failure: eager from now on, said once
             self.disabled = True
             self._say_once("%s: a CUDA graph could not be captured (%s: %s); its forwards run eagerly",
                            type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
             return None
-        finally:
-            cache.write_at = previous
         self.captures += 1
-        return captured
+        return _Graph(graph, logits, ids)

@@ -17,7 +17,8 @@ transformers = pytest.importorskip("transformers")
 from dsi.errors import ConfigError, ContextLengthError  # noqa: E402
 from dsi.models.hf import HFModel  # noqa: E402
 from dsi.models.hf_static import (  # noqa: E402
-    ATTEND_MIN, DEFAULT_KV_CACHE_LEN, GRAPH_MAX_TOKENS, ForwardPlan, GraphSet, attended, padded_size, visibility,
+    ATTEND_MIN, DEFAULT_KV_CACHE_LEN, GRAPH_MAX_TOKENS, ForwardInputs, ForwardPlan, GraphSet, attended, greedy_ids,
+    padded_size, visibility,
 )
 from tests.unit.models.test_hf import IDS, reference, tiny_llama  # noqa: E402
 
@@ -87,16 +88,47 @@ def test_attention_reads_the_span_of_the_cache_not_all_of_it_and_the_rows_stay_e
 
 
 def test_padding_queries_see_the_context_and_themselves_and_no_real_query_sees_them():
-    seen = visibility(start=3, size=4, real=2, span=10, allowed=None, device=torch.device("cpu")).numpy()
+    seen = visibility(start=3, size=4, real=2, span=10, allowed=None)
     want = np.zeros((4, 10), dtype=bool)
     want[0, :4] = want[1, :5] = True  # real queries at 3 and 4: causal
     want[2, :3] = want[3, :3] = True  # padding at 5 and 6: the context ...
     want[2, 5] = want[3, 6] = True  # ... and itself
     np.testing.assert_array_equal(seen, want)
-    tree = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 1]], dtype=torch.bool)  # two siblings after 3 tokens
-    seen = visibility(start=3, size=2, real=2, span=8, allowed=tree, device=torch.device("cpu")).numpy()
-    np.testing.assert_array_equal(seen[:, :5], tree.numpy())
+    tree = np.array([[1, 1, 1, 1, 0], [1, 1, 1, 0, 1]], dtype=bool)  # two siblings after 3 tokens
+    seen = visibility(start=3, size=2, real=2, span=8, allowed=tree)
+    np.testing.assert_array_equal(seen[:, :5], tree)
     assert not seen[:, 5:].any()
+
+
+def test_a_forward_s_inputs_are_one_buffer_its_device_views_read():
+    """ForwardInputs: ids padded with 0, positions (a tree's for the real tokens, the cache positions for the
+    padding), cache positions and the visibility, written through the host's views and read through the device's
+    (one buffer on a CPU), and written anew by the next fill."""
+    inputs = ForwardInputs(size=4, span=256, device=torch.device("cpu"))
+    tree = np.array([[1, 1, 1, 1, 0], [1, 1, 1, 0, 1]], dtype=bool)
+    inputs.fill([5, 9], start=3, positions=[3, 3], allowed=tree)  # two siblings at depth 1, padded to 4
+    inputs.send()
+    assert inputs.ids.tolist() == [[5, 9, 0, 0]] and inputs.positions.tolist() == [[3, 3, 5, 6]]
+    assert inputs.write_at.tolist() == [3, 4, 5, 6]
+    np.testing.assert_array_equal(inputs.visible.numpy(), visibility(3, 4, 2, 256, tree))
+    inputs.fill([1, 2, 3, 4], start=10)
+    assert inputs.ids.tolist() == [[1, 2, 3, 4]] and inputs.positions.tolist() == [[10, 11, 12, 13]]
+    np.testing.assert_array_equal(inputs.visible.numpy(), np.arange(256)[None] <= np.arange(10, 14)[:, None])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_ids_are_the_argmax_and_minus_one_for_a_row_with_a_nan_anywhere(dtype):
+    """greedy_ids reads a NaN off the value at the argmax (torch's argmax takes a NaN for the largest value): the
+    same ids as a whole pass that looks for NaN, whether the NaN is the row's largest value or not."""
+    rows = torch.randn(6, 1000, generator=torch.Generator().manual_seed(0)).to(dtype)
+    rows[1, 17] = float("nan")
+    rows[2, rows[2].argmax()] = float("nan")  # the NaN where the largest value was
+    rows[3, :] = float("nan")
+    rows[4, :] = float("-inf")
+    rows[4, 999] = float("nan")  # the only non-inf value is NaN
+    rows[5, :] = float("-inf")  # no NaN: the first -inf's id
+    whole = torch.where(torch.isnan(rows).any(dim=-1), -1, rows.argmax(dim=-1))
+    assert greedy_ids(rows).tolist() == whole.tolist() == [int(rows[0].argmax()), -1, -1, -1, -1, 0]
 
 
 def _static(raw, **plan):
@@ -208,17 +240,20 @@ def test_the_cli_passes_the_cache_and_graphs_to_the_hf_backend_and_refuses_them_
 
 class _FakeCuda:
     """torch.cuda's graph pieces as a CPU stands in for them: a capture counts how many captures overlap, and keeps
-    the forward its body ran (:class:`_Owner` leaves it in ``captured``); a replay runs that forward again on the
-    tensors it was captured with, writing its output in place, as a graph's kernels do."""
+    the forward its body ran (:func:`_body` leaves it in ``captured``); a replay runs that forward again on the
+    tensors it was captured with, writing its output in place, as a graph's kernels do. With ``paused`` (an
+    :class:`_OpCount`), what a replay runs is not counted: on a GPU it is the graph's kernels, no host's calls."""
 
-    def __init__(self, fail: bool = False) -> None:
+    def __init__(self, fail: bool = False, paused=None) -> None:
         import threading
 
-        self.fail, self.lock, self.captured = fail, threading.Lock(), threading.local()
+        self.fail, self.lock, self.captured, self.paused = fail, threading.Lock(), threading.local(), paused
         self.underway = self.most_underway = self.replays = 0
 
     def install(self, monkeypatch) -> None:
         import contextlib
+
+        from dsi.models import hf_static
 
         fake = self
 
@@ -228,7 +263,8 @@ class _FakeCuda:
 
             def replay(self):
                 fake.replays += 1
-                self.forward()
+                with fake.paused.pause() if fake.paused is not None else contextlib.nullcontext():
+                    self.forward()
 
         @contextlib.contextmanager
         def graph(g, pool=None, stream=None, capture_error_mode="global"):
@@ -240,69 +276,81 @@ class _FakeCuda:
                 __import__("time").sleep(0.02)  # long enough for another thread's capture to overlap, were it let
                 if fake.fail:
                     raise RuntimeError("operation not permitted when stream is capturing\nmore")
+                fake.captured.forward = None
                 yield
                 g.forward = fake.captured.forward
             finally:
                 with fake.lock:
                     fake.underway -= 1
 
+        monkeypatch.setattr(hf_static, "capturable", lambda device: True)  # the inputs stay on the CPU
         monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
         monkeypatch.setattr(torch.cuda, "graph", graph)
         monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
         monkeypatch.setattr(torch.cuda, "current_stream",
                             lambda device=None: type("S", (), {"synchronize": lambda self: None})())
 
+    def replaying(self, body):
+        """``body`` as a capture sees it: each call also leaves, for the capture underway, a forward that runs
+        ``body`` again and writes its outputs into this call's, in place."""
+        def recorded(inputs):
+            out = body(inputs)
+
+            def again():
+                for kept, new in zip(out, body(inputs)):
+                    kept.copy_(new)
+
+            self.captured.forward = again
+            return out
+
+        return recorded
+
 
 class _Owner:
-    """An HFModel's part a GraphSet uses: a device, a name, and ``_run_model`` (here: logits = a function of the
-    inputs, so that a replay's output can be checked), counting its calls."""
+    """An HFModel's part a GraphSet uses: a device and a name; and ``body`` (logits = a function of the inputs, so
+    that a replay's output can be checked), counting its calls."""
 
     def __init__(self, fake: _FakeCuda) -> None:
-        self.device, self.name, self.calls, self._fake = torch.device("cuda"), "tiny", 0, fake
+        self.device, self.name, self.calls = torch.device("cpu"), "tiny", 0
+        self.body = fake.replaying(self._forward)
 
-    def _run_model(self, ids, cache, cancel, attention_mask, position_ids):
+    def _forward(self, inputs):
         self.calls += 1
-        write_at = cache.write_at
-
-        def logits():
-            return (ids * 10 + position_ids + write_at[None]).float()[..., None]  # [1, size, 1]
-
-        out = type("Out", (), {"logits": logits()})()
-        self._fake.captured.forward = lambda: out.logits.copy_(logits())
-        return out
+        logits = (inputs.ids * 10 + inputs.positions + inputs.write_at[None]).float()[..., None]  # [1, size, 1]
+        return logits, logits[0, :, 0].long()
 
 
-def _inputs(size: int, start: int, span: int):
-    ids = torch.arange(1, size + 1)[None]
-    write_at = torch.arange(start, start + size)
-    return ids, write_at[None], write_at, torch.zeros(1, 1, size, span)
-
-
-def _cache():
-    return type("Cache", (), {"write_at": torch.zeros(1, dtype=torch.long)})()
+def _filled(graphs, size: int, start: int, span: int):
+    inputs = graphs.inputs(size, span)
+    inputs.fill(list(range(1, size + 1)), start)
+    inputs.send()
+    return inputs
 
 
 def test_a_graph_is_captured_once_per_size_and_span_and_replays_read_the_new_inputs(monkeypatch):
     """GraphSet's bookkeeping, with torch.cuda's graph calls stood in for on the CPU: the first forward of a
-    (size, span) warms up and captures, later ones replay with their inputs copied in (the output is the new
-    inputs', not the captured ones'), a new span is a new graph, and the cache's write_at is restored."""
+    (size, span) warms up and captures, later ones replay what their inputs' buffers hold (the output is the new
+    inputs', not the captured ones'), and a new span is a new graph on inputs of its own."""
     fake = _FakeCuda()
     fake.install(monkeypatch)
-    owner, cache = _Owner(fake), _cache()
-    graphs = GraphSet(owner, cache, stream=None)
+    owner = _Owner(fake)
+    graphs = GraphSet(owner, owner.body, stream=None)
     assert not graphs.disabled
-    first = graphs.run(*_inputs(4, 10, 256))
-    assert graphs.captures == 1 and owner.calls == 2  # the warm-up and the capture's forward
+    first, _ = graphs.run(_filled(graphs, 4, 10, 256))
+    assert graphs.captures == 1 and fake.replays == 1
+    assert owner.calls == 3  # the warm-up, the capture's forward, and the fake replay's one call
     for start in (20, 30):
-        out = graphs.run(*_inputs(4, start, 256))
+        out, ids = graphs.run(_filled(graphs, 4, start, 256))
         want = torch.arange(1, 5) * 10 + 2 * torch.arange(start, start + 4)  # ids, positions and write_at: new
         torch.testing.assert_close(out[0, :, 0], want.float())
+        torch.testing.assert_close(ids, want)
     assert out is first  # the graph's own output buffer, rewritten by each replay
-    assert graphs.captures == 1 and owner.calls == 2 and fake.replays == 3  # replays run no Python forward
-    graphs.run(*_inputs(4, 300, 512))  # the next span: a graph of its own
-    graphs.run(*_inputs(1, 300, 512))
+    assert graphs.captures == 1 and fake.replays == 3 and owner.calls == 5  # replays: no capture again
+    assert graphs.inputs(4, 256) is graphs.inputs(4, 256)  # one buffer a shape: where its graph reads
+    graphs.run(_filled(graphs, 4, 300, 512))  # the next span: a graph of its own
+    graphs.run(_filled(graphs, 1, 300, 512))
     assert graphs.captures == 3 and sorted(graphs._graphs) == [(1, 512), (4, 256), (4, 512)]
-    assert cache.write_at.tolist() == [0]
+    assert sorted(graphs._inputs) == [(1, 512), (4, 256), (4, 512)]
 
 
 def test_captures_in_one_process_take_turns(monkeypatch):
@@ -312,12 +360,13 @@ def test_captures_in_one_process_take_turns(monkeypatch):
 
     fake = _FakeCuda()
     fake.install(monkeypatch)
-    sets = [GraphSet(_Owner(fake), _cache(), stream=None) for _ in range(4)]
+    owners = [_Owner(fake) for _ in range(4)]
+    sets = [GraphSet(owner, owner.body, stream=None) for owner in owners]
     barrier = threading.Barrier(len(sets))
 
     def first_forward(graphs):
         barrier.wait()
-        graphs.run(*_inputs(2, 5, 256))
+        graphs.run(_filled(graphs, 2, 5, 256))
 
     threads = [threading.Thread(target=first_forward, args=(g,)) for g in sets]
     for t in threads:
@@ -333,13 +382,86 @@ def test_a_failed_capture_runs_that_session_eagerly_and_says_so_once(monkeypatch
     fake.install(monkeypatch)
     owner = _Owner(fake)
     with caplog.at_level(logging.WARNING, logger="dsi.models.hf_static"):
-        sets = [GraphSet(owner, _cache(), stream=None) for _ in range(2)]
-        assert [g.run(*_inputs(2, 5, 256)) for g in sets] == [None, None]  # the caller runs it eagerly
-        assert sets[0].run(*_inputs(2, 5, 256)) is None and owner.calls == 2  # not tried again: one warm-up each
+        sets = [GraphSet(owner, owner.body, stream=None) for _ in range(2)]
+        assert [g.run(_filled(g, 2, 5, 256)) for g in sets] == [None, None]  # the caller runs it eagerly
+        assert sets[0].run(_filled(sets[0], 2, 5, 256)) is None and owner.calls == 2  # not tried again
     said = [r.getMessage() for r in caplog.records if "could not be captured" in r.getMessage()]
     assert said == ["tiny: a CUDA graph could not be captured (RuntimeError: operation not permitted when stream "
                     "is capturing); its forwards run eagerly"]
     assert all(g.disabled and g.captures == 0 for g in sets)
+
+
+class _OpCount:
+    """The torch calls made on the host (every op dispatched, by name), except while :meth:`pause` holds."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+        self.ops: list[str] = []
+        self.paused = False
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if not counter.paused:
+                    counter.ops.append(func.overloadpacket.__name__)
+                return func(*args, **(kwargs or {}))
+
+        self._mode = Mode
+
+    def __enter__(self):
+        self._active = self._mode()
+        self._active.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._active.__exit__(*exc)
+
+    def pause(self):
+        import contextlib
+
+        @contextlib.contextmanager
+        def paused():
+            self.paused = True
+            try:
+                yield
+            finally:
+                self.paused = False
+
+        return paused()
+
+
+def test_a_replayed_forward_makes_no_device_call_but_its_copies_and_gives_the_rows(monkeypatch):
+    """A session with graphs (torch.cuda's graph calls stood in for on the CPU, the session's own forward
+    captured and replayed): its rows and greedy ids are a from-scratch forward's, and once a shape is captured,
+    a forward's torch calls outside the replay are its copies and views only (on a GPU every other call would be
+    a kernel launch of its own): the inputs are made on the host and cross in one copy
+    (hf_static.ForwardInputs), the mask is made additive and the argmax taken inside the graph."""
+    from dsi.models.base import extend_rows
+
+    count = _OpCount()
+    fake = _FakeCuda(paused=count)
+    fake.install(monkeypatch)
+    raw = tiny_llama(layers=2, vocab=97, positions=512)
+    ids = [(7 * i + 3) % 97 for i in range(40)]
+    ref = reference(raw, ids)
+    session = _static(raw, cuda_graphs=True).new_session()
+    session._graphs._body = fake.replaying(session._graphs._body)
+    np.testing.assert_allclose(session.extend(ids[:20]), ref[:20], atol=1e-5)  # 20 tokens: padded to 32
+    for k in (1, 3, 4):  # a step, and windows of 3 and 4 (one graph of 4)
+        extend_rows(session, ids[20:20 + k], None, 2 if k > 1 else 1, greedy=True)
+        session.truncate(20)
+    captured = session._graphs.captures
+    with count:
+        step = extend_rows(session, ids[20:21], None, 1, greedy=True)
+        window = extend_rows(session, ids[21:24], None, 2, greedy=True)
+        rows = extend_rows(session, ids[24:28], None, 4, greedy=False)
+    assert session._graphs.captures == captured == 3  # sizes 32, 1 and 4, one span
+    assert step.tolist() == [int(np.argmax(ref[20]))]
+    assert window.tolist() == np.argmax(ref[22:24], axis=-1).tolist()
+    np.testing.assert_allclose(rows, ref[24:28], atol=1e-5)
+    views = {"slice", "select", "alias", "detach", "resolve_conj", "resolve_neg"}  # no kernel: where a tensor lies
+    assert "to" in count.ops and set(count.ops) <= views | {"to", "_to_copy", "copy_"}, sorted(set(count.ops))
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -350,7 +472,8 @@ def test_cuda_graphs_are_captured_and_replay_a_from_scratch_forward_s_rows(caplo
     """On a GPU (gpu_check.sh part 0): sessions in four threads of one process at once, each capturing its graphs
     at their first use, give the CPU's from-scratch rows for a prompt, one-token steps, windows of 2 to 5 tokens,
     a rollback, a second attention span and a draft tree in one forward; every one of them captured its graphs
-    (none fell back to eager forwards), and a replayed forward synchronises with the host once, for its ids."""
+    (none fell back to eager forwards), and a replayed forward synchronises with the host once, for its ids
+    (its inputs cross from pinned memory without a wait)."""
     import copy
     import threading
     import warnings
@@ -409,4 +532,4 @@ def test_cuda_graphs_are_captured_and_replay_a_from_scratch_forward_s_rows(caplo
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert got.tolist() == np.argmax(ref[14:16], axis=-1).tolist()
-    assert len(caught) <= 3, [str(w.message) for w in caught]  # the ids in, the argmax ids out
+    assert len(caught) <= 2, [str(w.message) for w in caught]  # the argmax ids out (the inputs' copy: no wait)
