@@ -8,7 +8,8 @@ before the next forward is made). So this program reports, per forward of 1 toke
 of ``--tokens`` (a verification), greedy: the host's time (median of ``--repeats`` batches of ``--batch``) and
 the torch calls made outside the replay, by name. The model is one layer of width 32 with the vocabulary of
 ``--vocab`` ids (its forward is never timed: the stand-in replays nothing); the greedy ids read out come from the
-graph's buffer.
+graph's buffer. And a draft tree's verification: the torch calls it makes outside the model's forward (views
+aside) for models of 2, 6 and 48 layers (calls that grow with the layers are work in every layer).
 
     python benchmarks/forward_host_cost.py                 # this checkout
     PYTHONPATH=<another checkout>/src python benchmarks/forward_host_cost.py   # another commit's code, to compare
@@ -101,6 +102,52 @@ def measure(vocab: int, tokens: int, repeats: int, batch: int) -> dict:
     return rows
 
 
+VIEWS = {"slice", "select", "view", "alias", "detach", "unsqueeze", "as_strided", "expand"}  # no device work
+
+
+def tree_calls(layers: tuple[int, ...]) -> dict:
+    """Per KV cache (dynamic, static), for models of each of ``layers`` layers: the torch calls, views aside, one
+    draft tree's verification (6 nodes, main path 0, 3, 5, after 2 new prefix tokens) makes outside the model's
+    forward: what the session does around its one forward."""
+    import torch
+    import transformers
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dsi.models.base import forward_rows, tree_rows
+    from dsi.models.hf import HFModel
+    from dsi.models.hf_static import ForwardPlan
+    from dsi.trees import ROOT, DraftTree
+
+    tree = DraftTree((2, 7, 9, 6, 8, 3), (ROOT, ROOT, ROOT, 0, 0, 3))
+    prefix = [3, 1, 4, 1, 5]
+    out: dict = {}
+    for cache in ("dynamic", "static"):
+        counts = {}
+        for n in layers:
+            torch.manual_seed(0)
+            config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64,
+                                              num_hidden_layers=n, num_attention_heads=4, num_key_value_heads=2,
+                                              max_position_embeddings=64)
+            raw = transformers.LlamaForCausalLM(config).eval()
+            model, calls, inside = HFModel(raw, forward_plan=ForwardPlan(cache)), [], []
+            raw.register_forward_pre_hook(lambda module, args, inside=inside: inside.append(1))
+            raw.register_forward_hook(lambda module, args, output, inside=inside: inside.clear())
+
+            class Count(TorchDispatchMode):
+                def __torch_dispatch__(self, func, types, args=(), kwargs=None, calls=calls, inside=inside):
+                    if not inside and func.overloadpacket.__name__ not in VIEWS:
+                        calls.append(func.overloadpacket.__name__)
+                    return func(*args, **(kwargs or {}))
+
+            session = model.new_session()
+            forward_rows(session, prefix[:3], 1)
+            with Count():
+                tree_rows(session, prefix, tree)
+            counts[str(n)] = len(calls)
+        out[cache] = counts
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vocab", type=int, default=151_936, help="the rows' ids (default: Qwen2.5's 151,936)")
@@ -110,6 +157,7 @@ def main() -> int:
     add_options(parser, "a vocabulary of 1,000 ids, 2 repeats of 20 forwards")
     args = parse(parser)
     shrink(args, vocab=1000, repeats=2, batch=20)
+    trees = tree_calls((2, 6) if args.dry_run else (2, 6, 48))
     rows = measure(args.vocab, args.tokens, args.repeats, args.batch)
     print(f"host's part of a replayed greedy forward (vocabulary {args.vocab}; median of {args.repeats} x "
           f"{args.batch}):")
@@ -117,8 +165,11 @@ def main() -> int:
     print("|---|---|---|---|")
     for n, row in rows.items():
         print(f"| {n} | {row['host_us']:.1f} | {row['torch_calls']} | {' '.join(row['calls'])} |")
+    print("\na draft tree's verification (6 nodes): torch calls outside the model's forward, views aside, by layers:")
+    for cache, counts in trees.items():
+        print(f"| {cache} cache | " + " | ".join(f"{n} layers: {c}" for n, c in counts.items()) + " |")
     emit({"benchmark": "forward_host_cost", "vocab": args.vocab, "tokens": args.tokens, "prefix": PREFIX,
-          "repeats": args.repeats, "batch": args.batch, "rows": rows}, args.out)
+          "repeats": args.repeats, "batch": args.batch, "rows": rows, "tree_calls": trees}, args.out)
     return 0
 
 

@@ -106,6 +106,8 @@ def test_forward_host_cost(dry_run):
     for row in report["rows"].values():
         assert positive(row["host_us"]) and row["torch_calls"] == len(row["calls"])
         assert not set(row["calls"]) & {"arange", "le", "zeros", "masked_fill_", "argmax", "isnan", "where", "any"}
+    trees = report["tree_calls"]
+    assert set(trees) == {"dynamic", "static"} and all(positive(c["2"]) and c["2"] == c["6"] for c in trees.values())
 
 
 def test_law_cost(dry_run):

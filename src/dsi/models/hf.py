@@ -418,17 +418,24 @@ class HFModel:
             raise TaskCancelled("forward cancelled between layers")
 
     def _forward(self, ids: torch.Tensor, cache: Any, cancel: CancelFlag | None, num_rows: int | None = None,
-                 greedy: bool = False, **extra: Any) -> torch.Tensor | None:
+                 greedy: bool = False, pick: list[int] | None = None, **extra: Any) -> torch.Tensor | None:
         """One forward of ``ids`` ([1, n]) after ``cache``.
 
         Returns the last ``num_rows`` logit rows as float32 on the CPU ([num_rows, V]), or with
         ``greedy`` their argmax ids (int64, [num_rows]), taken on the model's device so that only
         the ids cross to the host; ``num_rows=0`` returns None (the cache is all that is wanted).
-        The output layer runs only for the rows asked for where the model supports it
-        (``logits_to_keep``). This is the forward's one host-device synchronisation.
+        ``pick``: the rows to return instead, by index, in that order. The output layer runs only for the rows
+        asked for where the model supports it (``logits_to_keep``). This is the forward's one host-device
+        synchronisation.
         """
         n = ids.shape[1]
         rows = n if num_rows is None else num_rows
+        if pick is not None:
+            index = torch.tensor(pick, dtype=torch.long, device=ids.device)
+            if self._keep_kwarg is not None:
+                extra[self._keep_kwarg] = index
+            logits = self._run_model(ids, cache, cancel, **extra).logits[0]
+            return self._host_rows(logits if self._keep_kwarg is not None else logits[index], greedy)
         if self._keep_kwarg is not None and rows < n:
             extra[self._keep_kwarg] = max(rows, 1)  # 0 would mean "every row"
         out = self._run_model(ids, cache, cancel, **extra)
@@ -517,6 +524,19 @@ class HFModel:
     def __repr__(self) -> str:
         return (f"HFModel(name={self.name!r}, vocab_size={self.vocab_size}, dtype={self.dtype}, "
                 f"device={str(self.device)!r}, layers={len(self.layers)})")
+
+
+def main_first(tree: Any, main: list[int], fresh: int) -> tuple[list[int], list[int]]:
+    """A tree's nodes in the order one forward computes them: its main path first (so that the main path's keys
+    and values land where a chain's would, right after the prefix, and the side nodes' after them, dropped by
+    moving the cache's length), then the other nodes in the tree's order (still parents before children). Also
+    which of that forward's rows, after ``fresh`` new prefix tokens, are the root's and each node's in the
+    tree's own order."""
+    on_main = set(main)
+    order = main + [i for i in range(len(tree)) if i not in on_main]
+    where = np.empty(len(tree), dtype=np.int64)
+    where[order] = np.arange(len(tree))
+    return order, [fresh - 1] + (fresh + where).tolist()
 
 
 class HFSession:
@@ -633,8 +653,9 @@ class HFSession:
         """A draft tree's rows (:func:`dsi.models.base.tree_rows`) in **one forward**: the prefix's new tokens
         and every node in one batch, each node at the position of its depth and attending to the prefix and
         its own ancestors (a 4D attention mask, position ids by depth); then the cache keeps the prefix and
-        the main path only, as if they alone had been run. Falls back to one extension per path where the
-        model cannot take such a mask (:attr:`HFModel.one_forward_trees`)."""
+        the main path only, as if they alone had been run. The batch holds the main path first
+        (:func:`main_first`), so the cache keeps it by its length alone: no keys or values move. Falls back to
+        one extension per path where the model cannot take such a mask (:attr:`HFModel.one_forward_trees`)."""
         owner = self._owner
         prefix = check_token_ids(prefix, owner.vocab_size, "prefix", owner.name)
         if not prefix:
@@ -653,23 +674,26 @@ class HFSession:
             raise TaskCancelled("forward cancelled before it started")
         self.truncate(keep)  # checked: only now is the session changed
         q, n = len(new), len(tree)
-        allowed = np.zeros((q, keep + q), dtype=bool)  # [q, kv]: query i may attend to key j
+        main = tree.main_path()
+        order, pick = main_first(tree, main, len(fresh))
+        new = fresh + [nodes[j] for j in order]  # the main path first: it lands where a chain's tokens would
+        allowed = np.zeros((q, keep + q), dtype=bool)  # [q, kv]: query i may attend to key j (in ``new``'s order)
         allowed[:, :keep] = True
         allowed[: len(fresh), keep: keep + len(fresh)] = np.tril(np.ones((len(fresh), len(fresh)), dtype=bool))
         allowed[len(fresh):, keep: keep + len(fresh)] = True  # every node sees the whole prefix
-        allowed[len(fresh):, keep + len(fresh):] = tree.attention_mask()  # and itself and its ancestors
-        positions = list(range(keep, len(prefix))) + tree.positions(len(prefix)).tolist()
-        main = [len(prefix) + i for i in tree.main_path()]  # where the main path's nodes land in the cache
+        allowed[len(fresh):, keep + len(fresh):] = tree.attention_mask()[np.ix_(order, order)]  # its ancestors
+        positions = list(range(keep, len(prefix))) + tree.positions(len(prefix))[order].tolist()
+        kept = len(prefix) + len(main)  # the prefix and the main path: what the cache keeps, where they are
         if self._plan.static:
             with torch.inference_mode(), self._on_stream():
                 try:
                     out = self._static_forward(new, keep, cancel, 1 + n, greedy, positions=positions,
-                                               allowed=allowed)
+                                               allowed=allowed, pick=pick)
                 except BaseException:
                     self._restore(keep)
                     raise
-                self._keep_main_path(len(prefix), main)
-            self._tokens = prefix + [int(tree.tokens[i]) for i in tree.main_path()]
+            self._cache.length = kept
+            self._tokens = prefix + [int(tree.tokens[i]) for i in main]
             return out.numpy()
         with torch.inference_mode(), self._on_stream():
             dtype = owner.model.dtype
@@ -677,16 +701,13 @@ class HFSession:
             mask.masked_fill_(torch.from_numpy(~allowed).to(owner.device), torch.finfo(dtype).min)
             ids = torch.tensor([new], dtype=torch.long, device=owner.device)  # [1, q]
             try:
-                out = owner._forward(ids, self._cache, cancel, 1 + n, greedy, attention_mask=mask,
+                out = owner._forward(ids, self._cache, cancel, 1 + n, greedy, pick=pick, attention_mask=mask,
                                      position_ids=torch.tensor([positions], dtype=torch.long, device=owner.device))
             except BaseException:
                 self._restore(keep)
                 raise
-            index = torch.tensor(list(range(len(prefix))) + main, dtype=torch.long, device=owner.device)
-            for layer in self._cache.layers:  # keep the prefix and the main path, in order
-                layer.keys = layer.keys.index_select(-2, index)
-                layer.values = layer.values.index_select(-2, index)
-        self._tokens = prefix + [int(tree.tokens[i]) for i in tree.main_path()]
+            self._tokens = prefix + [int(tree.tokens[i]) for i in main]
+            self._restore(kept)  # the side nodes come after the main path: a crop
         return out.numpy()
 
     def truncate(self, length: int) -> None:
@@ -738,7 +759,8 @@ class HFSession:
     # -- the static cache (dsi.models.hf_static) -------------------------------------------------------
 
     def _static_forward(self, new: list[int], start: int, cancel: CancelFlag | None, num_rows: int, greedy: bool,
-                        positions: list[int] | None = None, allowed: np.ndarray | None = None) -> torch.Tensor | None:
+                        positions: list[int] | None = None, allowed: np.ndarray | None = None,
+                        pick: list[int] | None = None) -> torch.Tensor | None:
         """One forward of ``new`` written at cache positions ``start ..`` (padded to a graph's size where graphs
         are on), each query seeing ``allowed`` (a tree's ``[n, start + n]`` mask) or the causal context, at
         ``positions`` (default: its cache position); the last ``num_rows`` real rows as :meth:`HFModel._host_rows`
@@ -760,23 +782,39 @@ class HFSession:
             raise TaskCancelled("forward cancelled before it started")
         inputs.send()
         replayed = graphs.run(inputs) if graphed else None  # None: eager (a capture failed: said once)
+        picked = list(range(n - num_rows, n)) if pick is None else pick  # the real tokens' rows read, in order
         if replayed is None:
-            keep = {}
-            if owner._keep_kwarg is not None and num_rows < size:  # the output layer on the rows read only
-                keep[owner._keep_kwarg] = (max(num_rows, 1) if size == n else
-                                           torch.arange(n - max(num_rows, 1), n, device=owner.device))
+            keep = self._keep(n, size, num_rows, picked, pick is None)  # the output layer on those rows only
             logits, ids = self._run_static(inputs, cancel, **keep), None
         else:
-            logits, ids = replayed
+            keep, (logits, ids) = {}, replayed
         cache.length = start + n
         if num_rows == 0:
             return None
-        rows = logits[0, n - num_rows: n] if logits.shape[1] == size else logits[0, -num_rows:]  # [num_rows, V]
+        if keep:  # the output layer ran on the picked rows, in order (an int: the last ones, unpadded)
+            rows = logits[0, -num_rows:]
+        elif pick is None:
+            rows = logits[0, n - num_rows: n]  # [num_rows, V]
+        else:
+            rows = logits[0].index_select(0, torch.tensor(picked, dtype=torch.long, device=owner.device))
         if replayed is None or greedy == ON_DEVICE:
             return owner._host_rows(rows, greedy)
         if greedy:  # the graph's argmax: only the ids cross (copies: the graph's buffers are its next replay's)
-            return owner._checked_ids(ids[n - num_rows: n].to("cpu", copy=True))
+            if pick is None:
+                return owner._checked_ids(ids[n - num_rows: n].to("cpu", copy=True))
+            return owner._checked_ids(ids[:n].cpu()[picked])
         return rows.to("cpu", torch.float32, copy=True)
+
+    def _keep(self, n: int, size: int, num_rows: int, picked: list[int], tail: bool) -> dict:
+        """The model's ``logits_to_keep`` argument for a forward of ``size`` tokens (``n`` real) whose rows
+        ``picked`` are read (``tail``: the last ``num_rows``): none where every row is read or the model takes
+        none, the count where the rows are the unpadded tail, else their indices, in order."""
+        name = self._owner._keep_kwarg
+        if name is None or (tail and num_rows >= size):
+            return {}
+        if tail and size == n:
+            return {name: max(num_rows, 1)}  # 0 would mean "every row"
+        return {name: torch.tensor(picked or [n - 1], dtype=torch.long, device=self._owner.device)}
 
     def _run_static(self, inputs: ForwardInputs, cancel: CancelFlag | None, **keep: Any) -> torch.Tensor:
         """The model's forward on the static cache of ``inputs`` (on the device), its logits ``[1, rows, V]``."""
@@ -790,14 +828,3 @@ class HFSession:
         """What a captured graph runs: the forward on ``inputs`` and its rows' greedy ids."""
         logits = self._run_static(inputs, None)
         return logits, greedy_ids(logits[0])
-
-    def _keep_main_path(self, at: int, main: list[int]) -> None:
-        """After a tree forward: the main path's keys and values (at cache positions ``main``) moved to ``at ..``,
-        in order, and the cache's length after them (the prefix and the main path, as a chain would leave it)."""
-        if main and main != list(range(at, at + len(main))):
-            index = torch.tensor(main, dtype=torch.long, device=self._owner.device)
-            for layer in self._cache.layers:
-                if layer.is_initialized:
-                    layer.keys[:, :, at: at + len(main)] = layer.keys.index_select(2, index)
-                    layer.values[:, :, at: at + len(main)] = layer.values.index_select(2, index)
-        self._cache.length = at + len(main)

@@ -462,6 +462,15 @@ def test_a_replayed_forward_makes_no_device_call_but_its_copies_and_gives_the_ro
     np.testing.assert_allclose(rows, ref[24:28], atol=1e-5)
     views = {"slice", "select", "alias", "detach", "resolve_conj", "resolve_neg"}  # no kernel: where a tensor lies
     assert "to" in count.ops and set(count.ops) <= views | {"to", "_to_copy", "copy_"}, sorted(set(count.ops))
+    from dsi.trees import ROOT, DraftTree
+
+    tree = DraftTree((2, 7, 9, 6, 8, 3), (ROOT, ROOT, ROOT, 0, 0, 3))  # main path 0, 3, 5: computed first
+    plain = HFModel(raw).new_session()
+    want = plain.tree_rows(ids[:12], tree)
+    np.testing.assert_allclose(session.tree_rows(ids[:12], tree), want, atol=1e-5)  # replayed: rows in tree order
+    assert session.tree_rows(ids[:12], tree, greedy=True).tolist() == np.argmax(want, axis=-1).tolist()
+    assert session.tokens == plain.tokens
+    np.testing.assert_allclose(session.extend([4, 2]), plain.extend([4, 2]), atol=1e-5)  # the main path kept
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
