@@ -23,6 +23,7 @@ import statistics
 import time
 
 from _common import add_options, emit, parse, shrink
+from tests.torch_calls import TorchCalls
 
 PREFIX = 128
 
@@ -42,22 +43,6 @@ def stand_in_graphs(torch) -> None:
     torch.cuda.graph = graph
     torch.cuda.graph_pool_handle = lambda: None
     torch.cuda.current_stream = lambda device=None: type("Stream", (), {"synchronize": lambda self: None})()
-
-
-def torch_calls(run) -> list[str]:
-    """The torch operators ``run()`` dispatches, by name, in order."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    calls: list[str] = []
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            calls.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
-    with Count():
-        run()
-    return calls
 
 
 def measure(vocab: int, tokens: int, repeats: int, batch: int) -> dict:
@@ -90,7 +75,9 @@ def measure(vocab: int, tokens: int, repeats: int, batch: int) -> dict:
             session.truncate(PREFIX)
 
         forward()  # the capture (stood in for)
-        calls = torch_calls(forward)
+        with TorchCalls() as counted:
+            forward()
+        calls = counted.calls
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
@@ -102,16 +89,12 @@ def measure(vocab: int, tokens: int, repeats: int, batch: int) -> dict:
     return rows
 
 
-VIEWS = {"slice", "select", "view", "alias", "detach", "unsqueeze", "as_strided", "expand"}  # no device work
-
-
 def tree_calls(layers: tuple[int, ...]) -> dict:
     """Per KV cache (dynamic, static), for models of each of ``layers`` layers: the torch calls, views aside, one
     draft tree's verification (6 nodes, main path 0, 3, 5, after 2 new prefix tokens) makes outside the model's
     forward: what the session does around its one forward."""
     import torch
     import transformers
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from dsi.models.base import forward_rows, tree_rows
     from dsi.models.hf import HFModel
@@ -129,21 +112,11 @@ def tree_calls(layers: tuple[int, ...]) -> dict:
                                               num_hidden_layers=n, num_attention_heads=4, num_key_value_heads=2,
                                               max_position_embeddings=64)
             raw = transformers.LlamaForCausalLM(config).eval()
-            model, calls, inside = HFModel(raw, forward_plan=ForwardPlan(cache)), [], []
-            raw.register_forward_pre_hook(lambda module, args, inside=inside: inside.append(1))
-            raw.register_forward_hook(lambda module, args, output, inside=inside: inside.clear())
-
-            class Count(TorchDispatchMode):
-                def __torch_dispatch__(self, func, types, args=(), kwargs=None, calls=calls, inside=inside):
-                    if not inside and func.overloadpacket.__name__ not in VIEWS:
-                        calls.append(func.overloadpacket.__name__)
-                    return func(*args, **(kwargs or {}))
-
-            session = model.new_session()
+            session = HFModel(raw, forward_plan=ForwardPlan(cache)).new_session()
             forward_rows(session, prefix[:3], 1)
-            with Count():
+            with TorchCalls(outside=raw) as calls:
                 tree_rows(session, prefix, tree)
-            counts[str(n)] = len(calls)
+            counts[str(n)] = len(calls.work())
         out[cache] = counts
     return out
 

@@ -302,31 +302,17 @@ def test_hf_keeps_a_tree_s_main_path_without_moving_keys_and_values(plan):
     keeps it by its length alone: the torch calls a tree verification makes outside the model's forward are the
     same for a model of 2 layers and of 6, views aside (a dynamic cache is cropped to a view in each layer; moving
     the main path's keys and values took copies in every layer: on a GPU, about 200 launches for a 48-layer 14B)."""
-    VIEWS = {"slice", "select", "view", "alias", "detach", "unsqueeze", "as_strided", "expand"}  # no device work
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from dsi.models.hf import HFModel
+    from tests.torch_calls import TorchCalls
     from tests.unit.models.test_hf import PLANS, tiny_llama
 
     def calls_outside_the_model(layers: int) -> list[str]:
         raw = tiny_llama(layers=layers)
-        model, calls, inside = HFModel(raw, forward_plan=PLANS[plan]), [], []
-        raw.register_forward_pre_hook(lambda module, args: inside.append(1))
-        raw.register_forward_hook(lambda module, args, out: inside.clear())  # None: the output stays
-
-        class Count(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if not inside and func.overloadpacket.__name__ not in VIEWS:
-                    calls.append(func.overloadpacket.__name__)
-                return func(*args, **(kwargs or {}))
-
-        session = model.new_session()
+        session = HFModel(raw, forward_plan=PLANS[plan]).new_session()
         forward_rows(session, PREFIX[:3], 1)
-        with Count():
+        with TorchCalls(outside=raw) as calls:
             tree_rows(session, PREFIX, TREE)
         assert session.tokens == tuple(PREFIX + TREE.path_tokens(TREE.main_path()[-1]))
-        return calls
+        return calls.work()
 
     assert calls_outside_the_model(2) == calls_outside_the_model(6)
