@@ -57,14 +57,16 @@ from dsi.sampling import (
 )
 
 
-def check_rows(rows: torch.Tensor) -> None:
-    """:class:`ModelError` for a row with a NaN logit, or with -inf only (:func:`dsi.sampling.check_logit_row`)."""
+def check_rows(rows: torch.Tensor) -> bool:
+    """:class:`ModelError` for a row with a NaN logit, or with -inf only (:func:`dsi.sampling.check_logit_row`);
+    else whether some row has a +inf logit (:func:`distribution` then needs not look for one). One transfer."""
     top = rows.max(dim=-1).values  # [n]; NaN where a row has one
-    bad = torch.isnan(top) | (top == -math.inf)
-    if bool(bad.any()):
-        which = torch.nonzero(bad).flatten().tolist()
+    flags = torch.stack([torch.isnan(top) | (top == -math.inf), top == math.inf]).cpu().numpy()  # [2, n]
+    if flags[0].any():
+        which = np.flatnonzero(flags[0]).tolist()
         raise ModelError(f"the target returned NaN or all -inf logits in rows {which} of {rows.shape[0]}: no "
                          "distribution can be made of them")
+    return bool(flags[1].any())
 
 
 def shape_rows(rows: torch.Tensor, params: SamplingParams, tokens: Sequence[int], prompt_len: int,
@@ -119,16 +121,19 @@ def greedy_ids(rows: torch.Tensor, read: GreedyRead) -> np.ndarray:
     return _shaped(rows, read).argmax(dim=-1).cpu().numpy().astype(np.int64)
 
 
-def distribution(rows: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def distribution(rows: torch.Tensor, params: SamplingParams, posinf: bool | None = None) -> torch.Tensor:
     """The sampled laws ``[n, V]`` (float32) of logit rows ``[n, V]`` (checked, on any device): temperature,
     min_p, top-k and top-p, each row as :func:`dsi.sampling.process_logits` processes it; a float64 row (shaped
-    by :func:`shape_rows`) is shifted by its maximum in float64 and then rounded, as the host does."""
+    by :func:`shape_rows`) is shifted by its maximum in float64 and then rounded, as the host does. ``posinf``:
+    whether a row may hold a +inf logit (:func:`check_rows` said so of the raw rows; shaping turns no finite
+    logit into +inf); None: look (a transfer)."""
     x = rows if rows.dtype == torch.float64 else rows.to(torch.float32)  # [n, V]; written only out of place
     top = x.max(dim=-1, keepdim=True).values  # [n, 1]
-    infinite = top == math.inf  # the limit as those logits grow: they share the mass equally
-    if bool(infinite.any()):
-        x = torch.where(infinite & torch.isposinf(x), 0.0, torch.where(infinite, -math.inf, x))
-        top = torch.where(infinite, 0.0, top)
+    if posinf is not False:
+        infinite = top == math.inf  # the limit as those logits grow: they share the mass equally
+        if bool(infinite.any()):
+            x = torch.where(infinite & torch.isposinf(x), 0.0, torch.where(infinite, -math.inf, x))
+            top = torch.where(infinite, 0.0, top)
     order_by = x  # top-p orders by the logits themselves (ties of rounded probabilities keep the logits' order)
     law = (x - top).to(torch.float32)  # <= 0, exactly 0 at the maximum
     t = params.temperature
@@ -164,9 +169,9 @@ def read_chain(rows: torch.Tensor, chain: ChainRead) -> tuple[np.ndarray, ReadLa
     params = chain.params
     n = rows.shape[0]
     context = chain.tokens
-    check_rows(rows)
+    posinf = check_rows(rows)
     shaped = _shaped(rows, chain)
-    laws = distribution(shaped, params)  # [n, V] float32
+    laws = distribution(shaped, params, posinf)  # [n, V] float32
     first = len(context) - n + 1  # the absolute position row 0 decides
     drafts = torch.tensor(context[first:first + n - 1], dtype=torch.long, device=laws.device)  # [n - 1]
     picked = laws[torch.arange(n - 1, device=laws.device), drafts]  # [n - 1]
@@ -195,24 +200,26 @@ def draft(rows: torch.Tensor, read: DraftRead) -> tuple[int, DeviceLaw | None]:
     params = read.params
     with drafting():
         if params.greedy:
-            return int(_last_row(rows, read).argmax()), None
+            return int(_last_row(rows, read)[0].argmax()), None
         law = _last_law(rows, read)
     token = inverse_cdf(law, uniform(params.seed, read.position, Purpose.DRAFT))
-    both = torch.stack([token.to(torch.float64), law[token].to(torch.float64)]).cpu().numpy()
+    prob = law.gather(0, token.reshape(1))[0]  # a tensor index, not law[token]: that reads the token to the host
+    both = torch.stack([token.to(torch.float64), prob.to(torch.float64)]).cpu().numpy()
     return int(both[0]), DeviceLaw(law, int(both[0]), float(both[1]))
 
 
 def _last_law(rows: torch.Tensor, read: LastRowRead) -> torch.Tensor:
     """The sampled law ``[V]`` (float32, on the rows' device) of the last of ``rows``, checked and processed as
     :func:`read_chain`'s rows are."""
-    return distribution(_last_row(rows, read)[None], read.params)[0]
+    row, posinf = _last_row(rows, read)
+    return distribution(row[None], read.params, posinf)[0]
 
 
-def _last_row(rows: torch.Tensor, read: LastRowRead) -> torch.Tensor:
-    """The last of ``rows``, checked and :func:`_shaped`."""
+def _last_row(rows: torch.Tensor, read: LastRowRead) -> tuple[torch.Tensor, bool]:
+    """The last of ``rows``, checked and :func:`_shaped`, and whether it has a +inf logit (:func:`check_rows`)."""
     row = rows[-1:]
-    check_rows(row)
-    return _shaped(row, read)[0]
+    posinf = check_rows(row)
+    return _shaped(row, read)[0], posinf
 
 
 def _shaped(rows: torch.Tensor, read: RowsRead) -> torch.Tensor:

@@ -373,6 +373,27 @@ def test_a_drafter_draws_on_its_device_the_host_s_draft(params, device):
     assert params.greedy or len(drafted) >= 2  # the uniforms reach several tokens
 
 
+def test_a_sampled_draft_and_chain_on_the_device_read_no_number_one_at_a_time():
+    """On a GPU, reading one device number on the host (``bool(t)``, ``int(t)``, ``law[token]``) waits for every
+    kernel queued before it. A sampled draft and a sampled chain decided on the device read theirs in whole
+    transfers only (the rows' checks with their +inf flag, then the decisions): no scalar read on the way (on
+    the CPU the transfers are no calls at all, so none is seen here)."""
+    from dsi.models.device_laws import draft
+    from dsi.sampling import DraftRead
+    from tests.torch_calls import TorchCalls
+
+    finite = torch.from_numpy(rows(0)[[0, 1, 3]])  # ties at the top, a block of -inf; no +inf
+    nucleus = PARAMS[3]  # temperature, top-k, top-p, min-p
+    context = tuple(range(20, 30))
+    reads = {"draft": lambda: draft(finite, DraftRead(context, nucleus, 5)),
+             "chain": lambda: read_chain(finite, ChainRead(context, nucleus, 5, frozenset(), (0.5, 0.5)))}
+    for name, run in reads.items():
+        with TorchCalls() as calls:
+            run()
+        scalars = [c for c in calls.calls if c in ("_local_scalar_dense", "is_nonzero", "item")]
+        assert not scalars, (name, calls.work())
+
+
 def test_a_law_left_on_the_device_reads_as_the_host_array_it_copies_once():
     import pickle
 
