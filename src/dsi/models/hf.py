@@ -692,13 +692,11 @@ class HFSession:
                 except BaseException:
                     self._restore(keep)
                     raise
-            self._cache.length = kept
             self._tokens = prefix + [int(tree.tokens[i]) for i in main]
+            self._restore(kept)  # the side nodes come after the main path: the length moves
             return out.numpy()
         with torch.inference_mode(), self._on_stream():
-            dtype = owner.model.dtype
-            mask = torch.zeros((1, 1, q, keep + q), dtype=dtype, device=owner.device)
-            mask.masked_fill_(torch.from_numpy(~allowed).to(owner.device), torch.finfo(dtype).min)
+            mask = additive_mask(torch.from_numpy(allowed).to(owner.device), self._dtype)  # [1, 1, q, keep + q]
             ids = torch.tensor([new], dtype=torch.long, device=owner.device)  # [1, q]
             try:
                 out = owner._forward(ids, self._cache, cancel, 1 + n, greedy, pick=pick, attention_mask=mask,
@@ -714,12 +712,11 @@ class HFSession:
         length = check_int(length, "truncate length", 0, len(self._tokens))
         if length == len(self._tokens):
             return
-        if self._plan.static:  # a static cache only moves its length
-            self._cache.length = length
-            del self._tokens[length:]
-            return
-        with torch.inference_mode(), self._on_stream():
+        if self._plan.static:  # a static cache only moves its length: no torch call
             self._restore(length)
+        else:
+            with torch.inference_mode(), self._on_stream():
+                self._restore(length)
         del self._tokens[length:]
 
     def _restore(self, length: int) -> None:
@@ -791,6 +788,10 @@ class HFSession:
         cache.length = start + n
         if num_rows == 0:
             return None
+        if replayed is not None and greedy and greedy != ON_DEVICE:  # the graph's argmax: only the ids cross
+            if pick is None:  # (copies: the graph's buffers are its next replay's)
+                return owner._checked_ids(ids[n - num_rows: n].to("cpu", copy=True))
+            return owner._checked_ids(ids[:n].cpu()[picked])
         if keep:  # the output layer ran on the picked rows, in order (an int: the last ones, unpadded)
             rows = logits[0, -num_rows:]
         elif pick is None:
@@ -799,11 +800,7 @@ class HFSession:
             rows = logits[0].index_select(0, torch.tensor(picked, dtype=torch.long, device=owner.device))
         if replayed is None or greedy == ON_DEVICE:
             return owner._host_rows(rows, greedy)
-        if greedy:  # the graph's argmax: only the ids cross (copies: the graph's buffers are its next replay's)
-            if pick is None:
-                return owner._checked_ids(ids[n - num_rows: n].to("cpu", copy=True))
-            return owner._checked_ids(ids[:n].cpu()[picked])
-        return rows.to("cpu", torch.float32, copy=True)
+        return rows.to("cpu", torch.float32, copy=True)  # a copy: the graph's buffer is its next replay's
 
     def _keep(self, n: int, size: int, num_rows: int, picked: list[int], tail: bool) -> dict:
         """The model's ``logits_to_keep`` argument for a forward of ``size`` tokens (``n`` real) whose rows
