@@ -57,16 +57,25 @@ from dsi.sampling import (
 )
 
 
-def check_rows(rows: torch.Tensor) -> bool:
-    """:class:`ModelError` for a row with a NaN logit, or with -inf only (:func:`dsi.sampling.check_logit_row`);
-    else whether some row has a +inf logit (:func:`distribution` then needs not look for one). One transfer."""
-    top = rows.max(dim=-1).values  # [n]; NaN where a row has one
-    flags = torch.stack([torch.isnan(top) | (top == -math.inf), top == math.inf]).cpu().numpy()  # [2, n]
-    if flags[0].any():
-        which = np.flatnonzero(flags[0]).tolist()
-        raise ModelError(f"the target returned NaN or all -inf logits in rows {which} of {rows.shape[0]}: no "
-                         "distribution can be made of them")
-    return bool(flags[1].any())
+def check_rows(rows: torch.Tensor) -> None:
+    """:class:`ModelError` for a row with a NaN logit, or with -inf only (:func:`dsi.sampling.check_logit_row`),
+    read at once (one transfer). The decisions that need no host round trip on the way check their rows with the
+    numbers they move anyway (:func:`_usable`, :func:`_refuse_unusable`)."""
+    _refuse_unusable(_usable(rows.max(dim=-1).values).cpu().numpy(), rows.shape[0])
+
+
+def _usable(top: torch.Tensor) -> torch.Tensor:
+    """``[n]`` float64 on the device, 1 where a row whose maximum is ``top`` can make a law (neither NaN nor -inf:
+    a NaN logit is the maximum of its row, as torch reduces NaN), else 0: read with the decisions' numbers."""
+    return (top > -math.inf).to(torch.float64)
+
+
+def _refuse_unusable(usable: np.ndarray, n: int) -> None:
+    """The :class:`ModelError` of :func:`check_rows` where ``usable`` (:func:`_usable`, read) has a 0."""
+    if not usable.all():
+        which = np.flatnonzero(usable == 0).tolist()
+        raise ModelError(f"the target returned NaN or all -inf logits in rows {which} of {n}: no distribution "
+                         "can be made of them")
 
 
 def shape_rows(rows: torch.Tensor, params: SamplingParams, tokens: Sequence[int], prompt_len: int,
@@ -117,25 +126,30 @@ def constraint_mask(params: SamplingParams, counts, vocab: int) -> np.ndarray:
 def greedy_ids(rows: torch.Tensor, read: GreedyRead) -> np.ndarray:
     """:class:`~dsi.sampling.GreedyRead` on the device: the first argmax of each processed row, the same ids as
     the host's :func:`~dsi.sampling.greedy_tokens` (the shaped rows are the host's bit for bit); only they cross."""
-    check_rows(rows)
-    return _shaped(rows, read).argmax(dim=-1).cpu().numpy().astype(np.int64)
+    top, first = _shaped(rows, read).max(dim=-1)  # [n] each: the maxima and their first indices
+    numbers = torch.cat([_usable(top), first.to(torch.float64)]).cpu().numpy()
+    _refuse_unusable(numbers[: len(first)], len(first))
+    return numbers[len(first):].astype(np.int64)
 
 
-def distribution(rows: torch.Tensor, params: SamplingParams, posinf: bool | None = None) -> torch.Tensor:
-    """The sampled laws ``[n, V]`` (float32) of logit rows ``[n, V]`` (checked, on any device): temperature,
-    min_p, top-k and top-p, each row as :func:`dsi.sampling.process_logits` processes it; a float64 row (shaped
-    by :func:`shape_rows`) is shifted by its maximum in float64 and then rounded, as the host does. ``posinf``:
-    whether a row may hold a +inf logit (:func:`check_rows` said so of the raw rows; shaping turns no finite
-    logit into +inf); None: look (a transfer)."""
+def distribution(rows: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The sampled laws ``[n, V]`` (float32) of logit rows ``[n, V]`` (usable: :func:`check_rows`; on any device):
+    temperature, min_p, top-k and top-p, each row as :func:`dsi.sampling.process_logits` processes it; a float64
+    row (shaped by :func:`shape_rows`) is shifted by its maximum in float64 and then rounded, as the host does."""
+    return _laws(rows, params)[0]
+
+
+def _laws(rows: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`distribution`'s laws, and each row's maximum and first argmax (``[n]`` each, from one reduction;
+    temperature, min_p, top-k and top-p keep the order of the logits they are given, so that is also each law's
+    greedy token). Nothing is read on the host: a row that can make no law (a NaN, or -inf only) gives some
+    law of in-range numbers, and its caller refuses it by its maximum (:func:`_usable`)."""
     x = rows if rows.dtype == torch.float64 else rows.to(torch.float32)  # [n, V]; written only out of place
-    top = x.max(dim=-1, keepdim=True).values  # [n, 1]
-    if posinf is not False:
-        infinite = top == math.inf  # the limit as those logits grow: they share the mass equally
-        if bool(infinite.any()):
-            x = torch.where(infinite & torch.isposinf(x), 0.0, torch.where(infinite, -math.inf, x))
-            top = torch.where(infinite, 0.0, top)
-    order_by = x  # top-p orders by the logits themselves (ties of rounded probabilities keep the logits' order)
-    law = (x - top).to(torch.float32)  # <= 0, exactly 0 at the maximum
+    top, first = x.max(dim=-1)  # [n] each; the first index of the maximum
+    law = (x - top[:, None]).to(torch.float32)  # <= 0, exactly 0 at the maximum
+    # a row whose maximum is +inf: its +inf logits (inf - inf: NaN) share the mass, the limit as they grow, and
+    # every other logit (-inf) none; no other usable row holds a NaN here
+    law.nan_to_num_(nan=0.0, posinf=math.inf, neginf=-math.inf)
     t = params.temperature
     if _SCALED_T[0] <= t <= _SCALED_T[1]:
         if t != 1.0:
@@ -143,15 +157,17 @@ def distribution(rows: torch.Tensor, params: SamplingParams, posinf: bool | None
     else:
         law = (law.to(torch.float64) / t).to(torch.float32)
     if params.min_p > 0.0:  # compared in float64, as numpy compares a float32 law with np.log's float64
-        law[law.to(torch.float64) < math.log(params.min_p)] = -math.inf
+        law.masked_fill_(law.to(torch.float64) < math.log(params.min_p), -math.inf)
     vocab = law.shape[-1]
     if params.top_k and params.top_k < vocab:
         kth = torch.topk(law, params.top_k, dim=-1).values[:, -1:]  # [n, 1]
-        law[law < kth] = -math.inf  # ties with the k-th are kept
+        law.masked_fill_(law < kth, -math.inf)  # ties with the k-th are kept
     law.exp_()
     law /= law.sum(dim=-1, keepdim=True)
     if params.top_p < 1.0:
-        order = torch.argsort(-order_by, dim=-1, stable=True)  # [n, V], most likely first
+        # ordered by the logits themselves (ties of rounded probabilities keep the logits' order; a +inf row's
+        # +inf logits first, in id order, as their shares of the mass would be)
+        order = torch.argsort(-x, dim=-1, stable=True)  # [n, V], most likely first
         cumulative = torch.cumsum(law.gather(-1, order).to(torch.float64), dim=-1)
         goal = torch.full((law.shape[0], 1), params.top_p, dtype=torch.float64, device=law.device)
         keep = torch.searchsorted(cumulative, goal, right=False) + 1  # [n, 1], at least one token
@@ -159,26 +175,24 @@ def distribution(rows: torch.Tensor, params: SamplingParams, posinf: bool | None
         mask = torch.zeros_like(kept).scatter_(-1, order, kept)
         law = torch.where(mask, law, 0.0)
         law /= law.sum(dim=-1, keepdim=True)
-    return law
+    return law, top, first
 
 
 def read_chain(rows: torch.Tensor, chain: ChainRead) -> tuple[np.ndarray, ReadLaws]:
     """What :class:`~dsi.sampling.ChainRead` gives of a sampled chain's rows ``[n, V]`` (on the device), decided
     there: the rows' argmax ids and a :class:`~dsi.sampling.ReadLaws` with the drafts' target probabilities up to
-    the first rejection and the one law the decisions read."""
+    the first rejection and the one law the decisions read. Two transfers: the rows' checks, argmax ids and
+    drafts' probabilities, then the law the host's decisions chose."""
     params = chain.params
     n = rows.shape[0]
     context = chain.tokens
-    posinf = check_rows(rows)
-    shaped = _shaped(rows, chain)
-    laws = distribution(shaped, params, posinf)  # [n, V] float32
+    laws, top, first_max = _laws(_shaped(rows, chain), params)  # [n, V] float32, [n], [n]
     first = len(context) - n + 1  # the absolute position row 0 decides
     drafts = torch.tensor(context[first:first + n - 1], dtype=torch.long, device=laws.device)  # [n - 1]
-    picked = laws[torch.arange(n - 1, device=laws.device), drafts]  # [n - 1]
-    # one transfer: the argmax of each processed row (temperature, min_p, top-k and top-p keep the order of the
-    # logits they are given) and the drafts' probabilities
-    both = torch.cat([shaped.argmax(dim=-1).to(torch.float64), picked.to(torch.float64)]).cpu().numpy()
-    tokens, picked_probs = both[:n].astype(np.int64), both[n:]
+    picked = laws.gather(-1, drafts[:, None])[:, 0]  # [n - 1]
+    numbers = torch.cat([_usable(top), first_max.to(torch.float64), picked.to(torch.float64)]).cpu().numpy()
+    _refuse_unusable(numbers[:n], n)
+    tokens, picked_probs = numbers[n:2 * n].astype(np.int64), numbers[2 * n:]
     probs, read = decide_chain(lambda j: float(picked_probs[j]), n, chain.draft_probs, params, first)
     return tokens, ReadLaws(n, probs, {read: laws[read].cpu().numpy().astype(LAW_DTYPE, copy=False)})
 
@@ -186,61 +200,67 @@ def read_chain(rows: torch.Tensor, chain: ChainRead) -> tuple[np.ndarray, ReadLa
 def bonus_token(rows: torch.Tensor, read: BonusRead) -> int:
     """:class:`~dsi.sampling.BonusRead` on the device: the law of the last row (processed as
     :func:`read_chain`'s), and the token its inverse CDF gives the BONUS uniform (:func:`dsi.sampling.uniform`, from
-    the host: :func:`inverse_cdf`). Only the token crosses."""
-    law = _last_law(rows, read)
-    return int(inverse_cdf(law, uniform(read.params.seed, read.position, Purpose.BONUS)))
+    the host: :func:`inverse_cdf`). Only the token crosses, with the row's check."""
+    law, usable = _last_law(rows, read)
+    token = inverse_cdf(law, uniform(read.params.seed, read.position, Purpose.BONUS))
+    numbers = torch.stack([usable, token.to(torch.float64)]).cpu().numpy()
+    _refuse_unusable(numbers[:1], 1)
+    return int(numbers[1])
 
 
 def draft(rows: torch.Tensor, read: DraftRead) -> tuple[int, DeviceLaw | None]:
     """:class:`~dsi.sampling.DraftRead` on the device: the drafter's last row processed as :func:`read_chain`'s
     rows are. Greedy: the first argmax of the processed row (the host's id, bit for bit) and no law; sampled: the
     token the law's inverse CDF gives the DRAFT uniform (:func:`inverse_cdf`), the token and its probability in one
-    transfer, and the law left on the device (:class:`DeviceLaw`). A row the request's constraint empties drafts
-    nothing (:func:`dsi.sampling.drafting`), as on the host."""
+    transfer with the row's check, and the law left on the device (:class:`DeviceLaw`). A row the request's
+    constraint empties drafts nothing (:func:`dsi.sampling.drafting`), as on the host."""
     params = read.params
     with drafting():
         if params.greedy:
-            return int(_last_row(rows, read)[0].argmax()), None
-        law = _last_law(rows, read)
+            top, token = _shaped(rows[-1:], read).max(dim=-1)  # [1] each: the maximum and its first index
+            numbers = torch.cat([_usable(top), token.to(torch.float64)]).cpu().numpy()
+            _refuse_unusable(numbers[:1], 1)
+            return int(numbers[1]), None
+        law, usable = _last_law(rows, read)
     token = inverse_cdf(law, uniform(params.seed, read.position, Purpose.DRAFT))
     prob = law.gather(0, token.reshape(1))[0]  # a tensor index, not law[token]: that reads the token to the host
-    both = torch.stack([token.to(torch.float64), prob.to(torch.float64)]).cpu().numpy()
-    return int(both[0]), DeviceLaw(law, int(both[0]), float(both[1]))
+    numbers = torch.stack([usable, token.to(torch.float64), prob.to(torch.float64)]).cpu().numpy()
+    _refuse_unusable(numbers[:1], 1)
+    return int(numbers[1]), DeviceLaw(law, int(numbers[1]), float(numbers[2]))
 
 
-def _last_law(rows: torch.Tensor, read: LastRowRead) -> torch.Tensor:
-    """The sampled law ``[V]`` (float32, on the rows' device) of the last of ``rows``, checked and processed as
-    :func:`read_chain`'s rows are."""
-    row, posinf = _last_row(rows, read)
-    return distribution(row[None], read.params, posinf)[0]
+def _last_law(rows: torch.Tensor, read: LastRowRead) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampled law ``[V]`` (float32, on the rows' device) of the last of ``rows``, processed as
+    :func:`read_chain`'s rows are, and whether the row could make one (a 0-d :func:`_usable`, not yet read)."""
+    law, top, _ = _laws(_shaped(rows[-1:], read), read.params)
+    return law[0], _usable(top)[0]
 
 
-def _last_row(rows: torch.Tensor, read: LastRowRead) -> tuple[torch.Tensor, bool]:
-    """The last of ``rows``, checked and :func:`_shaped`, and whether it has a +inf logit (:func:`check_rows`)."""
-    row = rows[-1:]
-    posinf = check_rows(row)
-    return _shaped(row, read)[0], posinf
-
-
-def _shaped(rows: torch.Tensor, read: RowsRead) -> torch.Tensor:
+def _shaped(rows: torch.Tensor, read: RowsRead, check: bool = True) -> torch.Tensor:
     """The last ``n`` rows of a forward over ``read.tokens`` after the processors before temperature
-    (:func:`shape_rows`, float64) where they can move the argmax; else the rows as they are."""
+    (:func:`shape_rows`, float64; the rows checked first where ``check``: :func:`check_rows`) where they can move
+    the argmax; else the rows as they are (checked by their caller with the numbers it reads)."""
     params = read.params
-    return shape_rows(rows, params, read.tokens, read.prompt_len, read.stop_ids) if params.moves_argmax else rows
+    if not params.moves_argmax:
+        return rows
+    if check:  # the processors read rows on the host anyway; a broken row is refused before they run
+        check_rows(rows)
+    return shape_rows(rows, params, read.tokens, read.prompt_len, read.stop_ids)
 
 
 def inverse_cdf(law: torch.Tensor, u: float) -> torch.Tensor:
     """The token (a 0-d tensor on the law's device: nothing crosses) that the inverse CDF of ``law`` ``[V]`` gives
     the uniform ``u``: a running sum in float64, as :func:`dsi.sampling.sample_from`'s, and the last token of
     positive probability at or before where it reaches ``u`` times the mass (rounding may land past the mass or
-    on a zero-probability token; the first positive one where none is before)."""
+    on a zero-probability token; the first positive one where none is before). Always an id of the law, even of
+    a law of NaN (an unusable row's, refused by the caller): an id out of range would fault the device."""
     vocab = law.shape[0]
     cdf = torch.cumsum(law.to(torch.float64), dim=0)
     index = torch.searchsorted(cdf, (u * cdf[-1]).reshape(1), right=True).clamp_(max=vocab - 1)  # [1]
     ids = torch.arange(vocab, device=law.device)
     positive = law > 0
     before = torch.where(positive & (ids <= index), ids, -1).max()
-    return torch.where(before >= 0, before, torch.where(positive, ids, vocab).min())
+    return torch.where(before >= 0, before, torch.where(positive, ids, vocab - 1).min())
 
 
 class DeviceLaw:
@@ -332,7 +352,7 @@ def _logprob_values(rows: torch.Tensor, read, mode: str) -> tuple[torch.Tensor, 
     log-probability). Raw: the logits; processed greedy: the rows after the processors before temperature;
     processed sampled: the log of the law (normaliser 0)."""
     if mode == "processed":
-        rows = _shaped(rows, read)
+        rows = _shaped(rows, read, check=False)  # checked by the decisions' reader
         if not read.params.greedy:
             law = distribution(rows, read.params)
             return torch.log(law), torch.zeros(law.shape[0], dtype=torch.float64, device=law.device)

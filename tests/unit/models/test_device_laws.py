@@ -373,25 +373,60 @@ def test_a_drafter_draws_on_its_device_the_host_s_draft(params, device):
     assert params.greedy or len(drafted) >= 2  # the uniforms reach several tokens
 
 
-def test_a_sampled_draft_and_chain_on_the_device_read_no_number_one_at_a_time():
-    """On a GPU, reading one device number on the host (``bool(t)``, ``int(t)``, ``law[token]``) waits for every
-    kernel queued before it. A sampled draft and a sampled chain decided on the device read theirs in whole
-    transfers only (the rows' checks with their +inf flag, then the decisions): no scalar read on the way (on
-    the CPU the transfers are no calls at all, so none is seen here)."""
-    from dsi.models.device_laws import draft
-    from dsi.sampling import DraftRead
+def test_sampled_draws_and_chains_on_the_device_read_their_numbers_in_the_fewest_transfers(monkeypatch):
+    """On a GPU, each read of device numbers on the host waits for every kernel queued before it, and one number
+    read at a time (``bool(t)``, ``int(t)``, ``law[token]``) is a wait of its own. A sampled draft and non-SI's draw
+    read one transfer (the row's check with the token, and the draft's probability), after which the host
+    has queued every kernel of the draw behind the forward; a sampled chain two (the rows' checks, argmax ids and
+    drafts' probabilities, then the one law the host's decisions chose); none reads a scalar on the way (on the CPU
+    a transfer is no call at all, so ``Tensor.cpu`` is counted)."""
+    from dsi.models.device_laws import bonus_token, draft
+    from dsi.sampling import BonusRead, DraftRead
     from tests.torch_calls import TorchCalls
 
-    finite = torch.from_numpy(rows(0)[[0, 1, 3]])  # ties at the top, a block of -inf; no +inf
-    nucleus = PARAMS[3]  # temperature, top-k, top-p, min-p
+    transfers = []
+    to_host = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda t, *a, **k: transfers.append(t.shape) or to_host(t, *a, **k))
     context = tuple(range(20, 30))
-    reads = {"draft": lambda: draft(finite, DraftRead(context, nucleus, 5)),
-             "chain": lambda: read_chain(finite, ChainRead(context, nucleus, 5, frozenset(), (0.5, 0.5)))}
-    for name, run in reads.items():
-        with TorchCalls() as calls:
-            run()
-        scalars = [c for c in calls.calls if c in ("_local_scalar_dense", "is_nonzero", "item")]
-        assert not scalars, (name, calls.work())
+    for logits in (rows(0)[[0, 1, 3]], rows(0)[[0, 2]]):  # ties at the top and -inf logits; a last row with +inf
+        finite = torch.from_numpy(logits)
+        for params in (PARAMS[0], PARAMS[3]):  # temperature alone; with top-k, top-p and min-p
+            reads = {"draft": (1, lambda: draft(finite, DraftRead(context, params, 5))),
+                     "non-SI": (1, lambda: bonus_token(finite, BonusRead(context, params, 5))),
+                     "chain": (2, lambda: read_chain(finite, ChainRead(context, params, 5, frozenset(),
+                                                                      (0.5,) * (len(finite) - 1))))}
+            for name, (want, run) in reads.items():
+                transfers.clear()
+                with TorchCalls() as calls:
+                    run()
+                scalars = [c for c in calls.calls if c in ("_local_scalar_dense", "is_nonzero", "item")]
+                assert not scalars and len(transfers) == want, (name, params, transfers, calls.work())
+
+
+def test_a_broken_last_row_is_refused_by_a_draw_read_in_one_transfer():
+    """A draft or non-SI's draw checks its row with the numbers it reads: a NaN or all -inf row still raises the
+    host's error (and the draw made of it in the meantime picked an id of the vocabulary: one out of range would
+    fault a GPU)."""
+    from dsi.errors import ModelError
+    from dsi.models.device_laws import bonus_token, draft, inverse_cdf
+    from dsi.sampling import BonusRead, DraftRead
+
+    for broken in (np.nan, -np.inf):
+        bad = rows(1)[[0, 3]]
+        if np.isnan(broken):
+            bad[1, 17] = broken
+        else:
+            bad[1] = broken
+        for params in (PARAMS[0], PARAMS[3], SamplingParams(temperature=0.0)):
+            readers = [lambda: draft(torch.from_numpy(bad), DraftRead((1, 2, 3), params, 2))]
+            if not params.greedy:  # non-SI draws only sampled tokens on the device
+                readers.append(lambda: bonus_token(torch.from_numpy(bad), BonusRead((1, 2, 3), params, 2)))
+            for reader in readers:
+                with pytest.raises(ModelError, match=r"NaN or all -inf logits in rows \[0\] of 1"):
+                    reader()
+    for u in (0.0, 0.5, 0.999):
+        assert 0 <= int(inverse_cdf(torch.full((7,), float("nan")), u)) < 7
+        assert 0 <= int(inverse_cdf(torch.zeros(7), u)) < 7
 
 
 def test_a_law_left_on_the_device_reads_as_the_host_array_it_copies_once():
