@@ -358,12 +358,13 @@ def _logprob_values(rows: torch.Tensor, read, mode: str) -> tuple[torch.Tensor, 
             return torch.log(law), torch.zeros(law.shape[0], dtype=torch.float64, device=law.device)
     x = rows.to(torch.float32)
     top = x.max(dim=-1, keepdim=True).values  # [n, 1]
-    infinite = top == math.inf  # the softmax's limit: the +inf logits share the mass
-    if bool(infinite.any()):
-        x = torch.where(infinite, torch.where(torch.isposinf(x), 0.0, -math.inf), x)
-        top = x.max(dim=-1, keepdim=True).values
-    total = torch.exp(x - top).sum(dim=-1, dtype=torch.float64)  # [n], each >= 1
-    return x, top[:, 0].to(torch.float64) + torch.log(total)
+    # the softmax's limit in a row whose maximum is +inf: its +inf logits (inf - inf: NaN) share the mass as
+    # logits of 0, the rest (-inf) have none; no host read decides which rows those are
+    shifted = (x - top).nan_to_num_(nan=0.0, posinf=math.inf, neginf=-math.inf)  # [n, V]
+    total = torch.exp(shifted).sum(dim=-1, dtype=torch.float64)  # [n], each >= 1
+    infinite = top == math.inf
+    values = torch.where(infinite, shifted, x)
+    return values, torch.where(infinite, 0.0, top)[:, 0].to(torch.float64) + torch.log(total)
 
 
 def _top(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

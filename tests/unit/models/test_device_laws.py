@@ -565,6 +565,33 @@ def test_logprobs_read_on_the_device_are_the_host_s_entries_and_only_the_committ
     assert kinds == {"GreedyRead", "BonusRead", "ChainRead"}
 
 
+@pytest.mark.parametrize("mode", ["raw", "processed"])
+def test_logprobs_of_a_row_with_infinite_logits_are_the_host_s_limit_on_the_device(mode):
+    """A row whose maximum is +inf: its +inf logits share the mass (log 1/2 each here), the rest have none, on the
+    device as on the host (the device finds such rows without reading a flag on the way)."""
+    from dsi.logprobs import LogprobsRead, entry
+    from dsi.models.device_laws import with_logprobs
+    from dsi.sampling import BonusRead, GreedyRead
+
+    logits = processed_rows(1, n=3)
+    logits[1, [4, 9]] = np.inf
+    logits[2, 2] = -np.inf
+    context = (2, 3, 3, 10, 11)
+    reads = [(GreedyRead(context, SamplingParams(), 2), logits),
+             (GreedyRead(context, SamplingParams(logit_bias={5: 1.0}), 2), logits),
+             (BonusRead(context, SamplingParams(temperature=0.8, seed=2), 2), logits[1:2])]
+    for decisions, rows in reads:
+        read = LogprobsRead(decisions, mode, 4)
+        (got, device_rows), (want, host_rows) = with_logprobs(torch.from_numpy(rows), read), read(rows)
+        assert np.array_equal(got, want)
+        committed = [int(t) for t in np.atleast_1d(got)]  # each row's argmax, or non-SI's draw
+        for j, token in enumerate(committed):
+            assert_same_entry(entry(device_rows[j], token, 4), entry(host_rows[j], token, 4))
+        limit = entry(device_rows[1 if len(rows) > 1 else 0], committed[-1 if len(rows) == 1 else 1], 4)
+        assert limit.token in (4, 9) and limit.logprob == pytest.approx(np.log(0.5))
+        assert [i for i, _ in limit.top[:2]] == [4, 9] and limit.top[2][1] == -np.inf
+
+
 def test_whole_row_logprobs_keep_each_rows_own_limit():
     """A block of raw rows where one row has +inf logits: that row's +inf share the mass, the others keep theirs
     (the host once made every row of such a block -inf but its +inf)."""
