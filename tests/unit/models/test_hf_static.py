@@ -435,6 +435,43 @@ def test_a_replayed_forward_makes_no_device_call_but_its_copies_and_gives_the_ro
     np.testing.assert_allclose(session.extend([4, 2]), plain.extend([4, 2]), atol=1e-5)  # the main path kept
 
 
+# what a CUDA graph cannot hold: a read of a device value on the host (a capture fails on it), or an output whose
+# shape depends on the data (its size is read from the device first)
+HOST_READS = frozenset({"_local_scalar_dense", "item", "is_nonzero", "nonzero", "nonzero_static", "masked_select",
+                        "_unique2", "unique_dim", "unique_consecutive", "bincount", "repeat_interleave", "tolist"})
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_a_graph_s_body_reads_nothing_on_the_host(architecture):
+    """What a session captures as a graph (its forward on the static cache, the additive mask and the greedy ids:
+    HFSession._graph_body), for the Llama architecture and the Qwen2 one of the GPU run's pair and 14B target,
+    makes no host read and no shape of the data's: run on the CPU, no such torch call is dispatched, for a step,
+    a padded window and a tree's mask. (On a GPU, gpu_check.sh's part 0 captures them for real.)"""
+    from tests.torch_calls import TorchCalls
+
+    if architecture == "llama":
+        raw = tiny_llama(layers=2, vocab=97, positions=512)
+    else:
+        torch.manual_seed(0)
+        raw = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+            vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, use_sliding_window=False,
+            pad_token_id=None)).eval()
+    session = _static(raw, cuda_graphs=True).new_session()
+    session.extend(IDS[:9])
+    tree = np.tril(np.ones((4, 13), dtype=bool))
+    tree[2, 10] = False  # a side node that does not see the one before it
+    for size, new, allowed in ((1, [5], None), (4, [5, 6, 7], None), (4, [5, 6, 7, 8], tree)):
+        inputs = session._graphs.inputs(size, 256)
+        inputs.fill(new, 9, allowed=allowed)
+        inputs.send()
+        with torch.inference_mode(), TorchCalls() as calls:
+            logits, ids = session._graph_body(inputs)
+        assert logits.shape == (1, size, 97) and ids.shape == (size,)
+        assert not HOST_READS & set(calls.calls), sorted(HOST_READS & set(calls.calls))
+        assert "scaled_dot_product_attention" in calls.calls  # the model's own forward was seen
+
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
