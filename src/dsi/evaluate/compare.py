@@ -189,7 +189,7 @@ def compare(target, drafter, prompt_ids: Sequence[Sequence[int]], configs: Seque
 
 # Largest logit gap between the two competing tokens that we attribute to floating point: a
 # verification forward over k+1 positions and a one-token forward round differently, and in
-# bf16/fp16 that can flip the argmax of a near-tie (DSI.md section 3). Keyed by the hf backend's
+# bf16/fp16 that can flip the argmax of a near-tie. Keyed by the hf backend's
 # dtype, or by "llama.cpp" (quantized kernels: one-token and batched forwards take different
 # paths; the bf16 margin until measured otherwise).
 NEAR_TIE_MARGIN = {"bf16": 0.25, "fp16": 0.25, "fp32": 1e-3, "llama.cpp": 0.25}
