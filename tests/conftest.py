@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import random
+import sys
 import threading
 import time
 
@@ -26,6 +27,18 @@ def _autotune_choices_in_a_temporary_directory(tmp_path_factory):
         os.environ.pop("DSI_AUTOTUNE_DIR", None)
     else:
         os.environ["DSI_AUTOTUNE_DIR"] = saved
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_as_they_were():
+    """A test that sets torch's intra-op thread count leaves it as it found it: later tests' forwards (their
+    rounding on some kernels, their timings) must not depend on the order tests run in. (Test modules import torch
+    as they are collected, so the count before the first test is known.)"""
+    torch = sys.modules.get("torch")
+    before = torch.get_num_threads() if torch is not None else None
+    yield
+    if before is not None and torch.get_num_threads() != before:
+        torch.set_num_threads(before)
 
 
 class Jitter:

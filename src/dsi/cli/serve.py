@@ -3,9 +3,9 @@
 Takes every model and engine option of ``dsi generate`` (same parsers) plus the server's; the
 sampling options of ``generate`` become the defaults of requests that omit them. Binds to
 loopback unless ``--host`` says otherwise. SIGINT / SIGTERM: stop accepting connections, answer
-queued requests 503, let running ones finish for up to ``--shutdown-timeout`` seconds, abort the
-rest (each still ends its answer: a stream its last events and ``[DONE]``), close every decoder,
-exit 0 (:mod:`dsi.server.runner`). fastapi / uvicorn are imported only when the command runs.
+queued requests 503, let running ones finish for up to ``--shutdown-timeout`` seconds (a second
+Ctrl-C cuts that short), abort the rest (each still ends its answer: a stream its last events and
+``[DONE]``), close every decoder, exit 0 (:mod:`dsi.server.runner`). fastapi / uvicorn are imported only when the command runs.
 Every option is checked (an API key included) before any model is loaded. The API key may come from
 the environment instead of the command line, where ``ps`` shows it (:func:`api_key`). The model id
 shown to clients (``--served-model-name``) defaults to a name, never a local path (:func:`served_name`).
@@ -99,7 +99,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--synthetic-role", choices=("target", "drafter"), default="target",
                    help="with --synthetic: serve the scenario's target (default) or its drafter")
     g.add_argument("--shutdown-timeout", type=NON_NEGATIVE, default=10.0,
-                   help="on SIGINT/SIGTERM, seconds running requests may take before they are aborted (default 10); "
+                   help="on SIGINT/SIGTERM, seconds running requests may take before they are aborted (default 10; "
+                        "a second Ctrl-C aborts them at once); "
                         "an aborted stream still ends with a chunk per choice (finish_reason 'abort'), an error "
                         "event and [DONE], a plain request with a 503")
     p.set_defaults(func=run_serve)

@@ -82,6 +82,7 @@ log = logging.getLogger(__name__)
 
 CLIENT_GONE = "client disconnected"
 SHUTTING_DOWN = "server shutting down"
+UNTIL_POLL_S = 0.05  # how often a shutdown's wait for running requests checks whether to stop waiting
 HANDLER_CANCELLED = "request handler cancelled (shutdown timeout)"
 ABORTED = "abort"  # finish_reason of a choice cut short by the server (vLLM's word; OpenAI has none)
 PREPARE_THREADS = 2  # parse and tokenise two requests at once (the tokenizer itself is serialised)
@@ -209,11 +210,31 @@ class ServerState:
             if job.queued:
                 job.cancel(SHUTTING_DOWN)
 
-    async def wait_running(self, timeout: float | None) -> None:
-        """Wait up to ``timeout`` seconds for the running requests to end (after :meth:`drain`)."""
+    async def wait_running(self, timeout: float | None, until: Callable[[], bool] | None = None) -> None:
+        """Wait up to ``timeout`` seconds for the running requests to end (after :meth:`drain`), or until
+        ``until()`` turns true (checked every :data:`UNTIL_POLL_S`: a second Ctrl-C)."""
         jobs = [job for job in self.jobs if not job.done]
-        if jobs:
-            await asyncio.wait([asyncio.ensure_future(job.wait_finished()) for job in jobs], timeout=timeout)
+        if not jobs:
+            return
+        if until is not None and until():
+            return
+        log.warning("dsi serve: shutting down: %d running request(s) may finish %s%s", len(jobs),
+                    "with no time limit" if timeout is None else f"within {timeout:g} s",
+                    " (Ctrl-C again aborts them now)" if until is not None else "")
+        waits = {asyncio.ensure_future(job.wait_finished()) for job in jobs}
+        loop = asyncio.get_running_loop()
+        end = None if timeout is None else loop.time() + timeout
+        pending = waits
+        try:
+            while pending and not (until is not None and until()):
+                left = None if end is None else end - loop.time()
+                if left is not None and left <= 0:
+                    return
+                step = left if until is None else UNTIL_POLL_S if left is None else min(UNTIL_POLL_S, left)
+                _, pending = await asyncio.wait(pending, timeout=step)
+        finally:
+            for wait in waits:
+                wait.cancel()
 
     async def abort_running(self, timeout: float) -> int:
         """Abort the requests still running (after the grace period): each decoder stops within a step,

@@ -8,8 +8,9 @@ within a step) and each request answers for itself: a stream ends with a last ch
 (``finish_reason: "abort"``), an ``error`` event and ``data: [DONE]``, a plain request gets a 503
 JSON error. Only then is the listening socket closed; uvicorn waits up to :data:`ABORT_S` more
 seconds for those answers to be sent (it cancels a handler only past that, which cuts its
-connection), and the app's lifespan shutdown closes every decoder. Unlike plain uvicorn, the signal
-is not re-raised afterwards, so the process exits normally.
+connection), and the app's lifespan shutdown closes every decoder. A second SIGINT (Ctrl-C again)
+ends the grace period at once: what still runs is aborted and answers as above. Unlike plain
+uvicorn, the signal is not re-raised afterwards, so the process exits normally.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class DSIServer(uvicorn.Server):
         state = getattr(getattr(self.config.app, "state", None), "dsi", None)  # the app's ServerState
         if state is not None:
             state.drain()
-            await state.wait_running(self.config.timeout_graceful_shutdown)  # the listener still answers 503
+            # the listener still answers 503; a second SIGINT (uvicorn's force_exit) ends the wait at once
+            await state.wait_running(self.config.timeout_graceful_shutdown, until=lambda: self.force_exit)
             # what still runs is aborted, never cancelled mid-write: each handler sends its own last answer
             await state.abort_running(ABORT_S)
             self.config.timeout_graceful_shutdown = ABORT_S  # uvicorn's own wait: for those answers to go out

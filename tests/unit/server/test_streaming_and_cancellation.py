@@ -399,3 +399,39 @@ def test_shutdown_past_the_grace_period_ends_every_stream_with_a_last_event_and_
     assert results["queued"].status_code == 503  # told at once, as before
     problems = [r for r in [*uvicorn_log.records, *caplog.records] if r.levelno >= logging.ERROR or r.exc_info]
     assert not problems, [r.getMessage() for r in problems]
+
+
+def test_a_second_ctrl_c_ends_the_grace_period_at_once(tiny_tokenizer):
+    """Ctrl-C starts the grace period (running requests may finish); Ctrl-C again (uvicorn's force_exit) used to
+    change nothing, so the server waited out the whole grace period. Now the wait ends at once: what still runs
+    is aborted and answers for itself (its abort chunk, the error event, [DONE]), and the server stops long
+    before its 600 s grace period would have ended."""
+    import signal
+
+    app = make_app(tiny_tokenizer, LONG, cycle=True, latency=SLOW, max_concurrent=1, max_queue=2, typo_every=0)
+    running = Running(app, graceful_s=600.0).start()  # 4000 tokens take about 40 s
+    results, started = {}, threading.Event()
+    reader = threading.Thread(target=read_stream, args=(running.url, "/v1/completions",
+                                                        {"prompt": "go", "max_tokens": 4000, "stream": True},
+                                                        results, "stream", started))
+    reader.start()
+    try:
+        assert started.wait(30), "the stream did not start"
+        running.server.handle_exit(signal.SIGINT, None)  # Ctrl-C: what uvicorn's signal handler calls
+        wait_until(lambda: app.state.dsi.closing, what="shutdown to begin")
+        time.sleep(0.5)
+        assert reader.is_alive() and running.thread.is_alive()  # the grace period: the stream goes on
+        running.server.handle_exit(signal.SIGINT, None)  # Ctrl-C again
+        running.thread.join(30)  # well before the request could have ended by itself
+        assert not running.thread.is_alive(), "the server waited on after a second Ctrl-C"
+        reader.join(30)
+        assert not reader.is_alive()
+    finally:
+        if running.thread.is_alive():
+            running.shutdown(timeout=5)
+        running.sock.close()
+    assert "stream.error" not in results, results.get("stream.error")
+    lines = results["stream"]
+    assert lines[-1] == "[DONE]" and json.loads(lines[-2])["error"]["code"] == "unavailable", lines[-3:]
+    ends = [c["finish_reason"] for line in lines[:-2] for c in json.loads(line)["choices"] if c["finish_reason"]]
+    assert ends == ["abort"] and len(lines) > 5
