@@ -1,9 +1,11 @@
 """The text side of the served model: tokenise prompts and chats, detokenise outputs.
 
 :class:`HFCodec` wraps a :class:`dsi.models.hf.HFModel` (its tokenizer, chat template, EOS ids
-and context length). Calls are serialised with a lock: Hugging Face fast tokenizers are not safe
-to use from several threads at once ("Already borrowed"), and the server encodes on its
-preparation threads while slot threads decode. Any object with the same attributes can stand in
+and context length). Hugging Face fast tokenizers are not safe to use from several threads at once
+("Already borrowed"), and the server encodes on its preparation threads while slot threads decode
+outputs and the event loop names logprobs' tokens: encoding and decoding each have a copy of a Hugging
+Face tokenizer and a lock of their own, so a long prompt's tokenisation holds up no stream (a GGUF's
+vocabulary, which cannot be copied, keeps one lock). Any object with the same attributes can stand in
 for it (tests use a byte codec over synthetic models).
 
 Tokenising is bounded by the context: ``encode(text, limit)`` gives up with
@@ -14,11 +16,13 @@ prefixes of it rather than all of it (:func:`encode_within`), so a 20 MB prompt 
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from dsi.errors import ConfigError
+from dsi.models.base import check_token_ids
 
 PROBE_CHARS_PER_TOKEN = 8  # the first prefix tried: this many characters per allowed token (text has ~4)
 PROBE_GROWTH = 2  # each further prefix is this many times longer
@@ -96,7 +100,14 @@ class HFCodec:
         if getattr(model, "tokenizer", None) is None:
             raise ConfigError(f"{getattr(model, 'name', model)!r} has no tokenizer; dsi serve needs one for text")
         self._model = model
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # encoding and the chat template (preparation threads)
+        # decoding (slot threads, logprobs' names on the event loop): a copy of the tokenizer and a lock of its
+        # own, where the tokenizer can be copied (a Hugging Face one); else the model's decode under the same lock
+        self._decoder, self._decode_lock = _decoding_copy(model.tokenizer), threading.Lock()
+        if self._decoder is None:
+            self._decode_lock = self._lock
+        self._decode_limit = max(model.vocab_size, len(model.tokenizer))  # ids a logit row or the tokenizer knows
+        self._name = getattr(model, "name", "the served model")
         self.vocab_size: int = model.vocab_size
         self.eos_token_ids: tuple[int, ...] = tuple(model.eos_token_ids)
         self.max_context: int | None = model.max_context
@@ -129,10 +140,22 @@ class HFCodec:
         return encode_within(encode, text, limit)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        with self._lock:
-            if skip_special_tokens:
-                return self._model.decode(ids)
-            return self._model.decode(ids, skip_special_tokens=False)
+        """The model's decode (ids checked; with a Hugging Face tokenizer, ids past it decode to nothing, as
+        :meth:`dsi.models.hf.HFModel.decode` does), on the decoding copy of the tokenizer where there is one."""
+        if self._decoder is None:
+            with self._decode_lock:
+                return self._model.decode(ids, skip_special_tokens=skip_special_tokens)
+        ids = check_token_ids(ids, self._decode_limit, of=self._name)
+        with self._decode_lock:
+            return self._decoder.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _decoding_copy(tokenizer: Any) -> Any:
+    """A copy of a Hugging Face ``tokenizer`` for decoding beside its encoding; None for another kind (a GGUF's
+    vocabulary is read through llama.cpp's pointers: no copy)."""
+    if not type(tokenizer).__module__.startswith("transformers."):
+        return None
+    return copy.deepcopy(tokenizer)
 
 
 class IdsCodec:

@@ -481,3 +481,46 @@ def test_a_prompt_too_long_by_itself_names_the_prompt_and_one_that_only_needs_fe
     ids = len(tiny_tokenizer.encode("word " * 40))
     together = assert_openai_error(post(server.url, path, json=body("word " * 40, 256 - ids + 8)), 400)
     assert together["param"] == "max_tokens" and "lower max_tokens" in together["message"]
+
+
+def test_decoding_is_not_held_up_by_a_prompt_being_tokenised(tiny_tokenizer):
+    """HFCodec: a long prompt's tokenisation (a preparation thread, holding the encoder) used to hold the one lock
+    every decode takes, so slot threads' text and the event loop's logprob names waited for it: every stream
+    paused. Decoding has a copy of the tokenizer and a lock of its own; it gives HFModel.decode's text (special
+    tokens skipped or kept, ids past the tokenizer as nothing) and refuses an id out of range alike."""
+    import copy
+    from types import SimpleNamespace
+
+    from dsi.errors import ConfigError
+    from dsi.server.codec import HFCodec
+
+    tok = copy.deepcopy(tiny_tokenizer)
+    codec = HFCodec(SimpleNamespace(tokenizer=tok, vocab_size=len(tok) + 2, eos_token_ids=[tok.eos_token_id],
+                                    max_context=None, name="tiny"))
+    inside, release = threading.Event(), threading.Event()
+    encode = tok.encode
+
+    def slow_encode(*args, **kwargs):  # a tokenisation that takes as long as the test says
+        inside.set()
+        assert release.wait(30)
+        return encode(*args, **kwargs)
+
+    tok.encode = slow_encode
+    encoder = threading.Thread(target=codec.encode, args=("a long prompt",), kwargs={"add_special_tokens": False})
+    encoder.start()
+    try:
+        assert inside.wait(10)
+        decoded = {}
+        decoder = threading.Thread(target=lambda: decoded.setdefault("text", codec.decode([5, 6, 7])))
+        decoder.start()
+        decoder.join(10)  # the encode is still underway: it waits on `release`
+        assert "text" in decoded, "a decode waited for a prompt's tokenisation"
+    finally:
+        release.set()
+        encoder.join(30)
+    ids = [tok.eos_token_id, 5, 6, len(tok) + 1]
+    assert decoded["text"] == tiny_tokenizer.decode([5, 6, 7])
+    assert codec.decode(ids) == tiny_tokenizer.decode(ids[:-1], skip_special_tokens=True)
+    assert codec.decode(ids, skip_special_tokens=False) == tiny_tokenizer.decode(ids[:-1], skip_special_tokens=False)
+    with pytest.raises(ConfigError, match="tiny"):
+        codec.decode([len(tok) + 2])
