@@ -84,6 +84,31 @@ def test_a_part_that_did_not_write_leaves_its_goals_not_measured(folder):
     assert [(g.measured, g.met) for g in goals] == [("not measured", None)] * len(goals) and len(goals) == 7
 
 
+def test_graphs_that_fell_back_to_eager_forwards_meet_and_miss_no_goal_said_so(folder):
+    """A forward measured in the graphs plan that captured no graph, and an engine part whose run.log section says
+    graphs fell back (a server process's warning too), ran eagerly: their goals are neither met nor missed, they
+    say so, and the report says which part fell back and why."""
+    forwards = json.loads((folder / "forwards.json").read_text())
+    forwards["rows"][1]["plans"]["graphs"]["captured"] = 0  # the 1.5B target: eager forwards
+    (folder / "forwards.json").write_text(json.dumps(forwards))
+    (folder / "run.log").write_text(
+        "== part 0: tests\n5 passed\n== part f: forwards\nok\n== part target14b_graphs\n"
+        "a CUDA graph could not be captured (RuntimeError: operation not permitted when stream is capturing); its "
+        "forwards run eagerly\nthe same again: a CUDA graph could not be captured (RuntimeError: x); its forwards "
+        "run eagerly\n== part target14b\nCUDA graphs need a CUDA device; m runs its forwards eagerly\n")
+    found = gpu_report.load(folder)
+    assert sorted(found["fallbacks"]) == ["target14b", "target14b_graphs"] and len(found["fallbacks"]["target14b"]) == 1
+    got = {g.goal.split(" at ")[0]: (g.measured, g.met) for g in gpu_report.goals(found)}
+    assert got["the 1.5B target's one-token forward with graphs"] == ("eager, not graphs: no graph was captured", None)
+    assert got["the 14B target's one-token forward with graphs"] == ("1.40x (14.00 ms against 10.00 ms)", True)
+    engine = [g for g in gpu_report.goals(found)][3:]
+    assert [g.met for g in engine] == [None] * 4
+    assert all(g.measured.endswith("eager, not graphs: the part's log says graphs fell back") for g in engine)
+    assert engine[0].measured.startswith("4.00x (20.0 against 5.0 tokens/s)")
+    text = gpu_report.markdown(found)
+    assert "**Graphs fell back to eager forwards** in part target14b_graphs: a CUDA graph could not be captured" in text
+
+
 def test_the_program_prints_the_tables_and_writes_the_goals(folder, tmp_path):
     out = tmp_path / "goals.json"
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_report.py"), str(folder), "--json", str(out)],

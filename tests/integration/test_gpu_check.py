@@ -63,6 +63,9 @@ def test_gpu_check_dry_run_measures_every_part(tmp_path):
     assert "Missing" not in report and "Issue 51's goals:" in report
     assert len([line for line in report.splitlines() if line.startswith("| non-SI | ")]) == 3  # a row per part
     assert "| the drafter's step with graphs at most 3 ms |" in report and "not measured" not in report
+    # a CPU captures no graph: the report says so, and no goal "with graphs" is called met or missed
+    assert "**Graphs fell back to eager forwards** in part pair_graphs" in report
+    assert "| the drafter's step with graphs at most 3 ms | eager, not graphs: no graph was captured | - |" in report
 
 
 def test_gpu_check_cpu_dry_run_splits_cores_between_drafter_and_servers(tmp_path):
