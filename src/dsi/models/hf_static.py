@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -331,6 +332,7 @@ class GraphSet:
         if self.disabled:
             self._say_once("CUDA graphs need a CUDA device; %s runs its forwards eagerly (on the same padded shapes)")
         self.captures = 0
+        self.capture_s = 0.0  # the host's time in this set's captures, their warm-up forwards included
 
     def _say_once(self, message: str, *args: Any) -> None:
         with GraphSet._warn_lock:
@@ -366,6 +368,7 @@ class GraphSet:
     def _capture(self, inputs: ForwardInputs) -> _Graph | None:
         try:
             with _CAPTURE_LOCK:
+                start = time.perf_counter()
                 self._body(inputs)  # the warm-up: lazily made buffers and kernels' choices, outside the capture
                 torch.cuda.current_stream(self._owner.device).synchronize()
                 if self._pool is None:
@@ -373,10 +376,15 @@ class GraphSet:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
                     logits, ids = self._body(inputs)
+                took = time.perf_counter() - start
         except Exception as exc:  # noqa: BLE001 - any capture failure: eager from now on, said once
             self.disabled = True
             self._say_once("%s: a CUDA graph could not be captured (%s: %s); its forwards run eagerly",
                            type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
             return None
         self.captures += 1
+        self.capture_s += took
+        # what graphs cost a user at start-up, said as it is paid (a session's first forward of each shape)
+        logger.info("%s: captured a CUDA graph of %d tokens over %d positions in %.0f ms (this session: %d graphs, "
+                    "%.2f s)", self._owner.name, inputs.size, inputs.span, took * 1e3, self.captures, self.capture_s)
         return _Graph(graph, logits, ids)

@@ -378,6 +378,23 @@ def test_captures_in_one_process_take_turns(monkeypatch):
     assert fake.most_underway == 1
 
 
+def test_each_capture_says_what_it_cost(monkeypatch, caplog):
+    """Graphs cost a user time at start-up (a session's first forward of each shape warms up and captures): each
+    capture says its shape and time, and the session's total so far, at INFO (``dsi -v``)."""
+    fake = _FakeCuda()
+    fake.install(monkeypatch)
+    owner = _Owner(fake)
+    graphs = GraphSet(owner, owner.body, stream=None)
+    with caplog.at_level(logging.INFO, logger="dsi.models.hf_static"):
+        for size, span in ((1, 256), (4, 256), (1, 256), (1, 512)):  # the third replays: nothing to say
+            graphs.run(_filled(graphs, size, 5, span))
+    said = [r.getMessage() for r in caplog.records if "captured a CUDA graph" in r.getMessage()]
+    assert [m.split(" in ")[0] for m in said] == [f"tiny: captured a CUDA graph of {n} tokens over {s} positions"
+                                                  for n, s in ((1, 256), (4, 256), (1, 512))]
+    assert said[-1].endswith(f"(this session: 3 graphs, {graphs.capture_s:.2f} s)")
+    assert graphs.captures == 3 and graphs.capture_s > 0
+
+
 def test_a_failed_capture_runs_that_session_eagerly_and_says_so_once(monkeypatch, caplog):
     fake = _FakeCuda(fail=True)
     fake.install(monkeypatch)
