@@ -17,12 +17,15 @@ prefixes of it rather than all of it (:func:`encode_within`), so a 20 MB prompt 
 from __future__ import annotations
 
 import copy
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from dsi.errors import ConfigError
 from dsi.models.base import check_token_ids
+
+logger = logging.getLogger(__name__)
 
 PROBE_CHARS_PER_TOKEN = 8  # the first prefix tried: this many characters per allowed token (text has ~4)
 PROBE_GROWTH = 2  # each further prefix is this many times longer
@@ -152,10 +155,16 @@ class HFCodec:
 
 def _decoding_copy(tokenizer: Any) -> Any:
     """A copy of a Hugging Face ``tokenizer`` for decoding beside its encoding; None for another kind (a GGUF's
-    vocabulary is read through llama.cpp's pointers: no copy)."""
+    vocabulary is read through llama.cpp's pointers: no copy) or one that cannot be copied (the server then
+    decodes under the encoder's lock, as it did before the copy)."""
     if not type(tokenizer).__module__.startswith("transformers."):
         return None
-    return copy.deepcopy(tokenizer)
+    try:
+        return copy.deepcopy(tokenizer)
+    except Exception as exc:  # noqa: BLE001 - any tokenizer a user brings: serve on, with one lock
+        logger.info("dsi serve: the tokenizer could not be copied for decoding (%s: %s); encoding and decoding "
+                    "share one lock", type(exc).__name__, exc)
+        return None
 
 
 class IdsCodec:

@@ -524,3 +524,26 @@ def test_decoding_is_not_held_up_by_a_prompt_being_tokenised(tiny_tokenizer):
     assert codec.decode(ids, skip_special_tokens=False) == tiny_tokenizer.decode(ids[:-1], skip_special_tokens=False)
     with pytest.raises(ConfigError, match="tiny"):
         codec.decode([len(tok) + 2])
+
+
+def test_a_tokenizer_that_cannot_be_copied_still_serves(tiny_tokenizer, monkeypatch, caplog):
+    """A Hugging Face tokenizer the decoding copy cannot be made of (a user's own kind): the server still starts
+    and decodes, under the encoder's one lock, and says why at INFO."""
+    import copy
+    import logging
+    from types import SimpleNamespace
+
+    from dsi.server import codec as codec_module
+
+    def refuse(obj, memo=None):
+        raise TypeError("cannot pickle 'SomeHandle' object")
+
+    tok = copy.deepcopy(tiny_tokenizer)
+    monkeypatch.setattr(codec_module.copy, "deepcopy", refuse)
+    with caplog.at_level(logging.INFO, logger="dsi.server.codec"):
+        codec = codec_module.HFCodec(SimpleNamespace(tokenizer=tok, vocab_size=len(tok), eos_token_ids=[],
+                                                     max_context=None, name="tiny", decode=tok.decode))
+    assert "could not be copied for decoding (TypeError: cannot pickle 'SomeHandle' object)" in caplog.text
+    assert codec.decode([5, 6, 7]) == tiny_tokenizer.decode([5, 6, 7])
+    assert codec.decode(codec.encode("a b", add_special_tokens=False)) == tiny_tokenizer.decode(
+        tiny_tokenizer.encode("a b", add_special_tokens=False))
