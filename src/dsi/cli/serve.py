@@ -5,10 +5,11 @@ sampling options of ``generate`` become the defaults of requests that omit them.
 loopback unless ``--host`` says otherwise. SIGINT / SIGTERM: stop accepting connections, answer
 queued requests 503, let running ones finish for up to ``--shutdown-timeout`` seconds (a second
 Ctrl-C cuts that short), abort the rest (each still ends its answer: a stream its last events and
-``[DONE]``), close every decoder, exit 0 (:mod:`dsi.server.runner`). fastapi / uvicorn are imported only when the command runs.
-Every option is checked (an API key included) before any model is loaded. The API key may come from
-the environment instead of the command line, where ``ps`` shows it (:func:`api_key`). The model id
-shown to clients (``--served-model-name``) defaults to a name, never a local path (:func:`served_name`).
+``[DONE]``), close every decoder, exit 0 (:mod:`dsi.server.runner`). fastapi / uvicorn are imported
+only when the command runs. Every option is checked (an API key included) before any model is
+loaded. The API key may come from the environment instead of the command line, where ``ps`` shows it
+(:func:`api_key`). The model id shown to clients (``--served-model-name``) defaults to a name, never a
+local path (:func:`served_name`).
 """
 
 from __future__ import annotations
