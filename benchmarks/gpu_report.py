@@ -89,21 +89,27 @@ def best(rows: dict, method: str) -> tuple[str, dict] | None:
     return min(fits, key=lambda lr: lr[1]["total_s"]) if fits else None
 
 
+def _measured(found: dict, config: str, plan: str) -> dict | None:
+    """The forwards' row of ``config`` where it measured ``plan``."""
+    for row in found.get("forwards", {}).get("rows", []):
+        if row["config"] == config and plan in row.get("plans", {}):
+            return row
+    return None
+
+
 def forward_ms(found: dict, config: str, plan: str = "graphs", n: str = "1") -> tuple[float, float] | None:
     """``(forward ms, read ms)`` of ``config``'s forward of ``n`` tokens on ``plan``, where it was measured (with
     graphs: only where they were captured; else the forward was eager)."""
-    for row in found.get("forwards", {}).get("rows", []):
-        if row["config"] == config and "plans" in row and plan in row["plans"]:
-            if plan == "graphs" and not row["plans"][plan].get("captured"):
-                return None
-            return row["plans"][plan][f"{n}_ms"], row["read_ms"]
-    return None
+    row = _measured(found, config, plan)
+    if row is None or (plan == "graphs" and _eager(found, config)):
+        return None
+    return row["plans"][plan][f"{n}_ms"], row["read_ms"]
 
 
 def _eager(found: dict, config: str) -> bool:
     """Whether ``config``'s forwards in the graphs plan were measured but captured no graph."""
-    return any(row["config"] == config and "graphs" in row.get("plans", {}) and not row["plans"]["graphs"].get(
-        "captured") for row in found.get("forwards", {}).get("rows", []))
+    row = _measured(found, config, "graphs")
+    return row is not None and not row["plans"]["graphs"].get("captured")
 
 
 def goals(found: dict) -> list[Goal]:

@@ -13,6 +13,10 @@ from typing import Any
 
 VIEWS = frozenset({"slice", "select", "view", "alias", "detach", "detach_", "unsqueeze", "as_strided", "expand",
                    "resolve_conj", "resolve_neg", "lift_fresh", "reshape", "_unsafe_view"})  # no device work
+# what waits for the device on the host (a read of a device value, or an output whose shape depends on the data:
+# its size is read first); a CUDA graph's capture fails on any of them
+HOST_READS = frozenset({"_local_scalar_dense", "item", "is_nonzero", "nonzero", "nonzero_static", "masked_select",
+                        "_unique2", "unique_dim", "unique_consecutive", "bincount", "repeat_interleave", "tolist"})
 
 
 class TorchCalls:
@@ -39,6 +43,10 @@ class TorchCalls:
     def work(self) -> list[str]:
         """The calls that are not views (:data:`VIEWS`)."""
         return [c for c in self.calls if c not in VIEWS]
+
+    def host_reads(self) -> list[str]:
+        """The calls that wait for the device on the host (:data:`HOST_READS`)."""
+        return [c for c in self.calls if c in HOST_READS]
 
     @contextlib.contextmanager
     def pause(self):

@@ -146,10 +146,7 @@ def _laws(rows: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, tor
     law of in-range numbers, and its caller refuses it by its maximum (:func:`_usable`)."""
     x = rows if rows.dtype == torch.float64 else rows.to(torch.float32)  # [n, V]; written only out of place
     top, first = x.max(dim=-1)  # [n] each; the first index of the maximum
-    law = (x - top[:, None]).to(torch.float32)  # <= 0, exactly 0 at the maximum
-    # a row whose maximum is +inf: its +inf logits (inf - inf: NaN) share the mass, the limit as they grow, and
-    # every other logit (-inf) none; no other usable row holds a NaN here
-    law.nan_to_num_(nan=0.0, posinf=math.inf, neginf=-math.inf)
+    law = _shifted(x, top[:, None]).to(torch.float32)  # <= 0, exactly 0 at the maximum
     t = params.temperature
     if _SCALED_T[0] <= t <= _SCALED_T[1]:
         if t != 1.0:
@@ -176,6 +173,13 @@ def _laws(rows: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, tor
         law = torch.where(mask, law, 0.0)
         law /= law.sum(dim=-1, keepdim=True)
     return law, top, first
+
+
+def _shifted(x: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """``x - top`` (``top``: each row's maximum, ``[n, 1]``), where a row whose maximum is +inf takes the softmax's
+    limit as its +inf logits grow: they (``inf - inf``: NaN) share the mass as logits of 0, every other one (-inf)
+    has none. No host read decides which rows those are; no other usable row holds a NaN here."""
+    return (x - top).nan_to_num_(nan=0.0, posinf=math.inf, neginf=-math.inf)
 
 
 def read_chain(rows: torch.Tensor, chain: ChainRead) -> tuple[np.ndarray, ReadLaws]:
@@ -358,9 +362,7 @@ def _logprob_values(rows: torch.Tensor, read, mode: str) -> tuple[torch.Tensor, 
             return torch.log(law), torch.zeros(law.shape[0], dtype=torch.float64, device=law.device)
     x = rows.to(torch.float32)
     top = x.max(dim=-1, keepdim=True).values  # [n, 1]
-    # the softmax's limit in a row whose maximum is +inf: its +inf logits (inf - inf: NaN) share the mass as
-    # logits of 0, the rest (-inf) have none; no host read decides which rows those are
-    shifted = (x - top).nan_to_num_(nan=0.0, posinf=math.inf, neginf=-math.inf)  # [n, V]
+    shifted = _shifted(x, top)  # [n, V]
     total = torch.exp(shifted).sum(dim=-1, dtype=torch.float64)  # [n], each >= 1
     infinite = top == math.inf
     values = torch.where(infinite, shifted, x)
