@@ -45,6 +45,15 @@ def add_options(parser: argparse.ArgumentParser, dry_run: str, out_default: str 
                         f"{dry_run}")
 
 
+def add_pair_options(parser: argparse.ArgumentParser) -> None:
+    """``--target``, ``--drafter`` (the embedded pair by default), ``--backend`` and ``--dtype``: the pair a
+    program loads with :func:`dsi.models.loading.load_pair`."""
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    parser.add_argument("--drafter", default="qwen2.5-coder-0.5b-instruct")
+    parser.add_argument("--backend", default="llama.cpp", choices=["llama.cpp", "hf"])
+    parser.add_argument("--dtype", default=None, help="hf only (default bf16)")
+
+
 def parse(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
     """``parser``'s arguments, ``--out``'s folder made now (``--out results/x.json``), not found missing after a
     long run; refused at once where it cannot be made."""

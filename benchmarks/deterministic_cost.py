@@ -16,7 +16,7 @@ import argparse
 import statistics
 import sys
 
-from _common import add_options, emit, parse, shrink, tiny_pair
+from _common import add_options, add_pair_options, emit, parse, shrink, tiny_pair
 
 import dsi
 from dsi.engine.api import build_decoder, make_request
@@ -29,10 +29,7 @@ METHODS = (("non-SI", dict(method="ar")), ("SI k=5", dict(method="si", lookahead
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
-    parser.add_argument("--drafter", default="qwen2.5-coder-0.5b-instruct")
-    parser.add_argument("--backend", default="llama.cpp", choices=["llama.cpp", "hf"])
-    parser.add_argument("--dtype", default=None, help="hf only (default bf16)")
+    add_pair_options(parser)
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)

@@ -6,9 +6,12 @@ verifies overlapping draft windows in parallel. Public API::
     import dsi
     result = dsi.generate(target=..., drafter=..., prompt=[...], max_new_tokens=64)
     result.tokens, result.stats.acceptance_rate
+
+    with dsi.build_decoder(target=..., drafter=...) as decoder:   # workers that stay up
+        result = decoder.generate(dsi.Request([...], max_new_tokens=64))
 """
 
-from dsi.api import build_decoder, generate
+from dsi.api import build_decoder, generate, make_request
 from dsi.engine.config import DecoderConfig
 from dsi.engine import GenerationAborted, GenerationResult, GenerationStats, Request
 from dsi.errors import (
@@ -42,4 +45,5 @@ __all__ = [
     "WorkerError",
     "build_decoder",
     "generate",
+    "make_request",
 ]

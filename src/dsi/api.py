@@ -12,7 +12,7 @@ import threading
 from collections.abc import Sequence
 
 from dsi.engine import api as engine
-from dsi.engine.api import Decoder
+from dsi.engine.api import Decoder, make_request  # noqa: F401 - make_request: public (dsi.make_request)
 from dsi.engine.config import METHODS, DecoderConfig  # noqa: F401 - METHODS: the public list of methods
 from dsi.engine.request import TokenCallback
 from dsi.engine.result import GenerationResult

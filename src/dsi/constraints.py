@@ -85,8 +85,8 @@ class Constraint:
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"the JSON schema is not JSON: {exc}") from None
+            except (ValueError, RecursionError) as exc:  # (also a number of over 4300 digits, deep nesting)
+                raise ConfigError(f"the JSON schema is not JSON: {str(exc) or type(exc).__name__}") from None
         if not isinstance(schema, dict):
             raise ConfigError(f"a JSON schema must be an object, got {type(schema).__name__}")
         return cls("json_schema", json.dumps(schema))  # its own key order: properties are generated in it

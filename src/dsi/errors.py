@@ -62,3 +62,18 @@ def require(condition: bool, message: str) -> None:
     """Raise :class:`ConfigError` with ``message`` unless ``condition`` holds."""
     if not condition:
         raise ConfigError(message)
+
+
+def shown(value: object, limit: int = 80) -> str:
+    """``repr(value)`` for an error message, cut to ``limit`` characters: a value from a user may be thousands of
+    characters long, and an integer of more than 4,300 digits has no ``repr`` at all (Python refuses to convert
+    it), which would turn the message that names it into a bare ``ValueError``."""
+    if isinstance(value, int) and value.bit_length() > 3 * limit:  # more digits than the message may show
+        return f"<an integer of {value.bit_length()} bits>"
+    try:
+        text = repr(value)
+    except ValueError:  # an integer too long to convert, or a container holding one
+        if isinstance(value, int):
+            return f"<an integer of {value.bit_length()} bits>"
+        return f"<a {type(value).__name__} holding an integer too long to show>"
+    return text if len(text) <= limit else f"{text[: limit - 20]}... ({len(text)} characters)"

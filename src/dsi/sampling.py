@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 import struct
+import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -37,14 +39,21 @@ import numpy as np
 
 from dsi.constraints import BoundConstraint, Constraint
 from dsi.errors import ConfigError, DraftUnavailable, ModelError, require
+from dsi.errors import shown as _shown
 
 _MAX_SEED = 2**63 - 1
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
 MAX_PENALTY = 2.0  # OpenAI's bound on |presence_penalty| and |frequency_penalty|
+MAX_TOKEN_ID_DIGITS = 10  # a logit_bias key given as text (JSON's keys): every vocabulary's ids are below 10**10
+_TOKEN_ID_TEXT = re.compile(f"[0-9]{{1,{MAX_TOKEN_ID_DIGITS}}}")
 
 
 def _number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite int or float that a float can hold (numpy could not use a larger int, and
+    ``math.isfinite`` would overflow converting it)."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return False
+    return abs(value) <= sys.float_info.max if isinstance(value, int) else math.isfinite(value)
 
 
 def _bias_items(bias: object) -> tuple[tuple[int, float], ...]:
@@ -55,19 +64,22 @@ def _bias_items(bias: object) -> tuple[tuple[int, float], ...]:
     elif isinstance(bias, list | tuple):
         items = bias
     else:
-        raise ConfigError(f"logit_bias={bias!r} must map token ids to biases, e.g. {{50256: -100}}")
+        raise ConfigError(f"logit_bias={_shown(bias)} must map token ids to biases, e.g. {{50256: -100}}")
     out: dict[int, float] = {}
     for item in items:
         if not (isinstance(item, tuple | list) and len(item) == 2):
-            raise ConfigError(f"logit_bias entry {item!r} must be a (token id, bias) pair")
+            raise ConfigError(f"logit_bias entry {_shown(item)} must be a (token id, bias) pair")
         key, value = item
         token = key
-        if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+        if isinstance(key, str):  # JSON's keys: ASCII digits only ("²" and "٥" are digits to str.isdigit)
+            if _TOKEN_ID_TEXT.fullmatch(key) is None:
+                raise ConfigError(f"logit_bias key {_shown(key)} must be a token id: 1 to {MAX_TOKEN_ID_DIGITS} "
+                                  "ASCII digits (0-9), e.g. \"50256\"")
             token = int(key)
         if not (isinstance(token, int) and not isinstance(token, bool) and token >= 0):
-            raise ConfigError(f"logit_bias key {key!r} must be a token id (an integer >= 0)")
+            raise ConfigError(f"logit_bias key {_shown(key)} must be a token id (an integer >= 0)")
         if not (_number(value) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
-            raise ConfigError(f"logit_bias[{token}]={value!r} must be a number in "
+            raise ConfigError(f"logit_bias[{_shown(token)}]={_shown(value)} must be a number in "
                               f"[{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
         out[token] = float(value)
     return tuple(sorted(out.items()))
@@ -122,38 +134,38 @@ class SamplingParams:
     def __post_init__(self) -> None:
         t, k, p, s = self.temperature, self.top_k, self.top_p, self.seed
         require(
-            isinstance(t, int | float) and not isinstance(t, bool) and np.isfinite(t) and t >= 0,
-            f"temperature={t!r} must be a finite number >= 0 (0 means greedy)",
+            _number(t) and t >= 0,
+            f"temperature={_shown(t)} must be a finite number >= 0 (0 means greedy)",
         )
         require(
             isinstance(k, int) and not isinstance(k, bool) and k >= 0,
-            f"top_k={k!r} must be an integer >= 0 (0 disables top-k)",
+            f"top_k={_shown(k)} must be an integer >= 0 (0 disables top-k)",
         )
         require(
             isinstance(p, int | float) and not isinstance(p, bool) and 0.0 < p <= 1.0,
-            f"top_p={p!r} must be in (0, 1] (1 disables nucleus filtering)",
+            f"top_p={_shown(p)} must be in (0, 1] (1 disables nucleus filtering)",
         )
         require(
             isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= _MAX_SEED,
-            f"seed={s!r} must be an integer in [0, 2**63 - 1]",
+            f"seed={_shown(s)} must be an integer in [0, 2**63 - 1]",
         )
         require(_number(self.min_p) and 0.0 <= self.min_p <= 1.0,
-                f"min_p={self.min_p!r} must be in [0, 1] (0 disables min-p)")
+                f"min_p={_shown(self.min_p)} must be in [0, 1] (0 disables min-p)")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             require(_number(value) and -MAX_PENALTY <= value <= MAX_PENALTY,
-                    f"{name}={value!r} must be a number in [-2, 2] (0 disables it)")
+                    f"{name}={_shown(value)} must be a number in [-2, 2] (0 disables it)")
         rp = self.repetition_penalty
-        require(_number(rp) and rp > 0, f"repetition_penalty={rp!r} must be a number > 0 (1 disables it)")
+        require(_number(rp) and rp > 0, f"repetition_penalty={_shown(rp)} must be a number > 0 (1 disables it)")
         m = self.min_tokens
         require(isinstance(m, int) and not isinstance(m, bool) and m >= 0,
-                f"min_tokens={m!r} must be an integer >= 0")
-        require(isinstance(self.ignore_eos, bool), f"ignore_eos={self.ignore_eos!r} must be true or false")
+                f"min_tokens={_shown(m)} must be an integer >= 0")
+        require(isinstance(self.ignore_eos, bool), f"ignore_eos={_shown(self.ignore_eos)} must be true or false")
         object.__setattr__(self, "logit_bias", _bias_items(self.logit_bias))
         stops = self.stop_token_ids
         require(isinstance(stops, list | tuple | set | frozenset)
                 and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in stops),
-                f"stop_token_ids={stops!r} must be a list of token ids (integers >= 0)")
+                f"stop_token_ids={_shown(stops)} must be a list of token ids (integers >= 0)")
         object.__setattr__(self, "stop_token_ids", tuple(sorted(set(stops))))
         require(self.constraint is None or isinstance(self.constraint, Constraint | BoundConstraint),
                 f"constraint={self.constraint!r} must be a dsi.Constraint (Constraint.json_schema(...), "

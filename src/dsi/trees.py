@@ -400,6 +400,8 @@ def parse_shape(text: str | None) -> TreeShape:
     if value in ("best-first", "best_first", "bestfirst"):
         return BestFirst()
     try:
+        if not value.isascii():  # int() also reads other scripts' digits ("٣")
+            raise ValueError(value)
         widths = tuple(int(w) for w in value.split(","))
     except ValueError:
         raise ConfigError(f"draft tree {text!r} must be off, auto, branches, best-first, or widths per depth such "

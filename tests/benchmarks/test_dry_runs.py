@@ -314,6 +314,17 @@ def test_serve_load(dry_run):
 
 
 @pytest.mark.slow
+def test_serve_determinism(dry_run):
+    needs(*LLAMA, *SERVER)
+    report = dry_run("serve_determinism.py")
+    assert set(report["workloads"]) == {"scoring", "short", "chat"} and report["server_exit_codes"] == [0, 0]
+    for name, row in report["workloads"].items():
+        assert positive(row["default_tok_s"]) and positive(row["deterministic_tok_s"]), name
+        assert not row["moved_on_repeat"]["deterministic"], name  # the mode's promise
+    assert not report["workloads"]["scoring"]["moved_on_repeat"]["default"]  # one forward: no timing in it
+
+
+@pytest.mark.slow
 def test_serve_big_prompt(dry_run):
     needs(*HF, *SERVER)
     report = dry_run("serve_big_prompt.py")

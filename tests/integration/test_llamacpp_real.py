@@ -97,6 +97,34 @@ def test_without_the_mode_a_row_depends_on_the_cut_and_with_it_never(pair):
     assert spread[False] > 0.01  # about 0.4 logits on 2026-12-01 (quantized kernels by batch size)
 
 
+CHAT = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
+        "<|im_start|>assistant\n")
+
+
+def test_without_the_mode_a_dsi_request_s_first_token_does_not_depend_on_what_was_served_before(batched,
+                                                                                               no_thread_leak):
+    """Issue 64's lm-eval finding: a default DSI server's second answer to the same chat request scored its
+    first token up to 0.13 nats apart from its first (the servers reused the shared system prompt, computed in
+    an earlier request's cuts). Its first token (the zero-draft task's: no timing decides it) and logprobs are
+    now the same bits after other requests and after itself, as on a fresh decoder."""
+    from dsi.engine.api import build_decoder, make_request
+
+    target, drafter = batched
+    vocab = target.vocab_size
+    prompt, other = target.encode(CHAT.format("Reverse a string in Python.")), target.encode(CHAT.format("2+2?"))
+
+    def first():
+        entry = decoder.generate(make_request(prompt, 1, dsi.SamplingParams(), None, vocab, logprobs=2)).logprobs[0]
+        return entry.token, entry.logprob, entry.top
+
+    with build_decoder(target=target, drafter=drafter, method="dsi", lookahead="auto", num_target_servers=2) as decoder:
+        fresh = first()
+        decoder.generate(make_request(other, 8, dsi.SamplingParams(), None, vocab))
+        assert first() == fresh
+        decoder.generate(make_request(prompt, 8, dsi.SamplingParams(), None, vocab))
+        assert first() == fresh
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method, deterministic", [("ar", False), ("si", False), ("si", True), ("dsi", True)])
 def test_the_issues_repeated_requests_give_the_same_tokens(pair, method, deterministic, no_thread_leak):

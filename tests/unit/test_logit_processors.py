@@ -169,6 +169,18 @@ def test_rows_of_one_forward_are_each_processed_with_their_own_prefix(params):
     (dict(min_tokens=1.5), "min_tokens=1.5"),
     (dict(logit_bias={1: 101.0}), "logit_bias[1]=101.0 must be a number in [-100, 100]"),
     (dict(logit_bias={"x": 1.0}), "logit_bias key 'x' must be a token id"),
+    # JSON's keys are ASCII digits: "²" is a digit to str.isdigit (int() refuses it), "٥" one to int() (5)
+    (dict(logit_bias={"²": 1.0}), "logit_bias key '²' must be a token id: 1 to 10 ASCII digits"),
+    (dict(logit_bias={"٥": 1.0}), "logit_bias key '٥' must be a token id: 1 to 10 ASCII digits"),
+    (dict(logit_bias={"5" * 5000: 1.0}), "(5002 characters) must be a token id: 1 to 10 ASCII digits"),
+    (dict(logit_bias={" 5": 1.0}), "logit_bias key ' 5' must be a token id"),
+    (dict(logit_bias={"-1": 1.0}), "logit_bias key '-1' must be a token id"),
+    # integers too long to convert to text (over 4300 digits) or to a float are named, not a bare ValueError
+    (dict(logit_bias={1: 10**5000}), "logit_bias[1]=<an integer of 16610 bits> must be a number in [-100, 100]"),
+    (dict(seed=10**5000), "seed=<an integer of 16610 bits> must be an integer in [0, 2**63 - 1]"),
+    (dict(temperature=10**400), "temperature=<an integer of 1329 bits> must be a finite number"),
+    (dict(min_p=10**400), "min_p=<an integer of 1329 bits> must be in [0, 1]"),
+    (dict(stop_token_ids=[10**5000, -1]), "stop_token_ids=<a list holding an integer too long to show> must be"),
     (dict(logit_bias=[1, 2]), "logit_bias entry 1 must be a"),
     (dict(logit_bias="1:2"), "logit_bias='1:2' must map token ids to biases"),
     (dict(stop_token_ids=[1, -2]), "stop_token_ids=[1, -2] must be a list of token ids"),
@@ -180,6 +192,7 @@ def test_bad_processor_values_are_refused_with_the_value_named(kwargs, fragment)
 
 
 def test_bias_keys_from_json_are_token_ids_and_the_params_stay_hashable():
+    assert SamplingParams(logit_bias={"0": 1, "9999999999": 2}).logit_bias == ((0, 1.0), (9999999999, 2.0))
     a = SamplingParams(logit_bias={"7": 1.0, 3: -2})
     b = SamplingParams(logit_bias=[(3, -2.0), (7, 1)])
     assert a == b and a.logit_bias == ((3, -2.0), (7, 1.0)) and hash(a) == hash(b)

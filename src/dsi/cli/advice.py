@@ -4,7 +4,8 @@ The demo runs every worker on this machine's shared cores. The planner (:mod:`ds
 assumes what DSI is built for, a drafter and target servers with hardware of their own, each as fast
 as this machine was alone. Fed with the forward times and acceptance the demo just measured, it
 says how many such target servers, with which lookahead, would make DSI the fastest, and by how
-much: one sentence for the demo, and the numbers for its JSON.
+much: a few short lines for the demo, each number labelled with what it times, and the numbers
+for its JSON.
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ def measured_inputs(rows: list[dict]) -> PlanInputs | None:
 
 
 def what_dsi_needs(rows: list[dict], fastest: str, max_servers: int = 7, tokens: int = 64) -> dict | None:
-    """The plan for DSI on hardware of its own, and one sentence saying it (None without the
-    measurements; also None when DSI is already the fastest here)."""
+    """The plan for DSI on hardware of its own, and a few short lines saying it, each measured number
+    labelled with what it times (None without the measurements; also None when DSI is already the fastest
+    here)."""
     if fastest.startswith("DSI"):
         return None
     inputs = measured_inputs(rows)
@@ -60,15 +62,17 @@ def what_dsi_needs(rows: list[dict], fastest: str, max_servers: int = 7, tokens:
     per_token = auto.per_token_ms if use_auto else plan.best.per_token_ms
     lookahead = "auto" if use_auto else plan.best.lookahead
     vs_nonsi, vs_si = plan.nonsi_per_token_ms / per_token, plan.si_per_token_ms / per_token
-    sentence = (
-        f"DSI is not the fastest here because its drafter and target servers share this machine; with "
-        f"{servers} target server{'s' if servers > 1 else ''} on hardware of {'their' if servers > 1 else 'its'} "
-        f"own (plus the drafter's), each as fast as this machine alone, `dsi plan` predicts DSI "
-        f"(k={lookahead}) at {vs_nonsi:.2f}x non-SI and {vs_si:.2f}x SI from what was just measured "
-        f"(target forward {inputs.target_tpot_ms:.0f} ms, drafter step {inputs.drafter_tpot_ms:.0f} ms, "
-        f"acceptance {inputs.acceptance:.2f})."
-    )
-    return {"sentence": sentence, "num_target_servers": servers, "lookahead": lookahead,
+    lines = [
+        "DSI is not the fastest here: its drafter and target servers share this machine.",
+        f"With {servers} target server{'s' if servers > 1 else ''} of {'their' if servers > 1 else 'its'} own (plus "
+        "the drafter's hardware), each as fast as this machine alone,",
+        f"`dsi plan` predicts DSI (k={lookahead}) at {vs_nonsi:.2f}x non-SI and {vs_si:.2f}x SI, from what was just "
+        "measured:",
+        f"  one-token target forward (non-SI's time per token): {inputs.target_tpot_ms:.0f} ms",
+        f"  drafter step, one draft token (the best SI's): {inputs.drafter_tpot_ms:.0f} ms",
+        f"  acceptance (the best SI's): {inputs.acceptance:.2f}",
+    ]
+    return {"lines": lines, "num_target_servers": servers, "lookahead": lookahead,
             "predicted_speedup_vs_nonsi": vs_nonsi, "predicted_speedup_vs_si": vs_si,
             "inputs": {"target_tpot_ms": inputs.target_tpot_ms, "target_ttft_ms": inputs.target_ttft_ms,
                        "drafter_tpot_ms": inputs.drafter_tpot_ms, "acceptance": inputs.acceptance}}

@@ -19,6 +19,19 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from dsi.transport.base import MAX_SERVERS
+
+
+_ASCII_INTEGER = re.compile(r"\s*[+-]?[0-9]+\s*")
+
+
+def ascii_int(text: str) -> int:
+    """``text`` as an int written in ASCII digits; ``ValueError`` otherwise (``int`` alone also reads
+    ``"٥"`` as 5 and ``"1_000"``), and, as ``int`` raises it, for more than 4300 digits."""
+    if _ASCII_INTEGER.fullmatch(text) is None:
+        raise ValueError(f"{text!r} is not an integer written in ASCII digits")
+    return int(text)
+
 
 @dataclass(frozen=True)
 class Number:
@@ -44,7 +57,9 @@ class Number:
 
     def __call__(self, text: str) -> int | float:
         try:
-            value = self.kind(text)
+            if not text.isascii():  # int and float also read other scripts' digits ("٥", "١.٥")
+                raise ValueError(text)
+            value = ascii_int(text) if self.kind is int else self.kind(text)
         except (TypeError, ValueError):
             raise argparse.ArgumentTypeError(f"{text!r} must be {self.describe()}") from None
         if not math.isfinite(value) or not self.contains(value):
@@ -71,6 +86,7 @@ def _show(bound: float) -> str:
 
 
 COUNT = Number(int, 1)  # how many of something, at least one
+SERVERS = Number(int, 1, MAX_SERVERS)  # target servers (--sp): dsi.transport.MAX_SERVERS at most
 NATURAL = Number(int, 0)  # a count that may be 0 (0 often switches the thing off)
 SEED = Number(int, 0, 2**63 - 1)
 POSITIVE = Number(float, 0, low_open=True)  # a time, a latency
@@ -139,7 +155,7 @@ def scoring_port(text: str) -> int | None:
     if word in ("off", "auto"):
         return None if word == "off" else 0
     try:
-        port = int(word)
+        port = ascii_int(word)
     except ValueError:
         port = -1
     if not 1 <= port <= 65535:

@@ -13,9 +13,11 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from dsi.cli.args import COUNT, Number
+from dsi.cli.args import Number
 from dsi.errors import ConfigError
 from dsi.models.loading import BACKEND_CHOICES, BackendChoice
+
+THREADS = Number(int, 1, 512)  # per worker; 512 is ggml's GGML_MAX_N_THREADS (llama.cpp refuses more)
 
 
 def add_backend_args(g: argparse._ArgumentGroup | argparse.ArgumentParser, threads_help: str | None = None) -> None:
@@ -45,7 +47,7 @@ def add_backend_args(g: argparse._ArgumentGroup | argparse.ArgumentParser, threa
     g.add_argument("--cuda-graphs", action="store_true",
                    help="hf on a CUDA device: capture each forward's padded shape as a CUDA graph (implies --kv-cache "
                         "static); elsewhere the forwards run eagerly, and it says so once")
-    g.add_argument("--threads", type=COUNT, default=None,
+    g.add_argument("--threads", type=THREADS, default=None,
                    help=threads_help or "threads per worker (drafter and each target server): torch's intra-op "
                                         "threads (hf) or llama.cpp's threads per session; default: the backend's")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dsi.cli.args import COUNT, DRAFT_TREE, ENGINE_URL, Number, input_file, output_file
+from dsi.cli.args import COUNT, DRAFT_TREE, SERVERS, ENGINE_URL, Number, input_file, output_file
 from dsi.errors import ConfigError
 
 
@@ -38,7 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json-schema", metavar="FILE", type=input_file,
                    help="with --gpu-class: every request constrained to JSON valid under the schema in FILE, on the "
                         "embedded pair's Qwen2.5 vocabulary (its tokenizer is read from the GGUF, fetched on first use)")
-    p.add_argument("--sp", type=COUNT, default=None,
+    p.add_argument("--sp", type=SERVERS, default=None,
                    help="with --gpu-class: DSI's target servers (default 4; a machine with few cores hosts fewer)")
     p.add_argument("--request", action="append", choices=list(REQUESTS), metavar="KIND",
                    help="with --gpu-class: greedy, sampled (T=0.7, seed 1) or nucleus (Qwen2.5-Instruct's "

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 from dsi.cli.advice import what_dsi_needs
 from dsi.cli.args import (COUNT, DRAFT_TREE, ENGINE_URL, LOOKAHEAD, MERGES, NATURAL, NON_NEGATIVE, POSITIVE,
-                          PROBABILITY, SEED, Number, input_file)
+                          PROBABILITY, SEED, SERVERS, Number, ascii_int, input_file)
 from dsi.cli.backend import add_backend_args, choose, describe, forward_plan, hf_dtype, max_model_len
 from dsi.engine.config import DecoderConfig
 from dsi.errors import ConfigError
@@ -73,8 +73,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "'best-first' (SI only) grows an EAGLE-2-style tree of k nodes; widths per depth such as "
                         "3,2,1 (SI only) give the children below each node of the main path. Output stays exact "
                         "(default off: chains)")
-    g.add_argument("--sp", type=COUNT, default=None,
-                   help="number of target servers (default 1); with --method auto the most DSI may use "
+    g.add_argument("--sp", type=SERVERS, default=None,
+                   help="number of target servers, 1 to 256 (default 1); with --method auto the most DSI may use "
                         "(default: one per --target-devices entry, else 1)")
     g.add_argument("--transport", choices=["threads", "processes", "ray"], default="threads",
                    help="where target servers run: threads of this process, spawned processes, or Ray "
@@ -282,7 +282,7 @@ def _id_list(flag: str, text: str | None) -> list[int]:
     try:
         if not parts or any(p == "" for p in parts):
             raise ValueError
-        return [int(t) for t in parts]
+        return [ascii_int(t) for t in parts]
     except ValueError:
         raise ConfigError(f"{flag}={text!r} must be comma-separated integers, with none empty") from None
 
@@ -293,9 +293,9 @@ def _logit_bias(values: list[str]) -> dict[int, float]:
         for pair in filter(None, (v.strip() for v in value.split(","))):
             token, sep, amount = pair.partition("=")
             try:
-                if not sep:
+                if not sep or not amount.isascii():
                     raise ValueError
-                bias[int(token)] = float(amount)
+                bias[ascii_int(token)] = float(amount)
             except ValueError:
                 raise ConfigError(f"--logit-bias={value!r} must be ID=BIAS pairs, e.g. 50256=-100") from None
     return bias
@@ -362,7 +362,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     d.add_argument("--lookahead", "-k", type=COUNT, default=None,
                    help="lookahead of SI, and of a DSI row with fixed windows (shown with --full or when given; "
                         "default 5)")
-    d.add_argument("--sp", type=COUNT, nargs="+", default=[1], help="DSI target-server counts to run (default 1)")
+    d.add_argument("--sp", type=SERVERS, nargs="+", default=[1], help="DSI target-server counts to run (default 1)")
     d.add_argument("--draft-tree", type=DRAFT_TREE, default="off", metavar="off|auto[:F]|W",
                    help="also run SI and DSI with their windows as draft trees of this shape, next to the chains "
                         "(auto, or one width for every position such as 2: a shape DSI takes too; default off)")
@@ -406,8 +406,12 @@ def demo_prompts(args: argparse.Namespace) -> list[str]:
     value = args.prompts
     if value is None:
         return list(CODE_PROMPTS[: (FULL_DEMO if args.full else QUICK_DEMO).prompts])
-    if value.strip().lstrip("+-").isdigit():
-        count = int(value)
+    if value.strip().lstrip("+-").isdigit():  # a count (ASCII digits: "²" is a digit to isdigit), else a file
+        try:
+            count = ascii_int(value)
+        except ValueError:
+            raise ConfigError(f"--prompts={value[:40]!r} must be a count of built-in prompts in "
+                              f"[1, {len(CODE_PROMPTS)}] written in ASCII digits, or a file") from None
         if not 1 <= count <= len(CODE_PROMPTS):
             raise ConfigError(f"--prompts={count} must be in [1, {len(CODE_PROMPTS)}] (built-in prompts), or a file")
         return list(CODE_PROMPTS[:count])
@@ -666,10 +670,13 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"fastest here: {fastest} ({totals[fastest]:.2f} s, {base / totals[fastest]:.2f}x non-SI)" if base
           else f"fastest here: {fastest}")
     if choice:
-        print(f"auto: picked {choice.reason}" + (" (cached choice)" if choice.cached else "")
+        first, *rest = choice.reason_lines()
+        print(f"auto: picked {first}" + (" (cached choice)" if choice.cached else "")
               + ("; also the fastest here" if fastest == auto_label else f"; measured fastest: {fastest}"))
+        for line in rest:
+            print(f"  {line}")
     if report["dsi_needs"]:
-        print(report["dsi_needs"]["sentence"])
+        print("\n".join(report["dsi_needs"]["lines"]))
     elif note:
         print(note)
     if not all_identical:

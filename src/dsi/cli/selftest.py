@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dsi.cli.args import COUNT, ENGINE_URL, NATURAL, POSITIVE, SEED, Number, input_file
+from dsi.cli.args import COUNT, ENGINE_URL, NATURAL, POSITIVE, SEED, SERVERS, Number, input_file
 from dsi.cli.backend import hf_dtype
 from dsi.cli.generate import _load, add_model_args, add_processing_args, processing_from_args, target_servers
 from dsi.errors import ConfigError
@@ -43,7 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prompts", type=input_file, metavar="FILE",
                    help='prompts, one per line (a line starting with " is a JSON string); default: 3 built-in')
     p.add_argument("--lookahead", "-k", type=COUNT, default=3, help="lookahead of SI and DSI (default 3)")
-    p.add_argument("--sp", type=COUNT, default=2, help="DSI target servers (default 2)")
+    p.add_argument("--sp", type=SERVERS, default=2, help="DSI target servers (default 2)")
     p.add_argument("--transport", choices=("threads", "processes", "ray"), default="threads",
                    help="target-server transport (default threads)")
     p.add_argument("--target-servers", metavar="URL[,URL...]",

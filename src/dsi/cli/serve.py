@@ -23,7 +23,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from dsi.cli.args import COUNT, NATURAL, NON_NEGATIVE, SCORING_PORT, Number
+from dsi.cli.args import COUNT, NON_NEGATIVE, SCORING_PORT, Number
 from dsi.cli.generate import (
     _load,
     add_engine_args,
@@ -74,10 +74,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="TCP port of the scoring channel, the fast path of another dsi verifying on this server "
                         "outside HTTP (advertised in the model card; default auto: a free port on --host; off: none, "
                         "such a dsi then verifies through /v1/completions)")
-    g.add_argument("--max-concurrent", type=COUNT, default=1,
-                   help="engine slots: requests generated at once, each on its own decoder (default 1)")
-    g.add_argument("--max-queue", type=NATURAL, default=64,
-                   help="requests that may wait for a slot; more get 429 (default 64)")
+    g.add_argument("--max-concurrent", type=Number(int, 1, 256), default=1,  # dsi.server.config.MAX_SLOTS
+                   help="engine slots: requests generated at once, each on its own decoder (1 to 256, default 1)")
+    g.add_argument("--max-queue", type=Number(int, 0, 4096), default=64,  # dsi.server.config.MAX_QUEUE
+                   help="requests that may wait for a slot, 0 to 4096; more get 429 (default 64)")
     g.add_argument("--max-body-bytes", type=COUNT, default=None,
                    help="largest request body in bytes; larger ones get 413 (default 16777216: 16 MiB)")
     g.add_argument("--api-key", default=None,

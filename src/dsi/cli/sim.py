@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dsi.cli.args import (COUNT, LOOKAHEAD, NON_NEGATIVE, POSITIVE, PROBABILITY, SEED, Number, input_file,
-                          output_dir)
+from dsi.cli.args import (COUNT, LOOKAHEAD, NON_NEGATIVE, POSITIVE, PROBABILITY, SEED, SERVERS, Number, ascii_int,
+                          input_file, output_dir)
 from dsi.cli.output import format_table, print_json
 from dsi.errors import ConfigError
 
@@ -55,7 +55,8 @@ def _register_simulate(subparsers) -> None:
         help="drafts per verification window (k >= 1), or 'auto' (event-driven DSI); several: one row each",
     )
     p.add_argument(
-        "--sp", type=COUNT, default=7, help="target servers for DSI (default 7; with a k it must meet Equation 1)"
+        "--sp", type=SERVERS, default=7,
+        help="target servers for DSI, 1 to 256 (default 7; with a k it must meet Equation 1)"
     )
     p.add_argument("--tokens", type=COUNT, default=1000, help="tokens to generate (default 1000)")
     p.add_argument("--repeats", type=COUNT, default=5, help="repeats (default 5)")
@@ -276,7 +277,7 @@ def _register_heatmap(subparsers) -> None:
     p.add_argument("--tokens", type=COUNT, default=1000, help="tokens per run (default 1000)")
     p.add_argument("--repeats", type=COUNT, default=5, help="repeats per configuration (default 5)")
     p.add_argument("--seed", type=SEED, default=42, help="random seed (default 42)")
-    p.add_argument("--max-sp", type=COUNT, default=7, help="target servers available to DSI (default 7)")
+    p.add_argument("--max-sp", type=SERVERS, default=7, help="target servers available to DSI (default 7)")
     p.add_argument("--rng", choices=("pcg64", "legacy"), default="pcg64", help="sample stream (default pcg64)")
     p.add_argument(
         "--si-all-k",
@@ -394,7 +395,7 @@ def _parse_rows(text: str | None, count: int) -> list[int]:
     if text is None:
         return list(range(count))
     try:
-        rows = [int(part) for part in text.split(",") if part.strip()]
+        rows = [ascii_int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise ConfigError(f"--rows={text!r} must be comma-separated row numbers in 0..{count - 1}") from None
     bad = [r for r in rows if not 0 <= r < count]
@@ -476,7 +477,7 @@ def _register_plan(subparsers) -> None:
                         "correction is the drafter's second choice there (what a side child would rescue); "
                         "the embedded pair's recordings give 0.46 on prose, 0.77 on code "
                         "(docs/results.md#method-auto-and-the-planner-with-trees)")
-    p.add_argument("--max-servers", type=COUNT, default=7, help="target servers available (default 7)")
+    p.add_argument("--max-servers", type=SERVERS, default=7, help="target servers available (default 7)")
     p.add_argument("--max-lookahead", type=COUNT, default=20, help="largest lookahead to consider (default 20)")
     p.add_argument("--tokens", type=COUNT, default=200, help="tokens per simulated request (default 200)")
     p.add_argument("--repeats", type=COUNT, default=30, help="simulated requests per candidate (default 30)")

@@ -17,12 +17,11 @@ from dsi.allocator import tune_allocator
 from dsi.engine.ar import AutoregressiveDecoder
 from dsi.engine.config import DEFAULT_TARGET_SERVERS, DecoderConfig, check_placement
 from dsi.engine.dsi import DSIDecoder
-from dsi.engine.request import Request, TokenCallback
+from dsi.engine.request import Request, TokenCallback, check_request
 from dsi.engine.result import GenerationResult
 from dsi.engine.si import SpeculativeDecoder
 from dsi.engine.trees import priced_shape
 from dsi.errors import ConfigError, require
-from dsi.logprobs import check_mode
 from dsi.models.base import LanguageModel
 from dsi.models.crossvocab import VOCAB_MODES, bridge_drafter
 from dsi.models.determinism import set_deterministic
@@ -51,10 +50,6 @@ class Decoder(Protocol):
         ...
 
     def close(self) -> None: ...
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_model(model: object, role: str) -> LanguageModel:
@@ -158,58 +153,20 @@ def build_decoder(*, target: LanguageModel, drafter: LanguageModel | None = None
 def make_request(
     prompt: Sequence[int],
     max_new_tokens: int,
-    sampling: SamplingParams,
-    eos_token_id: int | Sequence[int] | None,
-    vocab_size: int,
+    sampling: SamplingParams | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    vocab_size: int | None = None,
     logprobs: int | None = None,
     logprobs_mode: str = "raw",
 ) -> Request:
-    """Validate the per-request arguments and bundle them. ``logprobs``: report each new token's
-    log-probability and the ``logprobs`` most likely tokens of its row (None: no logprobs; 0: only
-    the token's), in ``logprobs_mode`` (``"raw"`` or ``"processed"``: :mod:`dsi.logprobs`)."""
-    require(
-        _is_int(max_new_tokens) and max_new_tokens >= 1,
-        f"max_new_tokens={max_new_tokens!r} must be an integer >= 1",
-    )
-    require(
-        isinstance(sampling, SamplingParams),
-        f"sampling={sampling!r} must be a dsi.SamplingParams",
-    )
-    if isinstance(prompt, str | bytes):
-        raise ConfigError("prompt must be a sequence of token ids; tokenize text first")
-    try:
-        tokens = tuple(prompt)
-    except TypeError:
-        raise ConfigError(f"prompt={prompt!r} must be a sequence of token ids") from None
-    require(len(tokens) > 0, "prompt is empty; it needs at least one token id")
-    for i, token in enumerate(tokens):
-        if not (_is_int(token) or hasattr(token, "__index__")) or isinstance(token, bool):
-            raise ConfigError(f"prompt[{i}]={token!r} is not an integer token id")
-        if not 0 <= int(token) < vocab_size:
-            raise ConfigError(f"prompt[{i}]={int(token)} is outside the vocabulary [0, {vocab_size})")
-    if eos_token_id is None:
-        eos: tuple = ()
-    elif _is_int(eos_token_id):
-        eos = (eos_token_id,)
-    else:
-        try:
-            eos = tuple(eos_token_id)
-        except TypeError:
-            eos = (eos_token_id,)
-    for token in eos:
-        require(
-            _is_int(token) and 0 <= token < vocab_size,
-            f"eos_token_id={eos_token_id!r} must be None, a token id or a list of token ids in [0, {vocab_size})",
-        )
-    for what, ids in (("logit_bias", [t for t, _ in sampling.logit_bias]), ("stop_token_ids", sampling.stop_token_ids)):
-        outside = [t for t in ids if t >= vocab_size]
-        require(not outside, f"{what} names token id(s) {outside[:5]} outside the vocabulary [0, {vocab_size})")
-    # what ends generation: EOS (unless ignore_eos makes it an ordinary token) and the stop ids
-    stops = (frozenset() if sampling.ignore_eos else frozenset(eos)) | frozenset(sampling.stop_token_ids)
-    require(logprobs is None or (_is_int(logprobs) and 0 <= logprobs <= vocab_size),
-            f"logprobs={logprobs!r} must be None or an integer in [0, {vocab_size}] (the top tokens reported per token)")
-    check_mode(logprobs_mode)
-    return Request(tuple(int(t) for t in tokens), max_new_tokens, sampling, stops, logprobs, logprobs_mode)
+    """A :class:`~dsi.engine.request.Request` for a decoder's ``generate``, checked now as the decoder would
+    check it (:func:`~dsi.engine.request.check_request`): :func:`dsi.generate`'s request arguments, and the
+    target's ``vocab_size`` to check the ids against (None: the decoder checks them when it receives it).
+    ``logprobs``: report each new token's log-probability and the ``logprobs`` most likely tokens of its row
+    (None: no logprobs; 0: only the token's), in ``logprobs_mode`` (``"raw"`` or ``"processed"``:
+    :mod:`dsi.logprobs`)."""
+    request = Request(prompt, max_new_tokens, sampling, eos_token_id, logprobs, logprobs_mode)  # type: ignore[arg-type]
+    return check_request(request, vocab_size)
 
 
 def run_once(
@@ -227,8 +184,7 @@ def run_once(
 ) -> GenerationResult:
     """Run one request on ``decoder``, then close it (whatever happens)."""
     try:
-        request = make_request(prompt, max_new_tokens, SamplingParams() if sampling is None else sampling,
-                               eos_token_id, vocab_size, logprobs, logprobs_mode)
+        request = make_request(prompt, max_new_tokens, sampling, eos_token_id, vocab_size, logprobs, logprobs_mode)
         return decoder.generate(request, on_tokens, abort)
     finally:
         decoder.close()

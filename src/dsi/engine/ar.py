@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dsi.engine.lifecycle import DecoderLifecycle, prepare_request, model_errors
+from dsi.engine.lifecycle import DecoderLifecycle, check_score, model_errors, prepare_request
 from dsi.engine.request import Output, Request, TokenCallback
 from dsi.engine.result import GenerationResult
 from dsi.engine.stats import GenerationStats
@@ -73,6 +73,7 @@ class AutoregressiveDecoder(DecoderLifecycle):
         (``[len(tokens) - first + 1, V]``), on the decoder's target session: its cache from earlier
         requests is reused, so only what differs from them is computed (``dsi serve``'s
         ``prompt_logprobs``, what a dsi verifying on this server asks)."""
+        tokens = check_score(tokens, first, self._model)
         with self._turn(), model_errors("target"):
             return forward_rows(self._session, tokens, len(tokens) - first + 1, cancel)
 

@@ -19,9 +19,10 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from dsi.errors import ConfigError, require
+from dsi.errors import ConfigError, require, shown
 from dsi.models.crossvocab import VOCAB_MODES, check_merges
 from dsi.transport import TRANSPORTS
+from dsi.transport.base import check_num_servers
 from dsi.trees import BestFirst, Dynamic, TreeShape, Widths, check_windowed, parse_shape
 
 ENGINE_METHODS = ("dsi", "si", "ar")  # what the engine runs
@@ -43,18 +44,17 @@ def check_lookahead(method: str, lookahead: object, max_window: object = None) -
     if lookahead == "auto" and method == "si":
         raise ConfigError("lookahead='auto' is DSI's event-driven window policy; SI needs an integer lookahead")
     if max_window is not None:
-        require(_is_int(max_window) and max_window >= 1, f"max_window={max_window!r} must be None or an integer >= 1")
-        require(lookahead == "auto", f"max_window={max_window!r} applies to lookahead='auto' only "
+        require(_is_int(max_window) and max_window >= 1,
+                f"max_window={shown(max_window)} must be None or an integer >= 1")
+        require(lookahead == "auto", f"max_window={shown(max_window)} applies to lookahead='auto' only "
                                      f"(lookahead={lookahead!r} sends windows of exactly that many drafts)")
 
 
 def check_placement(num_target_servers: object, transport: object) -> None:
-    """Validate the number of target servers and the transport that runs them."""
-    require(
-        _is_int(num_target_servers) and num_target_servers >= 1,
-        f"num_target_servers={num_target_servers!r} must be an integer >= 1",
-    )
-    require(transport in TRANSPORTS, f"transport={transport!r} must be one of {', '.join(TRANSPORTS)}")
+    """Validate the number of target servers (1 to :data:`~dsi.transport.MAX_SERVERS`) and the transport that
+    runs them."""
+    check_num_servers(num_target_servers, "num_target_servers")
+    require(transport in TRANSPORTS, f"transport={shown(transport)} must be one of {', '.join(TRANSPORTS)}")
 
 
 def check_draft_tree(method: str, draft_tree: object) -> TreeShape:
@@ -79,7 +79,7 @@ def check_draft_tree(method: str, draft_tree: object) -> TreeShape:
 def _mapping(value: object, name: str) -> dict | None:
     if value is None:
         return None
-    require(isinstance(value, Mapping), f"{name}={value!r} must be None or a dict of options")
+    require(isinstance(value, Mapping), f"{name}={shown(value)} must be None or a dict of options")
     return dict(value)
 
 
@@ -146,7 +146,7 @@ class DecoderConfig:
 
     def __post_init__(self) -> None:
         method = self.method
-        require(method in METHODS, f"method={method!r} must be one of {', '.join(METHODS)}")
+        require(method in METHODS, f"method={shown(method)} must be one of {', '.join(METHODS)}")
         if method == "auto" and self.draft_tree not in (None, "off"):
             raise ConfigError(f"draft_tree={self.draft_tree!r} with method='auto': the method choice weighs draft "
                               "trees itself (chains and the trees '2' and 'auto', and picks one); pick method 'si' "
@@ -212,7 +212,7 @@ class DecoderConfig:
             kinds = {c.__name__: c for c in (Widths, Dynamic, BestFirst)}
             tree = dict(tree)
             kind = kinds.get(tree.pop("kind", None))
-            require(kind is not None, f"draft_tree={data['draft_tree']!r} names no known tree shape")
+            require(kind is not None, f"draft_tree={shown(data['draft_tree'])} names no known tree shape")
             data["draft_tree"] = kind(**{k: tuple(v) if isinstance(v, list) else v for k, v in tree.items()})
         return cls.of(None, data)
 

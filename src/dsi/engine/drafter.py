@@ -37,6 +37,7 @@ from dsi.models.base import (
     session_counters,
     tree_rows,
 )
+from dsi.models.determinism import start_fresh_unless_deterministic
 from dsi.sampling import DraftRead, Prefix, SamplingParams, draft_from_logits
 from dsi.engine.trees import draft_with_alternatives, likeliest_draft
 from dsi.trees import ROOT, DraftTree
@@ -126,6 +127,7 @@ class _Job:
     # side chains (DSI's "branches"): each side child continues by up to this many tokens, one per drafter step,
     # computed with the main path's next row in one tree forward (0: side children stay leaves)
     side_depth: int = 0
+    fresh: bool = False  # the request's first job: start from an empty cache unless deterministic
 
 
 def _draft_at(row: np.ndarray, job: _Job, position: int, prefix: Prefix) -> tuple[int, np.ndarray | None,
@@ -185,6 +187,7 @@ class DraftWorker:
         alternatives_floor: float = 0.0,
         side_children: Callable[[int, list[tuple[int, float]]], list[int]] | None = None,
         side_depth: int = 0,
+        fresh: bool = False,
     ) -> None:
         """Abandon the current drafts and start drafting ``limit`` tokens after ``context`` (the
         caller has capped ``limit`` at the drafter's room: :meth:`capped`); the first ``prompt_len``
@@ -195,12 +198,14 @@ class DraftWorker:
         draft's side children, reported with it; with ``side_depth`` > 0, each side child continues as a side
         chain of up to that many tokens, one per drafter step: each forward computes the main path's next row
         and the row after each growing chain in one tree (:func:`dsi.models.base.tree_rows`), and the next draft
-        reports the chains' new tokens (``Draft.side_steps``, :meth:`_with_chains`)."""
+        reports the chains' new tokens (``Draft.side_steps``, :meth:`_with_chains`). ``fresh``: the request's
+        first job: the session starts from an empty cache, as a fresh drafter's would, unless its rows are the
+        canonical ones (:func:`~dsi.models.determinism.start_fresh_unless_deterministic`)."""
         with self._cond:
             if self._job is not None:
                 self._job.cancel.set()
             self._job = _Job(epoch, context, limit, sampling, eos_token_ids, threading.Event(), prompt_len,
-                             alternatives, alternatives_floor, side_children, side_depth)
+                             alternatives, alternatives_floor, side_children, side_depth, fresh)
             self._cond.notify()
 
     def stop(self) -> None:
@@ -278,6 +283,8 @@ class DraftWorker:
         count = 0
         limit = job.limit  # capped at the drafter's own context by the orchestrator
         limited = False
+        if job.fresh:
+            start_fresh_unless_deterministic(session, self._model)
         try:
             if limit > 0:
                 # argmax ids only (taken where the logits are) where greedy decoding reads raw rows, and

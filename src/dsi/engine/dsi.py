@@ -51,13 +51,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from dsi.engine.drafter import Draft, DrafterFailed, DraftsDone, DraftWorker, request_info
-from dsi.engine.lifecycle import DecoderLifecycle, prepare_request
+from dsi.engine.lifecycle import DecoderLifecycle, check_score, prepare_request
 from dsi.engine.request import Output, Request, TokenCallback
 from dsi.engine.result import GenerationResult
 from dsi.engine.stats import GenerationStats
 from dsi.engine.trees import ranking_floor, request_shape, row_of, side_count
 from dsi.errors import ConfigError, TaskCancelled, WorkerError
 from dsi.models.base import LanguageModel, check_sampling, counter_changes
+from dsi.models.determinism import is_deterministic
 from dsi.sampling import SamplingParams, bonus, decide_greedy, decide_row
 from dsi.transport.base import ServerDied, TargetPool, TaskAborted, TaskFailed, TaskResult, VerifyTask
 from dsi.transport.liveness import LivenessPolicy
@@ -119,6 +120,7 @@ class DSIDecoder(DecoderLifecycle):
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self._task_ids = itertools.count()
         self._epochs = itertools.count(1)
+        self._requests = itertools.count(1)  # each request's (and each scoring's) scope on the servers (VerifyTask.request)
         self.pool: TargetPool = pool_factory(self.events.put)
         self._drafter_model = drafter
         self._target_model = target  # only to check requests against what it can serve (engines)
@@ -153,12 +155,13 @@ class DSIDecoder(DecoderLifecycle):
 
         Between requests, so the events of the queue are this task's or stale (a previous request's
         late drafts and results, which are dropped as its own loop drops them)."""
+        tokens = check_score(tokens, first, self._target_model)
         with self._turn():
             return self._score(tokens, first, cancel)
 
     def _score(self, tokens: Sequence[int], first: int, cancel: threading.Event | None) -> np.ndarray:
         task = VerifyTask(next(self._task_ids), tuple(int(t) for t in tokens), len(tokens) - first + 1,
-                          SamplingParams(temperature=0.0), logprobs_mode="raw")
+                          SamplingParams(temperature=0.0), logprobs_mode="raw", request=self.request_scope())
         self.pool.submit(task)
         while True:
             try:
@@ -176,6 +179,14 @@ class DSIDecoder(DecoderLifecycle):
                 raise WorkerError(f"target server {event.server_id} failed: {event.error}") from event.exception
             if isinstance(event, ServerDied) and self.pool.alive_servers() == 0:  # its task was re-queued
                 raise WorkerError(f"no target server is alive (server {event.server_id} died last: {event.error})")
+
+    def request_scope(self) -> int | None:
+        """A new request's scope on the target servers (:attr:`VerifyTask.request`): its own number, so that a
+        server whose cache an earlier request filled starts it from an empty cache (the cached rows were
+        computed in that request's cuts: the answer would depend on what was served before); None where the
+        target's rows are the canonical ones whatever the cut (the deterministic mode: caches are kept)."""
+        number = next(self._requests)
+        return None if is_deterministic(self._target_model) else number
 
     def healthy(self) -> bool:
         """Whether this decoder can serve another request: a failed request (a model error, a lost
@@ -198,6 +209,8 @@ class _DSIRun:
         self.request = request
         self.k = decoder.lookahead
         self.event_driven = self.k == "auto"
+        self.scope = decoder.request_scope()
+        self.first_epoch = True  # the drafter starts the request as a fresh one would (unless deterministic)
         self.max_window = decoder.max_window
         self.pool = decoder.pool
         self.drafter = decoder._drafter
@@ -422,7 +435,8 @@ class _DSIRun:
             self.drafter.restart(self.epoch, self.base + tuple(self.draft), drafts, self.request.sampling,
                                  self.request.eos_token_ids, len(self.request.prompt), self._alternatives(),
                                  ranking_floor(self.tree), None if self.tree is None else self.tree.sides,
-                                 self.decoder.side_depth if self._continues() else 0)
+                                 self.decoder.side_depth if self._continues() else 0, fresh=self.first_epoch)
+            self.first_epoch = False
         else:  # no room for even one draft: no prefill; every position is the target's own token
             self.drafter.stop()
             self.drafter_done = True
@@ -460,12 +474,13 @@ class _DSIRun:
             if self.request.decided_remotely and all(q is not None for q in laws):
                 # each draft's drafter probability: the server decides them, and sends back one law, not n
                 draft_probs = [float(q[self.draft[r]]) for r, q in enumerate(laws, start=first)]
-            self.pool.submit(self.request.verify_task(task_id, context, last - first + 1, draft_probs=draft_probs))
+            self.pool.submit(self.request.verify_task(task_id, context, last - first + 1, draft_probs=draft_probs,
+                                                      scope=self.scope))
         else:
             self.stats.extra["tree_windows"] = self.stats.extra.get("tree_windows", 0) + 1
             self.stats.extra["tree_side_nodes"] = self.stats.extra.get("tree_side_nodes", 0) + len(window.side_rows)
             prefix = self.base + tuple(self.draft[: window.root])
-            self.pool.submit(self.request.tree_task(task_id, prefix, tree))
+            self.pool.submit(self.request.tree_task(task_id, prefix, tree, scope=self.scope))
 
     def _window_tree(self, window: _Window) -> DraftTree | None:
         """The tree of a window deciding relative positions ``first..last``: the drafts of its context from

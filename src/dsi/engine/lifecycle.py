@@ -14,9 +14,10 @@ The concurrency contract of a decoder (non-SI, SI and DSI alike, on every transp
 - to serve requests in parallel, build one decoder per concurrent request (``dsi serve``'s slots do):
   decoders may share their models; a model's sessions are each used by one thread at a time.
 
-Checks before work (:func:`prepare_request`): a request whose prompt holds an id outside the target's
-vocabulary, or whose prompt plus ``max_new_tokens`` exceed the target's declared context, is refused
-before the first forward, whatever built it.
+Checks before work (:func:`prepare_request`): a request that :func:`dsi.generate` would refuse (the one
+check, :func:`~dsi.engine.request.check_request`, against the target's vocabulary), or whose prompt plus
+``max_new_tokens`` exceed the target's declared context, is refused before the first forward, whatever
+built it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 
-from dsi.engine.request import GenerationAborted, Request, TokenCallback
+from dsi.engine.request import GenerationAborted, Request, TokenCallback, check_request
 from dsi.engine.result import GenerationResult
 from dsi.errors import ConfigError, ContextLengthError, DecoderClosed, DSIError, WorkerError
 from dsi.models.base import check_token_ids, context_limit
@@ -35,15 +36,15 @@ _WAIT_POLL_S = 0.05  # how often a call waiting for the decoder looks at its abo
 
 
 def prepare_request(request: Request, target: object) -> Request:
-    """``request`` as a decoder runs it on ``target``: refused before any forward if ``target`` cannot serve it
-    whole (a prompt id outside its vocabulary, or a prompt plus ``max_new_tokens`` longer than its declared
-    context), and its sampling's :class:`~dsi.constraints.Constraint` bound to ``target``'s vocabulary (the grammar
-    compiled once per vocabulary; a grammar the library refuses is a ConfigError quoting it). A constrained request
+    """``request`` as a decoder runs it on ``target``: refused before any forward if it is not a valid request
+    for ``target`` (:func:`~dsi.engine.request.check_request` against its vocabulary: the errors
+    :func:`dsi.generate` raises) or ``target`` cannot serve it whole (a prompt plus ``max_new_tokens`` longer
+    than its declared context), and its sampling's :class:`~dsi.constraints.Constraint` bound to ``target``'s
+    vocabulary (the grammar compiled once per vocabulary; a grammar the library refuses is a ConfigError quoting it). A constrained request
     also ends at the vocabulary's EOS ids, the only tokens a complete grammar allows, whatever EOS ids it was given
     (none, from Python: it would go on past the grammar's end, unconstrained)."""
     vocab = getattr(target, "vocab_size", None)
-    if isinstance(vocab, int):
-        check_token_ids(request.prompt, vocab, "prompt", "the target")
+    request = check_request(request, vocab if isinstance(vocab, int) else None)
     limit = context_limit(target)
     if limit is not None and len(request.prompt) + request.max_new_tokens > limit:
         raise ContextLengthError(
@@ -59,6 +60,17 @@ def prepare_request(request: Request, target: object) -> Request:
     if bound is constraint and ends == request.eos_token_ids:
         return request
     return replace(request, sampling=replace(request.sampling, constraint=bound), eos_token_ids=ends)
+
+
+def check_score(tokens: object, first: object, target: object) -> list[int]:
+    """``decoder.score``'s arguments checked before any forward: ``tokens`` ids of ``target``'s vocabulary (as a
+    list), ``first`` (the first prefix length scored) an integer in ``[1, len(tokens)]``."""
+    vocab = getattr(target, "vocab_size", None)
+    ids = check_token_ids(tokens, vocab if isinstance(vocab, int) else None, "tokens")
+    if not (isinstance(first, int) and not isinstance(first, bool) and 1 <= first <= len(ids)):
+        raise ConfigError(f"first={first!r} must be an integer in [1, len(tokens)={len(ids)}] (the first prefix "
+                          "length whose next-token row is scored)")
+    return ids
 
 
 @contextmanager

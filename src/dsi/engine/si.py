@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from dsi.engine.drafter import capped_drafts, request_info
-from dsi.engine.lifecycle import DecoderLifecycle, prepare_request, model_errors
+from dsi.engine.lifecycle import DecoderLifecycle, check_score, model_errors, prepare_request
 from dsi.engine.request import Output, Request, TokenCallback
 from dsi.engine.result import GenerationResult
 from dsi.engine.stats import GenerationStats
@@ -211,6 +211,7 @@ class SpeculativeDecoder(DecoderLifecycle):
         (``[len(tokens) - first + 1, V]``), on the decoder's target session: its cache from earlier
         requests is reused, so only what differs from them is computed (``dsi serve``'s
         ``prompt_logprobs``, what a dsi verifying on this server asks)."""
+        tokens = check_score(tokens, first, self._target_model)
         with self._turn(), model_errors("target"):
             return forward_rows(self._target, tokens, len(tokens) - first + 1, cancel)
 

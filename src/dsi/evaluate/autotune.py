@@ -140,6 +140,10 @@ class AutoChoice:
         data["candidates"] = [{**asdict(c), "label": c.label} for c in self.candidates]
         return data
 
+    def reason_lines(self) -> list[str]:
+        """The reason as short lines, one clause each (``reason`` joins them with "; ")."""
+        return self.reason.split("; ")
+
     def summary(self) -> dict:
         """The short form shown in stats: the pick, the reason and each family's best."""
         return {"picked": self.label, "reason": self.reason, "cached": self.cached,
@@ -452,27 +456,32 @@ def _tree_verdict(ranked: list[Candidate], pick: Candidate, trees: dict) -> str:
     rival = rivals[0]
     seconds = f"{rival.seconds:.3f} s" + (" predicted" if rival.measured_s is None else "")
     if pick.draft_tree is not None:
-        return f"side children rescue rejections ({rescued}); the best chain, {rival.label}, takes {seconds}"
+        return f"side children rescue rejections ({rescued}), and the best chain, {rival.label}, takes {seconds}"
     return f"side children would rescue rejections ({rescued}), but the best tree, {rival.label}, takes {seconds}"
 
 
 def _why_dsi_loses(measured: dict, servers: int, acceptance: float, target_alone_s: float,
                    slope: float = 0.0) -> str:
-    """The likeliest reason, from the calibration runs: contention, a poor drafter, a slow drafter. A DSI
-    forward is compared with what one over its mean window costs alone (the one-token forward plus
-    ``slope`` per extra row, as the predictions take it), so long windows are not mistaken for contention."""
+    """The likeliest reason, from the calibration runs: contention, a poor drafter, a slow drafter; a reason of
+    its own clauses (joined by "; ", a line each where :meth:`AutoChoice.reason_lines` splits them), each number
+    named by what it times. A DSI verification is compared with what one over its mean window costs alone (the
+    one-token forward plus ``slope`` per extra row, as the predictions take it), so long windows are not
+    mistaken for contention."""
     run = measured.get(f"DSI auto SP={servers}", {})
     together = run.get("target_forward_s") or 0.0
     drafter_step = run.get("drafter_step_s") or 0.0
     si_step = measured.get(f"SI k={SI_CALIBRATION_K}", {}).get("drafter_step_s") or 0.0
-    alone = target_alone_s + max(run.get("mean_window") or 0.0, 0.0) * slope
+    window = max(run.get("mean_window") or 0.0, 0.0)
+    alone = target_alone_s + window * slope
     if target_alone_s > 0 and (together > 1.2 * alone or (si_step and drafter_step > 1.2 * si_step)):
-        return (f"its workers slow each other down on this placement (a target forward "
-                f"{together * 1e3:.1f} ms next to the drafter vs {alone * 1e3:.1f} ms alone; a drafter "
-                f"step {drafter_step * 1e3:.1f} vs {si_step * 1e3:.1f} ms)")
+        return (f"its workers slow each other down on this placement; a verification of {window + 1:.1f} tokens "
+                f"(DSI's mean window + 1): {together * 1e3:.1f} ms next to the drafter, {alone * 1e3:.1f} ms alone "
+                f"(estimated); "
+                f"a drafter step (one draft token): {drafter_step * 1e3:.1f} ms in DSI, {si_step * 1e3:.1f} ms in SI; "
+                f"a one-token target forward alone (non-SI): {target_alone_s * 1e3:.1f} ms")
     if acceptance < 0.5:
         return f"the drafter is right only {acceptance:.0%} of the time"
-    return (f"a drafter step costs {drafter_step / target_alone_s:.2f} of a target forward"
+    return (f"a drafter step (one draft token) costs {drafter_step / target_alone_s:.2f} of a one-token target forward"
             if target_alone_s > 0 and drafter_step else "no placement of its workers pays off here")
 
 

@@ -38,7 +38,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from dsi.errors import ConfigError, DraftUnavailable, ModelError
+from dsi.errors import ConfigError, DraftUnavailable, ModelError, shown
 
 
 class CancelFlag(Protocol):
@@ -120,8 +120,8 @@ def check_text(text: object, name: str = "text") -> str:
     return text
 
 
-def check_token_ids(ids: object, vocab_size: int, name: str = "ids", of: str = "") -> list[int]:
-    """``ids`` as a list of Python ints, each a token id in ``[0, vocab_size)``.
+def check_token_ids(ids: object, vocab_size: int | None, name: str = "ids", of: str = "") -> list[int]:
+    """``ids`` as a list of Python ints, each a token id in ``[0, vocab_size)`` (``vocab_size`` None: >= 0).
 
     ``ids`` may be any sequence of integers (a list, a tuple, a range, a 1-D integer numpy array;
     numpy integer elements too). :class:`ConfigError` names the first offending value, its index and
@@ -129,7 +129,7 @@ def check_token_ids(ids: object, vocab_size: int, name: str = "ids", of: str = "
     (float, str, bool, None, a nested list); a str, bytes, mapping, set or scalar in place of the
     sequence; a numpy array of another dtype or shape. ``name`` names the argument, ``of`` the model."""
     where = f" of {of}" if of else ""
-    allowed = f"a token id{where} is an integer in [0, {vocab_size})"
+    allowed = f"a token id{where} is an integer " + (">= 0" if vocab_size is None else f"in [0, {vocab_size})")
     if isinstance(ids, np.ndarray):
         if ids.ndim != 1 or (ids.dtype.kind not in "iu" and ids.dtype != object):
             raise ConfigError(f"{name} is a numpy array of dtype {ids.dtype} and shape {ids.shape}; "
@@ -144,15 +144,18 @@ def check_token_ids(ids: object, vocab_size: int, name: str = "ids", of: str = "
             if not isinstance(token, int | np.integer) or isinstance(token, bool | np.bool_):
                 raise ConfigError(f"{name}[{i}]={_short(token)} ({type(token).__name__}) is not a token id; {allowed}")
             out[i] = int(token)
-    if out and (min(out) < 0 or max(out) >= vocab_size):
+    if vocab_size is None:
+        if out and min(out) < 0:
+            i, token = next((i, t) for i, t in enumerate(out) if t < 0)
+            raise ConfigError(f"{name}[{i}]={_short(token)} is negative; {allowed}")
+    elif out and (min(out) < 0 or max(out) >= vocab_size):
         i, token = next((i, t) for i, t in enumerate(out) if not 0 <= t < vocab_size)
-        raise ConfigError(f"{name}[{i}]={token} is outside the vocabulary [0, {vocab_size}){where}")
+        raise ConfigError(f"{name}[{i}]={_short(token)} is outside the vocabulary [0, {vocab_size}){where}")
     return out
 
 
 def _short(value: object, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return shown(value, limit)
 
 
 def encode_prompt(tokenizer: Any, name: str, text: str, *, chat: bool = False, system: str | None = None) -> list[int]:

@@ -30,11 +30,13 @@ more. transformers' one intra-op thread on a CPU costs nothing where a worker ru
 (DSI's workers on a 2-core CPU) and nothing for fp32 decoding on the 2-core AMD EPYC (memory-bound);
 a bf16 one-token forward of a single worker given 2 threads takes 1.3-1.6x as long there (random
 Llamas of 125M and 0.5B parameters: 12-14 -> 18 ms, 44-59 -> 72-76 ms), more where more cores would
-have helped. So the mode is opt-in (``deterministic=True``, ``--deterministic``). Without it, non-SI and SI
-still give the same tokens for the same request whatever ran before: they start each request from an
-empty cache (:func:`start_fresh_unless_deterministic`), and their forwards depend on the request
-alone; DSI's do not (window cuts, cache hits and servers follow timing), so only the mode makes DSI
-reproducible and greedy SI/DSI equal to non-SI at near-ties.
+have helped. So the mode is opt-in (``deterministic=True``, ``--deterministic``). Without it, no method's
+answer depends on what ran before: non-SI and SI start each request from an empty cache
+(:func:`start_fresh_unless_deterministic`), and so do DSI's drafter and each of its target servers at
+the request's first task there (``VerifyTask.request``, :mod:`dsi.transport.dispatch`). Non-SI's and SI's
+forwards then depend on the request alone; DSI's still follow timing within the request (window cuts,
+which server a window lands on), so only the mode makes DSI reproducible and greedy SI/DSI equal to
+non-SI at near-ties.
 
 Models that are functions of their context by construction (:class:`~dsi.models.CallableLM`,
 :class:`~dsi.models.WithLatency` over one, replayed models) are deterministic already.

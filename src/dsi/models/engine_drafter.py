@@ -177,7 +177,7 @@ class _Stream:
         """The (token, row) pairs of one streamed chunk."""
         try:
             chunk = json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):  # (RecursionError: nested too deep)
             raise self._fail(f"streamed a line that is not JSON: {data[:120]!r}") from None
         if isinstance(chunk, dict) and "error" in chunk:
             raise self._fail(f"streamed an error: {str(chunk['error'])[:300]}")

@@ -193,7 +193,7 @@ class Connection:
             raise ServerLost(f"{self.role} server {self.url}: {type(exc).__name__}: {exc}") from exc
         try:
             answer = json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):  # (RecursionError: nested too deep)
             raise ServerLost(f"{self.role} server {self.url} answered {status} with a body that is not JSON: "
                              f"{data[:120]!r}") from None
         if status >= 500:

@@ -257,7 +257,7 @@ class ScoringChannel:
         try:
             sock.sendall(frame(hello_body(self._api_key)))
             reply = json.loads(read_frame(sock, MAX_HELLO_BYTES, None, time.monotonic() + self._connect_timeout))
-        except (OSError, ValueError, EOFError) as exc:
+        except (OSError, ValueError, EOFError, RecursionError) as exc:  # (JSON nested too deep: not our server)
             self.close()
             raise self._lost(f"no hello answer ({type(exc).__name__}: {exc})") from exc
         if not isinstance(reply, dict) or reply.get("ok") is not True:

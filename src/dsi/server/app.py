@@ -4,9 +4,10 @@
 ``max_concurrent`` decoders at startup (lifespan) and closes them at shutdown, after cancelling
 whatever is still queued or running. Endpoints: ``GET /v1/models``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (both with server-sent-event streaming), vLLM's ``POST /tokenize``,
-``POST /detokenize`` and ``GET /version``, ``GET /health``, ``GET /metrics`` (Prometheus). With an
-API key, the ``/v1`` endpoints and the tokenizer's need ``Authorization: Bearer <key>``;
-``/health``, ``/metrics`` and ``/version`` stay open (bind to loopback or put them behind your proxy).
+``POST /detokenize``, ``GET /tokenizer_info`` and ``GET /version``, ``GET /health``, ``GET /metrics``
+(Prometheus), ``GET /openapi.json`` and its Swagger UI ``GET /docs`` (:mod:`~dsi.server.openapi`). With an
+API key, the ``/v1`` endpoints and the tokenizer's need ``Authorization: Bearer <key>``; ``/health``,
+``/metrics``, ``/version`` and the API's description stay open (bind to loopback or put them behind your proxy).
 
 At shutdown (:mod:`~dsi.server.runner`), requests still running when the grace period ends are
 aborted (:meth:`ServerState.abort_running`), and each handler answers for itself: a stream ends
@@ -41,7 +42,7 @@ from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsi import __version__
@@ -56,7 +57,9 @@ from dsi.server.jobs import Job, Outcome
 from dsi.server.limits import BodyLimit, check_json_content_type, content_length, read_body
 from dsi.server.logprobs import chat_logprobs, completion_logprobs, echo_logprobs, joined_logprobs, token_id_name
 from dsi.server.metrics import CONTENT_TYPE, ServerMetrics
-from dsi.server.prepare import Prepared, Preparer
+from dsi.server.openapi import Served, swagger_page
+from dsi.server.openapi import document as openapi_document
+from dsi.server.prepare import Prepared, Preparer, check_jobs
 from dsi.server.protocol import (
     APIError,
     AssistantMessage,
@@ -75,6 +78,7 @@ from dsi.server.protocol import (
 )
 from dsi.server.scheduler import QueueFull, Scheduler, Slot
 from dsi.server.scoring import ScoringListener
+from dsi.server.tokenizer_info import codec_tokenizer_info
 
 __all__ = ["ServeConfig", "create_app"]
 
@@ -106,7 +110,7 @@ def _token_id_completion(body: bytes | bytearray) -> bool:
         return False
     try:
         prompt = json.loads(body).get("prompt")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):  # (not JSON, not an object, nested too deep: 400 there)
         return False
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
         prompt = prompt[0]
@@ -296,19 +300,27 @@ class ServerState:
         """Run ``step`` (a :class:`Preparer` method) on a preparation thread; a completion of token ids
         in a body of at most :data:`INLINE_PREPARE_BYTES` (what a dsi verifying or drafting on this
         server sends) is prepared here on the event loop instead: it needs no tokenizer, and parsing it
-        costs less than the two thread hand-offs would."""
+        costs less than the two thread hand-offs would. A body that parses but is nested too deep for
+        what reads it next (a schema, tools, a message's tool-call arguments: Python's recursion limit) is
+        a 400, as one too deep to parse is."""
         self._check_open()
-        if step == self.preparer.completion and _token_id_completion(body[0]):
-            return step(body)
-        return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, step, body)
+        try:
+            if step == self.preparer.completion and _token_id_completion(body[0]):
+                return step(body)
+            return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, step, body)
+        except RecursionError:
+            raise APIError(400, "invalid JSON body: a value is nested too deep to process (Python's recursion "
+                                "limit); nest it less deeply", code="invalid_json") from None
 
     def submit_choices(self, prepared: Prepared) -> list[Job]:
-        """Queue one job per request of ``prepared``'s choices (all or none: 429 if the queue cannot
-        take them all), each started at once; they run on free slots in parallel."""
+        """Queue one job per request of ``prepared``'s choices, every prompt's in a batch (all or none: 429 if
+        the queue cannot take them all; 400 if the server could never hold them all: :func:`check_jobs`), each
+        started at once; they run on free slots in parallel."""
+        check_jobs(prepared.num_jobs, self.config, prepared.n, len(prepared.prompts))
         jobs: list[Job] = []
         try:
-            for request in prepared.choice_requests():
-                jobs.append(self.submit(replace(prepared, request=request)))
+            for part in prepared.jobs():
+                jobs.append(self.submit(part))
         except APIError:
             for job in jobs:
                 job.cancel(HANDLER_CANCELLED)
@@ -341,7 +353,7 @@ def _dsi_info(outcome: Outcome) -> DSIInfo | None:
         target_utilisation=s.target_utilisation, num_target_servers=s.num_target_servers,
         lookahead=None if s.method == "ar" else s.lookahead,
         mean_window=s.mean_window, auto=s.extra.get("auto"),
-        queue_time_s=outcome.queue_time_s, time_to_first_token_s=s.time_to_first_token_s,
+        queue_time_s=outcome.queue_time_s, time_to_first_token_s=s.time_to_first_token_s if outcome.tokens else None,
         wall_time_s=s.wall_time_s,
     )
 
@@ -356,8 +368,8 @@ def _sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/version",
-             "/health", "/metrics")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/tokenizer_info",
+             "/version", "/health", "/metrics", "/openapi.json", "/docs")
 
 
 def _endpoint(path: str) -> str:
@@ -487,8 +499,8 @@ def create_app(
             return prepared, state.submit_choices(prepared)
 
     def choice_outcomes(prepared: Prepared, outcomes: list[Outcome]) -> list[Outcome]:
-        """One outcome per choice (greedy choices share their one job's)."""
-        return outcomes * prepared.n if len(outcomes) == 1 else outcomes
+        """One outcome per choice, from one per job (a prompt's greedy choices share their one job's)."""
+        return [outcomes[j] for j in prepared.choice_jobs()]
 
     async def finish_plain(request: Request, jobs: list[Job]) -> list[Outcome]:
         watcher = asyncio.create_task(_watch_disconnect(request, jobs))
@@ -523,12 +535,14 @@ def create_app(
             async for item in job.deltas():
                 await merged.put((job, *item))
 
-        index = {job: i for i, job in enumerate(jobs)}  # greedy: one job, every choice
+        index = {job: i for i, job in enumerate(jobs)}
+        owners = prepared.choice_jobs()  # choice -> its job's index (greedy: one job, every choice of its prompt)
+        served = {j: [i for i, owner in enumerate(owners) if owner == j] for j in range(len(jobs))}
 
         def aborted(job: Job, outcome: Outcome, done: dict[int, Outcome]) -> Iterator[str]:
             """The last chunks of the choices not finished when ``job`` was cancelled (``done``: by job index)."""
-            for i in range(prepared.n):
-                owner = jobs[i] if len(jobs) > 1 else jobs[0]
+            for i in range(prepared.choices):
+                owner = jobs[owners[i]]
                 if index[owner] in done:
                     continue
                 if owner is job and (outcome.tail or outcome.tail_logprobs) and \
@@ -540,7 +554,7 @@ def create_app(
         async def events() -> AsyncIterator[str]:
             status, finished = 200, False
             pumps = [asyncio.create_task(forward(job)) for job in jobs]
-            choices = range(prepared.n)
+            choices = range(prepared.choices)
             try:
                 for i in choices:
                     for chunk in opening(i):
@@ -548,7 +562,7 @@ def create_app(
                 outcomes: dict[int, Outcome] = {}
                 while len(outcomes) < len(jobs):
                     job, kind, payload = await merged.get()
-                    mine = range(prepared.n) if len(jobs) == 1 else [index[job]]
+                    mine = served[index[job]]
                     if kind == "text":
                         for i in mine:
                             if (piece := delta(i, *payload)) is not None:
@@ -671,6 +685,32 @@ def create_app(
         """vLLM's: ``{"tokens"}`` -> ``{"prompt"}``."""
         return await tokenizer_answer(request, state.preparer.detokenize)
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> JSONResponse:
+        """vLLM's: the tokenizer's configuration (eos_token, chat_template, ...: server/tokenizer_info.py), what
+        lm-eval's remote tokenizer reads before it tokenises through /tokenize and /detokenize."""
+        authorize(request)
+        answer = codec_tokenizer_info(state.codec)
+        count(request, 200)
+        return JSONResponse(answer)
+
+    openapi: dict[str, Any] = {}  # the document, made at the first ask (every route is registered by then)
+
+    @app.get("/openapi.json")
+    async def openapi_json(request: Request) -> JSONResponse:
+        """This server's OpenAPI document (server/openapi.py). Open, as FastAPI's and vLLM's are."""
+        if not openapi:
+            openapi.update(openapi_document(app, Served(state.preparer.vocab_size, state.max_context,
+                                                        config.max_logprobs, config.api_key is not None)))
+        count(request, 200)
+        return JSONResponse(openapi)
+
+    @app.get("/docs")
+    async def docs(request: Request) -> HTMLResponse:
+        """Swagger UI over /openapi.json."""
+        count(request, 200)
+        return HTMLResponse(swagger_page(request.scope.get("root_path", "") + "/openapi.json"))
+
     @app.get("/version")
     async def version(request: Request) -> JSONResponse:
         """vLLM's ``{"version"}``: here dsi's version. Open, like /health (it tells nothing of the model)."""
@@ -681,10 +721,11 @@ def create_app(
     async def completions(request: Request) -> Response:
         prepared, jobs = await accept(request, state.preparer.completion)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        echo, n_prompt = prepared.echo, prepared.prompt_tokens
+        n_prompt = prepared.prompt_tokens  # a batch's: every prompt's
+        echoes = [prepared.prompt_of(i).echo for i in range(prepared.choices)]  # each choice's prompt's echo
         name = token_namer(prepared)
         # per choice, where the next token's text_offset starts: the echoed prompt, then its tokens' texts so far
-        streamed = [len(echo)] * prepared.n
+        streamed = [len(echo) for echo in echoes]
 
         def choice(i: int, text: str, finish: str | None, entries: list | None = None,
                    echoed: list | None = None) -> CompletionChoice:
@@ -693,7 +734,7 @@ def create_app(
                 logprobs = completion_logprobs(entries, name, streamed[i], decode_one)
                 streamed[i] += sum(len(decode_one(e.token)) for e in entries)
                 if echoed is not None:  # echo with logprobs: the prompt's tokens come first, as in vLLM
-                    prompt = prepared.request.prompt
+                    prompt = prepared.prompt_of(i).request.prompt
                     logprobs = joined_logprobs(echo_logprobs(prompt, echoed, name, decode_one), logprobs)
             return CompletionChoice(index=i, text=text, finish_reason=finish, logprobs=logprobs)
 
@@ -704,16 +745,18 @@ def create_app(
             ))
 
         if prepared.stream:
-            return stream(request, prepared, jobs, lambda i: [response([choice(i, echo, None)])] if echo else [],
+            return stream(request, prepared, jobs,
+                          lambda i: [response([choice(i, echoes[i], None)])] if echoes[i] else [],
                           lambda i, t, entries: response([choice(i, t, None, entries)]),
                           lambda i, outcome, usage: response([choice(i, "", outcome.finish_reason)], usage),
                           lambda outcomes: [response([], outcomes)])  # usage of all choices, dsi of choice 0
         outcomes = choice_outcomes(prepared, await finish_plain(request, jobs))
         count(request, 200)
-        answer = response([choice(i, echo + o.text, o.finish_reason, o.logprobs, o.echo_logprobs)
+        answer = response([choice(i, echoes[i] + o.text, o.finish_reason, o.logprobs, o.echo_logprobs)
                            for i, o in enumerate(outcomes)], outcomes)
-        if outcomes[0].prompt_logprobs is not None:
-            answer["choices"][0]["prompt_logprobs"] = outcomes[0].prompt_logprobs
+        for i, o in enumerate(outcomes):  # each prompt's (n is 1 with prompt_logprobs)
+            if o.prompt_logprobs is not None:
+                answer["choices"][i]["prompt_logprobs"] = o.prompt_logprobs
         return JSONResponse(answer)
 
     @app.post("/v1/chat/completions")

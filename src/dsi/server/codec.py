@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -31,6 +32,7 @@ PROBE_CHARS_PER_TOKEN = 8  # the first prefix tried: this many characters per al
 PROBE_GROWTH = 2  # each further prefix is this many times longer
 PROBE_SLACK = 16  # tokens a prefix cut inside a word may have beyond its share of the text's
 WORD_SEARCH = 1024  # characters before a cut searched for whitespace to cut at
+_ID_TEXT = re.compile(r"\s*[0-9]{1,10}\s*")  # a token id in a prompt of IdsCodec (every vocabulary is below 10**10)
 
 
 class PromptTooLong(Exception):
@@ -114,6 +116,7 @@ class HFCodec:
         self.vocab_size: int = model.vocab_size
         self.eos_token_ids: tuple[int, ...] = tuple(model.eos_token_ids)
         self.max_context: int | None = model.max_context
+        self._info: dict[str, Any] | None = None  # tokenizer_info(), once asked
 
     def encode(self, text: str, limit: int | None = None, add_special_tokens: bool = True) -> list[int]:
         def encode(part: str) -> list[int]:
@@ -141,6 +144,15 @@ class HFCodec:
                 return list(tok.encode(part, add_special_tokens=add_special_tokens))
 
         return encode_within(encode, text, limit)
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        """vLLM's ``/tokenizer_info`` of the tokenizer (:func:`dsi.server.tokenizer_info.tokenizer_config`): plain
+        attributes, read without a lock (no tokenisation), made once."""
+        if self._info is None:
+            from dsi.server.tokenizer_info import tokenizer_config
+
+            self._info = tokenizer_config(self._model.tokenizer, self.max_context)
+        return self._info
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """The model's decode (ids checked; with a Hugging Face tokenizer, ids past it decode to nothing, as
@@ -177,11 +189,12 @@ class IdsCodec:
         self.max_context = max_context
 
     def encode(self, text: str, limit: int | None = None, add_special_tokens: bool = True) -> list[int]:
-        try:
-            ids = [int(part) for part in text.split(",") if part.strip()]
-        except ValueError:
-            raise ConfigError(f"this model has no tokenizer: a prompt is comma-separated token ids, not {text[:40]!r}"
-                              ) from None
+        parts = [part for part in text.split(",") if part.strip()]
+        # ASCII digits, at most 10 (int() alone reads "٥" as 5 and "1_0" as 10, and fails past 4300 digits)
+        if not all(_ID_TEXT.fullmatch(part) for part in parts):
+            raise ConfigError(f"this model has no tokenizer: a prompt is comma-separated token ids (ASCII digits), "
+                              f"not {text[:40]!r}")
+        ids = [int(part) for part in parts]
         if limit is not None and len(ids) > limit:
             raise PromptTooLong(len(ids), limit, True)
         return ids

@@ -9,11 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dsi.engine.config import DecoderConfig
-from dsi.errors import ConfigError, require
+from dsi.errors import ConfigError, require, shown
 from dsi.models.crossvocab import check_mode_sampling
 from dsi.sampling import SamplingParams
 from dsi.server.limits import DEFAULT_MAX_BODY_BYTES
 from dsi.server.protocol import MAX_SEED
+
+MAX_SLOTS = 256  # max_concurrent: each slot is a decoder (its target servers, drafter thread, KV caches) and a thread
+MAX_QUEUE = 4096  # max_queue: as many requests may also be read and tokenised at once, each up to max_body_bytes
 
 
 def check_api_key(key: object, source: str = "--api-key") -> None:
@@ -75,13 +78,17 @@ class ServeConfig:
         def positive_int(v: object) -> bool:
             return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
-        require(positive_int(self.num_target_servers), f"num_target_servers={self.num_target_servers!r} must be >= 1")
+        require(positive_int(self.num_target_servers),
+                f"num_target_servers={shown(self.num_target_servers)} must be >= 1")
         self.decoder  # noqa: B018 - the decoder's options, checked by the one object that holds them
-        require(positive_int(self.max_concurrent), f"max_concurrent={self.max_concurrent!r} must be an integer >= 1")
-        require(isinstance(self.max_queue, int) and self.max_queue >= 0,
-                f"max_queue={self.max_queue!r} must be an integer >= 0")
-        require(positive_int(self.max_body_bytes), f"max_body_bytes={self.max_body_bytes!r} must be an integer >= 1")
-        require(positive_int(self.max_tokens), f"max_tokens={self.max_tokens!r} must be an integer >= 1")
+        require(positive_int(self.max_concurrent) and self.max_concurrent <= MAX_SLOTS,
+                f"max_concurrent={self.max_concurrent!r} must be an integer in [1, {MAX_SLOTS}] (engine slots)")
+        require(isinstance(self.max_queue, int) and not isinstance(self.max_queue, bool)
+                and 0 <= self.max_queue <= MAX_QUEUE,
+                f"max_queue={self.max_queue!r} must be an integer in [0, {MAX_QUEUE}]")
+        require(positive_int(self.max_body_bytes),
+                f"max_body_bytes={shown(self.max_body_bytes)} must be an integer >= 1")
+        require(positive_int(self.max_tokens), f"max_tokens={shown(self.max_tokens)} must be an integer >= 1")
         check_api_key(self.api_key)
         require(isinstance(self.model_name, str) and self.model_name.strip() != "", "model_name must not be empty")
         require(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed <= MAX_SEED),
@@ -94,7 +101,8 @@ class ServeConfig:
         require(isinstance(self.max_logprobs, int) and not isinstance(self.max_logprobs, bool)
                 and self.max_logprobs >= -1,
                 f"max_logprobs={self.max_logprobs!r} must be an integer >= 0, or -1 (the whole vocabulary)")
-        require(positive_int(self.retry_after_s), f"retry_after_s={self.retry_after_s!r} must be an integer >= 1")
+        require(positive_int(self.retry_after_s),
+                f"retry_after_s={shown(self.retry_after_s)} must be an integer >= 1")
 
     @property
     def decoder(self) -> DecoderConfig:

@@ -313,7 +313,7 @@ class Job:
                 scored, echoed, stats, reason = self._score(slot, self.scoring)
             if reason is None:  # no prompt logprobs, or more than the one token their forward gives
                 result = slot.decoder.generate(self.request, self._on_tokens, self.abort)
-                stats = result.stats
+                stats = result.stats if stats is None else after_scoring(result.stats, stats)
                 reason = stats.finish_reason
         except (GenerationAborted, TaskCancelled) as exc:
             stats = getattr(exc, "stats", None)
@@ -352,12 +352,16 @@ class Job:
         With ``max_tokens=1`` that forward's last row also gives the completion token, drawn as non-SI
         draws its first token (so nothing more runs); the reason is then "length" or "stop" (EOS).
         With ``max_tokens=0`` (echo) nothing is generated: "length". Otherwise the reason is None and
-        the request goes on to generate as usual. Both lists hold raw log-probabilities, as vLLM's."""
+        the request goes on to generate as usual (its stats then hold this forward too: :func:`after_scoring`).
+        Both lists hold raw log-probabilities, as vLLM's. The stats say what ran: the target's one forward, no
+        speculation, so method "ar" (non-SI) whatever the slot runs (:func:`scoring_stats`), with measured times."""
+        began = time.perf_counter()
         if scoring.prompt_logprobs is None and scoring.echo_logprobs is None:  # echo, max_tokens=0: nothing to compute
-            return None, None, GenerationStats(method=slot.decoder.method), "length"
+            return None, None, scoring_stats(began, None), "length"
         prompt = self.request.prompt
         first = scoring.from_position
         rows = slot.decoder.score(prompt, first, self.abort)  # [len(prompt) - first + 1, V]
+        forward_s = time.perf_counter() - began
         scored = echoed = None
         if scoring.prompt_logprobs is not None:
             n = scoring.prompt_logprobs
@@ -367,16 +371,46 @@ class Job:
             raw = raw_rows(rows[:len(prompt) - 1])
             echoed = [entry(raw[p - 1], prompt[p], scoring.echo_logprobs) for p in range(1, len(prompt))]
         if not scoring.generate:
-            return scored, echoed, GenerationStats(method=slot.decoder.method), "length"
+            return scored, echoed, scoring_stats(began, forward_s), "length"
         if self.request.max_new_tokens != 1:
-            return scored, echoed, None, None
+            return scored, echoed, scoring_stats(began, forward_s), None
         # the last row decides the token as the decoder's own first row would (read_rows: the same numbers)
         tokens, probs, logprobs = read_rows(rows[-1:], self.request.verify_task(0, prompt, 1))
         token = int(tokens[0]) if probs is None else bonus(probs[0], self.request.sampling, len(prompt))
-        stats = GenerationStats(method=slot.decoder.method)
-        stats.target_forwards = stats.completed_target_forwards = stats.bonus_tokens = 1
         if logprobs is None:
             self._on_tokens([token])
         else:
             self._on_tokens([token], [entry(logprobs[0], token, self.request.logprobs)])
-        return scored, echoed, stats, "stop" if token in self.request.eos_token_ids else "length"
+        reason = "stop" if token in self.request.eos_token_ids else "length"
+        return scored, echoed, scoring_stats(began, forward_s, token, reason), reason
+
+
+def scoring_stats(began: float, forward_s: float | None, token: int | None = None,
+                  reason: str = "length") -> GenerationStats:
+    """The stats of a request answered from one target forward over its prompt (:meth:`Job._score`),
+    begun at ``began`` (``time.perf_counter``): non-SI's (it drafts nothing and verifies nothing,
+    on one target server), one forward of ``forward_s`` seconds (None: none ran, an echo of the
+    prompt only), ``token`` the one token it gave (None: none, max_tokens=0)."""
+    stats = GenerationStats(method="ar", finish_reason=reason)
+    if forward_s is not None:
+        stats.target_forwards = stats.completed_target_forwards = 1
+        stats.target_busy_s = stats.completed_target_s = forward_s
+    if token is not None:
+        stats.new_tokens = stats.bonus_tokens = 1
+        stats.stop_token = token if reason == "stop" else None
+    stats.wall_time_s = time.perf_counter() - began
+    stats.time_to_first_token_s = stats.wall_time_s if token is not None else 0.0
+    return stats
+
+
+def after_scoring(stats: GenerationStats, scoring: GenerationStats) -> GenerationStats:
+    """``stats`` of a generation that followed a scoring forward (prompt_logprobs with max_tokens > 1),
+    counting that forward and its time too: times are from the start of the request's run."""
+    stats.target_forwards += scoring.target_forwards
+    stats.completed_target_forwards += scoring.completed_target_forwards
+    stats.target_busy_s += scoring.target_busy_s
+    stats.completed_target_s += scoring.completed_target_s
+    stats.wall_time_s += scoring.wall_time_s
+    if stats.new_tokens:
+        stats.time_to_first_token_s += scoring.wall_time_s
+    return stats

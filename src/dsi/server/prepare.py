@@ -90,9 +90,11 @@ class Prepared:
     token_ids_as_names: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:{id}"
     n: int = 1  # choices: choice i samples with dsi.sampling.choice_seed(seed, i)
     tool_calling: ToolCalling | None = None  # the answer is tool calls (server/tools.py)
+    # a batch of prompts (completions): each prompt's own Prepared, the fields above being the first's
+    batch: tuple[Prepared, ...] = ()
 
     def choice_requests(self) -> list[Request]:
-        """The request of each choice. Greedy choices are one request: its output is every choice's."""
+        """The request of each choice of this prompt. Greedy choices are one request: its output is every choice's."""
         if self.n == 1 or self.request.sampling.greedy:
             return [self.request]
         sampling = self.request.sampling
@@ -100,8 +102,42 @@ class Prepared:
                 for i in range(self.n)]
 
     @property
+    def prompts(self) -> tuple[Prepared, ...]:
+        """Each prompt's Prepared: a batch's, or this one."""
+        return self.batch or (self,)
+
+    @property
+    def choices(self) -> int:
+        """Choices answered: ``n`` per prompt; prompt k's choice i is choice ``k * n + i`` (vLLM's numbering)."""
+        return len(self.prompts) * self.n
+
+    def jobs(self) -> list[Prepared]:
+        """What each job runs: every prompt's choice requests, in choice order."""
+        return [replace(p, request=r) for p in self.prompts for r in p.choice_requests()]
+
+    @property
+    def num_jobs(self) -> int:
+        """How many jobs :meth:`jobs` makes (at most the request's ``num_jobs``: greedy choices share one)."""
+        return sum(1 if p.n == 1 or p.request.sampling.greedy else p.n for p in self.prompts)
+
+    def choice_jobs(self) -> list[int]:
+        """For each choice, the index in :meth:`jobs` of the job that answers it."""
+        owners: list[int] = []
+        first = 0  # the index of this prompt's first job
+        for p in self.prompts:
+            runs = len(p.choice_requests())
+            owners += [first + (i if runs > 1 else 0) for i in range(p.n)]
+            first += runs
+        return owners
+
+    def prompt_of(self, choice: int) -> Prepared:
+        """The Prepared of the prompt that ``choice`` answers."""
+        return self.prompts[choice // self.n]
+
+    @property
     def prompt_tokens(self) -> int:
-        return len(self.request.prompt)
+        """The prompts' tokens (each prompt once, however many choices it has: vLLM's usage)."""
+        return sum(len(p.request.prompt) for p in self.prompts)
 
 
 def check_min_tokens(min_tokens: int | None, max_tokens: int, param: str, sent: bool = True) -> None:
@@ -111,6 +147,21 @@ def check_min_tokens(min_tokens: int | None, max_tokens: int, param: str, sent: 
         given = f"{param}={max_tokens}" + ("" if sent else " (this server's default, clipped to the context)")
         raise APIError(400, f"min_tokens={min_tokens} must be <= {given}: lower min_tokens or raise {param}",
                        param="min_tokens", code="invalid_value")
+
+
+def check_jobs(jobs: int, config: ServeConfig, n: int = 1, prompts: int = 1) -> None:
+    """400 for a request that needs more ``jobs`` at once (generations: ``prompts`` x ``n`` choices, a
+    prompt's greedy choices being one) than the server can ever hold: ``max_concurrent`` running plus
+    ``max_queue`` waiting. Such a request could never be admitted, so a 429 would be retried forever."""
+    limit = config.max_concurrent + config.max_queue
+    if jobs <= limit:
+        return
+    asked = f"n={n}" if prompts == 1 else f"{prompts} prompts x n={n}"
+    fewer = "lower n" if prompts == 1 else "send fewer prompts per request or lower n"
+    raise APIError(400, f"{asked} needs {jobs} generations at once, more than this server can ever hold: "
+                        f"max_concurrent + max_queue = {config.max_concurrent} + {config.max_queue} = {limit} "
+                        f"(dsi serve --max-concurrent, --max-queue); {fewer}",
+                   param="n" if n > 1 else "prompt", code="invalid_value")
 
 
 class Preparer:
@@ -129,15 +180,36 @@ class Preparer:
         self.max_context = max_context
         # numbers a valid body may hold: a token-id prompt filling the context, and the options
         self._max_numbers = None if max_context is None else max_context + MAX_OPTION_NUMBERS
+        # a completion's: a batch of such prompts, one for each job the server can hold at once
+        self._max_completion_numbers = None if max_context is None else \
+            max_context * (config.max_concurrent + config.max_queue) + MAX_OPTION_NUMBERS
 
     # ---- the two endpoints -------------------------------------------------------------------
     def completion(self, body: list[bytearray]) -> Prepared:
         """``body``: a one-item list holding the raw body; it is emptied, so the body is freed once parsed."""
-        req: CompletionRequest = validate_request(CompletionRequest, load_json(body.pop(), self._max_numbers))
+        req: CompletionRequest = validate_request(CompletionRequest,
+                                                  load_json(body.pop(), self._max_completion_numbers))
         self._check_common(req)
+        room = self._room(req.max_tokens, "max_tokens")
+        prompts = req.prompts()
+        if (req.n or 1) == 1:  # a job per prompt: a batch the server could never hold is refused before tokenising
+            check_jobs(len(prompts), self.config, 1, len(prompts))
+        if len(prompts) == 1:
+            return self._completion_prompt(req, prompts[0], room)
+        parts = []
+        for k, prompt in enumerate(prompts):  # a batch: each prompt as if sent alone
+            try:
+                parts.append(self._completion_prompt(req, prompt, room))
+            except APIError as exc:
+                if exc.param != "prompt" and exc.code != "context_length_exceeded":
+                    raise  # about the request, not this prompt
+                raise APIError(exc.status, f"prompt[{k}] of the batch: {exc.message}", type=exc.type, param=exc.param,
+                               code=exc.code, headers=exc.headers) from None
+        return replace(parts[0], batch=tuple(parts))
+
+    def _completion_prompt(self, req: CompletionRequest, prompt: str | list[int], room: int | None) -> Prepared:
+        """One prompt of a completion request, tokenised (a text) or checked (ids) within ``room``."""
         max_tokens, param = req.max_tokens, "max_tokens"
-        room = self._room(max_tokens, param)
-        prompt = req.single_prompt()
         if isinstance(prompt, str):
             ids = self._encode(self.codec.encode, prompt, room, max_tokens, param, "prompt")
             echo = prompt if req.echo else ""
@@ -346,6 +418,9 @@ class Preparer:
         cap = self.config.max_logprobs
         if n is not None and cap != -1 and n > cap:
             raise APIError(400, f"{param}={n} is more than this server allows ({cap}; see --max-logprobs)",
+                           param=param, code="invalid_value")
+        if n is not None and n > self.vocab_size:  # --max-logprobs -1: the whole vocabulary at most
+            raise APIError(400, f"{param}={n} is more than the vocabulary's {self.vocab_size} tokens",
                            param=param, code="invalid_value")
         return n
 

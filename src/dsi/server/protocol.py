@@ -10,10 +10,11 @@ checked by :func:`unsupported_option`; fields that do not change generation (``u
 ``/tokenize`` and ``/detokenize`` requests are here too. Responses follow the OpenAI objects and
 add a ``dsi`` object with the run's speculation statistics.
 
-Status codes: malformed JSON (or not UTF-8, or nested too deep), an unsupported option or a
-batched prompt -> 400; a well-formed body whose fields have the wrong type or range (numbers that
-are not finite, more than 16 stop strings or one over 1000 characters) -> 422; both name the
-field in ``error.param``.
+Status codes: malformed JSON (or not UTF-8, or nested too deep) or an unsupported option -> 400;
+a well-formed body whose fields have the wrong type or range (numbers that are not finite, more
+than 16 stop strings or one over 1000 characters) -> 422; both name the field in ``error.param``.
+A completion's ``prompt`` may be a batch (a list of strings or of token-id lists), as in OpenAI's
+API: :attr:`_GenerationRequest.num_jobs` counts the generations a request may need.
 """
 
 from __future__ import annotations
@@ -103,13 +104,18 @@ class _GenerationRequest(_Strict):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(default=None, ge=-1)  # extension (vLLM): 0 or -1 disable it
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(default=None, json_schema_extra={"anyOf": [  # what _check_stop allows
+        {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
+        {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
+         "maxItems": MAX_STOP_STRINGS}, {"type": "null"}]})
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user identifier; it does not change generation
     # OpenAI's stored completions (some SDK integrations send them): accepted and ignored, nothing is stored
     store: bool | None = None
-    metadata: dict[str, str] | None = None
+    metadata: dict[str, str] | None = Field(default=None, json_schema_extra={"anyOf": [{  # _check_metadata's limits
+        "type": "object", "maxProperties": MAX_METADATA_ENTRIES, "propertyNames": {"maxLength": MAX_METADATA_KEY_CHARS},
+        "additionalProperties": {"type": "string", "maxLength": MAX_METADATA_VALUE_CHARS}}, {"type": "null"}]})
     # logit processing (dsi.sampling.SamplingParams: exact under speculation)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
@@ -118,10 +124,14 @@ class _GenerationRequest(_Strict):
     repetition_penalty: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0, allow_inf_nan=False)
     min_tokens: int | None = Field(default=None, ge=0)
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, json_schema_extra={"anyOf": [  # _check_stop_token_ids'
+        {"type": "array", "items": {"type": "integer", "minimum": 0}, "maxItems": MAX_STOP_TOKEN_IDS},
+        {"type": "null"}]})
     ignore_eos: bool | None = None
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:{id}", not their text
-    n: int | None = Field(default=None, ge=1)  # choices, each sampled independently (see unsupported_option)
+    # choices, each sampled independently; more than MAX_CHOICES is a 400 (unsupported_option)
+    n: int | None = Field(default=None, ge=1, json_schema_extra={"anyOf": [
+        {"type": "integer", "minimum": 1, "maximum": MAX_CHOICES}, {"type": "null"}]})
     # structured output (dsi.constraints; one of these at most): OpenAI's, vLLM's (and its older guided_*), llama.cpp's
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -184,13 +194,28 @@ class _GenerationRequest(_Strict):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def batch_size(self) -> int:
+        """How many prompts the request holds (a chat: one)."""
+        return 1
+
+    @property
+    def num_jobs(self) -> int:
+        """The most generations the request can need at once: each prompt's ``n`` choices (a prompt's greedy
+        choices share one run, so it may need fewer). The one count that limits on queued work compare."""
+        return self.batch_size() * (self.n or 1)
+
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list
+    # a string, token ids, or a batch (strings, or token-id lists): checked by _check_prompt, described here
+    prompt: str | list = Field(json_schema_extra={"anyOf": [
+        {"type": "string"}, {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+        {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        {"type": "array", "items": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+         "minItems": 1}]})
     echo: bool = False
-    best_of: int | None = None
+    best_of: int | None = Field(default=None, json_schema_extra={"anyOf": [{"const": 1}, {"type": "null"}]})  # 1 only
     logprobs: int | None = Field(default=None, ge=0)  # the top N per generated token (capped by --max-logprobs)
-    suffix: str | None = None
+    suffix: str | None = Field(default=None, json_schema_extra={"anyOf": [{"type": "null"}]})  # not supported
     # vLLM's extension: the top N log-probabilities at every prompt position (-1: the whole vocabulary)
     prompt_logprobs: int | None = Field(default=None, ge=-1)
     # dsi's extension: the first position whose prompt logprobs are wanted (earlier ones are null);
@@ -209,19 +234,18 @@ class CompletionRequest(_GenerationRequest):
             return value
         if all(isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in value):
             return value
-        raise ValueError("prompt must be a string or a list of token ids")
+        raise ValueError("prompt must be a string, a list of token ids, or a batch: a list of strings or of token-id "
+                         "lists")
 
     def batch_size(self) -> int:
         """How many prompts the request holds (a list of strings or of id lists is a batch)."""
-        if isinstance(self.prompt, str) or not self.prompt or not isinstance(self.prompt[0], str | list):
-            return 1
-        return len(self.prompt)
+        return len(self.prompts())
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt: text or token ids (a batch of one is unwrapped)."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each text or token ids: one, or a batch's (a batch of one is unwrapped)."""
         if isinstance(self.prompt, str) or not self.prompt or not isinstance(self.prompt[0], str | list):
-            return self.prompt
-        return self.prompt[0]
+            return [self.prompt]
+        return list(self.prompt)
 
 
 class TextPart(_Strict):
@@ -242,7 +266,20 @@ class ToolCall(_Strict):
     function: FunctionCall
 
 
+_HAS_CONTENT = {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}
+
+
 class ChatMessage(_Strict):
+    # what _check_roles checks, for the OpenAPI document: a tool's answer names its call, tool calls are an
+    # assistant's, and a message has content unless it is an assistant's with tool calls
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        {"if": {"properties": {"role": {"const": "tool"}}}, "then": {"required": ["tool_call_id"], "properties": {
+            "tool_call_id": {"type": "string"}}}},
+        {"if": {"properties": {"role": {"const": "assistant"}}},
+         "then": {"anyOf": [_HAS_CONTENT, {"required": ["tool_calls"], "properties": {
+             "tool_calls": {"type": "array", "minItems": 1}}}]},
+         "else": {**_HAS_CONTENT, "properties": {**_HAS_CONTENT["properties"], "tool_calls": {"type": "null"}}}}]})
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None  # None: an assistant's message of tool calls only
     name: str | None = None
@@ -279,7 +316,7 @@ class ChatMessage(_Strict):
 def _parsed(arguments: str) -> Any:
     try:
         return json.loads(arguments)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, a number of over 4300 digits, nested too deep: the text
         return arguments
 
 
@@ -335,7 +372,7 @@ class TokenizeCompletionRequest(_Strict):
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True  # as /v1/completions tokenises a prompt (the tokenizer's BOS...)
-    return_token_strs: bool = False  # vLLM's; only false is supported
+    return_token_strs: bool = Field(default=False, json_schema_extra={"const": False})  # vLLM's; only false
 
 
 class TokenizeChatRequest(_Chat, _Strict):
@@ -344,9 +381,9 @@ class TokenizeChatRequest(_Chat, _Strict):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True  # as /v1/chat/completions renders it
-    continue_final_message: bool = False  # vLLM's; only false is supported
+    continue_final_message: bool = Field(default=False, json_schema_extra={"const": False})  # vLLM's; only false
     add_special_tokens: bool = False  # on top of the template's own (vLLM's default: none)
-    return_token_strs: bool = False
+    return_token_strs: bool = Field(default=False, json_schema_extra={"const": False})
     tools: list[ChatTool] | None = Field(default=None, max_length=MAX_TOOLS)  # rendered by the template
 
 
@@ -378,12 +415,19 @@ def _no_constant(name: str) -> Any:
 
 
 def _has_surrogate(value: Any) -> bool:
-    if isinstance(value, str):
-        return not value.isascii() and _SURROGATE.search(value) is not None
-    if isinstance(value, dict):
-        return any(_has_surrogate(k) or _has_surrogate(v) for k, v in value.items())
-    if isinstance(value, list):
-        return any(_has_surrogate(v) for v in value)
+    """Whether a string in ``value`` (a parsed body) holds a surrogate; a loop, not a recursion: a value
+    nested as deep as the parser allows would exceed Python's recursion limit here."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii() and _SURROGATE.search(item) is not None:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
     return False
 
 
@@ -479,7 +523,6 @@ def unsupported_option(request: _GenerationRequest) -> APIError | None:
              "is not supported"),
             ("best_of", request.best_of not in (None, 1), "best_of > 1 is not supported"),
             ("suffix", request.suffix is not None, "suffix (insertion) is not supported"),
-            ("prompt", request.batch_size() > 1, "batched prompts are not supported: send one prompt per request"),
         ]
     if isinstance(request, ChatCompletionRequest):
         checks += [
@@ -520,7 +563,7 @@ class DSIInfo(BaseModel):
     mean_window: float  # drafts per verification window, on average
     auto: dict | None = None  # method="auto": what was picked and why
     queue_time_s: float
-    time_to_first_token_s: float
+    time_to_first_token_s: float | None  # null: no token was generated (max_tokens=0 scores the prompt only)
     wall_time_s: float
 
 

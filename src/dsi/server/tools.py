@@ -46,7 +46,7 @@ class ToolCalling:
         """The tool calls an output makes, as OpenAI's message gives them; None where it does not parse."""
         try:
             value = json.loads(text)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON (cut short), a number of over 4300 digits, nested too deep
             return None
         if self.function is not None:
             return [_call(self.function, text)]

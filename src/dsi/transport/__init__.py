@@ -11,6 +11,9 @@ transport module is imported only when chosen, so Ray stays optional.
 - ``ray``: servers are Ray actors (:mod:`dsi.transport.ray`), the same options plus ``address``,
   ``num_cpus``, ``num_gpus``, ``resources``, ``node_ids``, ``placement``, ``channel``,
   ``actor_options``, ``init_options``.
+
+Every pool runs 1 to :data:`MAX_SERVERS` (256) servers; one that cannot start them all stops those it
+started and raises (a :class:`~dsi.errors.WorkerError` naming the server, where the cause is not dsi's).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from dsi.errors import ConfigError
-from dsi.transport.base import EventSink, TargetPool
+from dsi.transport.base import MAX_SERVERS, EventSink, TargetPool  # noqa: F401 - MAX_SERVERS: the public limit
 
 TRANSPORTS = ("threads", "processes", "ray")
 

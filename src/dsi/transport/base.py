@@ -19,10 +19,41 @@ from typing import Protocol
 
 import numpy as np
 
+from dsi.errors import ConfigError, DSIError, WorkerError
 from dsi.logprobs import LogprobRows, ReadLogprobs
 from dsi.models.base import common_prefix_length, top_hint
 from dsi.sampling import LazyLaws, ReadLaws, SamplingParams
 from dsi.trees import DraftTree
+
+
+MAX_SERVERS = 256
+"""The most target servers one pool runs (``num_target_servers``, ``--sp``). DSI keeps at most about
+``target forward / (k x drafter step)`` servers busy at once (Equation 1 of the paper), under 100 for any
+drafter worth using even at k = 1; each server is a thread, process or actor with its own session (KV cache)
+and, off threads, its own copy of the model. 256 leaves room above any useful SP while a typo (``10**12``)
+is refused before anything is allocated."""
+
+
+def check_num_servers(value: object, name: str = "num_servers") -> int:
+    """``value`` if it is a number of target servers in ``[1, MAX_SERVERS]``; :class:`ConfigError`
+    naming ``name``, the value and the limit otherwise (checked before any per-server allocation)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{name}={value!r} must be an integer >= 1")
+    if value > MAX_SERVERS:
+        shown = value if value < 10**15 else f"{value:.3g}"
+        raise ConfigError(f"{name}={shown} must be at most {MAX_SERVERS} (dsi.transport.MAX_SERVERS, the most target "
+                          "servers a pool runs; DSI keeps at most about target forward / (k x drafter step) busy)")
+    return value
+
+
+def start_failed(what: str, total: int, exc: BaseException) -> BaseException:
+    """The error of a pool of ``total`` servers that could not start ``what`` (``"server thread 3"``) and has
+    stopped everything it had started: dsi's own errors as they are (they name the server), anything else (no
+    thread, no process, no actor) as a :class:`~dsi.errors.WorkerError` naming it (raise it ``from exc``)."""
+    if isinstance(exc, DSIError) or not isinstance(exc, Exception):
+        return exc
+    return WorkerError(f"the target pool of {total} servers could not start {what} ({type(exc).__name__}: {exc}); "
+                       "it stopped every server it had started")
 
 
 @dataclass(frozen=True)
@@ -52,6 +83,12 @@ class VerifyTask:
     # with logprobs_mode: the most likely tokens each committed token's entry reports (a device then sends only
     # them and the tokens a decision can commit: dsi.logprobs.LogprobsRead); None: whole rows (prompt logprobs)
     logprobs_top: int | None = None
+    # the request the task serves, where a server's rows depend on how its forwards were cut (not in the
+    # deterministic mode, dsi.models.determinism): a server whose cache another request filled starts from an
+    # empty one, as a fresh server would, so the answer does not depend on what was served before. None: any
+    # cached prefix is reused
+    request: int | None = None
+    fresh: bool = False  # set by the dispatcher where ``request`` reuses none of the server's cache: empty it first
 
     def __post_init__(self) -> None:
         if self.tree is not None and self.num_rows != 1 + len(self.tree):

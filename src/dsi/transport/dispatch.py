@@ -3,7 +3,9 @@
 A task goes to an idle server if there is one, preferring the server whose last sequence
 shares the longest prefix with the task's context (it has the most KV cache to reuse);
 otherwise it waits in a FIFO queue and the next server to finish takes it. Cancelled tasks
-leave the queue at once. :class:`Dispatcher` is not thread-safe by itself: the pool holds its
+leave the queue at once. A task that names its request (:attr:`VerifyTask.request`) may reuse only what
+that request cached: the first one on a server that another request filled runs ``fresh`` (the server
+empties its cache first), so no answer depends on what the pool served before. :class:`Dispatcher` is not thread-safe by itself: the pool holds its
 lock around calls. :class:`DispatchingPool` is that locked use, shared by the thread pool and
 the remote (process, Ray) pools, with the failure policy they share:
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import replace
 from collections.abc import Iterable, Sequence
 
 from dsi.errors import WorkerError
@@ -51,6 +54,8 @@ class Dispatcher:
     def __init__(self, num_servers: int) -> None:
         self.running: dict[int, VerifyTask | None] = {i: None for i in range(num_servers)}
         self.last_context: dict[int, Sequence[int]] = {i: () for i in range(num_servers)}
+        # the request whose task each server ran last (VerifyTask.request; None: none, or one that keeps caches)
+        self.last_request: dict[int, int | None] = {i: None for i in range(num_servers)}
         self.queue: deque[VerifyTask] = deque()
         self.dead: set[int] = set()
         self.started: dict[int, float] = {i: 0.0 for i in range(num_servers)}  # monotonic start of the running task
@@ -69,17 +74,30 @@ class Dispatcher:
         return all(s in avoid for s in self.running if s not in self.dead)
 
     def place(self, task: VerifyTask) -> int | None:
-        """Assign ``task`` to the best idle server and return its id, or queue it (None)."""
+        """Assign ``task`` to the best idle server and return its id (``running[id]`` is the task as it is to
+        run there: :meth:`_start`), or queue it (None)."""
         idle = [s for s in self.idle_servers() if self.may_take(s, task)]
         if not idle:
             self.queue.append(task)
             return None
-        server = max(idle, key=lambda s: (common_prefix_length(self.last_context[s], task.context), -s))
+        server = max(idle, key=lambda s: (common_prefix_length(self.reusable(s, task), task.context), -s))
         self._start(server, task)
         return server
 
+    def reusable(self, server: int, task: VerifyTask) -> Sequence[int]:
+        """What of ``server``'s cache ``task`` may reuse: all of it, unless another request filled it and
+        ``task`` belongs to a request that starts from an empty cache (:attr:`VerifyTask.request`)."""
+        if task.request is not None and self.last_request[server] != task.request:
+            return ()
+        return self.last_context[server]
+
+    def forget(self, server: int) -> None:
+        """``server``'s cache is empty (a replacement started)."""
+        self.last_context[server] = ()
+        self.last_request[server] = None
+
     def finish(self, server: int) -> VerifyTask | None:
-        """Mark ``server`` idle; hand it the next queued task (returned) if any."""
+        """Mark ``server`` idle; hand it the next queued task (returned, as it is to run there) if any."""
         self.running[server] = None
         if server in self.dead or not self.queue:
             return None
@@ -87,8 +105,7 @@ class Dispatcher:
         if task is None:
             return None
         self.queue.remove(task)
-        self._start(server, task)
-        return task
+        return self._start(server, task)
 
     def cancel(self, task_ids: Iterable[int]) -> list[int]:
         """Drop queued tasks among ``task_ids``; return the servers running any of the others."""
@@ -103,11 +120,19 @@ class Dispatcher:
         task, self.running[server] = self.running[server], None
         return task
 
-    def _start(self, server: int, task: VerifyTask) -> None:
-        self.new_tokens[server] = task.tokens_to_compute(self.last_context[server])
+    def _start(self, server: int, task: VerifyTask) -> VerifyTask:
+        """Run ``task`` on ``server``; returns it as it runs there: marked ``fresh`` where it may reuse none of the
+        server's cache (the first task of its request there, :meth:`reusable`), so the server empties it first."""
+        cached = self.reusable(server, task)
+        fresh = task.request is not None and not cached
+        if task.fresh != fresh:
+            task = replace(task, fresh=fresh)
+        self.new_tokens[server] = task.tokens_to_compute(cached)
         self.started[server] = time.monotonic()
         self.running[server] = task
         self.last_context[server] = task.held_context
+        self.last_request[server] = task.request
+        return task
 
 
 class DispatchingPool:
@@ -135,7 +160,7 @@ class DispatchingPool:
                 raise WorkerError(f"no target server is alive: all {self.num_servers} {self._name} servers died")
             server = self._dispatch.place(task)
             if server is not None:
-                self._hand_over(server, task)
+                self._hand_over(server, self._dispatch.running[server])
 
     def idle_servers(self) -> int:
         """Servers in service with nothing to do: a task submitted now starts at once on one."""
@@ -160,7 +185,7 @@ class DispatchingPool:
                                                     f"that died; not retried (last: {error})")
         placed = d.place(task) if d.idle_servers() else None  # (queued by place when no server may take it)
         if placed is not None:
-            self._hand_over(placed, task)
+            self._hand_over(placed, d.running[placed])
         elif task not in d.queue:
             d.queue.appendleft(task)
         else:  # place() queued it last: a re-run goes first in line
@@ -195,7 +220,7 @@ class DispatchingPool:
         """A replacement of ``server`` is ready: back in service with an empty cache, no measured
         rate of its own, and the next queued task if any (lock held)."""
         self._dispatch.dead.discard(server)
-        self._dispatch.last_context[server] = ()
+        self._dispatch.forget(server)
         self._rates.forget(server)
         next_task = self._dispatch.finish(server)
         if next_task is not None:

@@ -43,7 +43,7 @@ from dsi.constraints import register_vocabulary
 from dsi.errors import ConfigError, ModelError, WorkerError
 from dsi.models.base import LanguageModel
 from dsi.transport.arena import Arena
-from dsi.transport.base import EventSink, VerifyTask
+from dsi.transport.base import EventSink, VerifyTask, check_num_servers
 from dsi.transport.recipes import ModelRecipe, build_with_threads, model_recipe
 from dsi.transport.remote import RemotePool, ServerLost, check_options, per_server, read_answer
 from dsi.transport.wire import (
@@ -143,8 +143,15 @@ class ProcessServer:
             target=serve, args=(recipe, child_conn, self.cancel_slot, server_id, threads, arena_at),
             name=f"dsi-target-{server_id}", daemon=True,
         )
-        self.process.start()
-        child_conn.close()  # the child holds the only other end: its death means EOF here
+        try:
+            self.process.start()
+        except BaseException:  # no process (a process limit, memory): nothing of this server is left behind
+            if self.arena is not None:
+                self.arena.unlink()
+            self.conn.close()
+            raise
+        finally:
+            child_conn.close()  # the child holds the only other end: its death means EOF here
         self.pid = self.process.pid
         self._stopped = False
         # join / is_alive reap the child with waitpid; from two threads at once (the listener
@@ -263,8 +270,7 @@ class ProcessTargetPool(RemotePool):
         liveness: object = None,
         recipe: ModelRecipe | None = None,
     ) -> None:
-        if not isinstance(num_servers, int) or isinstance(num_servers, bool) or num_servers < 1:
-            raise ConfigError(f"{num_servers=} must be an integer >= 1")
+        check_num_servers(num_servers)
         if threads_per_server is not None and (
             not isinstance(threads_per_server, int) or isinstance(threads_per_server, bool) or threads_per_server < 1
         ):

@@ -42,7 +42,7 @@ from dsi.constraints import register_vocabulary
 from dsi.errors import ConfigError, ModelError, WorkerError
 from dsi.models.base import LanguageModel
 from dsi.transport.arena import Arena
-from dsi.transport.base import EventSink, TaskAborted, TaskFailed, VerifyTask
+from dsi.transport.base import EventSink, TaskAborted, TaskFailed, VerifyTask, check_num_servers
 from dsi.transport.recipes import ModelRecipe, build_with_threads, model_recipe
 from dsi.transport.remote import STOPPED, BadAnswer, RemotePool, ServerLost, check_options, per_server, read_answer
 from dsi.transport.wire import (
@@ -355,8 +355,7 @@ class RayTargetPool(RemotePool):
         actor_options: dict | None = None,
         init_options: dict | None = None,
     ) -> None:
-        if not isinstance(num_servers, int) or isinstance(num_servers, bool) or num_servers < 1:
-            raise ConfigError(f"{num_servers=} must be an integer >= 1")
+        check_num_servers(num_servers)
         for name, value in (("num_cpus", num_cpus), ("num_gpus", num_gpus)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value < 0):
                 raise ConfigError(f"{name}={value!r} must be a number >= 0 (or None)")

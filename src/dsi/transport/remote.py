@@ -33,7 +33,9 @@ from multiprocessing.connection import Connection
 from typing import Protocol
 
 from dsi.errors import ConfigError, ServerLost, WorkerError
-from dsi.transport.base import EventSink, ServerDied, TaskAborted, TaskFailed, VerifyTask
+from dsi.transport.base import (
+    EventSink, ServerDied, TaskAborted, TaskFailed, VerifyTask, check_num_servers, start_failed,
+)
 from dsi.transport.dispatch import MAX_RESTARTS, Dispatcher, DispatchingPool, death_note
 from dsi.transport.liveness import ForwardRates, LivenessPolicy, Watchdog
 from dsi.transport.arena import Arena
@@ -132,8 +134,7 @@ class RemotePool(DispatchingPool):
         liveness: object = None,
         name: str = "remote",
     ) -> None:
-        if not isinstance(num_servers, int) or isinstance(num_servers, bool) or num_servers < 1:
-            raise ConfigError(f"{num_servers=} must be an integer >= 1")
+        check_num_servers(num_servers)
         if not isinstance(restart_dead, bool):
             raise ConfigError(f"{restart_dead=} must be True or False")
         if not isinstance(start_timeout, int | float) or not start_timeout > 0:
@@ -155,20 +156,26 @@ class RemotePool(DispatchingPool):
         self._watchdog: Watchdog | None = None
         self._closed = False
         self.handles: list[ServerHandle] = []
+        what = f"{name} server 0"
         try:
             for server in range(num_servers):
+                what = f"{name} server {server}"
                 self.handles.append(launch(server))
             deadline = time.monotonic() + self._start_timeout
-            for handle in self.handles:
+            for server, handle in enumerate(self.handles):
+                what = f"{name} server {server}"
                 handle.wait_ready(max(0.1, deadline - time.monotonic()))
-        except BaseException:
-            self._closed = True
-            for handle in self.handles:
-                handle.stop(1.0)
-            raise
-        for server, handle in enumerate(self.handles):
-            self._start_listener(server, handle)
-        self._watchdog = self._start_watchdog()
+            for server, handle in enumerate(self.handles):
+                what = f"the listener thread of {name} server {server}"
+                self._start_listener(server, handle)
+            what = "its liveness watchdog"
+            self._watchdog = self._start_watchdog()
+        except BaseException as exc:  # stop every server and thread started (a process, an actor, no thread)
+            self._stop_started()
+            error = start_failed(what, num_servers, exc)
+            if error is exc:
+                raise
+            raise error from exc
 
     # ---- the pool protocol -------------------------------------------------------------------
     @property
@@ -218,6 +225,17 @@ class RemotePool(DispatchingPool):
         self.close()
 
     # ---- internals (lock held where noted) -------------------------------------------------------
+    def _stop_started(self) -> None:
+        """A pool that failed to start: stop the servers it launched and the threads it started."""
+        with self._lock:
+            self._closed = True
+        for handle in self.handles:
+            handle.request_stop()
+        for handle in self.handles:
+            handle.stop(1.0)
+        for thread in list(self._threads):
+            thread.join(2.0)
+
     def _alive(self) -> int:
         return self.num_servers - len(self._dispatch.dead) + len(self._restarting)
 
@@ -233,8 +251,8 @@ class RemotePool(DispatchingPool):
         thread = threading.Thread(
             target=self._listen, args=(server, handle), name=f"dsi-{self._name}-listener-{server}", daemon=True
         )
-        self._threads.append(thread)
         thread.start()
+        self._threads.append(thread)  # (close joins it: only once started)
 
     def _listen(self, server: int, handle: ServerHandle) -> None:
         """Relay ``handle``'s answers until it stops or is lost; never leaves without a verdict."""

@@ -30,6 +30,8 @@ def run_verify_task(
 ) -> TaskResult:
     """Compute ``task`` on ``session``; raises ``TaskCancelled`` if ``cancel`` fires."""
     start = time.perf_counter()
+    if task.fresh and session.tokens:  # the first task of its request here: computed as on a fresh server
+        session.truncate(0)
     if task.tree is not None:
         return _run_tree_task(session, task, server_id, cancel, start)
     if task.ids_only:  # only the argmax ids leave the model (on a GPU: only they cross to the host)

@@ -29,7 +29,9 @@ from collections.abc import Iterable
 
 from dsi.errors import ConfigError, ServerLost, TaskCancelled
 from dsi.models.base import LanguageModel
-from dsi.transport.base import EventSink, ServerDied, TaskAborted, TaskFailed, VerifyTask
+from dsi.transport.base import (
+    EventSink, ServerDied, TaskAborted, TaskFailed, VerifyTask, check_num_servers, start_failed,
+)
 from dsi.transport.dispatch import Dispatcher, DispatchingPool, death_note
 from dsi.transport.liveness import ForwardRates, LivenessPolicy
 from dsi.transport.server import run_verify_task
@@ -53,8 +55,7 @@ class ThreadTargetPool(DispatchingPool):
         self, model: LanguageModel, num_servers: int, on_event: EventSink, devices: list[str] | None = None,
         *, restart_dead: bool = True, liveness: object = None,
     ) -> None:
-        if not isinstance(num_servers, int) or isinstance(num_servers, bool) or num_servers < 1:
-            raise ConfigError(f"{num_servers=} must be an integer >= 1")
+        check_num_servers(num_servers)
         if not isinstance(restart_dead, bool):
             raise ConfigError(f"{restart_dead=} must be True or False")
         if devices:
@@ -79,10 +80,21 @@ class ThreadTargetPool(DispatchingPool):
         self._generation = [0] * num_servers  # bumped when a server's thread is replaced
         self._inboxes: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(num_servers)]
         self._threads: list[threading.Thread] = []  # every thread started, replaced ones included
-        with self._lock:
-            for server in range(num_servers):
-                self._start_thread(server)
-        self._watchdog = self._start_watchdog()
+        self._watchdog = None
+        what = "server thread 0"
+        try:
+            with self._lock:
+                for server in range(num_servers):
+                    what = f"server thread {server}"
+                    self._start_thread(server)
+            what = "its liveness watchdog"
+            self._watchdog = self._start_watchdog()
+        except BaseException as exc:  # no thread to be had (a thread limit, memory): stop those started
+            self.close()
+            error = start_failed(what, num_servers, exc)
+            if error is exc:
+                raise
+            raise error from exc
 
     @property
     def num_servers(self) -> int:
@@ -139,8 +151,8 @@ class ThreadTargetPool(DispatchingPool):
         self._inboxes[server] = inbox = queue.SimpleQueue()
         name = f"dsi-target-{server}" + (f"-r{generation - 1}" if generation > 1 else "")
         thread = threading.Thread(target=self._serve, args=(server, generation, inbox), name=name, daemon=True)
-        self._threads.append(thread)
         thread.start()
+        self._threads.append(thread)  # (close joins it: only once started)
 
     def _serve(self, server: int, generation: int, inbox: queue.SimpleQueue) -> None:
         try:

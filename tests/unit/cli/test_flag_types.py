@@ -86,6 +86,8 @@ NUMBERS = [(p, parser, a) for p, parser, a in FLAGS if isinstance(a.type, Number
 def _bad_values(number: Number) -> list[str]:
     step = 1 if number.kind is int else 0.5
     bad = ["x", "nan", "inf", "-inf"]
+    # a value inside the range in Arabic-Indic digits, which int() and float() read (issue 64): ASCII digits only
+    bad.append(number.sample().translate(str.maketrans("0123456789", "٠١٢٣٤٥٦٧٨٩")))
     if number.kind is int:
         bad.append("1.5")
     if number.low is not None:

@@ -100,6 +100,9 @@ def test_generate_chat_template(pair_dirs, capsys):
     (["--prompt", "hi", "--stop-token-ids", "1,,2"], "--stop-token-ids='1,,2' must be comma-separated"),
     (["--prompt", "hi", "--presence-penalty", "3"], "--presence-penalty=3 must be a number in [-2, 2]"),
     (["--prompt", "hi", "--logit-bias", "99999=1"], "logit_bias names token id(s) [99999] outside the vocabulary"),
+    # ASCII digits only: int() reads "٥" as 5 (issue 64)
+    (["--prompt", "hi", "--logit-bias", "٥=1"], "--logit-bias='٥=1' must be ID=BIAS pairs"),
+    (["--prompt-ids", "1,٥"], "--prompt-ids='1,٥' must be comma-separated integers"),
 ])
 def test_generate_errors(pair_dirs, capsys, argv, message):
     target, drafter = pair_dirs
@@ -165,6 +168,9 @@ def test_demo_plans(tmp_path):
     assert plan("--prompts", str(prompts)) == DemoPlan(3, 48, None)
     with pytest.raises(ConfigError, match=r"--prompts=5 must be in \[1, 4\] \(built-in prompts\), or a file"):
         plan("--prompts", "5")
+    for text in ("²", "5" * 5000):  # digits to str.isdigit that int() refuses: named, not a bare ValueError
+        with pytest.raises(ConfigError, match=r"--prompts='.*' must be a count of built-in prompts in \[1, 4\]"):
+            plan("--prompts", text)
 
 
 def test_generate_target_devices_and_transport_errors(pair_dirs, capsys):
@@ -254,10 +260,10 @@ def refusal(capsys, argv, message):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["demo", "--sp", "1", "0"], "--sp=0 must be an integer >= 1"),
+    (["demo", "--sp", "1", "0"], "--sp=0 must be an integer in [1, 256]"),
     (["demo", "--repeats", "0"], "--repeats=0 must be an integer >= 1"),
-    (["serve", "--max-queue", "-1"], "--max-queue=-1 must be an integer >= 0"),
-    (["serve", "--max-concurrent", "0"], "--max-concurrent=0 must be an integer >= 1"),
+    (["serve", "--max-queue", "-1"], "--max-queue=-1 must be an integer in [0, 4096]"),
+    (["serve", "--max-concurrent", "0"], "--max-concurrent=0 must be an integer in [1, 256]"),
 ])
 def test_a_bad_number_is_named_alone_before_anything_loads(capsys, argv, message):
     err = refusal(capsys, argv, message)

@@ -40,7 +40,7 @@ def _call(pair, **overrides):
         ({"prompt": "hello"}, "tokenize text first"),
         ({"prompt": [1, 16]}, r"prompt\[1\]=16 is outside the vocabulary \[0, 16\)"),
         ({"prompt": [-1]}, r"prompt\[0\]=-1 is outside"),
-        ({"prompt": [1.5]}, r"prompt\[0\]=1.5 is not an integer"),
+        ({"prompt": [1.5]}, r"prompt\[0\]=1.5 \(float\) is not a token id"),
         ({"eos_token_id": 99}, "eos_token_id=99"),
         ({"sampling": {"temperature": 1}}, "must be a dsi.SamplingParams"),
         ({"drafter": None}, "needs a drafter"),

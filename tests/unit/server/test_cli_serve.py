@@ -95,9 +95,11 @@ def test_serve_parser_takes_every_generate_model_and_engine_option():
 @pytest.mark.parametrize("argv, message", [
     (["--port", "70000"], "--port=70000"),
     (["--max-concurrent", "0"], "--max-concurrent=0"),
+    (["--max-concurrent", "257"], "--max-concurrent=257 must be an integer in [1, 256]"),  # MAX_SLOTS
+    (["--max-queue", "4097"], "--max-queue=4097 must be an integer in [0, 4096]"),  # MAX_QUEUE
     (["--lookahead", "auto", "--method", "si"], "SI needs an integer lookahead"),
     (["--lookahead", "5", "--max-window", "3"], "max_window=3 applies to lookahead='auto' only"),
-    (["--method", "dsi", "--sp", "0"], "--sp=0 must be an integer >= 1"),
+    (["--method", "dsi", "--sp", "0"], "--sp=0 must be an integer in [1, 256]"),
     (["--max-body-bytes", "0"], "--max-body-bytes=0 must be an integer >= 1"),
     (["--api-key", "s3cret "], "api_key (--api-key) has leading or trailing whitespace"),
     (["--api-key", "clé"], "api_key (--api-key) has a character at position 2 that is not printable ASCII"),

@@ -125,6 +125,19 @@ HOSTILE = [
     ("UTF-16", None, '{"prompt": "x"}'.encode("utf-16"), None, 400),
     ("-Infinity", None, b'{"prompt": "x", "top_p": -Infinity}', None, 400),
     ("nested 10000 deep", None, b'{"prompt": ' + b"[" * 10000 + b"]" * 10000 + b"}", None, 400),
+    # small enough (3 KB) for the event loop's token-id fast path, which parses it first (issue 64)
+    ("nested 1500 deep in 3 KB", None, b'{"prompt": ' + b"[" * 1500 + b"]" * 1500 + b"}", None, 400),
+    # parsed, then too deep for what reads it next: the surrogate check, tool schemas, tool-call arguments
+    ("nested 600 deep with a lone surrogate", None, b'{"prompt": ' + b"[" * 600 + b'"\\ud800"' + b"]" * 600 + b"}",
+     None, 400),
+    ("chat: tool parameters nested 600 deep", CHAT, b'{"messages": [{"role": "user", "content": "hi"}], '
+     b'"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f", "parameters": '
+     + b'{"a": ' * 600 + b"1" + b"}" * 600 + b"}}]}", None, 400),
+    ("chat: tool-call arguments nested 900 deep", CHAT, {"messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+            {"id": "c", "function": {"name": "f", "arguments": "[" * 900 + "]" * 900}}]}]}, None, 400),
+    ("a schema as text with a number of 5000 digits", None, {"prompt": "x", "guided_json": '{"maximum": 1' + "0" * 5000
+                                                              + "}"}, None, 400),
     ("a JSON array", None, b"[1, 2]", None, 400),
     ("JSON null", None, b"null", None, 400),
     ("an empty body", None, b"", None, 400),
@@ -154,7 +167,13 @@ HOSTILE = [
     ("logprobs huge", None, {"prompt": "x", "logprobs": 10**30}, None, 400),
     ("logprobs negative", None, {"prompt": "x", "logprobs": -1}, None, 422),
     ("logit_bias over 1024 entries", None, {"prompt": "x", "logit_bias": {str(i): 1.0 for i in range(1025)}}, None, 422),
-    ("logit_bias an id beyond the vocabulary", None, {"prompt": "x", "logit_bias": {str(10**30): 1.0}}, None, 400),
+    ("logit_bias an id beyond the vocabulary", None, {"prompt": "x", "logit_bias": {str(10**9): 1.0}}, None, 400),
+    # OpenAI's keys are ASCII digit strings, at most 10 of them (issue 64: "²" and 5000 digits were 500s, "٥" was 5)
+    ("logit_bias a key of 31 digits", None, {"prompt": "x", "logit_bias": {str(10**30): 1.0}}, None, 422),
+    ("logit_bias a key of 5000 digits", None, {"prompt": "x", "logit_bias": {"5" * 5000: 1.0}}, None, 422),
+    ("logit_bias a superscript two", None, {"prompt": "x", "logit_bias": {"²": 1}}, None, 422),
+    ("logit_bias an Arabic-Indic five", None, {"prompt": "x", "logit_bias": {"٥": 1}}, None, 422),
+    ("chat: logit_bias a superscript two", CHAT, {"messages": MSG, "logit_bias": {"²": 1}}, None, 422),
     ("logit_bias a list", None, {"prompt": "x", "logit_bias": [[1, 2.0]]}, None, 422),
     ("stop_token_ids over 64", None, {"prompt": "x", "stop_token_ids": list(range(65))}, None, 422),
     ("presence_penalty a string", None, {"prompt": "x", "presence_penalty": "1"}, None, 422),
@@ -173,7 +192,8 @@ HOSTILE = [
     ("prompt an empty id list", None, {"prompt": [[]]}, None, 400),
     ("prompt mixed ids and text", None, {"prompt": [1, "a"]}, None, 422),
     ("prompt ids as floats", None, {"prompt": [1.0, 2.0]}, None, 422),
-    ("a batch of prompts", None, {"prompt": ["a", "b"]}, None, 400),
+    ("a batch with a prompt beyond the context", None, {"prompt": ["a", "word " * 2000]}, None, 400),
+    ("a batch with a token id beyond the vocabulary", None, {"prompt": [[1], [1, 10**6]]}, None, 400),
     ("a token id beyond the vocabulary", None, {"prompt": [1, 10**6]}, None, 400),
     ("a token id beyond the vocabulary, echoed", None, {"prompt": [1, 10**6], "echo": True}, None, 400),
     ("a negative token id, echoed", None, {"prompt": [-1], "echo": True}, None, 400),
@@ -436,6 +456,36 @@ def test_requests_being_prepared_count_against_the_queue_bound(tiny_tokenizer):
         thread.join(30)
         assert first["r"].status_code == 200
         assert httpx.get(running.url + "/health").json()["preparing"] == 0
+
+
+def test_more_generations_than_the_server_can_ever_hold_is_a_400_not_a_429(tiny_tokenizer):
+    """One slot and a queue of 2 hold 3 generations at most: n=4 sampled could never be admitted, so it is
+    a 400 naming n and the limit (a 429 would be retried forever, issue 64); n=3 is served, greedy n=4 is
+    one generation, and a batch counts prompts x n (:func:`dsi.server.prepare.check_jobs`)."""
+    app = make_app(tiny_tokenizer, max_queue=2, max_concurrent=1)
+    with running_server(app) as running:
+        for path, body in (("/v1/completions", {"prompt": "a"}), (CHAT, {"messages": MSG})):
+            r = post(running.url, path, json={**body, "n": 4, "temperature": 1.0, "max_tokens": 2})
+            error = assert_openai_error(r, 400)
+            assert error["param"] == "n" and error["code"] == "invalid_value" and "retry-after" not in r.headers
+            assert "n=4 needs 4 generations at once" in error["message"]
+            assert "max_concurrent + max_queue = 1 + 2 = 3" in error["message"]
+            ok = post(running.url, path, json={**body, "n": 3, "temperature": 1.0, "max_tokens": 2})
+            assert ok.status_code == 200 and len(ok.json()["choices"]) == 3, ok.text
+            greedy = post(running.url, path, json={**body, "n": 4, "temperature": 0.0, "max_tokens": 2})
+            assert greedy.status_code == 200 and len(greedy.json()["choices"]) == 4, greedy.text
+        error = assert_openai_error(post(running.url, json={"prompt": ["a", "b"], "n": 2, "temperature": 1.0}), 400)
+        assert error["param"] == "n" and "2 prompts x n=2 needs 4 generations" in error["message"]
+        error = assert_openai_error(post(running.url, json={"prompt": ["a", "b", "c", "d"], "temperature": 1.0}), 400)
+        assert error["param"] == "prompt" and "4 prompts x n=1 needs 4 generations" in error["message"]
+
+
+@pytest.mark.parametrize("key", ["²", "٥", "5" * 5000, "-1", "0x1", " 7"])
+def test_a_logit_bias_key_that_is_not_ascii_digits_is_a_422_naming_logit_bias(server, key):
+    for path, body in (("/v1/completions", {"prompt": "x"}), (CHAT, {"messages": MSG})):
+        error = assert_openai_error(post(server.url, path, json={**body, "logit_bias": {key: 1}}), 422)
+        assert error["param"] == "logit_bias" and "must be a token id: 1 to 10 ASCII digits" in error["message"]
+        assert len(error["message"]) < 300  # a long key is cut in the message
 
 
 @pytest.mark.slow

@@ -401,7 +401,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
     ("/v1/completions", {"prompt": "x", "n": 2, "prompt_logprobs": 1}, 400, "n"),
     ("/v1/completions", {"prompt": "x", "best_of": 2}, 400, "best_of"),
     ("/v1/completions", {"prompt": "x", "frobnicate": True}, 400, "frobnicate"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["a", "word " * 2000]}, 400, "prompt"),  # a batch's prompt beyond the context
     ("/v1/completions", {"prompt": [1, 99999]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 300}, 400, "max_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 999},

@@ -132,6 +132,23 @@ def test_refusals_name_the_parameter(servers, body, param):
     assert str(body.get(param, "")) in error["message"] or param in error["message"]
 
 
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": [5, 6, 7], "logprobs": 10**30}, "logprobs"),
+    ("/v1/completions", {"prompt": [5, 6, 7], "logprobs": 10**6, "echo": True, "max_tokens": 0}, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 10**6},
+     "top_logprobs"),
+])
+def test_logprobs_beyond_the_vocabulary_name_their_field_where_the_whole_vocabulary_is_allowed(servers, tiny_pair,
+                                                                                                path, body, param):
+    """With --max-logprobs -1 the vocabulary is the bound: a 400 naming the field (it named the prompt, issue 64)."""
+    target, _ = tiny_pair
+    r = httpx.post(servers["full"][0] + path, json={"model": MODEL, **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["code"] == "invalid_value"
+    assert f"{param}={body[param]} is more than the vocabulary's {target.vocab_size} tokens" in error["message"]
+
+
 @pytest.fixture(scope="module")
 def dsi_server(tiny_pair):
     """A DSI server (two target servers, k = 2): it scores prompts as one task on a target server."""
@@ -156,6 +173,37 @@ def test_a_dsi_server_scores_prompts_on_a_target_server(dsi_server, tiny_pair):
             assert value == pytest.approx(local[p - 1, token], abs=1e-5)
         assert max(entry, key=entry.get) == int(np.argmax(local[p - 1]))
     assert choice["text"] == target.decode([int(np.argmax(local[-1]))])
+
+
+@pytest.mark.parametrize("body, generated", [
+    ({"echo": True, "logprobs": 1, "max_tokens": 1}, 1),
+    ({"echo": True, "logprobs": 1, "max_tokens": 0}, 0),
+    ({"prompt_logprobs": 1, "max_tokens": 1}, 1),
+])
+def test_a_scored_prompt_reports_the_one_forward_that_ran_with_measured_times(dsi_server, tiny_pair, body, generated):
+    """Answered from one target forward over the prompt, on a DSI server: its dsi object says what ran
+    (non-SI: no drafts, one target server, no lookahead), with measured times; usage counts the tokens
+    given (issue 64: it said "dsi", 1 server, lookahead null and 0.0 s)."""
+    target, _ = tiny_pair
+    prompt = target.encode("def add(a, b):\n    return")
+    r = post(dsi_server, prompt=prompt, temperature=0, **body)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    info = answer["dsi"]
+    assert info["method"] == "ar" and info["lookahead"] is None and info["num_target_servers"] == 1
+    assert info["drafted_tokens"] == info["verify_tasks"] == 0
+    assert info["wall_time_s"] > 0 and 0 < info["target_utilisation"] <= 1
+    if generated:
+        assert 0 < info["time_to_first_token_s"] <= info["wall_time_s"]
+    else:
+        assert info["time_to_first_token_s"] is None  # no token: none came first
+    assert answer["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": generated,
+                               "total_tokens": len(prompt) + generated}
+    # a generation after the prompt's forward counts that forward's time too, and says what generated
+    r = post(dsi_server, prompt=prompt, temperature=0, prompt_logprobs=1, max_tokens=3)
+    info = r.json()["dsi"]
+    assert info["method"] == "dsi" and info["num_target_servers"] == 2
+    assert 0 < info["time_to_first_token_s"] <= info["wall_time_s"]
 
 
 @pytest.mark.parametrize("where", ["ar", "dsi"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
@@ -89,7 +90,6 @@ def test_chat_message_errors_name_the_nested_field():
     (b'{"prompt": "x", "n": 17}', "n"),
     (b'{"prompt": "x", "best_of": 2}', "best_of"),
     (b'{"prompt": "x", "suffix": "y"}', "suffix"),
-    (b'{"prompt": ["a", "b"]}', "prompt"),
 ])
 def test_unsupported_options_are_400(body, param):
     error = unsupported_option(parse_request(CompletionRequest, body))
@@ -98,7 +98,7 @@ def test_unsupported_options_are_400(body, param):
 
 def test_supported_defaults_pass():
     req = parse_request(CompletionRequest, b'{"prompt": ["one"], "n": 1, "best_of": 1, "logprobs": null}')
-    assert unsupported_option(req) is None and req.single_prompt() == "one"
+    assert unsupported_option(req) is None and req.prompts() == ["one"]
 
 
 def test_stop_strings_keep_only_the_text_held_back():
@@ -181,7 +181,9 @@ def test_load_json_holds_at_most_two_body_sized_objects_and_stops_at_too_many_nu
 
 
 @pytest.mark.parametrize("body", [b'{"prompt": NaN}', b'{"prompt": "\\ud800"}', b"\xff", b"[1]", b"{" * 5000,
-                                  b'{"prompt": 1' + b"0" * 5000 + b"}"])
+                                  b'{"prompt": 1' + b"0" * 5000 + b"}",
+                                  # parses, then its surrogate is looked for in a loop, not a recursion (issue 64)
+                                  b'{"prompt": ' + b"[" * 600 + b'"\\ud800"' + b"]" * 600 + b"}"])
 def test_load_json_refuses_what_is_not_standard_json_with_a_400(body):
     from dsi.server.protocol import load_json
 
@@ -239,3 +241,30 @@ def test_read_body_fills_a_buffer_of_the_declared_size_and_refuses_more():
         asyncio.run(read_body(receiver(list(chunks)), 4))
     with pytest.raises(APIError, match="client closed"):
         asyncio.run(read_body(receiver(list(chunks), disconnect=True), 10))
+
+
+@pytest.mark.parametrize("text", ["1,\u0665", "1,1_0", "1,+2", "1,-2", "5" * 5000, "1,0x10"])
+def test_a_prompt_of_ids_without_a_tokenizer_takes_ascii_digits_only(text):
+    """``dsi serve --synthetic``'s prompts ("1,2,3"): int() alone reads "٥" as 5 and "1_0" as 10 (issue 64)."""
+    from dsi.errors import ConfigError
+    from dsi.server.codec import IdsCodec
+
+    codec = IdsCodec(50)
+    assert codec.encode(" 1, 2,3 ,") == [1, 2, 3]
+    with pytest.raises(ConfigError, match="a prompt is comma-separated token ids \\(ASCII digits\\)"):
+        codec.encode(text)
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("max_concurrent", 257, "max_concurrent=257 must be an integer in [1, 256] (engine slots)"),
+    ("max_concurrent", 10**12, "max_concurrent=1000000000000 must be an integer in [1, 256]"),
+    ("max_queue", 4097, "max_queue=4097 must be an integer in [0, 4096]"),
+    ("max_queue", True, "max_queue=True must be an integer in [0, 4096]"),
+])
+def test_the_servers_slots_and_queue_are_bounded(option, value, message):
+    """Each slot is a decoder and a thread, each queued request a body being read: a bound, named (issue 64)."""
+    from dsi.errors import ConfigError
+    from dsi.server import ServeConfig
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        ServeConfig(**{option: value})
