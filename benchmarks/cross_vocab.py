@@ -1,7 +1,7 @@
 """A drafter of another tokenizer: non-SI, SI and DSI next to transformers' universal assisted generation.
 
 The Qwen2.5-Coder-1.5B-Instruct target with the SmolLM2-135M-Instruct drafter (another model family,
-its own 49152-token vocabulary), bridged by dsi.models.crossvocab (Timor et al., ICML 2025: string
+its own 49152-token vocabulary), bridged by dsi.models.vocab.bridge (Timor et al., ICML 2025: string
 level exact match for greedy requests, the token intersection for sampling; ``--vocab-mode``). Code
 and prose prompts, chat-formatted; greedy and T = 0.7 (seeded), same prompts and lengths for every
 method. Every method runs in this one process, one after another; each time is the median over
@@ -28,7 +28,7 @@ reports; bf16 and llama.cpp), or differs (with the margin). Greedy SI and DSI ro
 engine/ideal: the measured time over the event simulator's (dsi.sim.events) prediction from each
 worker's latencies measured alone (target: prefill and forwards over k+1 tokens; the bridged
 drafter: prefill, and its mean cost per proposed target token while continuing its own drafts) and
-the exact greedy accept pattern of each prompt (dsi.models.replay.accept_pattern through the bridged
+the exact greedy accept pattern of each prompt (dsi.models.emulated.replay.accept_pattern through the bridged
 drafter). Sampling rows have no ideal (their accept pattern is a random variable).
 
     python benchmarks/cross_vocab.py --out results/cross_vocab.json                      # hf, fp32
@@ -57,9 +57,9 @@ from real_pair import divergences, ideal_seconds, median_of, near_tie_margin, wo
 from dsi.errors import DraftUnavailable
 from dsi.evaluate.compare import CODE_PROMPTS, MethodConfig, MethodRun, iter_compare, set_threads
 from dsi.models.base import extend_rows
-from dsi.models.crossvocab import VOCAB_MODES, bridge_drafter
+from dsi.models.vocab.bridge import VOCAB_MODES, bridge_drafter
 from dsi.models.loading import load_pair
-from dsi.models.replay import accept_pattern
+from dsi.models.emulated.replay import accept_pattern
 from dsi.sampling import SamplingParams
 
 PROSE_PROMPTS = (
@@ -279,7 +279,7 @@ def main() -> int:
                    help="start no new configuration after S seconds (the rest is reported as skipped)")
     p.add_argument("--merges", type=lambda v: v if v == "auto" else int(v), default="auto",
                    help="intersection mode: shared tokens per position whose merged tokens the law reaches "
-                   "(dsi.models.merges; 0: plain TLI; auto, the default: by the drafter's row price)")
+                   "(dsi.models.vocab.merges; 0: plain TLI; auto, the default: by the drafter's row price)")
     add_options(p, "a tiny target and a tiny drafter of another vocabulary, hf fp32, 2 prompts x 6 tokens")
     args = parse(p)
     if shrink(args, backend="hf", dtype="fp32", prompts=2, tokens=6, repeats=1, si_k=[2], dsi_k=["2", "auto"],

@@ -33,7 +33,7 @@ from tests.engine_servers import start_dsi_serve, start_vllm
 
 def verify_cost(url: str, vocab: int, context: list[int], k: int, windows: int) -> float:
     """Median seconds of a window of k drafts after ``context`` (the prefill not counted)."""
-    from dsi.models.engines import EngineTarget
+    from dsi.models.engines.target import EngineTarget
 
     session = EngineTarget([url], vocab_size=vocab).new_session()
     try:
@@ -68,8 +68,8 @@ def main() -> int:
         return 2
     import dsi
     from dsi.evaluate.compare import CODE_PROMPTS
-    from dsi.models.engines import EngineTarget
-    from dsi.models.hf_checkpoint import resolve_model_dir
+    from dsi.models.engines.target import EngineTarget
+    from dsi.models.hf.checkpoint import resolve_model_dir
     from dsi.models.loading import load_model, release
 
     if args.dry_run:

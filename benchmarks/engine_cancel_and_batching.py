@@ -134,7 +134,7 @@ def main() -> int:
                            positions=positions)
     from transformers import AutoConfig
 
-    from dsi.models.engines import EngineTarget
+    from dsi.models.engines.target import EngineTarget
 
     vocab = AutoConfig.from_pretrained(model).vocab_size
     most = max(args.clients)

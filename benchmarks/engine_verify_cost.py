@@ -2,7 +2,7 @@
 
 The same random fp32 Llama (``--hidden``, ``--layers``; head size 32 or more, as vLLM's CPU
 attention needs) served by vLLM and by ``dsi serve --method ar``, one at a time, each on one CPU
-thread. For each context length L, a dsi session (:class:`dsi.models.engines.EngineSession`, what a
+thread. For each context length L, a dsi session (:class:`dsi.models.engines.target.EngineSession`, what a
 target server of DSI runs) verifies ``--windows`` successive windows of k drafts after the same L
 tokens, as DSI does while a request goes on: median seconds per verification, and its ratio to a
 one-token request on the same engine.
@@ -31,7 +31,7 @@ from tests.tiny_hf import make_model_dir
 def measure(url: str, vocab: int, lengths: list[int], k: int, windows: int) -> dict:
     import numpy as np
 
-    from dsi.models.engines import EngineTarget
+    from dsi.models.engines.target import EngineTarget
 
     engines = EngineTarget([url], vocab_size=vocab)
     rng = np.random.default_rng(0)

@@ -8,7 +8,7 @@ servers as threads of this process and as HTTP engines:
 - DSI wall time against the ideal (``dsi.evaluate.bench.ideal_dsi_seconds``: no engine overhead);
 - DSI/SI on each placement (SI verifying on the first engine): the engines verifying through
   ``/v1/completions`` ("http") and through their scoring channel ("channel",
-  :mod:`dsi.models.scoring_channel`, what a dsi uses by default on a ``dsi serve``);
+  :mod:`dsi.models.engines.scoring_channel`, what a dsi uses by default on a ``dsi serve``);
 - DSI with the drafter as an engine too (a ``dsi serve`` of the synthetic drafter, its tokens streamed;
   the targets on their channel);
 - the overhead of one verification: the round trip of a 6-token verification on an engine whose
@@ -37,7 +37,7 @@ PROMPT = [1, 2, 3, 4]
 
 
 def pair(scenario, seed: int = 0):
-    from dsi.models.synthetic import synthetic_pair
+    from dsi.models.emulated.synthetic import synthetic_pair
 
     return synthetic_pair(scenario.acceptance, vocab_size=VOCAB, seed=seed, target_tpot=scenario.target_ms / 1000,
                           drafter_tpot=scenario.drafter_ms / 1000)
@@ -69,7 +69,7 @@ def serve(args: argparse.Namespace) -> int:
 
 class Engine:
     def __init__(self, scenario: str, role: str = "target") -> None:
-        from dsi.models.engines import wait_until_serving
+        from dsi.models.engines.target import wait_until_serving
         from tests.engine_servers import free_port
 
         self.port = free_port()
@@ -87,7 +87,7 @@ class Engine:
 def round_trip_ms(url: str, target, calls: int, channel: bool) -> float:
     """Median ms of a 6-token verification on an engine whose forwards take no time, on its scoring
     channel or over HTTP."""
-    from dsi.models.engines import EngineTarget
+    from dsi.models.engines.target import EngineTarget
 
     engines = EngineTarget([url], reference=target, scoring_channel=channel)
     session = engines.new_session()
@@ -107,8 +107,8 @@ def round_trip_ms(url: str, target, calls: int, channel: bool) -> float:
 def run(scenario_name: str, tokens: int, repeats: int) -> dict:
     import dsi
     from dsi.evaluate.bench import SCENARIOS, ideal_dsi_seconds
-    from dsi.models.engines import EngineTarget
-    from dsi.models.replay import record_decisions
+    from dsi.models.engines.target import EngineTarget
+    from dsi.models.emulated.replay import record_decisions
 
     scenario = SCENARIOS[scenario_name]
     target, drafter = pair(scenario)

@@ -49,10 +49,10 @@ def measure(vocab: int, tokens: int, repeats: int, batch: int) -> dict:
     import torch
     import transformers
 
-    from dsi.models import hf_static
+    from dsi.models.hf import forward_plan as hf_static
     from dsi.models.base import extend_rows
-    from dsi.models.hf import HFModel
-    from dsi.models.hf_static import ForwardPlan
+    from dsi.models.hf.model import HFModel
+    from dsi.models.hf.forward_plan import ForwardPlan
 
     torch.set_num_threads(1)
     stand_in_graphs(torch)
@@ -97,8 +97,8 @@ def tree_calls(layers: tuple[int, ...]) -> dict:
     import transformers
 
     from dsi.models.base import forward_rows, tree_rows
-    from dsi.models.hf import HFModel
-    from dsi.models.hf_static import ForwardPlan
+    from dsi.models.hf.model import HFModel
+    from dsi.models.hf.forward_plan import ForwardPlan
     from dsi.trees import ROOT, DraftTree
 
     tree = DraftTree((2, 7, 9, 6, 8, 3), (ROOT, ROOT, ROOT, 0, 0, 3))

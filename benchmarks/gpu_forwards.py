@@ -9,7 +9,7 @@ in the same run (a device-to-device copy of ``--copy-gb``: read and write, so by
 graphs, the first forward of each size (one eager warm-up forward and the capture) as the capture time, and the
 replay of each graph alone (the device's part of a forward; the rest is the host's). On the
 graphs plan, a sampled and a penalised greedy verification, and a drafter's step with its draw, decided on the
-host and on the device (models/device_laws.py).
+host and on the device (models/hf/device_laws.py).
 
     python benchmarks/gpu_forwards.py --config qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct \\
         qwen2.5-14b-instruct --device cuda:0 --dtype bf16
@@ -47,8 +47,8 @@ def bandwidth(device: str, gigabytes: float) -> float:
 
 def measure(config_dir: Path, device: str, dtype: str, tokens: int, repeats: int) -> dict:
     from dsi.models.base import forward_rows
-    from dsi.models.hf_static import ForwardPlan
-    from dsi.models.replay import random_weights_model
+    from dsi.models.hf.forward_plan import ForwardPlan
+    from dsi.models.emulated.replay import random_weights_model
 
     # the static plans at their default cache length (DEFAULT_KV_CACHE_LEN positions), as a user gets them
     plans = {"dynamic": ForwardPlan(), "static": ForwardPlan("static"), "graphs": ForwardPlan("static", cuda_graphs=True)}
@@ -87,7 +87,7 @@ def replay_ms(graphs, tokens: int, repeats: int, device: str) -> dict:
     """The device's time of the graphs a forward of 1 and of ``tokens`` tokens after the prefix replayed (the
     replay alone, on the inputs its last forward left): a forward's time less it is the host's part of it
     (making the inputs, the copies in and out, the engine's Python)."""
-    from dsi.models.hf_static import padded_size
+    from dsi.models.hf.forward_plan import padded_size
 
     out = {}
     for n in (1, tokens):
@@ -101,7 +101,7 @@ def replay_ms(graphs, tokens: int, repeats: int, device: str) -> dict:
 
 def sampled_verification(model, session, prefix: list[int], tokens: int, repeats: int, device: str) -> dict:
     """A verification of ``tokens`` rows decided on the host (the rows cross, numpy processes them) and on the
-    device (models/device_laws.py: a few numbers cross): sampled (T 0.7, top_k 20, top_p 0.8, its drafts' drafter
+    device (models/hf/device_laws.py: a few numbers cross): sampled (T 0.7, top_k 20, top_p 0.8, its drafts' drafter
     probabilities with it) and greedy with a repetition penalty; and a drafter's one-token step with its sampled
     draw (the same sampling; on the device only the token and its probability cross); and the sampled
     verification with ``logprobs=5`` (raw; on the device each row's top 5 and its draft's logprob cross).

@@ -37,7 +37,7 @@ PARTS = {  # file stem -> what it holds
     "target14b": "the 14B target with the 0.5B drafter, eager (the baseline)",
 }
 DRAFTER, TARGET, TARGET_14B = "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct", "qwen2.5-14b-instruct"
-FELL_BACK = ("could not be captured", "runs its forwards eagerly")  # dsi.models.hf_static's warnings
+FELL_BACK = ("could not be captured", "runs its forwards eagerly")  # dsi.models.hf.forward_plan's warnings
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """What a sampled request's laws cost the host, by request and prompt length: a drafter's draw from its row
 (``dsi.sampling.draft_from_logits``: the processors, the law, the draw), a 5-row verification's laws on the host
 (``process_rows``), and what a verification decided on a GPU still does on the host (the ids the processors touch,
-row by row: ``touched_ids`` over ``chain_counts``; ``models/device_laws.py`` gathers and processes only those).
+row by row: ``touched_ids`` over ``chain_counts``; ``models/hf/device_laws.py`` gathers and processes only those).
 Over random float32 rows of Qwen2.5's 151,936 ids, the allocator tuned as the engine tunes it
 (``dsi.allocator``), median of ``--repeats``.
 

@@ -28,7 +28,7 @@ Replay, for machines that cannot load the pair (no registry access, e.g. a lent 
 ``--record FILE`` saves each prompt's non-SI output and the drafter's greedy guess at every
 prefix of it (a few KB); ``--replay FILE`` then runs models of the same architecture with random
 weights (configs in benchmarks/configs/) whose greedy choices are the recorded ones
-(dsi.models.replay), so every forward costs what the real pair's would and every accept/reject
+(dsi.models.emulated.replay), so every forward costs what the real pair's would and every accept/reject
 is the real pair's. ``--target-config NAME`` replays the same decisions on another target
 architecture (a larger one of the same tokenizer family, e.g. qwen2.5-14b-instruct). transformers'
 assisted generation is skipped in replay mode.
@@ -56,7 +56,7 @@ from _common import add_options, machine, median_seconds, parse, shrink, tiny_co
 
 from dsi.evaluate.compare import CODE_PROMPTS, NEAR_TIE_MARGIN, MethodConfig, first_divergence, iter_compare
 from dsi.models.loading import load_pair
-from dsi.models.replay import (
+from dsi.models.emulated.replay import (
     ReplayRecipe,
     load_recording,
     random_weights_model,
@@ -243,7 +243,7 @@ def main() -> int:
                         "methods, and report how close its pick is to the fastest of them")
     p.add_argument("--retune", action="store_true", help="with --auto: measure the choice again")
     p.add_argument("--kv-cache", choices=["dynamic", "static"], default="dynamic",
-                   help="hf: every model's KV cache (dsi.models.hf_static)")
+                   help="hf: every model's KV cache (dsi.models.hf.forward_plan)")
     p.add_argument("--cuda-graphs", action="store_true", help="hf: captured CUDA graphs (implies --kv-cache static)")
     add_options(p, "a tiny random pair, 2 prompts x 6 tokens, SI k=2, DSI k in {2, auto} on threads, one repeat")
     p.add_argument("--record", metavar="FILE", help="save the pair's greedy decisions for --replay")
@@ -267,7 +267,7 @@ def main() -> int:
     recipe = None
     plan = None
     if args.backend == "hf" and (args.cuda_graphs or args.kv_cache == "static"):
-        from dsi.models.hf_static import ForwardPlan
+        from dsi.models.hf.forward_plan import ForwardPlan
 
         plan = ForwardPlan("static", cuda_graphs=args.cuda_graphs)
     if args.replay:

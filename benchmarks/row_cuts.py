@@ -193,7 +193,7 @@ def long_rows(open_session, n: int) -> dict:
 def hf(hidden: int) -> dict:
     import torch
 
-    from dsi.models.hf import HFModel
+    from dsi.models.hf.model import HFModel
     from tests.tiny_hf import make_model_dir
 
     torch.set_num_threads(2)

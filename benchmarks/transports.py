@@ -48,7 +48,7 @@ LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENAB
 def round_trips(transport: str, options: dict, vocab: int, trips: int) -> dict:
     """Median round trip and overhead (ms) of sequential tasks on a one-server pool."""
     from dsi.models import CallableLM
-    from dsi.models.synthetic import SyntheticTarget
+    from dsi.models.emulated.synthetic import SyntheticTarget
     from dsi.sampling import SamplingParams
     from dsi.transport import make_pool
     from dsi.transport.base import TaskResult, VerifyTask
@@ -83,7 +83,7 @@ def dsi_vs_ideal(transport: str, options: dict, args: argparse.Namespace) -> dic
     from dsi.evaluate.bench import Scenario, ideal_dsi_seconds
     from dsi.engine.api import build_decoder, make_request
     from dsi.models import synthetic_pair
-    from dsi.models.replay import record_decisions
+    from dsi.models.emulated.replay import record_decisions
     from dsi.sampling import SamplingParams
 
     scenario = Scenario("transports", args.target_ms, args.drafter_ms, args.acceptance, args.lookahead, args.servers)

@@ -64,7 +64,7 @@ def record(target, drafter, prompts: list[str], tokens: int) -> list[tuple[list[
 
 def main() -> int:
     from dsi.cli.measure import PROMPT_SETS
-    from dsi.models.crossvocab import bridge_drafter, shares_vocabulary
+    from dsi.models.vocab.bridge import bridge_drafter, shares_vocabulary
     from dsi.models.loading import load_pair
     from dsi.sim.trees import best_tree_tokens, rank_rates, replay_greedy
     from dsi.trees import Widths

@@ -33,7 +33,7 @@ def timed(run, device: str, repeats: int) -> float:
 
 def main() -> int:
     from dsi.models.base import forward_rows, path_tree_rows, tree_rows
-    from dsi.models.replay import random_weights_model
+    from dsi.models.emulated.replay import random_weights_model
     from dsi.trees import Widths, grow
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

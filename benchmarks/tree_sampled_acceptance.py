@@ -43,8 +43,8 @@ TREES = ("auto:0.1", "branches:0.1", "branches:0.05")
 def main() -> int:
     import dsi
     from dsi.cli.measure import PROMPT_SETS
-    from dsi.models.crossvocab import bridge_drafter, shares_vocabulary
-    from dsi.models.merges import MERGE_LOOKAHEAD
+    from dsi.models.vocab.bridge import bridge_drafter, shares_vocabulary
+    from dsi.models.vocab.merges import MERGE_LOOKAHEAD
     from dsi.models.loading import load_pair
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -63,7 +63,7 @@ def main() -> int:
     parser.add_argument("--stride", type=int, default=3, help="expected mode: an iteration starts at every "
                         "stride-th position of the target's text")
     parser.add_argument("--merges", type=int, default=MERGE_LOOKAHEAD, help="a drafter of another vocabulary: "
-                        "shared tokens per position whose merged tokens its law reaches (dsi.models.merges; 0: "
+                        "shared tokens per position whose merged tokens its law reaches (dsi.models.vocab.merges; 0: "
                         "plain TLI)")
     add_options(parser, "a tiny random GGUF pair, 1 prompt x 1 seed x 8 tokens of the code set, B = 4")
     args = parse(parser)

@@ -13,7 +13,7 @@ in ``WithLatency`` on the two cost models of ``tree_walltime.py``:
 - CPU-like: a target forward costs 8 ms + 3 ms per token it computes; the drafter 2 ms.
 
 A drafter of another vocabulary may run more than one real forward for a row (its merges look ahead from the
-likely shared tokens, dsi.models.merges, in a forward of their own whose rows the next drafts mostly read): an
+likely shared tokens, dsi.models.vocab.merges, in a forward of their own whose rows the next drafts mostly read): an
 emulated drafter row then costs the real drafter's forwards per row in that set's fills, times the model's
 forward (``--drafter-cost per-row``: one forward a row, as before).
 
@@ -246,8 +246,8 @@ def paired_interval(chain: list[dict], tree: list[dict], draws: int = 2000, seed
 def main() -> int:
     from dsi.cli.measure import PROMPT_SETS
     from dsi.models import WithLatency
-    from dsi.models.crossvocab import bridge_drafter, shares_vocabulary
-    from dsi.models.merges import MERGE_LOOKAHEAD
+    from dsi.models.vocab.bridge import bridge_drafter, shares_vocabulary
+    from dsi.models.vocab.merges import MERGE_LOOKAHEAD
     from dsi.models.loading import load_pair
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -273,7 +273,7 @@ def main() -> int:
                         help="a row a timed run needs that no fill computed (off the text's path): served from its "
                         "longest filled prefix at the emulated cost, or computed by the real model")
     parser.add_argument("--merges", type=int, default=MERGE_LOOKAHEAD, help="a drafter of another vocabulary: "
-                        "shared tokens per position whose merged tokens its law reaches (dsi.models.merges; 0: "
+                        "shared tokens per position whose merged tokens its law reaches (dsi.models.vocab.merges; 0: "
                         "plain TLI)")
     parser.add_argument("--drafter-cost", choices=("per-forward", "per-row"), default="per-forward",
                         help="an emulated drafter row costs the real drafter's forwards per row in the fills (a "

@@ -308,7 +308,7 @@ def si_walltime_exact(recordings: list[dict], vocab: int, drafter, repeats: int,
 
 def main() -> int:
     from dsi.cli.measure import PROMPT_SETS
-    from dsi.models.crossvocab import bridge_drafter, shares_vocabulary
+    from dsi.models.vocab.bridge import bridge_drafter, shares_vocabulary
     from dsi.models.loading import load_pair
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from dsi.models import CallableLM
-from dsi.models.synthetic import SyntheticTarget
+from dsi.models.emulated.synthetic import SyntheticTarget
 from dsi.sampling import Prefix, SamplingParams, process_logits
 
 

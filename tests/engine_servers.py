@@ -30,7 +30,7 @@ class EngineProcess:
     """One server process; ``url`` is its OpenAI base URL (``http://127.0.0.1:PORT/v1``)."""
 
     def __init__(self, argv: list[str], port: int, env: dict | None = None, timeout: float = 120.0) -> None:
-        from dsi.models.engines import wait_until_serving
+        from dsi.models.engines.target import wait_until_serving
 
         self.url = f"http://127.0.0.1:{port}/v1"
         self.port = port

@@ -21,7 +21,7 @@ import types
 from pathlib import Path
 
 from dsi.models import CallableLM
-from dsi.models.synthetic import SyntheticTarget
+from dsi.models.emulated.synthetic import SyntheticTarget
 
 VOCAB = 32
 TRIGGER = VOCAB - 1  # normal prompts never start with it

@@ -12,7 +12,7 @@ Everything is built in-test with the ``tokenizers`` library wrapped in
   vocabulary size than :func:`tests.tiny_hf.make_tokenizer`, the chat specials.
 
 :func:`hf_model` gives a tiny seeded random Llama (fp32) for a tokenizer as a
-:class:`dsi.models.hf.HFModel` (``.tokenizer`` set). :func:`script_lm` and :func:`oracle_lm` give
+:class:`dsi.models.hf.model.HFModel` (``.tokenizer`` set). :func:`script_lm` and :func:`oracle_lm` give
 :class:`~dsi.models.CallableLM` models over a tokenizer's ids that write a given text (the
 target's own greedy text, for drafters that are often right). No tests in here.
 """
@@ -25,7 +25,7 @@ from functools import lru_cache
 import numpy as np
 
 from dsi.models import CallableLM
-from dsi.models.vocabulary import Vocabulary
+from dsi.models.vocab.vocabulary import Vocabulary
 
 CHAT_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 OTHER_SPECIALS = ["<s>", "</s>"]
@@ -158,7 +158,7 @@ def hf_model(name: str, seed: int = 0, layers: int = 2, hidden: int = 32, positi
     import torch
     import transformers
 
-    from dsi.models.hf import HFModel
+    from dsi.models.hf.model import HFModel
 
     tok = tokenizer(name)
     torch.manual_seed(seed)
@@ -258,7 +258,7 @@ def word_salad_lm(name: str, *, seed: int | None = None, words: Sequence[str] = 
     word begins (any length, so its text comes in many tokenizations), and to ``" "`` after a whole word.
     With ``seed``, a seeded pseudo-random function of the token ids is added (a drafter whose row follows
     the way its context was tokenized, not only the text). ``.tokenizer`` set."""
-    from dsi.models.synthetic import SyntheticTarget
+    from dsi.models.emulated.synthetic import SyntheticTarget
 
     tok = tokenizer(name)
     vocab = vocabulary(name)

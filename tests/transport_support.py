@@ -108,7 +108,7 @@ LAW_SAMPLING = SamplingParams(temperature=0.8, seed=3)
 def law_model():
     """A target whose sampled answers carry a law of :data:`LAW_VOCAB` float32 entries."""
     from dsi.models import CallableLM
-    from dsi.models.synthetic import SyntheticTarget
+    from dsi.models.emulated.synthetic import SyntheticTarget
 
     return CallableLM(SyntheticTarget(LAW_VOCAB, seed=5), LAW_VOCAB, name="synthetic")
 

@@ -167,7 +167,7 @@ class LogprobsRead:
     """A task's rows read with their log-probabilities: ``decisions`` (a :class:`~dsi.sampling.ChainRead`,
     :class:`~dsi.sampling.GreedyRead` or :class:`~dsi.sampling.BonusRead`: what the rows give without logprobs)
     and the log-probability rows in ``mode``, for entries of ``top`` most likely tokens. On the host: every
-    row, whole (:func:`logprob_rows`); on a device (:func:`dsi.models.device_laws.with_logprobs`): only each
+    row, whole (:func:`logprob_rows`); on a device (:func:`dsi.models.hf.device_laws.with_logprobs`): only each
     row's top and the tokens its decision can commit cross (:class:`ReadLogprobs`), a row whole only where the
     engine draws the token (a sampled chain's row whose law it reads)."""
 

@@ -409,7 +409,7 @@ def process_touched(values: np.ndarray, ids: np.ndarray, vocab: int, params: Sam
                     stop_ids: frozenset[int]) -> np.ndarray:
     """The processors before temperature on the raw logits ``values`` (float64) of the ids :func:`touched_ids`
     gave, in place: what :func:`shape_logits` makes of them, bit for bit (the same code), wherever the rest of
-    the row is (a device: :mod:`dsi.models.device_laws`)."""
+    the row is (a device: :mod:`dsi.models.hf.device_laws`)."""
     return _process(values, lambda which: np.searchsorted(ids, which), vocab, params, counts, stop_ids)
 
 
@@ -954,7 +954,7 @@ def decide_chain(target_prob, n: int, draft_probs: Sequence[float], params: Samp
     probability ``draft_probs[j]`` at absolute position ``first + j``, and ``target_prob(j)``, the target's (read
     only up to the first rejection): those target probabilities, and the row whose whole law the decisions go on
     to read (the rejected one, for its residual, or the last). One code for the host and a device
-    (:mod:`dsi.models.device_laws`)."""
+    (:mod:`dsi.models.hf.device_laws`)."""
     if len(draft_probs) != n - 1:
         raise ConfigError(f"{n} rows compare {n - 1} drafts; got {len(draft_probs)} drafter probabilities")
     probs = np.empty(n - 1, dtype=np.float64)
@@ -969,7 +969,7 @@ def decide_chain(target_prob, n: int, draft_probs: Sequence[float], params: Samp
 class RowsRead:
     """How the last ``n`` rows of a forward over ``tokens`` are read (a forward's ``read``:
     :func:`dsi.models.base.extend_rows`; row ``j`` follows ``tokens[: len - n + 1 + j]``). A session whose model
-    decides on its device (the hf backend on a GPU: :mod:`dsi.models.device_laws`) reads :attr:`on_device` ones
+    decides on its device (the hf backend on a GPU: :mod:`dsi.models.hf.device_laws`) reads :attr:`on_device` ones
     there, and only what the decisions need crosses to the host."""
 
     tokens: tuple[int, ...]
@@ -1035,7 +1035,7 @@ class BonusRead(LastRowRead):
 class DraftRead(LastRowRead):
     """A drafter's reading of its forward's last row: the draft at :attr:`position` and its processed law ``q``
     (None when greedy): :func:`draft_from_logits`. On a device the law is made and drawn from there
-    (:func:`dsi.models.device_laws.draft`): only the token and its probability cross, and the law stays there
+    (:func:`dsi.models.hf.device_laws.draft`): only the token and its probability cross, and the law stays there
     until a decision reads it whole (a rejection's residual)."""
 
     def __call__(self, logits: np.ndarray) -> tuple[int, np.ndarray | None]:

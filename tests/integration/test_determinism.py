@@ -52,7 +52,7 @@ def test_a_drafter_of_another_vocabulary_keeps_one_seed_one_output_across_sp_tim
     """A drafter with its own tokenizer (the token-level intersection): the seeded tokens do not depend on
     SP, the window policy, the timing, or what the decoder ran before (a request that repeats the text of
     an earlier one once gave other tokens: the drafter's row followed the way its session had spelled
-    that text, dsi.models.crossvocab). Both models write words whose tokens merge differently in the two
+    that text, dsi.models.vocab.bridge). Both models write words whose tokens merge differently in the two
     vocabularies, so the drafter's spelling of a text matters."""
     pytest.importorskip("tokenizers")
     from dsi.engine.api import build_decoder, make_request

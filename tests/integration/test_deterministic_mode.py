@@ -48,7 +48,7 @@ def hf_drafter_dir(tmp_path_factory):
 
 
 def _hf(path, dtype, deterministic, plan=None):
-    from dsi.models.hf import HFModel
+    from dsi.models.hf.model import HFModel
 
     model = HFModel.load(str(path), dtype=dtype, progress=False, threads=1, forward_plan=plan)
     model.deterministic = deterministic
@@ -102,7 +102,7 @@ TOKENS = [5, 17, 3, 9, 40, 2, 2, 7, 11, 30, 8, 100, 3, 12]
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_hf_rows_are_the_same_bits_however_the_forward_is_cut(hf_dir, dtype, plan):
     """Also on the static cache (and graphs' shapes): what a rollback leaves past the length is never read."""
-    from dsi.models.hf_static import ForwardPlan
+    from dsi.models.hf.forward_plan import ForwardPlan
 
     plans = {"dynamic": None, "static": ForwardPlan("static"), "padded": ForwardPlan("static", cuda_graphs=True)}
     model = _hf(hf_dir, dtype, deterministic=True, plan=plans[plan])
@@ -181,7 +181,7 @@ def test_hf_rows_in_the_mode_do_not_depend_on_the_thread_count(tmp_path, dtype):
     """Before the mode fixed one intra-op thread, fp32 failed here on an AMD EPYC (MKL: rows 1.2e-7 apart from
     position 7 on) and passed on the Intel Xeon of other days, where the two counts happened to agree; so this
     test alone shows the fix only on some CPUs. The next two check the mechanism, which holds on any CPU."""
-    from dsi.models.hf import HFModel
+    from dsi.models.hf.model import HFModel
 
     folder = make_model_dir(tmp_path / "long", seed=0, layers=2, hidden=64, positions=512)
     rows = []

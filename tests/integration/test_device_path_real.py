@@ -1,4 +1,4 @@
-"""The decisions made where the rows are (dsi.models.device_laws: a drafter's draws, the servers' chain decisions,
+"""The decisions made where the rows are (dsi.models.hf.device_laws: a drafter's draws, the servers' chain decisions,
 non-SI's draw and the logprobs' top N), forced on for the embedded pair on the CPU: over its real 151,936-id
 vocabulary every method gives the host path's tokens, and logprob entries within float32 rounding of the host's
 with the same top tokens. Runs where the pair is converted for the hf backend."""
@@ -13,7 +13,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import dsi  # noqa: E402
-from dsi.models.hf_checkpoint import is_converted  # noqa: E402
+from dsi.models.hf.checkpoint import is_converted  # noqa: E402
 from dsi.sampling import SamplingParams  # noqa: E402
 
 pytestmark = [

@@ -1,4 +1,4 @@
-"""The drafter as an inference engine over HTTP (:mod:`dsi.models.engine_drafter`): its tokens streamed
+"""The drafter as an inference engine over HTTP (:mod:`dsi.models.engines.drafter`): its tokens streamed
 from a real ``dsi serve --method ar`` (in this process, or a process of its own for the faults) or a
 real vLLM server (slow), on tiny random fp32 Llamas.
 
@@ -292,7 +292,7 @@ def test_greedy_and_sampling_drafting_on_vllm(dirs, local, prompts, reference):
 @pytest.mark.slow
 def test_a_frozen_drafter_engine_ends_an_si_request_within_its_stall_limit(dirs, local, prompts, reference):
     """SI drafts in the request's own thread, with no liveness deadline: the stream's stall limit ends it."""
-    from dsi.models.engine_drafter import EngineDrafter
+    from dsi.models.engines.drafter import EngineDrafter
 
     target, drafter, _ = local
     engine = start_dsi_serve(dirs["drafter"])

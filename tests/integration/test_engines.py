@@ -1,4 +1,4 @@
-"""Target servers that are inference engines over HTTP (:mod:`dsi.models.engines`): real ``dsi serve
+"""Target servers that are inference engines over HTTP (:mod:`dsi.models.engines.target`): real ``dsi serve
 --method ar`` processes and real vLLM servers on 127.0.0.1, serving a tiny random fp32 Llama (head
 size 32, which vLLM's CPU attention supports).
 
@@ -33,7 +33,7 @@ pytest.importorskip("fastapi")
 
 import dsi  # noqa: E402
 from dsi.errors import ConfigError, ContextLengthError, WorkerError  # noqa: E402
-from dsi.models.engines import EngineTarget  # noqa: E402
+from dsi.models.engines.target import EngineTarget  # noqa: E402
 from dsi.sampling import SamplingParams, process_logits  # noqa: E402
 from tests.engine_models import PROMPTS, TOKENS, dirs, local, prompts, reference  # noqa: E402,F401
 from tests.engine_servers import (  # noqa: E402

@@ -26,7 +26,7 @@ from dsi.engine.api import make_request
 from dsi.engine.request import GenerationAborted
 from dsi.errors import WorkerError
 from dsi.models import CallableLM
-from dsi.models.synthetic import SyntheticDrafter, SyntheticTarget
+from dsi.models.emulated.synthetic import SyntheticDrafter, SyntheticTarget
 from dsi.sampling import SamplingParams
 from tests import fault_models
 from tests.fault_models import FAULTS, VOCAB, fault_prompt, faulty_target

@@ -18,8 +18,8 @@ from scipy.stats import chisquare  # noqa: E402
 
 import dsi  # noqa: E402
 from dsi.engine.api import build_decoder, make_request  # noqa: E402
-from dsi.models.hf import HFModel  # noqa: E402
-from dsi.models.hf_static import ForwardPlan  # noqa: E402
+from dsi.models.hf.model import HFModel  # noqa: E402
+from dsi.models.hf.forward_plan import ForwardPlan  # noqa: E402
 from dsi.sampling import Prefix, SamplingParams, process_logits  # noqa: E402
 
 pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("one_torch_thread")]

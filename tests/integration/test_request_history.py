@@ -38,7 +38,7 @@ HISTORIES = [  # what the decoder served before (its servers keep a prefix of th
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    from dsi.models.hf import HFModel
+    from dsi.models.hf.model import HFModel
 
     root = tmp_path_factory.mktemp("history")
     target = HFModel.load(str(make_model_dir(root / "target", seed=0, layers=2, hidden=64)), dtype="bf16",

@@ -136,7 +136,7 @@ def test_tree_windows_travel_to_remote_servers(transport, tree, no_thread_leak):
 def llama_pair(tmp_path_factory):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from dsi.models.hf import HFModel
+    from dsi.models.hf.model import HFModel
 
     target_dir, drafter_dir = save_tiny_llama_pair(tmp_path_factory.mktemp("llama"))
     target = HFModel.load(target_dir, dtype="fp32", device="cpu", threads=1, progress=False)
@@ -167,7 +167,7 @@ def test_in_the_deterministic_mode_bf16_dsi_on_other_processes_equals_non_si(tra
     """The mode travels with the recipe: bf16 servers in processes / Ray actors compute every token alone,
     so greedy DSI equals in-process non-SI bit for bit and seeded sampling equals the thread transport's."""
     use(transport)
-    from dsi.models.hf import HFModel
+    from dsi.models.hf.model import HFModel
 
     target_dir, drafter_dir = save_tiny_llama_pair(tmp_path)
     target = HFModel.load(target_dir, dtype="bf16", device="cpu", threads=1, progress=False)

@@ -448,7 +448,7 @@ def test_hf_drafts_a_best_first_tree_round_in_one_model_forward(no_thread_leak):
     """The hf backend: a round of several paths is one model forward of the drafter (a 4D tree mask), greedy
     SI with ``best-first`` trees stays non-SI's tokens, and drafts the same trees as path by path (fp32)."""
     pytest.importorskip("transformers")
-    from dsi.models.hf import HFModel
+    from dsi.models.hf.model import HFModel
     from tests.unit.models.test_hf import tiny_llama
 
     target = HFModel(tiny_llama(seed=0))

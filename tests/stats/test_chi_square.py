@@ -14,7 +14,7 @@ from scipy.stats import chisquare
 import dsi
 from dsi.engine.api import build_decoder, make_request
 from dsi.models import CallableLM
-from dsi.models.synthetic import SyntheticTarget
+from dsi.models.emulated.synthetic import SyntheticTarget
 from tests.conftest import exact_sequence_law, random_lm
 
 ALPHA = 1e-4

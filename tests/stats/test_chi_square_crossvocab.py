@@ -2,9 +2,9 @@
 
 Two small vocabularies that overlap in part: the target's tokens spell {a, b, ab, c}, the drafter's
 {b, a, ba, c, d} (other ids; "ab" is the target's own, "ba" and "d" the drafter's own). The drafter's
-logits reach the engines through a real :class:`~dsi.models.crossvocab.CrossVocabularySession`
+logits reach the engines through a real :class:`~dsi.models.vocab.bridge.CrossVocabularySession`
 (the drafter's law restricted to the shared tokens, -inf elsewhere; with merges, "ab" takes the part
-of a's mass the drafter gives b after a: :mod:`dsi.models.merges`).
+of a's mass the drafter gives b after a: :mod:`dsi.models.vocab.merges`).
 
 (a) Exactly, in float64: the law of the token the decision functions emit at one position (the
 draft drawn by :func:`dsi.sampling.draft_from_logits` from that row, then :func:`dsi.sampling.decide`)
@@ -26,7 +26,7 @@ import dsi.sampling as sampling
 from dsi.engine.api import build_decoder, make_request
 from dsi.models import CallableLM
 from dsi.models.base import forward_rows
-from dsi.models.crossvocab import CrossVocabularyDrafter
+from dsi.models.vocab.bridge import CrossVocabularyDrafter
 from dsi.sampling import Purpose, SamplingParams, decide, draft_from_logits, process_logits, residual
 from tests.conftest import exact_sequence_law, interval_law, random_lm
 from tests.tiny_vocab import PiecesTokenizer
@@ -42,7 +42,7 @@ SHARED = [0, 1, 3]  # target ids of the intersection (a, b, c); "ab" (2) is the 
 def wrapped_drafter(drafter: CallableLM, mode: str = "intersection", d_texts=D_TEXTS,
                     merges: int = 3) -> CrossVocabularyDrafter:
     """The drafter as the engines get it from ``build_decoder`` (through its tokenizers)."""
-    from dsi.models.crossvocab import bridge_drafter
+    from dsi.models.vocab.bridge import bridge_drafter
 
     target = CallableLM(lambda ctx: np.zeros(len(T_TEXTS)), len(T_TEXTS))
     out = bridge_drafter(target, drafter, mode, target_tokenizer=PiecesTokenizer(T_TEXTS),

@@ -37,7 +37,7 @@ PROBE = textwrap.dedent("""
     else:  # build a decoder, as every command and the server do
         import dsi
         from dsi.allocator import tune_allocator
-        from dsi.models.callable import CallableLM
+        from dsi.models.emulated.callable import CallableLM
         target = CallableLM(lambda context: np.zeros(8), 8)
         dsi.build_decoder(target=target, drafter=target, method="si", lookahead=2).close()
         applied = tune_allocator()

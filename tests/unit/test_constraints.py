@@ -291,7 +291,7 @@ def test_a_json_schema_on_an_hf_model_gives_output_that_parses_and_validates(tmp
     import json
 
     jsonschema = pytest.importorskip("jsonschema")
-    from dsi.models.hf import HFModel
+    from dsi.models.hf.model import HFModel
     from tests.tiny_hf import make_model_dir
 
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},

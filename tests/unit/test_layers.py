@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -34,7 +36,7 @@ def test_engine_sources_name_no_concrete_backend():
     root = Path(dsi.engine.__file__).parent
     for path in root.glob("*.py"):
         text = path.read_text()
-        for name in ("import torch", "import ray", "dsi.models.hf", "dsi.models.llamacpp", "fastapi"):
+        for name in ("import torch", "import ray", "dsi.models.hf.model", "dsi.models.llamacpp", "fastapi"):
             assert name not in text, f"{path.name} mentions {name}"
 
 
@@ -151,10 +153,22 @@ def test_method_auto_is_known_only_above_the_engine():
 
 
 def _model_imports() -> dict[str, set[str]]:
-    """For each module of dsi.models, the dsi.models modules it imports anywhere (lazily too)."""
+    """For each module of dsi.models, the dsi.models modules it imports anywhere (lazily too), named by
+    their path under dsi.models ("hf.model", "loading"; a subpackage's own ``__init__`` is "hf")."""
     graph = _package_imports()
-    return {m.split(".")[2]: {t.split(".")[2] for t in targets if t.startswith("dsi.models.")}
-            for m, targets in graph.items() if m.startswith("dsi.models.")}
+    inside = "dsi.models."
+    return {m[len(inside):]: {t[len(inside):] for t in targets if t.startswith(inside)}
+            for m, targets in graph.items() if m.startswith(inside)}
+
+
+# dsi.models by concern: the room of a module is its subpackage, or its own name at the top.
+BACKENDS = {"hf", "llamacpp"}
+INTERFACE = {"base", "costs", "determinism"}
+AROUND_THE_BACKENDS = {"engines", "vocab", "emulated"}
+
+
+def _room(module: str) -> str:
+    return module.split(".")[0]
 
 
 def test_model_modules_import_each_other_one_way():
@@ -163,15 +177,63 @@ def test_model_modules_import_each_other_one_way():
     assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
 
 
+def test_models_show_their_parts():
+    """models/ is grouped by concern: the rooms are these, and each subpackage says what it owns."""
+    import dsi.models
+
+    root = Path(dsi.models.__file__).parent
+    rooms = {p.stem for p in root.glob("*.py") if p.stem != "__init__"} | {p.name for p in root.iterdir()
+                                                                            if (p / "__init__.py").exists()}
+    assert rooms == {"base", "costs", "determinism", "sources", "embedded", "cache", "loading", "llamacpp",
+                     "hf", "engines", "vocab", "emulated"}
+    for path in root.rglob("*.py"):
+        doc = ast.get_docstring(ast.parse(path.read_text()))
+        assert doc and len(doc) > 80, f"{path.relative_to(root)} has no docstring saying what it owns"
+
+
+def _room_violations(graph: dict[str, set[str]]) -> list[str]:
+    """The imports between models' rooms that go the wrong way: a backend importing the engines, the bridge
+    or emulation; the interface importing anything but itself; the engines or the bridge importing a backend
+    or each other; anything but emulation importing emulation (the package root only re-exports it)."""
+    wrong = []
+    for module, targets in graph.items():
+        room = _room(module)
+        for target in sorted(targets):
+            to = _room(target)
+            if ((room in BACKENDS and to in AROUND_THE_BACKENDS)
+                    or (room in INTERFACE and to not in INTERFACE)
+                    or (room in {"engines", "vocab"} and to in BACKENDS | AROUND_THE_BACKENDS - {room})
+                    or (to == "emulated" and room != "emulated")):
+                wrong.append(f"{module} -> {target}")
+    return wrong
+
+
+def test_a_backend_never_imports_the_engines_the_bridge_or_emulation():
+    wrong = _room_violations(_model_imports())
+    assert not wrong, "imports across models' rooms that go the wrong way:\n" + "\n".join(wrong)
+
+
+def test_the_room_rules_see_a_wrong_import():
+    assert _room_violations({"hf.model": {"emulated.replay", "base"}}) == ["hf.model -> emulated.replay"]
+    assert _room_violations({"llamacpp": {"vocab.bridge"}}) == ["llamacpp -> vocab.bridge"]
+    assert _room_violations({"determinism": {"emulated.callable"}}) == ["determinism -> emulated.callable"]
+    assert _room_violations({"engines.target": {"hf.model"}}) == ["engines.target -> hf.model"]
+    assert _room_violations({"vocab.bridge": {"engines.target"}}) == ["vocab.bridge -> engines.target"]
+    assert _room_violations({"loading": {"emulated.synthetic"}}) == ["loading -> emulated.synthetic"]
+    # the allowed directions
+    assert _room_violations({"emulated.replay": {"hf.model", "base"}, "loading": {"hf.model", "vocab.bridge"},
+                             "vocab.bridge": {"vocab.merges", "base"}, "hf.model": {"determinism"}}) == []
+
+
 def test_where_a_model_comes_from_does_not_depend_on_the_engine_that_runs_it():
     graph = _model_imports()
-    engines = {"hf", "llamacpp", "hf_checkpoint", "loading"}
+    engines = {"hf", "hf.model", "hf.forward_plan", "hf.device_laws", "hf.checkpoint", "llamacpp", "loading"}
     for module in ("cache", "embedded", "sources"):
         assert not graph[module] & engines, f"{module} imports {graph[module] & engines}"
-    assert "loading" not in graph["hf"] and "loading" not in graph["hf_checkpoint"]
-    assert {"hf", "llamacpp", "loading"}.isdisjoint(graph["hf_checkpoint"])
+    assert "loading" not in graph["hf.model"] and "loading" not in graph["hf.checkpoint"]
+    assert {"hf.model", "hf.forward_plan", "llamacpp", "loading"}.isdisjoint(graph["hf.checkpoint"])
     # only the dispatcher knows both backends
-    assert [m for m, deps in graph.items() if {"hf", "llamacpp"} <= deps] == ["loading"]
+    assert [m for m, deps in graph.items() if "hf.model" in deps and "llamacpp" in deps] == ["loading"]
 
 
 def test_resolving_and_choosing_a_backend_loads_no_engine():
@@ -179,7 +241,7 @@ def test_resolving_and_choosing_a_backend_loads_no_engine():
         "import sys\n"
         "from dsi.models.loading import choose_backend\n"
         "from dsi.models.sources import resolve_source\n"
-        "import dsi.models.hf_checkpoint, dsi.cli.backend\n"
+        "import dsi.models.hf, dsi.models.hf.checkpoint, dsi.models.engines, dsi.models.vocab, dsi.cli.backend\n"
         "choose_backend([resolve_source('default-target')], 'auto', devices=['cpu'])\n"
         "loaded = [m for m in ('torch', 'transformers', 'llama_cpp') if m in sys.modules]\n"
         "assert not loaded, loaded\n"

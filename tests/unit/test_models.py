@@ -201,8 +201,8 @@ def test_a_latency_session_reads_rows_within_its_forward_and_a_plain_session_aft
 
     from dsi.errors import TaskCancelled
     from dsi.models.base import extend_rows
-    from dsi.models.latency import WithLatency
-    from dsi.models.synthetic import synthetic_pair
+    from dsi.models.emulated.latency import WithLatency
+    from dsi.models.emulated.synthetic import synthetic_pair
 
     target, _ = synthetic_pair(0.5, vocab_size=16)
     plain = target.new_session()

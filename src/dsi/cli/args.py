@@ -134,10 +134,10 @@ MERGES = auto_or(NATURAL, "shared tokens per position whose merged tokens are dr
 
 
 def engine_url(text: str) -> str:
-    """An engine's URL as OpenAI clients take it (``http://host:port/v1``: :func:`dsi.models.engines.check_url`),
+    """An engine's URL as OpenAI clients take it (``http://host:port/v1``: :func:`dsi.models.engines.target.check_url`),
     checked while parsing; whether it answers is checked when the decoder connects."""
     from dsi.errors import ConfigError
-    from dsi.models.engines import check_url
+    from dsi.models.engines.target import check_url
 
     try:
         return check_url(text, "engine")

@@ -104,7 +104,7 @@ def max_model_len(args: argparse.Namespace) -> int | None:
 
 
 def forward_plan(args: argparse.Namespace):
-    """The hf backend's :class:`~dsi.models.hf_static.ForwardPlan` from ``--kv-cache``, ``--cuda-graphs`` and
+    """The hf backend's :class:`~dsi.models.hf.forward_plan.ForwardPlan` from ``--kv-cache``, ``--cuda-graphs`` and
     ``--max-model-len``; None for llama.cpp (which refuses these options) or when none is given."""
     kv_cache = _kv_cache(args)
     graphs = bool(getattr(args, "cuda_graphs", False))
@@ -114,7 +114,7 @@ def forward_plan(args: argparse.Namespace):
     if choice is not None and choice.backend != "hf":
         raise ConfigError(f"--kv-cache and --cuda-graphs apply to the hf backend; {choice.backend} was chosen "
                           f"({choice.reason}): pass --backend hf")
-    from dsi.models.hf_static import ForwardPlan
+    from dsi.models.hf.forward_plan import ForwardPlan
 
     length = getattr(args, "max_model_len", None) if kv_cache == "static" else None
     return ForwardPlan(kv_cache, length, graphs)

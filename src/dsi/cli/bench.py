@@ -145,7 +145,7 @@ def synthetic_engines(args: argparse.Namespace) -> tuple[list[str] | None, str |
     """``--target-servers`` and ``--drafter-server``, each engine checked to serve the scenario's synthetic
     model in its role (its model card's ``dsi.synthetic``), before anything runs."""
     from dsi.cli.generate import target_servers
-    from dsi.models.engines import Connection, check_url, model_cards
+    from dsi.models.engines.target import Connection, check_url, model_cards
 
     urls = target_servers(args)
     if urls is None and args.drafter_server is None:

@@ -180,7 +180,7 @@ def transport_options(args: argparse.Namespace) -> dict:
             options["devices"] = devices
             return options
         try:
-            from dsi.models.hf import check_device
+            from dsi.models.hf.model import check_device
         except ImportError as exc:
             raise ConfigError(f"--target-devices needs the hf backend: pip install 'dsi[hf]' ({exc})") from None
         for device in devices:  # before anything loads or starts: a wrong one fails here, once
@@ -450,7 +450,7 @@ def _load(args: argparse.Namespace, need_drafter: bool, hf_default_dtype: str = 
                "deterministic": getattr(args, "deterministic", None),
                "progress": not getattr(args, "json", False) or sys.stderr.isatty()}
     if need_drafter:
-        from dsi.models.crossvocab import bridge_drafter
+        from dsi.models.vocab.bridge import bridge_drafter
 
         mode = getattr(args, "vocab_mode", "auto")
         target, drafter = load_pair(args.target, args.drafter, vocab_mode=mode, **options)
@@ -487,7 +487,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.logprobs is not None and not args.json:
         raise ConfigError("--logprobs reports the log-probabilities in the JSON output: add --json")
     if args.method != "ar":
-        from dsi.models.crossvocab import check_mode_sampling
+        from dsi.models.vocab.bridge import check_mode_sampling
 
         check_mode_sampling(args.vocab_mode, sampling)  # before loading anything
     config = decoder_config(args, quiet=args.json)  # every decoder option checked before anything loads

@@ -10,7 +10,7 @@
   is kept when the generation ends on a match; no empty run is added after a final mismatch).
   With m the mean run length, acceptance a = 1 - 1/(1 + m). The plain per-token match rate is
   reported too. The same passes give the target's and the drafter's TTFT/TPOT. A drafter with
-  another tokenizer guesses as it drafts (``--vocab-mode``, :mod:`dsi.models.crossvocab`): through
+  another tokenizer guesses as it drafts (``--vocab-mode``, :mod:`dsi.models.vocab.bridge`): through
   its own greedy text re-tokenized for the target, so its "TPOT" is its cost per guessed target token.
 
 The measuring functions below work on any :class:`~dsi.models.base.LanguageModel` (no torch);
@@ -379,7 +379,7 @@ def _over_engines(target: Any, drafter: Any, args: argparse.Namespace) -> tuple[
     engines: dict[str, str] = {}
     url = getattr(args, "target_servers", None)
     if url is not None:
-        from dsi.models.engines import EngineTarget
+        from dsi.models.engines.target import EngineTarget
 
         if "," in url:
             raise ConfigError(f"--target-servers={url!r}: dsi measure measures one engine; name one URL")
@@ -387,7 +387,7 @@ def _over_engines(target: Any, drafter: Any, args: argparse.Namespace) -> tuple[
         engines["target_server"] = target.urls[0]
     url = getattr(args, "drafter_server", None)
     if url is not None:
-        from dsi.models.engine_drafter import EngineDrafter
+        from dsi.models.engines.drafter import EngineDrafter
 
         drafter = EngineDrafter(url, drafter)
         engines["drafter_server"] = drafter.url
@@ -440,7 +440,7 @@ def run_acceptance(args: argparse.Namespace) -> int:
     _check_common(args)
     options, label = _load_options(args, [args.target, args.drafter])
     threads = _setup_threads(args.threads, options["backend"])
-    from dsi.models.crossvocab import bridge_drafter
+    from dsi.models.vocab.bridge import bridge_drafter
 
     target, drafter = load_pair(args.target, args.drafter, vocab_mode=args.vocab_mode, **options)
     prompts = _prompt_ids(target, args)

@@ -23,8 +23,8 @@ from dsi.engine.si import SpeculativeDecoder
 from dsi.engine.trees import priced_shape
 from dsi.errors import ConfigError, require
 from dsi.models.base import LanguageModel
-from dsi.models.crossvocab import VOCAB_MODES, bridge_drafter
 from dsi.models.determinism import set_deterministic
+from dsi.models.vocab.bridge import VOCAB_MODES, bridge_drafter
 from dsi.sampling import SamplingParams
 from dsi.transport import make_pool
 from dsi.trees import least_floor
@@ -66,15 +66,15 @@ def engine_placement(target: object, target_servers: object, num_target_servers:
     """Where the target servers run: ``(target, num_target_servers, transport, transport_options)``.
 
     Without ``target_servers``: as given (``num_target_servers`` None means 2). With a list of engine
-    URLs (vLLM or ``dsi serve``, :mod:`dsi.models.engines`): the target becomes an
-    :class:`~dsi.models.engines.EngineTarget` over them (the local ``target`` is its reference: the
+    URLs (vLLM or ``dsi serve``, :mod:`dsi.models.engines.target`): the target becomes an
+    :class:`~dsi.models.engines.target.EngineTarget` over them (the local ``target`` is its reference: the
     vocabulary, the tokenizer and a canary check), and the servers are threads of this process, server
     i talking to URL ``i % len(urls)``; ``num_target_servers`` None means one per URL (more puts several
     requests on an engine at once)."""
     if target_servers is None:
         return (target, DEFAULT_TARGET_SERVERS if num_target_servers is None else num_target_servers,  # type: ignore[return-value]
                 transport, dict(transport_options or {}))
-    from dsi.models.engines import EngineTarget  # network code: imported on use
+    from dsi.models.engines.target import EngineTarget  # network code: imported on use
 
     require(transport == "threads", f"transport={transport!r}: with target_servers the engines are the target "
                                     "servers (threads of this process talk to them); leave transport as 'threads'")
@@ -94,20 +94,20 @@ def engine_placement(target: object, target_servers: object, num_target_servers:
 
 def drafter_placement(drafter: object, drafter_server: object, method: str) -> LanguageModel | None:
     """Where the drafter runs: here (``drafter`` as given, without ``drafter_server``), or on the engine at
-    ``drafter_server`` (vLLM or ``dsi serve``, :mod:`dsi.models.engine_drafter`): ``drafter`` becomes an
-    :class:`~dsi.models.engine_drafter.EngineDrafter` whose reference it is."""
+    ``drafter_server`` (vLLM or ``dsi serve``, :mod:`dsi.models.engines.drafter`): ``drafter`` becomes an
+    :class:`~dsi.models.engines.drafter.EngineDrafter` whose reference it is."""
     if drafter_server is None:
         return drafter  # type: ignore[return-value]
     require(method != "ar", f"drafter_server={drafter_server!r} with method='ar': non-SI drafts nothing; drop it")
-    from dsi.models.engine_drafter import drafter_engine  # network code: imported on use
+    from dsi.models.engines.drafter import drafter_engine  # network code: imported on use
 
     return drafter_engine(drafter, drafter_server)  # type: ignore[arg-type]
 
 
 def bridge(target: object, drafter: object, vocab_mode: str, target_tokenizer: object = None,
            drafter_tokenizer: object = None, merges: int | str = "auto") -> LanguageModel:
-    """The drafter as the engine sees it, over the target's ids (:mod:`dsi.models.crossvocab`; ``merges``:
-    :mod:`dsi.models.merges`)."""
+    """The drafter as the engine sees it, over the target's ids (:mod:`dsi.models.vocab.bridge`; ``merges``:
+    :mod:`dsi.models.vocab.merges`)."""
     require(vocab_mode in VOCAB_MODES, f"vocab_mode={vocab_mode!r} must be one of {', '.join(VOCAB_MODES)}")
     return bridge_drafter(check_model(target, "target"), check_model(drafter, "drafter"), vocab_mode,
                           target_tokenizer=target_tokenizer, drafter_tokenizer=drafter_tokenizer, merges=merges)

@@ -46,7 +46,7 @@ class AutoregressiveDecoder(DecoderLifecycle):
             task = request.verify_task(0, out.tokens, 1)
             start = time.perf_counter()
             # an argmax id where greedy decoding reads the raw row (and no logprobs); else the token read from the
-            # processed row, with its logprob row where asked (on a GPU, where the row is: dsi.models.device_laws)
+            # processed row, with its logprob row where asked (on a GPU, where the row is: dsi.models.hf.device_laws)
             greedy = request.sampling.greedy
             reader: object = None
             if not task.ids_only:

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from dsi.errors import ConfigError, require, shown
-from dsi.models.crossvocab import VOCAB_MODES, check_merges
+from dsi.models.vocab.bridge import VOCAB_MODES, check_merges
 from dsi.transport import TRANSPORTS
 from dsi.transport.base import check_num_servers
 from dsi.trees import BestFirst, Dynamic, TreeShape, Widths, check_windowed, parse_shape
@@ -105,17 +105,17 @@ class DecoderConfig:
     ``target_servers``: a list of engine URLs (``http://host:port/v1``: vLLM OpenAI servers or ``dsi
     serve`` instances serving the target) to verify on instead of servers of this process; ``target``
     is then the local copy they are checked against (vocabulary and a canary forward) and whose
-    tokenizer stays local (:mod:`dsi.models.engines`, docs/engines.md). ``num_target_servers``
+    tokenizer stays local (:mod:`dsi.models.engines.target`, docs/engines.md). ``num_target_servers``
     defaults to 2, or one per URL.
 
-    ``vocab_mode``: how a drafter's tokens relate to the target's (:mod:`dsi.models.crossvocab`).
+    ``vocab_mode``: how a drafter's tokens relate to the target's (:mod:`dsi.models.vocab.bridge`).
     ``"auto"``: the drafter's own tokens when both share one vocabulary, else a drafter of another
     vocabulary drafts through text (string-level for greedy requests, the token intersection for
     sampling); ``"shared"``: one vocabulary required; ``"string"`` / ``"intersection"``: that
     translation. Translating needs both tokenizers: the models' ``tokenizer`` attributes, or
     ``target_tokenizer`` / ``drafter_tokenizer``. Output stays exact in every mode. ``merges`` (a drafter
     of another vocabulary, intersection mode): how many likely shared tokens per position its law extends to
-    the target tokens they begin and the drafter spells in two (:mod:`dsi.models.merges`); ``"auto"``: 3
+    the target tokens they begin and the drafter spells in two (:mod:`dsi.models.vocab.merges`); ``"auto"``: 3
     where the drafter's rows are cheap (an accelerator, a stated low row price), 0 (plain TLI) on a CPU.
 
     ``draft_tree`` (SI and DSI): spend each window's drafts as a tree instead of a chain (:mod:`dsi.trees`):
@@ -127,7 +127,7 @@ class DecoderConfig:
 
     ``drafter_server``: the URL of an engine serving the drafter (vLLM or ``dsi serve``); its tokens are
     streamed from there, and ``drafter`` is the local copy it is checked against and whose tokenizer
-    stays local (:mod:`dsi.models.engine_drafter`, docs/engines.md)."""
+    stays local (:mod:`dsi.models.engines.drafter`, docs/engines.md)."""
 
     method: str = "dsi"  # "dsi", "si", "ar", or "auto" (the fastest of them here: dsi.api)
     lookahead: int | str = 5  # k, or "auto" (DSI's event-driven windows)
@@ -136,8 +136,8 @@ class DecoderConfig:
     transport: str = "threads"  # where the target servers run: "threads", "processes", "ray"
     transport_options: Mapping[str, Any] | None = None  # the transport's own (devices, liveness, recipe, ...)
     draft_tree: Any = None  # None / "off", "auto", "branches", "best-first", widths "3,2,1", or a dsi.trees shape
-    vocab_mode: str = "auto"  # how a drafter's tokens reach the target (dsi.models.crossvocab)
-    merges: int | str = "auto"  # a drafter of another vocabulary: its merged tokens' lookahead (dsi.models.merges)
+    vocab_mode: str = "auto"  # how a drafter's tokens reach the target (dsi.models.vocab.bridge)
+    merges: int | str = "auto"  # a drafter of another vocabulary: its merged tokens' lookahead (dsi.models.vocab.merges)
     deterministic: bool | None = None  # None: the models' own mode; True / False: switch both
     target_servers: Any = None  # engine URLs that verify (a list), True (the target is an EngineTarget), or None
     drafter_server: str | None = None  # an engine URL serving the drafter

@@ -435,7 +435,7 @@ def tree_patterns(drafter: LanguageModel, prompt: Sequence[int], output: Sequenc
     position by position as DSI branches) for the greedy ``output`` after ``prompt``, all from one drafter
     forward over ``prompt + output[:-1]``. Each position's ranking is the one a greedy DSI drafter makes
     (:func:`draft_with_alternatives`); the patterns' ``matches`` are the accept pattern
-    (:func:`dsi.models.replay.accept_pattern`). Past the drafter's declared context there is no draft: no
+    (:func:`dsi.models.emulated.replay.accept_pattern`). Past the drafter's declared context there is no draft: no
     match, no side child (the engines commit the target's own token there)."""
     prompt, output = [int(t) for t in prompt], [int(t) for t in output]
     if not prompt or not output:

@@ -15,7 +15,7 @@ them*:
    bandwidth, a GIL or a GPU shows up as slower forwards).
 2. **The accept pattern** of the pair on that prompt: the drafter's greedy guess at every prefix of
    non-SI's output (one drafter forward), i.e. exactly which drafts the target accepts (none past
-   the drafter's declared context: :func:`dsi.models.replay.accept_pattern`). If it accepts
+   the drafter's declared context: :func:`dsi.models.emulated.replay.accept_pattern`). If it accepts
    nothing, non-SI is the choice without further runs: speculation then waits a whole target
    forward per token as non-SI does, and could only add work. From the same forward's rankings,
    the **rescue pattern** of each tree shape (:func:`dsi.engine.trees.tree_patterns`): where a
@@ -57,7 +57,7 @@ from pathlib import Path
 
 from dsi.engine.api import build_decoder, make_request
 from dsi.errors import ConfigError
-from dsi.models.replay import accept_pattern
+from dsi.models.emulated.replay import accept_pattern
 from dsi.sampling import SamplingParams
 from dsi.sim.events import SI_TREES  # the shapes the event simulator times for SI (weighed below)
 

@@ -25,8 +25,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
 from dsi.engine.api import build_decoder, run_once
-from dsi.models.replay import record_decisions
-from dsi.models.synthetic import synthetic_pair
+from dsi.models.emulated.replay import record_decisions
+from dsi.models.emulated.synthetic import synthetic_pair
 
 
 def generate(*, target, prompt, max_new_tokens: int, **options):

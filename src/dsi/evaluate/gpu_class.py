@@ -2,7 +2,7 @@
 real vocabulary, against an ideal engine that costs nothing on the host.
 
 A scenario fixes the target's and the drafter's forward times (``WithLatency``) over a
-:func:`~dsi.models.synthetic.banked_pair` of 152,064 ids (Qwen2.5's vocabulary): each forward looks its rows up
+:func:`~dsi.models.emulated.synthetic.banked_pair` of 152,064 ids (Qwen2.5's vocabulary): each forward looks its rows up
 in a bank and greedy forwards return a precomputed argmax, so the pair's own host work is microseconds, as a
 model whose forwards run on a GPU. Non-SI, SI (fixed ``k``) and DSI (event-driven windows, ``SP`` servers) run
 in one process, interleaved ``repeats`` times after one untimed warm-up each, greedy and sampled, DSI on each
@@ -39,7 +39,7 @@ from typing import Any
 
 from dsi.engine.api import build_decoder, make_request
 from dsi.errors import ConfigError
-from dsi.models.synthetic import banked_pair
+from dsi.models.emulated.synthetic import banked_pair
 from dsi.sampling import Prefix, SamplingParams, draft_from_logits
 
 VOCAB = 152064  # Qwen2.5's padded vocabulary

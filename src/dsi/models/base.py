@@ -22,7 +22,7 @@ None for no limit; see :func:`context_limit`); a session asked to go beyond it r
 Callers usually need only a few rows of a forward (the last one when drafting, the k+1 rows a
 verification decides), in greedy decoding only their argmax, and with top-k sampling only each
 row's k largest logits (``top``: a session that declares ``takes_top = True`` may return the other
-logits as ``-inf``; the processed law is the same, see :mod:`dsi.models.engines`). :func:`extend_rows` asks for
+logits as ``-inf``; the processed law is the same, see :mod:`dsi.models.engines.target`). :func:`extend_rows` asks for
 exactly that. A session may implement it itself (``extend_rows``, see
 :class:`RowSelectingSession`) to skip the output layer for other rows and to take the argmax where
 the logits are (on a GPU only the token ids then travel to the host); for any other session it is

@@ -1,7 +1,7 @@
 """The dsi cache directory and its completion markers.
 
 The bottom of the model-loading modules: :mod:`dsi.models.embedded` (the embedded pair's GGUF
-files), :mod:`dsi.models.hf_checkpoint` (GGUF files converted for the Hugging Face backend) and
+files), :mod:`dsi.models.hf.checkpoint` (GGUF files converted for the Hugging Face backend) and
 :mod:`dsi.evaluate.autotune` (cached method choices) keep their files under :func:`cache_dir`. A directory
 or file whose work finished carries a small JSON marker written last, so an interrupted build
 never looks finished. Imports nothing of dsi but the errors.

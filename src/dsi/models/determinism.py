@@ -67,10 +67,9 @@ def base_model(model: object) -> object:
 
 
 def _pure(model: object) -> bool:
-    """Models whose rows are a function of the context by construction."""
-    from dsi.models.callable import CallableLM
-
-    return isinstance(model, CallableLM)
+    """Models whose rows are a function of the context by construction (they say so:
+    ``deterministic_by_construction``, as :class:`~dsi.models.CallableLM` does)."""
+    return getattr(type(model), "deterministic_by_construction", False) is True
 
 
 def is_deterministic(model: object) -> bool:

@@ -25,7 +25,7 @@ bad package therefore cannot fill the disk before its digest is found wrong.
 
 This module owns where the models come from, not what runs them: :func:`ensure_gguf` gives the
 verified GGUF file, which stays in the cache. The llama.cpp backend reads it as it is; the
-Hugging Face backend converts it once to safetensors (:mod:`dsi.models.hf_checkpoint`).
+Hugging Face backend converts it once to safetensors (:mod:`dsi.models.hf.checkpoint`).
 
 Cache layout (under :func:`dsi.models.cache.cache_dir`)::
 
@@ -78,7 +78,7 @@ class EmbeddedModel:
     parts: int  # number of parts, numbered 1..parts (1 with ``member``)
     sha256: str  # digest of the assembled GGUF
     description: str
-    # the generation config's EOS list written by the hf backend's conversion (dsi.models.hf_checkpoint),
+    # the generation config's EOS list written by the hf backend's conversion (dsi.models.hf.checkpoint),
     # so that HFModel.eos_token_ids matches what the GGUF's tokenizer gives the llama.cpp backend
     eos_token_ids: tuple[int, ...] = (151645, 151643)  # <|im_end|>, <|endoftext|> (upstream generation config)
     # the most one part's member may declare: the index refuses files over 100 MB, and GGUF Q4_K_M

@@ -4,7 +4,7 @@ Where a model comes from (an embedded short name, a directory, a ``.gguf`` file,
 resolved by :mod:`dsi.models.sources`, the same for every backend. This module only picks the
 engine that runs it and calls that backend's loader:
 
-- ``backend="hf"``: :meth:`dsi.models.hf.HFModel.load` (torch; any checkpoint; a GGUF is
+- ``backend="hf"``: :meth:`dsi.models.hf.model.HFModel.load` (torch; any checkpoint; a GGUF is
   converted once to safetensors);
 - ``backend="llama.cpp"``: :meth:`dsi.models.llamacpp.LlamaCppModel.load` (the
   ``llama-cpp-python`` binding; reads a GGUF as it is; CPU only);
@@ -34,7 +34,7 @@ from dsi.models.determinism import check_deterministic
 from dsi.models.sources import ModelSource, gguf_file, resolve_source
 
 if TYPE_CHECKING:  # torch is imported only when the hf backend loads
-    from dsi.models.hf_static import ForwardPlan
+    from dsi.models.hf.forward_plan import ForwardPlan
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ def load_model(
     """Load one MODEL with ``backend`` (see the module docstring).
 
     hf: ``dtype`` (default bf16), ``device`` (default cpu), ``trust_remote_code``, ``forward_plan`` (the KV
-    cache and CUDA graphs: :class:`~dsi.models.hf_static.ForwardPlan`). llama.cpp:
+    cache and CUDA graphs: :class:`~dsi.models.hf.forward_plan.ForwardPlan`). llama.cpp:
     ``n_ctx`` (default: the backend's). Both: ``threads`` per worker, ``role``, ``progress``, and
     ``deterministic`` (None: the backend's default; :mod:`dsi.models.determinism`).
     """
@@ -177,9 +177,9 @@ def load_pair(
     """Load a target and a drafter with one backend.
 
     With ``vocab_mode="shared"`` they must share one vocabulary (:func:`check_same_vocabulary`); any
-    other mode lets a drafter of another vocabulary draft through text (:mod:`dsi.models.crossvocab`,
+    other mode lets a drafter of another vocabulary draft through text (:mod:`dsi.models.vocab.bridge`,
     bridged by :func:`dsi.build_decoder`), and only a drafter without a tokenizer is refused then."""
-    from dsi.models.crossvocab import VOCAB_MODES, shares_vocabulary
+    from dsi.models.vocab.bridge import VOCAB_MODES, shares_vocabulary
 
     if vocab_mode not in VOCAB_MODES:
         raise ConfigError(f"vocab_mode={vocab_mode!r} must be one of {', '.join(VOCAB_MODES)}")
@@ -226,7 +226,7 @@ def _load_one(source: ModelSource, backend: str, *, dtype: str | None, device: s
               progress: bool, threads: int | None, trust_remote_code: bool = False, n_ctx: int | None = None,
               deterministic: bool | None = None, forward_plan: ForwardPlan | None = None) -> Any:
     if backend == "hf":
-        from dsi.models.hf import HFModel
+        from dsi.models.hf.model import HFModel
 
         model = HFModel.load(source.spec, dtype=dtype or "bf16", device=device or "cpu", role=role,
                              progress=progress, threads=threads, trust_remote_code=trust_remote_code,
@@ -266,7 +266,7 @@ def release(model: Any) -> None:
     """Free a loaded model's weights now where its backend can (llama.cpp frees them at once; a drafter
     of another vocabulary releases the model it wraps); any other model is freed by the garbage
     collector once nothing refers to it. The model must not be used afterwards."""
-    from dsi.models.crossvocab import CrossVocabularyDrafter
+    from dsi.models.vocab.bridge import CrossVocabularyDrafter
     from dsi.models.llamacpp import LlamaCppModel  # no binding is loaded by this import
 
     loaded = model.drafter if isinstance(model, CrossVocabularyDrafter) else model

@@ -16,7 +16,7 @@ empty string) that says which of these forms was expected.
 
 Resolving has no side effects: nothing is downloaded or converted. The backends take it from there:
 the llama.cpp backend needs a GGUF file (:func:`gguf_file` fetches the embedded one),
-the Hugging Face backend a checkpoint directory (:mod:`dsi.models.hf_checkpoint` converts a GGUF
+the Hugging Face backend a checkpoint directory (:mod:`dsi.models.hf.checkpoint` converts a GGUF
 once, or downloads a hub snapshot). This module knows nothing of torch, transformers or llama.cpp.
 """
 

@@ -49,8 +49,8 @@ from dsi import __version__
 from dsi.api import build_chosen_decoder, build_decoder
 from dsi.errors import ConfigError
 from dsi.models.base import LanguageModel
-from dsi.models.crossvocab import bridge_drafter
 from dsi.models.loading import release
+from dsi.models.vocab.bridge import bridge_drafter
 from dsi.server.codec import Codec, HFCodec
 from dsi.server.config import ServeConfig
 from dsi.server.jobs import Job, Outcome
@@ -127,11 +127,11 @@ class ServerState:
         self.target = target  # the local model: tokenizer, context, and what the engines are checked against
         self.verifier = target  # what the decoders verify with: the target, or the engines serving it
         if config.target_servers:
-            from dsi.models.engines import EngineTarget
+            from dsi.models.engines.target import EngineTarget
 
             self.verifier = EngineTarget(config.target_servers, reference=target)
         if drafter is not None and config.method != "ar" and config.drafter_server:  # every slot streams from it
-            from dsi.models.engine_drafter import drafter_engine
+            from dsi.models.engines.drafter import drafter_engine
 
             drafter = drafter_engine(drafter, config.drafter_server)
         if drafter is not None and config.method != "ar":  # one translation shared by every slot's decoder
@@ -421,7 +421,7 @@ def create_app(
     picked; when that is non-SI the app lets go of the drafter, and ``free_unused_drafter`` frees its
     weights too (:func:`dsi.models.loading.release`: for a caller that hands the drafter over).
     ``scoring_socket`` (a listening socket, :func:`dsi.server.scoring.bind`): serve the scoring channel
-    on it, the fast path of a dsi verifying here (:mod:`dsi.models.scoring_channel`); the model card
+    on it, the fast path of a dsi verifying here (:mod:`dsi.models.engines.scoring_channel`); the model card
     advertises its port.
     """
     state = ServerState(target, drafter, config, codec if codec is not None else HFCodec(target), free_unused_drafter,

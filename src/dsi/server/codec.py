@@ -1,6 +1,6 @@
 """The text side of the served model: tokenise prompts and chats, detokenise outputs.
 
-:class:`HFCodec` wraps a :class:`dsi.models.hf.HFModel` (its tokenizer, chat template, EOS ids
+:class:`HFCodec` wraps a :class:`dsi.models.hf.model.HFModel` (its tokenizer, chat template, EOS ids
 and context length). Hugging Face fast tokenizers are not safe to use from several threads at once
 ("Already borrowed"), and the server encodes on its preparation threads while slot threads decode
 outputs and the event loop names logprobs' tokens: encoding and decoding each have a copy of a Hugging
@@ -156,7 +156,7 @@ class HFCodec:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """The model's decode (ids checked; with a Hugging Face tokenizer, ids past it decode to nothing, as
-        :meth:`dsi.models.hf.HFModel.decode` does), on the decoding copy of the tokenizer where there is one."""
+        :meth:`dsi.models.hf.model.HFModel.decode` does), on the decoding copy of the tokenizer where there is one."""
         if self._decoder is None:
             with self._decode_lock:
                 return self._model.decode(ids, skip_special_tokens=skip_special_tokens)

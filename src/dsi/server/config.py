@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from dsi.engine.config import DecoderConfig
 from dsi.errors import ConfigError, require, shown
-from dsi.models.crossvocab import check_mode_sampling
+from dsi.models.vocab.bridge import check_mode_sampling
 from dsi.sampling import SamplingParams
 from dsi.server.limits import DEFAULT_MAX_BODY_BYTES
 from dsi.server.protocol import MAX_SEED
@@ -65,8 +65,8 @@ class ServeConfig:
     seed: int | None = None  # None: a fresh random seed for each request that gives none
     retry_after_s: int = 1
     shutdown_grace_s: float = 5.0  # at shutdown, how long running requests may take to stop
-    vocab_mode: str = "auto"  # how the drafter's tokens reach the target (dsi.models.crossvocab)
-    merges: int | str = "auto"  # a drafter of another vocabulary: its merged tokens' lookahead (dsi.models.merges)
+    vocab_mode: str = "auto"  # how the drafter's tokens reach the target (dsi.models.vocab.bridge)
+    merges: int | str = "auto"  # a drafter of another vocabulary: its merged tokens' lookahead (dsi.models.vocab.merges)
     target_servers: tuple[str, ...] | None = None  # engines (URLs) that verify instead of local servers
     drafter_server: str | None = None  # an engine (URL) serving the drafter, whose tokens are streamed
     synthetic: tuple[str, str] | None = None  # (scenario, role) of a synthetic model served (dsi serve --synthetic)

@@ -1,4 +1,4 @@
-"""The server side of the scoring channel (:mod:`dsi.models.scoring_channel`): a plain TCP port next
+"""The server side of the scoring channel (:mod:`dsi.models.engines.scoring_channel`): a plain TCP port next
 to the OpenAI one, on which a dsi verifying on this server has its forwards run without HTTP.
 
 :class:`ScoringListener` owns the listening socket, an accept thread and one thread per connection.
@@ -28,7 +28,7 @@ import time
 from typing import Any
 
 from dsi.errors import ConfigError, TaskCancelled
-from dsi.models.scoring_channel import (
+from dsi.models.engines.scoring_channel import (
     BUSY,
     FAILED,
     MAX_HELLO_BYTES,

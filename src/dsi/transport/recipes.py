@@ -5,7 +5,7 @@ that calls it. :func:`model_recipe` picks one for a model:
 
 - a model that pickles as it is (``synthetic_pair`` models, ``CallableLM`` over a picklable
   function, ``WithLatency`` around those) travels whole: :class:`PickledModel`;
-- an :class:`~dsi.models.hf.HFModel` is *re-loaded* from its ``source_dir`` with its dtype, its
+- an :class:`~dsi.models.hf.model.HFModel` is *re-loaded* from its ``source_dir`` with its dtype, its
   device (or the server's) and its threads: :class:`HFRecipe`. Weights never travel through a pipe;
 - a :class:`~dsi.models.llamacpp.LlamaCppModel` is re-loaded from its ``.gguf`` file with its context
   size and threads: :class:`LlamaCppRecipe` (CPU only: a server asked to run it on a device other
@@ -32,7 +32,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from dsi.errors import ConfigError
 from dsi.models.base import LanguageModel
-from dsi.models.latency import WithLatency
+from dsi.models.emulated.latency import WithLatency
 
 
 @runtime_checkable
@@ -71,14 +71,14 @@ class HFRecipe:
     device: str = "cpu"
     threads: int | None = None
     deterministic: bool = False
-    forward_plan: Any = None  # the model's dsi.models.hf_static.ForwardPlan (None: the default)
+    forward_plan: Any = None  # the model's dsi.models.hf.forward_plan.ForwardPlan (None: the default)
 
     uses_device = True
 
     def build(self) -> LanguageModel:
         from transformers.utils import logging as hf_logging
 
-        from dsi.models.hf import HFModel
+        from dsi.models.hf.model import HFModel
 
         hf_logging.disable_progress_bar()  # a server loads unattended; no bars in its log
         model = HFModel.load(self.source_dir, dtype=self.dtype, device=self.device, threads=self.threads,
@@ -172,7 +172,7 @@ class RecipeModel:
 
 
 def _is_hf_model(model: object) -> bool:
-    hf = sys.modules.get("dsi.models.hf")  # an HFModel exists only if its module was imported
+    hf = sys.modules.get("dsi.models.hf.model")  # an HFModel exists only if its module was imported
     return hf is not None and isinstance(model, hf.HFModel)
 
 

@@ -1,7 +1,7 @@
 """``--backend`` on every model command: what auto picks, what the loader receives, and the errors.
 
 The backends' loaders are fakes (``sys.modules`` entries for ``dsi.models.llamacpp`` and
-``dsi.models.hf``) over a counting model, so the CLI wiring is tested without torch or llama.cpp.
+``dsi.models.hf.model``) over a counting model, so the CLI wiring is tested without torch or llama.cpp.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def models(tmp_path, monkeypatch):
     """Two .gguf files, a checkpoint directory, and fake backends (the binding counts as installed)."""
     Fake.loads = []
     monkeypatch.setitem(sys.modules, "dsi.models.llamacpp", types.SimpleNamespace(LlamaCppModel=FakeLlama))
-    monkeypatch.setitem(sys.modules, "dsi.models.hf", types.SimpleNamespace(HFModel=FakeHF))
+    monkeypatch.setitem(sys.modules, "dsi.models.hf.model", types.SimpleNamespace(HFModel=FakeHF))
     monkeypatch.setattr(loading, "binding_available", lambda: True)
     for name in ("t.gguf", "d.gguf"):
         (tmp_path / name).write_bytes(b"GGUF")

@@ -113,7 +113,7 @@ def test_serve_with_a_drafter_of_another_tokenizer(dirs, mode):
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
-    from dsi.models.crossvocab import CrossVocabularyDrafter
+    from dsi.models.vocab.bridge import CrossVocabularyDrafter
     from dsi.models.loading import load_pair
     from dsi.server import ServeConfig, create_app
     from tests.unit.server.conftest import running_server
@@ -153,7 +153,7 @@ def test_measured_acceptance_of_a_drafter_of_another_tokenizer_counts_its_text_g
     import dsi
     from dsi.cli.measure import measure_acceptance
     from dsi.errors import ConfigError
-    from dsi.models.crossvocab import bridge_drafter
+    from dsi.models.vocab.bridge import bridge_drafter
     from tests import tiny_vocab
 
     text = "hello world the quick brown fox jumps over the wonder hello there"

@@ -11,7 +11,7 @@ import pytest
 from dsi.cli import measure
 from dsi.cli.main import main
 from dsi.errors import ConfigError
-from dsi.models.callable import CallableLM
+from dsi.models.emulated.callable import CallableLM
 
 # ----------------------------------------------------------------------------------------------
 # Pure parts (no torch)

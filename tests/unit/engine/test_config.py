@@ -14,7 +14,7 @@ from dsi.engine.api import build_decoder as engine_build_decoder
 from dsi.engine.api import make_request
 from dsi.engine.config import OPTION_NAMES
 from dsi.errors import ConfigError
-from dsi.models.synthetic import synthetic_pair
+from dsi.models.emulated.synthetic import synthetic_pair
 from dsi.sampling import SamplingParams
 from dsi.trees import Dynamic, Widths
 

@@ -1,4 +1,4 @@
-"""A drafter with another tokenizer (dsi.models.crossvocab) keeps greedy SI and DSI exact.
+"""A drafter with another tokenizer (dsi.models.vocab.bridge) keeps greedy SI and DSI exact.
 
 Greedy SI (k = 1, 3) and DSI (k = 3 and "auto", 1 and 2 target servers, threads; one processes and
 one Ray case) with a drafter of another vocabulary give the target's own non-SI tokens, in every
@@ -27,8 +27,8 @@ from dsi.engine.api import build_decoder, make_request
 from dsi.errors import ConfigError, DraftUnavailable, TaskCancelled
 from dsi.models import CallableLM
 from dsi.models.base import forward_rows
-from dsi.models.crossvocab import CrossVocabularyDrafter
-from dsi.models.vocabulary import Intersection
+from dsi.models.vocab.bridge import CrossVocabularyDrafter
+from dsi.models.vocab.vocabulary import Intersection
 from dsi.sampling import SamplingParams
 from tests import tiny_vocab
 from tests.conftest import random_lm
@@ -572,7 +572,7 @@ def test_a_word_level_drafter_in_string_mode_drafts_what_the_target_writes(metho
     import torch
     import transformers
 
-    from dsi.models.hf import HFModel
+    from dsi.models.hf.model import HFModel
 
     target_tok, drafter_tok = tiny_vocab.word_level_tokenizer(), tiny_vocab.word_level_tokenizer(seed=0)
     perm = [drafter_tok.convert_tokens_to_ids(w) for w in tiny_vocab.WORD_LEVEL_WORDS]  # target word i's drafter id

@@ -77,7 +77,7 @@ def test_a_frozen_drafter_ends_the_request_within_its_deadline_and_the_decoder_r
 
 def test_slow_drafter_forwards_that_keep_finishing_are_not_frozen():
     """The deadline follows what the drafter has shown it takes: slow but steady is never frozen."""
-    from dsi.models.synthetic import SyntheticTarget
+    from dsi.models.emulated.synthetic import SyntheticTarget
 
     target = random_lm(VOCAB, 0)
     fn = SyntheticTarget(VOCAB, 1)

@@ -26,7 +26,7 @@ from dsi.engine.api import make_request
 from dsi.engine.request import GenerationAborted, Request
 from dsi.errors import ConfigError, ContextLengthError, DecoderClosed, DSIError, WorkerError
 from dsi.models import CallableLM
-from dsi.models.synthetic import SyntheticDrafter, SyntheticTarget, synthetic_pair
+from dsi.models.emulated.synthetic import SyntheticDrafter, SyntheticTarget, synthetic_pair
 from dsi.sampling import SamplingParams
 
 METHODS = ["ar", "si", "dsi"]

@@ -15,7 +15,7 @@ import dsi
 from dsi.errors import ConfigError
 from dsi.evaluate.autotune import AutoChoice
 from dsi.models import CallableLM, synthetic_pair
-from dsi.models.synthetic import SyntheticTarget
+from dsi.models.emulated.synthetic import SyntheticTarget
 
 VOCAB = 50
 KINDS = ["ar", "si", "dsi", "chosen"]

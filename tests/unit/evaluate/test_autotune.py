@@ -13,7 +13,7 @@ import dsi.evaluate.autotune as autotune
 from dsi.evaluate.autotune import AutoChoice, choose_method
 from dsi.errors import ConfigError
 from dsi.models import synthetic_pair
-from dsi.models.replay import accept_pattern
+from dsi.models.emulated.replay import accept_pattern
 
 
 class OneCore:

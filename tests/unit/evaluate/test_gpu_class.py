@@ -1,5 +1,5 @@
 """dsi bench --gpu-class: the banked pair over a real vocabulary, each run's own accept pattern, the ideal per
-method, and the host time split (dsi.evaluate.gpu_class, dsi.models.synthetic.banked_pair)."""
+method, and the host time split (dsi.evaluate.gpu_class, dsi.models.emulated.synthetic.banked_pair)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from dsi.cli.main import main
 from dsi.errors import ConfigError
 from dsi.evaluate.gpu_class import GPU_SCENARIOS, GpuScenario, accept_pattern, ideal_seconds, run_gpu_scenario
 from dsi.models.base import extend_rows
-from dsi.models.replay import accept_pattern as greedy_accept_pattern
-from dsi.models.synthetic import banked_pair
+from dsi.models.emulated.replay import accept_pattern as greedy_accept_pattern
+from dsi.models.emulated.synthetic import banked_pair
 from dsi.sampling import SamplingParams
 
 SAMPLED = SamplingParams(temperature=0.7, seed=3)

@@ -1,7 +1,7 @@
 """Where a model comes from (dsi.models.sources) and which backend runs it (dsi.models.loading).
 
 No torch and no llama.cpp: the backends' loaders are replaced by fakes that record their calls
-(``sys.modules`` entries for ``dsi.models.hf`` / ``dsi.models.llamacpp``), so these tests check the
+(``sys.modules`` entries for ``dsi.models.hf.model`` / ``dsi.models.llamacpp``), so these tests check the
 dispatch and the rule of ``backend="auto"`` alone.
 """
 
@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from dsi.errors import ConfigError, ModelError, VocabularyMismatchError
-from dsi.models import CallableLM, embedded, hf_checkpoint, loading
+from dsi.models import CallableLM, embedded, loading
+from dsi.models.hf import checkpoint as hf_checkpoint
 from dsi.models.loading import BackendChoice, choose_backend, load_model, load_pair
 from dsi.models.sources import ModelSource, gguf_file, resolve_source
 
@@ -223,7 +224,7 @@ def fakes(monkeypatch):
     """Fake backend modules; the llama.cpp binding counts as installed."""
     FakeLlama.loads, FakeHF.loads = [], []
     monkeypatch.setitem(sys.modules, "dsi.models.llamacpp", types.SimpleNamespace(LlamaCppModel=FakeLlama))
-    monkeypatch.setitem(sys.modules, "dsi.models.hf", types.SimpleNamespace(HFModel=FakeHF))
+    monkeypatch.setitem(sys.modules, "dsi.models.hf.model", types.SimpleNamespace(HFModel=FakeHF))
     monkeypatch.setattr(loading, "binding_available", lambda: True)
     monkeypatch.setattr(embedded, "ensure_gguf", lambda name, progress: Path(f"/cache/{name}.gguf"))
     return FakeLlama, FakeHF
@@ -262,7 +263,7 @@ def test_options_of_one_backend_are_refused_on_the_other(fakes, tmp_path):
         load_model(m, dtype="bf16", n_ctx=512)
     with pytest.raises(ConfigError, match="trust_remote_code=True with backend='llama.cpp'"):
         load_model(m, backend="llama.cpp", trust_remote_code=True)
-    from dsi.models.hf_static import ForwardPlan
+    from dsi.models.hf.forward_plan import ForwardPlan
 
     with pytest.raises(ConfigError, match=r"forward_plan=.* applies to the hf backend only \(the llama.cpp backend"):
         load_model(m, backend="llama.cpp", forward_plan=ForwardPlan("static"))

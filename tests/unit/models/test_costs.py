@@ -13,7 +13,7 @@ from dsi.engine.trees import priced_shape
 from dsi.errors import ConfigError
 from dsi.models import CallableLM, WithLatency
 from dsi.models.costs import ForwardCosts, forward_costs, measure_forward_costs
-from dsi.models.replay import ReplayLM
+from dsi.models.emulated.replay import ReplayLM
 from dsi.trees import (CHAIN_PRICE, DEFAULT_FLOOR, DSI_FLOOR, BestFirst, Dynamic, Widths, floor_for_price,
                        grows_side_chains, parse_shape)
 

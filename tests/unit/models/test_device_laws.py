@@ -1,4 +1,4 @@
-"""Sampled chain decisions on the model's device (dsi.models.device_laws), on the CPU: the laws torch makes are
+"""Sampled chain decisions on the model's device (dsi.models.hf.device_laws), on the CPU: the laws torch makes are
 the host's (dsi.sampling) within float32 rounding with the same support, the decisions read the same rows and
 decide alike, and a tiny Hugging Face target deciding on its device keeps SI's and DSI's output law (seeded
 chi-square against the target's law enumerated in float64) and one output per seed for any SP."""
@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from dsi.models.device_laws import distribution, greedy_ids, read_chain  # noqa: E402
+from dsi.models.hf.device_laws import distribution, greedy_ids, read_chain  # noqa: E402
 from dsi.sampling import ChainRead, LazyLaws, Prefix, SamplingParams, process_logits, read_chain_laws  # noqa: E402
 
 PARAMS = [
@@ -100,8 +100,8 @@ def tiny_pair(device_decisions: bool | None, device: str = "cpu", graphs: bool =
     (None: the default, on where the device is a GPU), with CUDA graphs (on the static cache) or not."""
     import transformers
 
-    from dsi.models.hf import HFModel
-    from dsi.models.hf_static import ForwardPlan
+    from dsi.models.hf.model import HFModel
+    from dsi.models.hf.forward_plan import ForwardPlan
 
     models = []
     for seed in (3, 4):
@@ -125,8 +125,8 @@ def test_a_target_deciding_on_its_device_keeps_the_law_and_one_output_per_seed(m
     """SI and DSI with a target that decides its chains on its device (forced on the CPU): the device path runs,
     a seed gives one output for SP 1-3 and both methods' windows, and 600 seeded two-token outputs follow the
     target's exact law (chi-square, alpha 1e-4; the slow suite runs 1200 in tests/integration/test_hf_lossless.py)."""
-    import dsi.models.device_laws as device_laws
-    import dsi.models.hf as hf
+    import dsi.models.hf.device_laws as device_laws
+    import dsi.models.hf.model as hf
     from dsi.sampling import ChainRead
 
     model, target, drafter = tiny_pair(True)
@@ -219,7 +219,7 @@ def processed_rows(seed: int, n: int = 4) -> np.ndarray:
 def test_processed_rows_shaped_on_the_device_are_the_host_s_bit_for_bit(params, device, dtype):
     """The host gets a bf16 model's rows as float32 (HFModel._host_rows): the device's shaping of the bf16 rows
     is the host's of those copies."""
-    from dsi.models.device_laws import shape_rows
+    from dsi.models.hf.device_laws import shape_rows
     from dsi.sampling import GreedyRead, greedy_tokens
     from dsi.sampling import shape_rows as host_shape_rows
 
@@ -255,7 +255,7 @@ def test_processed_sampled_chains_decided_on_the_device_decide_as_the_host(param
 
 def test_a_row_with_nothing_possible_fails_on_the_device_with_the_host_s_error():
     from dsi.constraints import BoundConstraint, Constraint, TokenTable
-    from dsi.models.device_laws import shape_rows
+    from dsi.models.hf.device_laws import shape_rows
     from dsi.sampling import NothingAllowed
 
     table = TokenTable(tuple(c.encode() for c in CHARS) + (b"",), (EOS,))
@@ -273,8 +273,8 @@ def test_processed_greedy_decided_on_the_device_equals_non_si_on_the_host(monkey
     """Greedy SI and DSI with penalties and bias, and with a constraint, on a target that takes its processed
     argmax on its device: token for token non-SI's on the host (the shaped rows are the host's bit for bit)."""
     import dsi
-    import dsi.models.device_laws as device_laws
-    import dsi.models.hf as hf
+    import dsi.models.hf.device_laws as device_laws
+    import dsi.models.hf.model as hf
     from dsi.sampling import GreedyRead
     from dsi.constraints import BoundConstraint, Constraint, TokenTable
 
@@ -301,7 +301,7 @@ def test_non_si_draws_on_the_device_the_host_s_token(params, device):
     """Non-SI's draw (BonusRead) on the device: the inverse CDF of the device's law at the BONUS uniform, the
     host's token for every seed here (they could part only where a uniform falls within float32 rounding of a
     boundary between two tokens' cumulative mass)."""
-    from dsi.models.device_laws import bonus_token
+    from dsi.models.hf.device_laws import bonus_token
     from dsi.sampling import BonusRead
 
     logits = processed_rows(2, n=1)
@@ -317,8 +317,8 @@ def test_non_si_deciding_on_the_device_keeps_the_law_and_greedy_is_the_host_s(mo
     """Non-SI on a target that decides on its device: greedy with penalties token for token the host's; sampled,
     600 seeded two-token outputs follow the exact law (chi-square, alpha 1e-4)."""
     import dsi
-    import dsi.models.device_laws as device_laws
-    import dsi.models.hf as hf
+    import dsi.models.hf.device_laws as device_laws
+    import dsi.models.hf.model as hf
     from dsi.sampling import BonusRead
 
     model, target, _ = tiny_pair(True)
@@ -349,7 +349,7 @@ def test_a_drafter_draws_on_its_device_the_host_s_draft(params, device):
     """A drafter's row read on its device (DraftRead): greedy, the host's processed argmax and no law; sampled,
     the host's token at the DRAFT uniform for every seed here, its probability as the law left on the device
     gives it, and that law within float32 rounding of the host's with the same support."""
-    from dsi.models.device_laws import DeviceLaw, draft
+    from dsi.models.hf.device_laws import DeviceLaw, draft
     from dsi.sampling import DraftRead
 
     logits = processed_rows(4, n=2)
@@ -380,7 +380,7 @@ def test_sampled_draws_and_chains_on_the_device_read_their_numbers_in_the_fewest
     has queued every kernel of the draw behind the forward; a sampled chain two (the rows' checks, argmax ids and
     drafts' probabilities, then the one law the host's decisions chose); none reads a scalar on the way (on the CPU
     a transfer is no call at all, so ``Tensor.cpu`` is counted)."""
-    from dsi.models.device_laws import bonus_token, draft
+    from dsi.models.hf.device_laws import bonus_token, draft
     from dsi.sampling import BonusRead, DraftRead
     from tests.torch_calls import TorchCalls
 
@@ -407,7 +407,7 @@ def test_a_broken_last_row_is_refused_by_a_draw_read_in_one_transfer():
     host's error (and the draw made of it in the meantime picked an id of the vocabulary: one out of range would
     fault a GPU)."""
     from dsi.errors import ModelError
-    from dsi.models.device_laws import bonus_token, draft, inverse_cdf
+    from dsi.models.hf.device_laws import bonus_token, draft, inverse_cdf
     from dsi.sampling import BonusRead, DraftRead
 
     for broken in (np.nan, -np.inf):
@@ -431,7 +431,7 @@ def test_a_broken_last_row_is_refused_by_a_draw_read_in_one_transfer():
 def test_a_law_left_on_the_device_reads_as_the_host_array_it_copies_once():
     import pickle
 
-    from dsi.models.device_laws import draft
+    from dsi.models.hf.device_laws import draft
     from dsi.sampling import DraftRead, residual
 
     logits = processed_rows(5, n=1)
@@ -447,7 +447,7 @@ def test_a_law_left_on_the_device_reads_as_the_host_array_it_copies_once():
 def test_a_drafter_row_its_constraint_empties_drafts_nothing_on_the_device_too():
     from dsi.constraints import BoundConstraint, Constraint, TokenTable
     from dsi.errors import DraftUnavailable
-    from dsi.models.device_laws import draft
+    from dsi.models.hf.device_laws import draft
     from dsi.sampling import DraftRead
 
     table = TokenTable(tuple(c.encode() for c in CHARS) + (b"",), (EOS,))
@@ -468,8 +468,8 @@ def test_a_drafter_drawing_on_its_device_keeps_the_law_and_greedy_output(monkeyp
     penalties token for token non-SI's; sampled, one output per seed for SP 1-3 and 600 seeded two-token SI
     outputs following the target's exact law (chi-square, alpha 1e-4)."""
     import dsi
-    import dsi.models.device_laws as device_laws
-    import dsi.models.hf as hf
+    import dsi.models.hf.device_laws as device_laws
+    import dsi.models.hf.model as hf
     from dsi.sampling import DraftRead
 
     model, host_target, _ = tiny_pair(False)
@@ -529,7 +529,7 @@ def test_logprobs_read_on_the_device_are_the_host_s_entries_and_only_the_committ
     read row), and asking another token of a row that crossed as its top raises rather than reporting a wrong one."""
     from dsi.errors import ModelError
     from dsi.logprobs import LogprobsRead, TopLogprobs, entry
-    from dsi.models.device_laws import with_logprobs
+    from dsi.models.hf.device_laws import with_logprobs
     from dsi.sampling import BonusRead
 
     kinds = set()
@@ -569,7 +569,7 @@ def test_logprobs_of_a_row_with_infinite_logits_are_the_host_s_limit_on_the_devi
     """A row whose maximum is +inf: its +inf logits share the mass (log 1/2 each here), the rest have none, on the
     device as on the host (the device finds such rows without reading a flag on the way)."""
     from dsi.logprobs import LogprobsRead, entry
-    from dsi.models.device_laws import with_logprobs
+    from dsi.models.hf.device_laws import with_logprobs
     from dsi.sampling import BonusRead, GreedyRead
 
     logits = processed_rows(1, n=3)
@@ -614,8 +614,8 @@ def test_logprobs_read_on_the_device_through_every_method_are_non_si_s_on_the_ho
     entries of the rows that decided its tokens (non-SI's on the host for that output), and DSI one output per
     seed whatever its SP."""
     import dsi
-    import dsi.models.device_laws as device_laws
-    import dsi.models.hf as hf
+    import dsi.models.hf.device_laws as device_laws
+    import dsi.models.hf.model as hf
     from dsi.logprobs import LogprobsRead, entry, logprob_row
 
     model, target, drafter = tiny_pair(True)
@@ -664,7 +664,7 @@ def test_every_method_decides_on_the_device_as_the_host_does(device, graphs, mon
     same top tokens, and a sampled seed gives DSI one output for SP 1 and 2 (the CUDA variants run in gpu_check.sh
     part 0; the laws' chi-squares run on the CPU)."""
     import dsi
-    import dsi.models.hf as hf
+    import dsi.models.hf.model as hf
 
     _, target, drafter = tiny_pair(True if device == "cpu" else None, device, graphs)
     _, host_target, host_drafter = tiny_pair(False)

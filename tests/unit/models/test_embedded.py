@@ -19,9 +19,10 @@ from types import SimpleNamespace
 import pytest
 
 from dsi.errors import ConfigError, ModelError
-from dsi.models import embedded, hf_checkpoint
+from dsi.models import embedded
+from dsi.models.hf import checkpoint as hf_checkpoint
 from dsi.models.embedded import EmbeddedModel, assemble, canonical_name, ensure_gguf, is_cached
-from dsi.models.hf_checkpoint import ensure_embedded, is_converted
+from dsi.models.hf.checkpoint import ensure_embedded, is_converted
 
 
 @pytest.fixture(autouse=True)
@@ -590,7 +591,7 @@ def test_real_smollm2_hf_tokenizer_equals_the_gguf_tokenizer(monkeypatch):
     monkeypatch.undo()
     pytest.importorskip("llama_cpp")
     pytest.importorskip("torch")
-    from dsi.models.hf import HFModel
+    from dsi.models.hf.model import HFModel
     from dsi.models.llamacpp import LlamaCppModel
 
     hf = HFModel.load("smollm2-135m-instruct", dtype="fp32", progress=False)

@@ -1,4 +1,4 @@
-"""The HTTP side of :mod:`dsi.models.engines` without an engine: URL checks, which answers are
+"""The HTTP side of :mod:`dsi.models.engines.target` without an engine: URL checks, which answers are
 believed (anything inconsistent is a lost server, never a row), and connection faults."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dsi.errors import ConfigError, ServerLost, WorkerError
-from dsi.models.engines import Connection, EngineTarget, check_url, parse_rows
+from dsi.models.engines.target import Connection, EngineTarget, check_url, parse_rows
 
 
 @pytest.mark.parametrize("url, normal", [

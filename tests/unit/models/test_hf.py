@@ -17,8 +17,8 @@ transformers = pytest.importorskip("transformers")
 
 from dsi.errors import ConfigError, ContextLengthError, ModelError, TaskCancelled  # noqa: E402
 from dsi.models.base import LanguageModel, ModelSession, extend_rows, forward_rows  # noqa: E402
-from dsi.models.hf import HFModel, check_device, decoder_layers, torch_dtype  # noqa: E402
-from dsi.models.hf_static import ForwardPlan  # noqa: E402
+from dsi.models.hf.model import HFModel, check_device, decoder_layers, torch_dtype  # noqa: E402
+from dsi.models.hf.forward_plan import ForwardPlan  # noqa: E402
 from dsi.trees import DraftTree  # noqa: E402
 from tests.bad_ids import bad_ids  # noqa: E402
 
@@ -55,7 +55,7 @@ MODELS = {"llama": tiny_llama, "gpt2": tiny_gpt2}
 
 
 PLANS = {  # every session test runs on each cache: dynamic, static, and static with graphs' padded shapes (eager
-    # on a CPU: dsi.models.hf_static)
+    # on a CPU: dsi.models.hf.forward_plan)
     "dynamic": ForwardPlan(),
     "static": ForwardPlan("static"),
     "padded": ForwardPlan("static", cuda_graphs=True),

@@ -1,4 +1,4 @@
-"""The hf backend's static KV cache and graphs' padded shapes (dsi.models.hf_static) on the CPU: the plan's checks,
+"""The hf backend's static KV cache and graphs' padded shapes (dsi.models.hf.forward_plan) on the CPU: the plan's checks,
 the masks, a rollback that moves a position and copies nothing, the cache's length as the context limit, the
 fallback to eager forwards said once, reuse across requests, and the CLI's options. (Every HFModel session test
 also runs on these caches: tests/unit/models/test_hf.py's PLANS; trees: test_tree_rows.py; losslessness:
@@ -15,8 +15,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from dsi.errors import ConfigError, ContextLengthError  # noqa: E402
-from dsi.models.hf import HFModel  # noqa: E402
-from dsi.models.hf_static import (  # noqa: E402
+from dsi.models.hf.model import HFModel  # noqa: E402
+from dsi.models.hf.forward_plan import (  # noqa: E402
     ATTEND_MIN, DEFAULT_KV_CACHE_LEN, GRAPH_MAX_TOKENS, ForwardInputs, ForwardPlan, GraphSet, attended, greedy_ids,
     padded_size, visibility,
 )
@@ -189,7 +189,7 @@ def test_models_with_sliding_window_layers_are_refused_a_static_cache():
 
 def test_graphs_on_a_cpu_fall_back_to_eager_forwards_and_say_so_once(caplog):
     raw = tiny_llama()
-    with caplog.at_level(logging.WARNING, logger="dsi.models.hf_static"):
+    with caplog.at_level(logging.WARNING, logger="dsi.models.hf.forward_plan"):
         model = _static(raw, cuda_graphs=True)
         sessions = [model.new_session() for _ in range(3)]
         for session in sessions:
@@ -254,7 +254,7 @@ class _FakeCuda:
     def install(self, monkeypatch) -> None:
         import contextlib
 
-        from dsi.models import hf_static
+        from dsi.models.hf import forward_plan as hf_static
 
         fake = self
 
@@ -385,7 +385,7 @@ def test_each_capture_says_what_it_cost(monkeypatch, caplog):
     fake.install(monkeypatch)
     owner = _Owner(fake)
     graphs = GraphSet(owner, owner.body, stream=None)
-    with caplog.at_level(logging.INFO, logger="dsi.models.hf_static"):
+    with caplog.at_level(logging.INFO, logger="dsi.models.hf.forward_plan"):
         for size, span in ((1, 256), (4, 256), (1, 256), (1, 512)):  # the third replays: nothing to say
             graphs.run(_filled(graphs, size, 5, span))
     said = [r.getMessage() for r in caplog.records if "captured a CUDA graph" in r.getMessage()]
@@ -399,7 +399,7 @@ def test_a_failed_capture_runs_that_session_eagerly_and_says_so_once(monkeypatch
     fake = _FakeCuda(fail=True)
     fake.install(monkeypatch)
     owner = _Owner(fake)
-    with caplog.at_level(logging.WARNING, logger="dsi.models.hf_static"):
+    with caplog.at_level(logging.WARNING, logger="dsi.models.hf.forward_plan"):
         sets = [GraphSet(owner, owner.body, stream=None) for _ in range(2)]
         assert [g.run(_filled(g, 2, 5, 256)) for g in sets] == [None, None]  # the caller runs it eagerly
         assert sets[0].run(_filled(sets[0], 2, 5, 256)) is None and owner.calls == 2  # not tried again
@@ -525,7 +525,7 @@ def test_cuda_graphs_are_captured_and_replay_a_from_scratch_forward_s_rows(caplo
         except Exception as exc:  # noqa: BLE001 - reported on the main thread
             failures.append(f"{type(exc).__name__}: {exc}")
 
-    with caplog.at_level(logging.WARNING, logger="dsi.models.hf_static"):
+    with caplog.at_level(logging.WARNING, logger="dsi.models.hf.forward_plan"):
         threads = [threading.Thread(target=work) for _ in range(4)]
         for t in threads:
             t.start()

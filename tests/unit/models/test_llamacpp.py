@@ -362,7 +362,7 @@ def test_ray_actors_rebuild_the_gguf_model_and_stay_lossless(tiny, tiny_drafter,
 
 
 def test_release_frees_a_llama_cpp_model_and_the_one_a_cross_vocabulary_drafter_wraps(tmp_path):
-    from dsi.models.crossvocab import CrossVocabularyDrafter
+    from dsi.models.vocab.bridge import CrossVocabularyDrafter
     from dsi.models.loading import release
 
     path, _, _ = write_tiny_gguf(tmp_path / "m.gguf", seed=2, layers=1)

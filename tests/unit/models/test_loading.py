@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from dsi.errors import ConfigError, ModelError, VocabularyMismatchError
-from dsi.models import hf_checkpoint, loading
+from dsi.models import loading
+from dsi.models.hf import checkpoint as hf_checkpoint
 from dsi.models.cache import MARKER, cache_dir
-from dsi.models.hf_checkpoint import ensure_converted, gguf_cache_key, resolve_model_dir
+from dsi.models.hf.checkpoint import ensure_converted, gguf_cache_key, resolve_model_dir
 from tests.tiny_gguf import add_llama, finish
 
 

@@ -1,4 +1,4 @@
-"""Merged tokens (dsi.models.merges): which target tokens are merges, which shared tokens a position looks
+"""Merged tokens (dsi.models.vocab.merges): which target tokens are merges, which shared tokens a position looks
 ahead from, and how their mass is split; the law through a whole engine is tests/stats/test_chi_square_crossvocab.py."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 import dsi
 from dsi.errors import ConfigError
 from dsi.models import CallableLM
-from dsi.models.crossvocab import CrossVocabularyDrafter, bridge_drafter
-from dsi.models.merges import MergeTable, merge_candidates, merge_logits
-from dsi.models.vocabulary import Vocabulary
+from dsi.models.vocab.bridge import CrossVocabularyDrafter, bridge_drafter
+from dsi.models.vocab.merges import MergeTable, merge_candidates, merge_logits
+from dsi.models.vocab.vocabulary import Vocabulary
 from dsi.sampling import SamplingParams
 from tests.tiny_vocab import PiecesTokenizer
 
@@ -98,7 +98,7 @@ def test_auto_without_a_stated_price_looks_ahead_on_an_accelerator_only():
     nothing (llama.cpp here) does not; never timed, so the law cannot follow a measurement."""
     from types import SimpleNamespace
 
-    from dsi.models.merges import merges_for
+    from dsi.models.vocab.merges import merges_for
 
     assert merges_for(SimpleNamespace(device="cuda:0")) == 3
     assert merges_for(SimpleNamespace(device="cpu")) == 0

@@ -1,4 +1,4 @@
-"""ReplayLM: real forwards of one pair, greedy decisions of another (dsi.models.replay)."""
+"""ReplayLM: real forwards of one pair, greedy decisions of another (dsi.models.emulated.replay)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import dsi
 from dsi.errors import ConfigError, ContextLengthError, TaskCancelled
 from dsi.models import CallableLM, WithLatency, synthetic_pair
-from dsi.models.replay import (
+from dsi.models.emulated.replay import (
     ReplayLM,
     accept_pattern,
     load_recording,

@@ -8,7 +8,7 @@ import pytest
 
 from dsi.errors import ConfigError
 from dsi.models.base import forward_rows, tree_rows
-from dsi.models.callable import CallableLM
+from dsi.models.emulated.callable import CallableLM
 from dsi.trees import ROOT, DraftTree
 
 VOCAB = 11
@@ -75,7 +75,7 @@ def test_a_chain_tree_has_the_chain_rows_and_a_warm_session_is_reused():
 def test_hf_and_llamacpp_sessions_give_each_node_its_paths_row(tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from dsi.models.hf import HFModel
+    from dsi.models.hf.model import HFModel
     from tests.unit.models.test_hf import reference, tiny_llama
 
     raw = tiny_llama()
@@ -106,7 +106,7 @@ def test_a_latency_model_charges_a_tree_as_one_forward_and_a_cpu_like_one_per_to
     exact; the upper bound has a margin of most of a forward."""
     import time
 
-    from dsi.models.latency import WithLatency
+    from dsi.models.emulated.latency import WithLatency
 
     gpu = WithLatency(CallableLM(_next_logits, VOCAB), ttft=0.0, tpot=0.2)
     session = gpu.new_session()
@@ -144,7 +144,7 @@ def test_a_latency_model_verifies_a_tree_with_its_inner_sessions_own_tree_kernel
     where it has one (a real backend's kernel), with the session left holding the main path; without one, path
     by path (the same rows here)."""
     from dsi.models.base import path_tree_rows
-    from dsi.models.latency import WithLatency
+    from dsi.models.emulated.latency import WithLatency
 
     class Kernel(CallableLM):
         def __init__(self):
@@ -183,7 +183,7 @@ def test_hf_verifies_a_tree_in_one_forward_and_keeps_exactly_the_main_path(famil
     import torch
 
     from dsi.errors import TaskCancelled
-    from dsi.models.hf import HFModel
+    from dsi.models.hf.model import HFModel
     from tests.unit.models.test_hf import MODELS, PLANS, reference
 
     raw = MODELS[family]()
@@ -302,7 +302,7 @@ def test_hf_keeps_a_tree_s_main_path_without_moving_keys_and_values(plan):
     keeps it by its length alone: the torch calls a tree verification makes outside the model's forward are the
     same for a model of 2 layers and of 6, views aside (a dynamic cache is cropped to a view in each layer; moving
     the main path's keys and values took copies in every layer: on a GPU, about 200 launches for a 48-layer 14B)."""
-    from dsi.models.hf import HFModel
+    from dsi.models.hf.model import HFModel
     from tests.torch_calls import TorchCalls
     from tests.unit.models.test_hf import PLANS, tiny_llama
 

@@ -1,5 +1,5 @@
-"""Vocabularies as byte strings (dsi.models.vocabulary) and choosing how a drafter is bridged
-(dsi.models.crossvocab.bridge_drafter).
+"""Vocabularies as byte strings (dsi.models.vocab.vocabulary) and choosing how a drafter is bridged
+(dsi.models.vocab.bridge.bridge_drafter).
 
 Pieces read from byte-level tokenizers are the bytes ``decode`` gives for whole characters;
 ``spell`` gives back any byte string, invalid or partial UTF-8 included; ``tokens_of_prefix``
@@ -15,8 +15,8 @@ import pytest
 
 from dsi.errors import ConfigError, VocabularyMismatchError
 from dsi.models import CallableLM
-from dsi.models.crossvocab import CrossVocabularyDrafter, bridge_drafter
-from dsi.models.vocabulary import Intersection, Vocabulary, same_vocabulary
+from dsi.models.vocab.bridge import CrossVocabularyDrafter, bridge_drafter
+from dsi.models.vocab.vocabulary import Intersection, Vocabulary, same_vocabulary
 from tests import tiny_vocab
 from tests.tiny_vocab import UNSTABLE_TEXTS, PiecesTokenizer, pieces_vocabulary
 
@@ -398,7 +398,7 @@ def test_the_wrapper_itself_takes_translating_modes_only():
     ("日本語".encode(), 0),
 ])
 def test_last_word_start(data, start):
-    from dsi.models.vocabulary import last_word_start
+    from dsi.models.vocab.vocabulary import last_word_start
 
     assert last_word_start(data) == start
 

@@ -1,4 +1,4 @@
-"""The scoring channel of ``dsi serve`` (dsi.server.scoring) and its client (dsi.models.scoring_channel):
+"""The scoring channel of ``dsi serve`` (dsi.server.scoring) and its client (dsi.models.engines.scoring_channel):
 the rows equal what ``/v1/completions`` gives, decoders over it give the same tokens, and cancelling,
 bad frames, a wrong key, a full queue, an unreachable port and a stopping server each end as they must.
 """
@@ -30,7 +30,7 @@ def serve(target, drafter=None, codec=None, **config):
 
 
 def engines(running, target, **kwargs):
-    from dsi.models.engines import EngineTarget
+    from dsi.models.engines.target import EngineTarget
 
     return EngineTarget([running.url + "/v1"], reference=target, **kwargs)
 
@@ -118,8 +118,8 @@ def test_decoders_over_the_channel_give_the_local_tokens(tiny_pair, method, kwar
 def slow_server():
     """A synthetic target whose forwards take a minute (unless cancelled) after its first (the canary's,
     which takes none), on one slot, no queue."""
-    from dsi.models.latency import WithLatency
-    from dsi.models.synthetic import synthetic_pair
+    from dsi.models.emulated.latency import WithLatency
+    from dsi.models.emulated.synthetic import synthetic_pair
     from dsi.server.codec import IdsCodec
 
     target, _ = synthetic_pair(0.9, vocab_size=32)
@@ -236,7 +236,7 @@ def test_a_bad_hello_closes_its_connection_and_the_server_serves_on(server, tiny
 
 
 def test_malformed_and_invalid_requests(server, tiny_pair):
-    from dsi.models import scoring_channel as wire
+    from dsi.models.engines import scoring_channel as wire
 
     target, _ = tiny_pair
     with raw_connection(server) as sock:
@@ -272,7 +272,7 @@ def _exact(sock, n):
 
 
 def test_the_api_key_guards_the_channel(tiny_pair):
-    from dsi.models.scoring_channel import ScoringChannel
+    from dsi.models.engines.scoring_channel import ScoringChannel
 
     target, _ = tiny_pair
     with serve(target, api_key="s3cret") as running:
@@ -293,7 +293,7 @@ def test_a_port_it_cannot_reach_is_said_once_and_http_verifies(tiny_pair, caplog
     with serve(target) as running:
         running.app.state.dsi.scoring.close()  # the card still advertises the port, nothing listens
         target_engines = engines(running, target)
-        with caplog.at_level(logging.WARNING, logger="dsi.models.engines"):
+        with caplog.at_level(logging.WARNING, logger="dsi.models.engines.target"):
             sessions = [target_engines.new_session() for _ in range(2)]
         try:
             assert all(s.channel is None for s in sessions)
@@ -307,7 +307,7 @@ def test_a_port_it_cannot_reach_is_said_once_and_http_verifies(tiny_pair, caplog
 
 
 def test_an_answer_that_is_not_consistent_is_a_lost_server():
-    from dsi.models import scoring_channel as wire
+    from dsi.models.engines import scoring_channel as wire
 
     rows = np.zeros((2, 5), np.float32)
     ok = wire.answer_body(wire.MODE_TOP, rows, 2)
@@ -326,7 +326,7 @@ def test_an_answer_that_is_not_consistent_is_a_lost_server():
 
 
 def test_a_server_that_answers_garbage_on_the_channel_is_lost():
-    from dsi.models import scoring_channel as wire
+    from dsi.models.engines import scoring_channel as wire
 
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]

@@ -16,7 +16,7 @@ import pytest
 import dsi
 from dsi.errors import ConfigError, WorkerError
 from dsi.models import CallableLM, synthetic_pair
-from dsi.models.synthetic import SyntheticTarget
+from dsi.models.emulated.synthetic import SyntheticTarget
 from dsi.transport import MAX_SERVERS, make_pool
 from dsi.transport import processes as processes_module
 from dsi.transport.remote import STOPPED, RemotePool

@@ -14,7 +14,7 @@ import pytest
 
 from dsi.errors import ConfigError, ModelError, WorkerError
 from dsi.models import CallableLM, WithLatency
-from dsi.models.synthetic import SyntheticTarget
+from dsi.models.emulated.synthetic import SyntheticTarget
 from dsi.sampling import SamplingParams
 from dsi.transport import make_pool
 from dsi.transport.base import ServerDied, TaskAborted, TaskResult, VerifyTask

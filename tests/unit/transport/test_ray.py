@@ -16,7 +16,7 @@ import pytest
 
 from dsi.errors import ConfigError, WorkerError
 from dsi.models import CallableLM, WithLatency
-from dsi.models.synthetic import SyntheticTarget
+from dsi.models.emulated.synthetic import SyntheticTarget
 from dsi.sampling import SamplingParams
 from dsi.transport import make_pool
 from dsi.transport.base import ServerDied, TaskAborted, TaskResult, VerifyTask
@@ -227,7 +227,7 @@ def test_a_constrained_task_reaches_an_actor_as_its_vocabulary_s_digest_and_is_m
     """Structured output over Ray: the actor registers its model's vocabulary (dsi.constraints.register_vocabulary),
     so a bound constraint travels as a digest; its laws are the thread pool's, masked to the grammar."""
     from dsi.constraints import Constraint, TokenTable, bind
-    from dsi.models.synthetic import banked_pair
+    from dsi.models.emulated.synthetic import banked_pair
     from dsi.transport.threads import ThreadTargetPool
     from tests.transport_support import assert_same_result, run_tasks
 

@@ -66,10 +66,10 @@ def test_placed_overrides_device_and_threads_only_where_they_mean_something():
 def test_hf_models_are_reloaded_from_their_directory(tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from dsi.models.hf import HFModel
+    from dsi.models.hf.model import HFModel
     from tests.transport_support import save_tiny_llama_pair
 
-    from dsi.models.hf_static import ForwardPlan
+    from dsi.models.hf.forward_plan import ForwardPlan
 
     target_dir, _ = save_tiny_llama_pair(tmp_path)
     model = HFModel.load(target_dir, dtype="fp32", device="cpu", threads=1, progress=False)

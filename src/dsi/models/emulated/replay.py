@@ -158,15 +158,15 @@ def replay_pair(
 
 def random_weights_model(config_dir: str | Path, dtype: str = "bf16", device: str = "cpu", *, seed: int = 0,
                          threads: int | None = None, role: str | None = None, forward_plan: Any = None) -> Any:
-    """An :class:`~dsi.models.hf.HFModel` of the architecture in ``config_dir`` (a ``config.json``)
+    """An :class:`~dsi.models.hf.model.HFModel` of the architecture in ``config_dir`` (a ``config.json``)
     with seeded random weights, built directly on ``device``: each forward costs what the real
-    model's would. ``forward_plan``: its KV cache and CUDA graphs (:class:`~dsi.models.hf_static.ForwardPlan`).
+    model's would. ``forward_plan``: its KV cache and CUDA graphs (:class:`~dsi.models.hf.forward_plan.ForwardPlan`).
     Needs torch and transformers (the ``hf`` extra)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from dsi.models.hf import HFModel, check_device, torch_dtype
+    from dsi.models.hf.model import HFModel, check_device, torch_dtype
 
     config_dir = Path(config_dir)
     if not (config_dir / "config.json").is_file():
@@ -193,7 +193,7 @@ class ReplayRecipe:
     threads: int | None = None
     vocab_size: int | None = None
     fallback: int = 0
-    forward_plan: Any = None  # dsi.models.hf_static.ForwardPlan (None: the default)
+    forward_plan: Any = None  # dsi.models.hf.forward_plan.ForwardPlan (None: the default)
 
     uses_device = True
 

@@ -8,7 +8,7 @@ worker, devices and dtypes, replicas of the weights on other devices, and the to
 (encode / decode / chat template / EOS / context length) the CLI needs.
 
 Loads a MODEL through :mod:`dsi.models.sources` (where it comes from) and
-:mod:`dsi.models.hf_checkpoint` (a checkpoint directory for it, converting a GGUF once). Does not
+:mod:`dsi.models.hf.checkpoint` (a checkpoint directory for it, converting a GGUF once). Does not
 know: which backend a caller picks (:mod:`dsi.models.loading`), sampling or the algorithm.
 
 Threads: several sessions of one ``HFModel`` may run at once in different Python threads. They
@@ -50,12 +50,12 @@ from dsi.models.base import (
     path_tree_rows,
 )
 from dsi.models.determinism import check_deterministic
-from dsi.models.hf_checkpoint import checkpoint_dir
-from dsi.models.hf_static import (
+from dsi.models.hf import device_laws
+from dsi.models.hf.checkpoint import checkpoint_dir
+from dsi.models.hf.forward_plan import (
     GRAPH_MAX_TOKENS, ForwardInputs, ForwardPlan, GraphSet, additive_mask, attended, check_full_attention,
     greedy_ids, has_sliding_layers, new_positioned_cache, padded_size,
 )
-from dsi.models import device_laws
 from dsi.models.sources import resolve_source
 
 logger = logging.getLogger(__name__)
@@ -206,7 +206,7 @@ class HFModel:
         """Load a MODEL (directory, ``.gguf``, hub id, embedded short name: :mod:`dsi.models.sources`).
 
         A GGUF (the embedded pair's too) is converted once to bf16 safetensors in the cache
-        (:mod:`dsi.models.hf_checkpoint`). ``dtype`` and ``device`` are checked before anything is
+        (:mod:`dsi.models.hf.checkpoint`). ``dtype`` and ``device`` are checked before anything is
         downloaded or converted.
         """
         torch_dtype(dtype)
@@ -336,13 +336,13 @@ class HFModel:
     @property
     def forward_plan(self) -> ForwardPlan:
         """How sessions run their forwards: the KV cache (dynamic or static) and CUDA graphs
-        (:mod:`dsi.models.hf_static`). Sessions made after a change follow it; replicas change with this model."""
+        (:mod:`dsi.models.hf.forward_plan`). Sessions made after a change follow it; replicas change with this model."""
         return self._plan
 
     @forward_plan.setter
     def forward_plan(self, plan: ForwardPlan) -> None:
         if not isinstance(plan, ForwardPlan):
-            raise ConfigError(f"forward_plan={plan!r} must be a dsi.models.hf_static.ForwardPlan")
+            raise ConfigError(f"forward_plan={plan!r} must be a dsi.models.hf.forward_plan.ForwardPlan")
         if plan.static:
             check_full_attention(self.model.config, self.name)
         for model in {id(m): m for m in [self, *getattr(self, "_replicas", {}).values()]}.values():
@@ -472,7 +472,7 @@ class HFModel:
         return logits.float().cpu()  # [rows, V]
 
     def _checked_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        """Greedy ids on the host (:func:`~dsi.models.hf_static.greedy_ids`), refused where a row had a NaN."""
+        """Greedy ids on the host (:func:`~dsi.models.hf.forward_plan.greedy_ids`), refused where a row had a NaN."""
         bad = ids.numpy() < 0
         if bad.any():
             raise ModelError(f"{self.name} returned NaN logits (rows {np.flatnonzero(bad).tolist()} of the last "
@@ -541,7 +541,7 @@ def main_first(tree: Any, main: list[int], fresh: int) -> tuple[list[int], list[
 
 class HFSession:
     """One token sequence and its KV cache on one :class:`HFModel`: a ``DynamicCache``, or with the model's
-    :attr:`~HFModel.forward_plan` static, a preallocated :func:`~dsi.models.hf_static.new_positioned_cache` (and
+    :attr:`~HFModel.forward_plan` static, a preallocated :func:`~dsi.models.hf.forward_plan.new_positioned_cache` (and
     with CUDA graphs, the session's captured forwards), fixed when the session is made.
 
     On a GPU each session runs its forwards on a CUDA stream of its own, so that the kernels of
@@ -593,7 +593,7 @@ class HFSession:
         tokens = check_token_ids(tokens, self._owner.vocab_size, "tokens", self._owner.name)
         return self.extend_rows(tokens, cancel, len(tokens), False)
 
-    reads_rows = True  # a reader of a sampled chain is run where the rows are (models/device_laws.py)
+    reads_rows = True  # a reader of a sampled chain is run where the rows are (models/hf/device_laws.py)
 
     def extend_rows(self, tokens: Sequence[int], cancel: CancelFlag | None, num_rows: int, greedy: bool,
                     read: Any = None) -> Any:
@@ -753,7 +753,7 @@ class HFSession:
         self._tokens = []
         self._cache = self._new_cache()  # an empty cache holds no memory (nor graphs); the session stays usable
 
-    # -- the static cache (dsi.models.hf_static) -------------------------------------------------------
+    # -- the static cache (dsi.models.hf.forward_plan) -------------------------------------------------------
 
     def _static_forward(self, new: list[int], start: int, cancel: CancelFlag | None, num_rows: int, greedy: bool,
                         positions: list[int] | None = None, allowed: np.ndarray | None = None,
@@ -762,7 +762,7 @@ class HFSession:
         are on), each query seeing ``allowed`` (a tree's ``[n, start + n]`` mask) or the causal context, at
         ``positions`` (default: its cache position); the last ``num_rows`` real rows as :meth:`HFModel._host_rows`
         gives them (None for 0), and the cache's length ``start + n`` after it. Its inputs are made on the host
-        and cross in one copy (:class:`~dsi.models.hf_static.ForwardInputs`)."""
+        and cross in one copy (:class:`~dsi.models.hf.forward_plan.ForwardInputs`)."""
         owner, cache, graphs = self._owner, self._cache, self._graphs
         n = len(new)
         if start + n > cache.max_len:

@@ -5,7 +5,7 @@ Two tokenizers of different model families cut the same text differently, but bo
 every token stands for a byte string (its *piece*). :class:`Vocabulary` holds the pieces of one
 tokenizer's ids and spells a byte string back in its tokens (:meth:`Vocabulary.spell`);
 :class:`Intersection` pairs the ids of two vocabularies whose pieces are the same bytes. A drafter
-with its own tokenizer drafts for a target through them (:mod:`dsi.models.crossvocab`).
+with its own tokenizer drafts for a target through them (:mod:`dsi.models.vocab.bridge`).
 
 Pieces are read from the tokenizer, not guessed from ``decode`` of single tokens (which loses
 the bytes of partial UTF-8 characters and leading spaces):

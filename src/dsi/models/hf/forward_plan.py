@@ -61,13 +61,13 @@ ATTEND_MIN = 256  # with graphs, the fewest cache positions a forward attends ov
 
 @dataclass(frozen=True)
 class ForwardPlan:
-    """How an :class:`~dsi.models.hf.HFModel`'s sessions run their forwards.
+    """How an :class:`~dsi.models.hf.model.HFModel`'s sessions run their forwards.
 
     ``kv_cache``: ``"dynamic"`` (transformers' ``DynamicCache``: grows and crops) or ``"static"``
     (:class:`PositionedCache`, preallocated). ``kv_cache_len``: the positions a static cache holds (None: the
     model's context, at most :data:`DEFAULT_KV_CACHE_LEN`); a session past it gets a ``ContextLengthError``.
     ``cuda_graphs``: capture each forward's padded shape as a CUDA graph (needs the static cache).
-    ``device_decisions``: decide sampled chain verifications on the model's device (:mod:`dsi.models.device_laws`:
+    ``device_decisions``: decide sampled chain verifications on the model's device (:mod:`dsi.models.hf.device_laws`:
     only the drafts' probabilities and one law cross to the host); None (the default): where the model is on a
     GPU."""
 

@@ -24,6 +24,9 @@ NextLogits = Callable[[tuple[int, ...]], np.ndarray]
 class CallableLM:
     """A language model defined by ``next_logits(context) -> logits [vocab_size]``."""
 
+    # Its rows are a function of the context: deterministic with no mode to switch (dsi.models.determinism).
+    deterministic_by_construction = True
+
     def __init__(
         self, next_logits: NextLogits, vocab_size: int, name: str = "callable", max_context: int | None = None
     ) -> None:

@@ -41,7 +41,7 @@ import numpy as np
 
 from dsi.logprobs import top_ids
 from dsi.models.costs import stated_costs
-from dsi.models.vocabulary import Vocabulary
+from dsi.models.vocab.vocabulary import Vocabulary
 
 MERGE_LOOKAHEAD = 3  # shared tokens per position whose lookahead rows the law is extended from (0: plain TLI)
 # ``merges="auto"`` looks ahead where one more token in a drafter forward costs at most this much of a one-token

@@ -9,7 +9,7 @@ tokens it streamed; any other context (a rejection's correction, a sampled draft
 engine's greedy token, a tree's side branch) closes the stream, which vLLM and ``dsi serve`` take as
 the client gone and abort, and opens a new one there. A stream that ends (its ``max_tokens``) is
 followed by a new one from where it ended. Forwards of several rows (rare for a drafter) are one
-prompt-logprobs request, as :class:`~dsi.models.engines.EngineTarget` computes them.
+prompt-logprobs request, as :class:`~dsi.models.engines.target.EngineTarget` computes them.
 
 What a row holds, and why the output stays exact:
 
@@ -54,7 +54,7 @@ import numpy as np
 
 from dsi.errors import ConfigError, ContextLengthError, ServerLost, TaskCancelled
 from dsi.models.base import CancelFlag, LanguageModel, check_int, check_token_ids
-from dsi.models.engines import (
+from dsi.models.engines.target import (
     CANCEL_POLL_S,
     CONNECT_TIMEOUT_S,
     READ_TIMEOUT_S,

@@ -17,9 +17,9 @@ import numpy as np
 
 from dsi.errors import ConfigError
 from dsi.models.base import check_int, check_token_ids
-from dsi.models.callable import CallableLM
 from dsi.models.costs import ForwardCosts
-from dsi.models.latency import WithLatency
+from dsi.models.emulated.callable import CallableLM
+from dsi.models.emulated.latency import WithLatency
 
 _MASK = (1 << 63) - 1
 

@@ -8,17 +8,17 @@ session on the same text, and propose target tokens in one of two ways:
 - **string** (SLEM, greedy decoding): the drafter continues the text greedily in its own tokens;
   the text it wrote beyond the target's context is tokenized by the target's tokenizer, and the
   first of those target tokens is the proposal. A target token is proposed only once it is
-  settled: it ends before the last word of that text (:func:`~dsi.models.vocabulary.last_word_start`;
+  settled: it ends before the last word of that text (:func:`~dsi.models.vocab.vocabulary.last_word_start`;
   ``" th"`` tokenizes as ``" t"``, ``"h"`` but ``" the"`` as one token, so nothing in a word is
   final until the next word begins; in a long word, once it ends :data:`LONG_WORD_BYTES` bytes
   before the text does), or the drafter's text has ended (its EOS). The drafter writes on until
   then (at most :data:`MAX_STEPS_PER_PROPOSAL` tokens).
 - **intersection** (TLI, sampling and greedy): the drafter's next-token logits restricted to the
-  tokens whose pieces both vocabularies share (:class:`~dsi.models.vocabulary.Intersection`), in
+  tokens whose pieces both vocabularies share (:class:`~dsi.models.vocab.vocabulary.Intersection`), in
   the target's ids, -inf elsewhere: after softmax, the drafter's law restricted to the
   intersection and renormalized. Where a likely shared token begins a target token the drafter
   spells in two pieces (``":"`` + ``"\n"`` for ``":\n"``), part of its mass goes to that *merged*
-  token by the drafter's row after it (:mod:`dsi.models.merges`; ``merges=0`` turns it off). The
+  token by the drafter's row after it (:mod:`dsi.models.vocab.merges`; ``merges=0`` turns it off). The
   engines sample the draft from exactly that law ``q`` and verify it by ordinary rejection
   sampling, so the output keeps the target's law exactly.
 
@@ -28,7 +28,7 @@ sampling, is not built: it needs the drafter's probability of every *string* a t
 spells, many drafter forwards per position; TLI keeps one forward per draft.)
 
 **Keeping the drafter on the target's text.** The drafter holds the target's tokens spelled one by one
-in its own tokens (:meth:`~dsi.models.vocabulary.Vocabulary.spell` of each token's bytes: the drafter's
+in its own tokens (:meth:`~dsi.models.vocab.vocabulary.Vocabulary.spell` of each token's bytes: the drafter's
 own token where it has that piece), the prompt's too. That spelling is a function of the target's
 tokens, so the drafter's row after a context is too, however the session got there: a seeded sampling
 request draws the same drafts and gives the same tokens for any lookahead, SP, timing and request
@@ -69,8 +69,8 @@ from dsi.models.base import (
     path_tree_rows,
     tree_rows,
 )
-from dsi.models.merges import MergeTable, merge_candidates, merge_logits, merges_for
-from dsi.models.vocabulary import Intersection, Vocabulary, last_word_start, same_vocabulary
+from dsi.models.vocab.merges import MergeTable, merge_candidates, merge_logits, merges_for
+from dsi.models.vocab.vocabulary import Intersection, Vocabulary, last_word_start, same_vocabulary
 from dsi.trees import ROOT, DraftTree
 
 logger = logging.getLogger(__name__)
@@ -126,9 +126,9 @@ class CrossVocabularyDrafter:
 
     @property
     def merges(self) -> int:
-        """The shared tokens per position whose merged tokens the law reaches (:mod:`dsi.models.merges`).
-        ``"auto"`` resolves once, on first use (:func:`~dsi.models.merges.merges_for`):
-        :data:`~dsi.models.merges.MERGE_LOOKAHEAD` where a drafter forward costs about the same for a few tokens
+        """The shared tokens per position whose merged tokens the law reaches (:mod:`dsi.models.vocab.merges`).
+        ``"auto"`` resolves once, on first use (:func:`~dsi.models.vocab.merges.merges_for`):
+        :data:`~dsi.models.vocab.merges.MERGE_LOOKAHEAD` where a drafter forward costs about the same for a few tokens
         as for one (a stated low row price, an accelerator), else 0 (a CPU, where the lookahead forwards cost
         more than they buy: docs/results.md#merged-tokens-and-where-a-rejected-drafts-correction-lands)."""
         if self._merges is None:
@@ -417,7 +417,7 @@ class CrossVocabularySession:
 
     def _intersection_row(self, context: list[int], cancel: CancelFlag | None) -> np.ndarray:
         """The drafter's law after the target tokens ``context`` over target ids, as logits: restricted to the
-        intersection, with the merged tokens of its likeliest shared tokens (:mod:`dsi.models.merges`)."""
+        intersection, with the merged tokens of its likeliest shared tokens (:mod:`dsi.models.vocab.merges`)."""
         self._align(context)
         raw = self._drafter_row(cancel, greedy=False)
         base = self._start + tuple(self._d_tokens) if self._model.merges else ()  # the lookaheads' context
@@ -543,7 +543,7 @@ def bridge_drafter(target: LanguageModel, drafter: LanguageModel, vocab_mode: st
     Tokenizers default to the models' ``tokenizer`` attributes. ``"auto"`` translates only when the
     vocabularies differ; ``"string"`` and ``"intersection"`` translate even between equal ones.
     ``merges``: how many likely shared tokens per position the intersection law extends to their merged
-    tokens (:mod:`dsi.models.merges`; 0: plain TLI; ``"auto"``: :attr:`CrossVocabularyDrafter.merges`); a
+    tokens (:mod:`dsi.models.vocab.merges`; 0: plain TLI; ``"auto"``: :attr:`CrossVocabularyDrafter.merges`); a
     number for a drafter that shares the target's vocabulary is refused (nothing would be merged). A
     drafter bridged already is returned as it is.
     """

@@ -7,7 +7,7 @@ hand-offs, a JSON answer of ``prompt_logprobs`` entries; docs/results.md#emulate
 its OpenAI port, ``dsi serve`` listens on a plain TCP port (its model card's ``dsi.scoring_port``)
 whose connections each have a thread of the server's that reads a request, runs the forward on an
 engine slot and writes the rows back: no event loop, no JSON, no per-row dicts. Only a dsi uses it
-(:class:`dsi.models.engines.EngineSession`, when the card advertises a port and a plain ``http://``
+(:class:`dsi.models.engines.target.EngineSession`, when the card advertises a port and a plain ``http://``
 URL reaches it); anything else, or a port it cannot reach, goes through ``/v1/completions``.
 
 The wire format (little-endian; every message is a frame: a ``u32`` byte length, then the body):

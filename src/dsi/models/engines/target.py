@@ -29,7 +29,7 @@ then computes only the rows asked for, on a slot whose KV cache is reused across
 no prefix cache for a request with prompt logprobs, so every verification there recomputes its
 whole context (docs/engines.md). Where a ``dsi serve``'s model card advertises a scoring port
 (``dsi.scoring_port``) and a plain ``http://`` URL reaches it, a session verifies through that
-channel instead (:mod:`dsi.models.scoring_channel`: the same rows, as raw logits, without HTTP's
+channel instead (:mod:`dsi.models.engines.scoring_channel`: the same rows, as raw logits, without HTTP's
 path through the server); where it cannot connect, it says so once and uses ``/v1/completions``.
 
 Checks at start (:meth:`EngineTarget.__init__`): each URL answers ``GET /v1/models``; a canary
@@ -61,7 +61,7 @@ import numpy as np
 
 from dsi.errors import ConfigError, ContextLengthError, ModelError, ServerLost, TaskCancelled
 from dsi.models.base import CancelFlag, LanguageModel, check_int, check_token_ids
-from dsi.models.scoring_channel import (
+from dsi.models.engines.scoring_channel import (
     BUSY,
     MODE_ARGMAX,
     MODE_TOP,
@@ -346,7 +346,7 @@ class EngineTarget(LocalText):
                  model: str | None = None, canary_tolerance: float = CANARY_TOLERANCE,
                  connect_timeout: float = CONNECT_TIMEOUT_S, read_timeout: float = READ_TIMEOUT_S,
                  role: str = "target", scoring_channel: bool = True) -> None:
-        self.role = role  # names the servers in errors: "target", or "drafter" (dsi.models.engine_drafter)
+        self.role = role  # names the servers in errors: "target", or "drafter" (dsi.models.engines.drafter)
         self.scoring_channel = scoring_channel  # verify on a dsi serve's scoring port where it advertises one
         self._channel_warned: set[str] = set()  # engines whose unusable scoring port was said (once each)
         if isinstance(urls, str) or not urls:
