@@ -1,6 +1,8 @@
 """Each program of benchmarks/ as its ``--dry-run``: it must run to its end on tiny models and write a report whose
 numbers make sense, and where it compares lossless methods, the same tokens for each. In the order of
-benchmarks/README.md's table; dry runs over about 10 s are slow (the default run has 15 minutes in all)."""
+benchmarks/README.md's table. All of them are in the slow suite (``-m slow``, which CI runs at every stop):
+together they took 3.5 of the default run's 17 minutes, whose budget is 15; they check the measuring
+programs, while the default run checks the product."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from tests.benchmarks import positive
+
+pytestmark = pytest.mark.slow
 
 
 def needs(*modules: str) -> None:
@@ -52,7 +56,6 @@ def test_engines_http(dry_run):
     assert row["verify_tasks"]["dsi channel"] > 0
 
 
-@pytest.mark.slow
 def test_engine_verify_cost_on_vllm(dry_run):
     needs_vllm()
     report = dry_run("engine_verify_cost.py", timeout=600)
@@ -60,7 +63,6 @@ def test_engine_verify_cost_on_vllm(dry_run):
     assert all(positive(s) for costs in report["seconds_per_verification"].values() for s in costs.values())
 
 
-@pytest.mark.slow
 def test_engine_cancel_and_batching_on_vllm(dry_run):
     needs_vllm()
     report = dry_run("engine_cancel_and_batching.py", timeout=600)
@@ -70,7 +72,6 @@ def test_engine_cancel_and_batching_on_vllm(dry_run):
         assert all(positive(b["verifications_per_s"]) for b in result["batching"])
 
 
-@pytest.mark.slow
 def test_embedded_pair_vllm(dry_run):
     needs_vllm()
     report = dry_run("embedded_pair_vllm.py", timeout=600)
@@ -146,7 +147,6 @@ def test_real_pair(dry_run):
     assert positive(report["dsi_vs_si"]) and report["skipped"] == []
 
 
-@pytest.mark.slow
 def test_real_pair_replay(dry_run):
     needs(*HF)
     recording = Path(__file__).resolve().parents[2] / "benchmarks" / "recordings" / "qwen2.5-coder-code-64.json"
@@ -155,7 +155,6 @@ def test_real_pair_replay(dry_run):
     assert all(row["identical"] for row in report["rows"].values())  # the recorded decisions, replayed
 
 
-@pytest.mark.slow
 def test_backends(dry_run):
     needs(*LLAMA)
     report = dry_run("backends.py")
@@ -164,7 +163,6 @@ def test_backends(dry_run):
     assert positive(report["llama_cpp_fastest_over_hf_fastest"])
 
 
-@pytest.mark.slow
 def test_shared_cpu(dry_run):
     needs(*HF)
     report = dry_run("shared_cpu.py")
@@ -214,7 +212,6 @@ def test_row_cuts_llama_cpp(dry_run):
     assert all(positive(ms) for times in report["forward_ms_by_tokens"].values() for ms in times.values())
 
 
-@pytest.mark.slow
 def test_row_cuts_hf(dry_run):
     needs(*HF)
     report = dry_run("row_cuts.py", "hf")
@@ -235,7 +232,6 @@ def test_tree_acceptance(dry_run):
         assert r["model_chain"] <= r["model_best_tree"] + 1e-9  # the chain is one of the trees the bound weighs
 
 
-@pytest.mark.slow
 def test_tree_walltime(dry_run):
     needs(*LLAMA)
     report = dry_run("tree_walltime.py")  # every output is checked against the recording inside
@@ -252,7 +248,6 @@ def test_tree_walltime_budgets(dry_run):
     assert all(1 <= row[name] <= 5 for name in ("chain", "best-first", "auto", "branches"))
 
 
-@pytest.mark.slow
 def test_tree_walltime_exact_si(dry_run):
     needs(*LLAMA)
     report = dry_run("tree_walltime.py", "--exact-si")
@@ -281,7 +276,6 @@ def test_tree_sampled_acceptance_expected(dry_run):
         assert 1 <= row[tree]["tokens_per_verification"] <= 4 + 1, tree  # one token, plus at most B drafts
 
 
-@pytest.mark.slow
 def test_tree_sampled_acceptance_engine(dry_run):
     needs(*LLAMA)
     report = dry_run("tree_sampled_acceptance.py", "--engine")
@@ -303,7 +297,6 @@ def test_request_surface_cost(dry_run):
     assert all(positive(ms) for ms in report["per_position_ms"].values())
 
 
-@pytest.mark.slow
 def test_serve_load(dry_run):
     needs(*HF, *SERVER)
     report = dry_run("serve_load.py")
@@ -313,7 +306,6 @@ def test_serve_load(dry_run):
         assert run["server_exit_code"] == 0 and positive(run["throughput_tok_s"])
 
 
-@pytest.mark.slow
 def test_serve_determinism(dry_run):
     needs(*LLAMA, *SERVER)
     report = dry_run("serve_determinism.py")
@@ -324,7 +316,6 @@ def test_serve_determinism(dry_run):
     assert not report["workloads"]["scoring"]["moved_on_repeat"]["default"]  # one forward: no timing in it
 
 
-@pytest.mark.slow
 def test_serve_big_prompt(dry_run):
     needs(*HF, *SERVER)
     report = dry_run("serve_big_prompt.py")

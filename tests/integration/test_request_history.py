@@ -6,7 +6,9 @@ cache computed the shared prefix in that request's cuts, and the rest after it i
 not make: the same request then scored its first token 0.03-0.13 nats apart on the embedded pair, and a
 near-tie fell the other way. So each request starts every target server, and the drafter, from an empty
 cache unless the rows are canonical (the deterministic mode keeps the caches: a cached row is the one a fresh
-forward gives). What is checked, on a random bf16 Llama whose rows do depend on the cut:
+forward gives). What is checked, on a random bf16 Llama whose rows depend on the cut on any machine: bf16
+products round by blocking on some CPUs and not on others, so the target also raises one logit of each row by
+an amount that grows with its forward's width (:class:`CutSensitive`), as a kernel that blocks would:
 
 - the first token of a DSI request (decided by its zero-draft task, which no timing touches), with its
   logprobs, is the same bits after any history as on a fresh decoder, on 1 and 2 servers;
@@ -36,13 +38,50 @@ HISTORIES = [  # what the decoder served before (its servers keep a prefix of th
 ]
 
 
+class CutSensitive:
+    """``model`` whose rows depend on how its forwards are cut, whatever the CPU: each row of a forward over
+    ``n`` tokens has token 0's logit raised by ``1e-3 * n``, so a position computed in another cut gets other
+    log-probabilities (every one of them: the row's normaliser moves)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.name = f"cut-sensitive {model.name}"
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    def new_session(self):
+        return CutSensitiveSession(self.model.new_session())
+
+
+class CutSensitiveSession:
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    @property
+    def tokens(self):
+        return self.inner.tokens
+
+    def extend(self, tokens, cancel=None):
+        rows = np.array(self.inner.extend(tokens, cancel), dtype=np.float32)
+        rows[:, 0] += 1e-3 * len(tokens)
+        return rows
+
+    def truncate(self, length: int) -> None:
+        self.inner.truncate(length)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     from dsi.models.hf.model import HFModel
 
     root = tmp_path_factory.mktemp("history")
-    target = HFModel.load(str(make_model_dir(root / "target", seed=0, layers=2, hidden=64)), dtype="bf16",
-                          progress=False, threads=1)
+    target = CutSensitive(HFModel.load(str(make_model_dir(root / "target", seed=0, layers=2, hidden=64)),
+                                       dtype="bf16", progress=False, threads=1))
     drafter = HFModel.load(str(make_model_dir(root / "drafter", seed=1, layers=1, hidden=64)), dtype="bf16",
                            progress=False, threads=1)
     return target, drafter
@@ -104,7 +143,7 @@ def test_the_history_would_change_them_if_caches_were_kept_across_requests(pair,
 def test_the_deterministic_mode_keeps_the_caches_across_requests(pair):
     """In the mode a cached row is the canonical one: the requests' tasks carry no scope, so the servers reuse
     whatever they cached (tests/unit/transport/test_dispatch.py: what a scope does to a server's cache)."""
-    target, drafter = pair
+    target, drafter = pair[0].model, pair[1]  # the hf model itself: its mode makes its rows canonical
     try:
         with build_decoder(target=target, drafter=drafter, method="dsi", lookahead=2, num_target_servers=1,
                            deterministic=True) as decoder:

@@ -370,8 +370,19 @@ PARAMS = {
 }
 
 
-@pytest.mark.parametrize("name", list(PARAMS))
-@pytest.mark.parametrize("shape, budget", TREES, ids=lambda v: getattr(v, "name", str(v)))
+def _law_cases() -> list:
+    """Every tree with every sampling. The branching tree's sampled laws take 80-95 s each to enumerate here (a
+    side child below a side child multiplies the walks): they run in the slow suite, its greedy ones by default."""
+    cases = []
+    for shape, budget in TREES:
+        for name in PARAMS:
+            slow = isinstance(shape, Dynamic) and shape.branches and not PARAMS[name].greedy
+            cases.append(pytest.param(name, shape, budget, id=f"{getattr(shape, 'name', shape)}-{budget}-{name}",
+                                      marks=[pytest.mark.slow] if slow else []))
+    return cases
+
+
+@pytest.mark.parametrize("name, shape, budget", _law_cases())
 def test_tree_decoding_has_exactly_the_target_law(name, shape, budget):
     params, length = PARAMS[name], 3
     drafter_params = SamplingParams(temperature=1.3) if not params.greedy else (
