@@ -64,6 +64,11 @@ def require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def is_int(value: object) -> bool:
+    """Whether ``value`` is a Python integer and not a bool (``True`` is an ``int`` to Python, never a count here)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def shown(value: object, limit: int = 80) -> str:
     """``repr(value)`` for an error message, cut to ``limit`` characters: a value from a user may be thousands of
     characters long, and an integer of more than 4,300 digits has no ``repr`` at all (Python refuses to convert

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from dsi.errors import ConfigError, require, shown
+from dsi.errors import ConfigError, is_int, require, shown
 from dsi.models.vocab.bridge import VOCAB_MODES, check_merges
 from dsi.transport import TRANSPORTS
 from dsi.transport.base import check_num_servers
@@ -30,21 +30,17 @@ METHODS = ("auto", *ENGINE_METHODS)  # "auto": the fastest of the engine's metho
 DEFAULT_TARGET_SERVERS = 2  # SP when neither num_target_servers nor engine URLs say
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def check_lookahead(method: str, lookahead: object, max_window: object = None) -> None:
     """Validate ``lookahead`` (an integer k >= 1, or "auto" for DSI's event-driven windows) and
     ``max_window`` (None or an integer >= 1, with "auto" only)."""
     require(
-        (_is_int(lookahead) and lookahead >= 1) or lookahead == "auto",
+        (is_int(lookahead) and lookahead >= 1) or lookahead == "auto",
         f"lookahead={lookahead!r} must be an integer >= 1 or 'auto' (DSI's event-driven windows)",
     )
     if lookahead == "auto" and method == "si":
         raise ConfigError("lookahead='auto' is DSI's event-driven window policy; SI needs an integer lookahead")
     if max_window is not None:
-        require(_is_int(max_window) and max_window >= 1,
+        require(is_int(max_window) and max_window >= 1,
                 f"max_window={shown(max_window)} must be None or an integer >= 1")
         require(lookahead == "auto", f"max_window={shown(max_window)} applies to lookahead='auto' only "
                                      f"(lookahead={lookahead!r} sends windows of exactly that many drafts)")

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from dsi.engine.stats import GenerationStats
-from dsi.errors import ConfigError, DSIError, require, shown
+from dsi.errors import ConfigError, DSIError, is_int, require, shown
 import numpy as np
 
 from dsi.logprobs import TokenLogprob, check_mode, entry
@@ -92,10 +92,6 @@ class Request:
         return Prefix(tokens, len(self.prompt), self.eos_token_ids)
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _eos_ids(eos: object, vocab_size: int | None) -> frozenset[int]:
     """``eos_token_ids`` (None, one id, or a collection of ids) as a frozenset of ids in the vocabulary."""
     if eos is None:
@@ -125,7 +121,7 @@ def check_request(request: object, vocab_size: int | None = None) -> Request:
     if not isinstance(request, Request):
         raise ConfigError(f"request={shown(request)} must be a dsi.Request (dsi.make_request builds one)")
     n = request.max_new_tokens
-    require(_is_int(n) and n >= 1, f"max_new_tokens={shown(n)} must be an integer >= 1")
+    require(is_int(n) and n >= 1, f"max_new_tokens={shown(n)} must be an integer >= 1")
     sampling = SamplingParams() if request.sampling is None else request.sampling
     require(isinstance(sampling, SamplingParams), f"sampling={shown(sampling)} must be a dsi.SamplingParams")
     if isinstance(request.prompt, str | bytes):
@@ -141,7 +137,7 @@ def check_request(request: object, vocab_size: int | None = None) -> Request:
                                f"vocabulary [0, {vocab_size})")
     logprobs = request.logprobs
     allowed = ">= 0" if vocab_size is None else f"in [0, {vocab_size}]"
-    ok = logprobs is None or (_is_int(logprobs) and logprobs >= 0 and (vocab_size is None or logprobs <= vocab_size))
+    ok = logprobs is None or (is_int(logprobs) and logprobs >= 0 and (vocab_size is None or logprobs <= vocab_size))
     require(ok, f"logprobs={shown(logprobs)} must be None or an integer {allowed} (the top tokens reported per token)")
     check_mode(request.logprobs_mode)
     # what ends generation: EOS (unless ignore_eos makes it an ordinary token) and the stop ids

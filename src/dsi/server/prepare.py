@@ -118,7 +118,7 @@ class Prepared:
     @property
     def num_jobs(self) -> int:
         """How many jobs :meth:`jobs` makes (at most the request's ``num_jobs``: greedy choices share one)."""
-        return sum(1 if p.n == 1 or p.request.sampling.greedy else p.n for p in self.prompts)
+        return sum(len(p.choice_requests()) for p in self.prompts)
 
     def choice_jobs(self) -> list[int]:
         """For each choice, the index in :meth:`jobs` of the job that answers it."""
