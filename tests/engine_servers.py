@@ -136,9 +136,10 @@ class StrikeAfter:
             self._thread.join(5)
 
 
-def start_dsi_serve(model_dir: str, *extra: str, name: str = "tiny") -> EngineProcess:
-    """``dsi serve --method ar`` on a tiny hf model (fp32, one thread), as a target server."""
-    port = free_port()
+def start_dsi_serve(model_dir: str, *extra: str, name: str = "tiny", port: int | None = None) -> EngineProcess:
+    """``dsi serve --method ar`` on a tiny hf model (fp32, one thread), as a target server (``port``: a given
+    one, to restart an engine where it was)."""
+    port = port or free_port()
     argv = [sys.executable, "-m", "dsi.cli.main", "serve", "--target", model_dir, "--method", "ar",
             "--dtype", "fp32", "--threads", "1", "--port", str(port), "--served-model-name", name,
             "--max-logprobs", "-1", *extra]
@@ -155,14 +156,15 @@ _cpu_lock = threading.Lock()
 _next_cpu = [0]
 
 
-def start_vllm(model_dir: str, name: str = "tiny", max_model_len: int = 256) -> EngineProcess:
-    """vLLM's OpenAI server on a tiny fp32 model, as the engines issue measured it on this machine."""
+def start_vllm(model_dir: str, name: str = "tiny", max_model_len: int = 256, port: int | None = None) -> EngineProcess:
+    """vLLM's OpenAI server on a tiny fp32 model, as the engines issue measured it on this machine (``port``:
+    a given one, to restart an engine where it was)."""
     python = vllm_python()
     assert python is not None, "no vllm venv (bash packaging/vllm-venv.sh)"
     with _cpu_lock:
         cpu = _next_cpu[0] % (os.cpu_count() or 1)
         _next_cpu[0] += 1
-    port = free_port()
+    port = port or free_port()
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name", name,
             "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--max-logprobs", "-1",
             "--enforce-eager", "--dtype", "float32", "--max-model-len", str(max_model_len)]

@@ -46,9 +46,10 @@ def perturb(model, noise: float, seed: int = 1):
 
 
 def make_model_dir(path: Path, arch: str = "llama", seed: int = 0, layers: int = 2, hidden: int = 32,
-                   positions: int = 256) -> Path:
+                   positions: int = 256, init_std: float = 0.02) -> Path:
     """Save a random ``arch`` model with the test tokenizer to ``path`` (``positions``: its longest
-    context); return ``path``."""
+    context; ``init_std``: its weights' standard deviation, transformers' ``initializer_range``: larger
+    weights make larger logits, whose bf16 rounding moves log-probabilities more); return ``path``."""
     import torch
     import transformers
 
@@ -60,13 +61,13 @@ def make_model_dir(path: Path, arch: str = "llama", seed: int = 0, layers: int =
         config = transformers.LlamaConfig(
             vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions,
-            eos_token_id=eos, bos_token_id=0, pad_token_id=0,
+            eos_token_id=eos, bos_token_id=0, pad_token_id=0, initializer_range=init_std,
         )
         model = transformers.LlamaForCausalLM(config)
     elif arch == "gpt2":
         config = transformers.GPT2Config(
             vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=4, n_positions=positions,
-            bos_token_id=0, eos_token_id=eos,
+            bos_token_id=0, eos_token_id=eos, initializer_range=init_std,
         )
         model = transformers.GPT2LMHeadModel(config)
     else:

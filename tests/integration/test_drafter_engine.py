@@ -162,6 +162,17 @@ def test_measure_over_engines_gives_the_local_acceptance(drafter_engines, dirs, 
         assert main(latency) == 0
         measured = json.loads(capsys.readouterr().out)
         assert measured["target_server"] == url and measured["tpot_ms"] > 0
+        # what ran is the engine: its role, and the local copy's backend only as the local copy's
+        assert measured["role"] == "target" and measured["backend"] == "engine"
+        assert measured["engine"] == {"url": url, "served_model": measured["engine"]["served_model"],
+                                      "kind": "dsi serve"}
+        assert measured["dtype"] is None and measured["threads"] is None
+        assert measured["local_copy"]["dtype"] == "fp32" and measured["local_copy"]["threads"] == 1
+        drafter_latency = ["measure", "latency", "--model", dirs["drafter"], *common,
+                           "--drafter-server", drafter_engines["wrong"]]
+        assert main(drafter_latency) == 0
+        measured = json.loads(capsys.readouterr().out)
+        assert measured["role"] == "drafter" and measured["engine"]["url"] == drafter_engines["wrong"]
         assert main([*latency, "--drafter-server", url]) == 2
         assert "measures one model" in capsys.readouterr().err
 
@@ -312,3 +323,25 @@ def test_a_frozen_drafter_engine_ends_an_si_request_within_its_stall_limit(dirs,
             decoder.close()
     finally:
         engine.stop()
+
+
+def test_a_drafter_engine_with_top_rows_only_is_described_as_exact_for_any_sampling(local, caplog):
+    """The start check of a drafter engine that gives only its top 20 log-probabilities a row says what that
+    means for a drafter (drafts come from those rows, exact whatever the sampling), not a target's rule."""
+    import logging
+
+    from dsi.models.engines.drafter import EngineDrafter
+    from dsi.models.engines.target import EngineTarget
+    from dsi.server import ServeConfig, create_app
+
+    drafter = local[1]
+    caplog.set_level(logging.INFO, logger="dsi.models.engines.target")
+    app = create_app(drafter, None, ServeConfig(method="ar", model_name="d", max_logprobs=20))
+    with running_server(app) as engine:
+        EngineDrafter(engine.url + "/v1", drafter)
+        EngineTarget([engine.url + "/v1"], reference=drafter)  # the same engine as a target: the target's rule
+    said = [r.getMessage() for r in caplog.records if "whole-vocabulary" in r.getMessage()]
+    assert len(said) == 2
+    assert said[0].startswith("drafter server") and "drafts are drawn from its top log-probabilities" in said[0]
+    assert "needs top_k" not in said[0]
+    assert said[1].startswith("target server") and "sampling then needs top_k" in said[1]

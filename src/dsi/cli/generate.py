@@ -449,14 +449,76 @@ def _load(args: argparse.Namespace, need_drafter: bool, hf_default_dtype: str = 
                "n_ctx": max_model_len(args), "forward_plan": forward_plan(args),
                "deterministic": getattr(args, "deterministic", None),
                "progress": not getattr(args, "json", False) or sys.stderr.isatty()}
+    mode = getattr(args, "vocab_mode", "auto")
+
+    def load(dtype: str | None) -> tuple:
+        with_dtype = {**options, "dtype": dtype}
+        if need_drafter:
+            return load_pair(args.target, args.drafter, vocab_mode=mode, **with_dtype)
+        return load_model(args.target, role="target", **with_dtype), None
+
+    target, drafter = follow_the_engines(args, load(options["dtype"]), load, hf, hf_default_dtype)
     if need_drafter:
         from dsi.models.vocab.bridge import bridge_drafter
 
-        mode = getattr(args, "vocab_mode", "auto")
-        target, drafter = load_pair(args.target, args.drafter, vocab_mode=mode, **options)
         # translated once, shared by every decoder
         return target, bridge_drafter(target, drafter, mode, merges=getattr(args, "merges", "auto"))
-    return load_model(args.target, role="target", **options), None
+    return target, None
+
+
+def follow_the_engines(args: argparse.Namespace, models: tuple, load, hf: bool, hf_default_dtype: str) -> tuple:
+    """The local copies ``(target, drafter)`` checked against the engines of ``--target-servers`` and
+    ``--drafter-server`` now, before any decoder is built: where an engine's canary rows differ and the hf
+    dtype is dsi's default (no ``--dtype``), the copies are loaded once more in the other dtype (bf16 <->
+    fp32: an engine serving the weights as saved runs fp32 where dsi's default is bf16); if the engines
+    match them, the run goes on in that dtype and says so. ``load(dtype)`` loads the pair."""
+    from dsi.models.engines.target import CanaryMismatch
+
+    urls = target_servers(args)
+    url = drafter_server(args) if models[1] is not None else None
+    if not (urls or url):
+        return models
+    try:
+        check_engines(urls, url, *models)
+        return models
+    except CanaryMismatch as exc:
+        if not hf or args.dtype is not None:  # the dtype was chosen: the error names it and the flag
+            raise
+        first = exc
+    from dsi.models.loading import release
+
+    dtype = hf_dtype(args, hf_default_dtype)
+    other = "fp32" if dtype != "fp32" else "bf16"
+    for model in models:
+        if model is not None:
+            release(model)
+    models = load(other)
+    try:
+        check_engines(urls, url, *models)
+    except CanaryMismatch as exc:
+        for model in models:
+            if model is not None:
+                release(model)
+        raise ConfigError(f"{first}; the local copy in {other} does not match either ({exc.difference:.3g} nats): "
+                          f"the engine serves another model, or other weights") from None
+    print(f"dsi: {first.role} server {first.url} computes other rows than the local copy in {dtype} "
+          f"({first.difference:.3g} nats apart); in {other} they match: the local copies run {other} "
+          f"(pass --dtype {other} to start so)", file=sys.stderr)
+    args.dtype = other
+    args.backend_label = describe("hf", args, hf_default_dtype)
+    return models
+
+
+def check_engines(urls: list[str] | None, url: str | None, target, drafter) -> None:
+    """The engines' start checks (models listed, the canary) against the local copies; the decoder that
+    uses them makes them again when it connects."""
+    from dsi.models.engines.drafter import EngineDrafter
+    from dsi.models.engines.target import EngineTarget
+
+    if urls:
+        EngineTarget(urls, reference=target)
+    if url:
+        EngineDrafter(url, drafter)
 
 
 def check_prompt_flags(args: argparse.Namespace) -> list[int] | None:
@@ -504,6 +566,10 @@ def run_generate(args: argparse.Namespace) -> int:
             sys.stdout.flush()
 
     decoder = dsi.build_decoder(target=target, drafter=drafter, config=config)
+    choice = getattr(decoder, "choice", None)
+    if choice is not None and args.json:  # the measuring was quiet (stdout is the JSON): the pick is said anyway
+        print(f"[auto] picked {choice.label}: {choice.reason}" + (" (cached choice)" if choice.cached else ""),
+              file=sys.stderr, flush=True)
     if decoder.method == "ar" and drafter is not None:  # auto picked non-SI: decode with nothing else loaded
         release(drafter)
         drafter = None

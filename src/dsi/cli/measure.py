@@ -419,17 +419,30 @@ def run_latency(args: argparse.Namespace) -> int:
     model = load_model(args.model, role=args.role, **options)
     prompts = _prompt_ids(model, args)
     target, drafter, engines = _over_engines(model, model, args)
-    measured = measure_latency(target if args.target_servers else drafter, prompts, args.max_new_tokens)
+    measured_model = target if args.target_servers else drafter
+    measured = measure_latency(measured_model, prompts, args.max_new_tokens)
+    # the role the number is for (dsi plan): as labelled, else the engine's (a drafter server drafts)
+    role = args.role or ("drafter" if args.drafter_server else "target")
+    local = {"backend": options["backend"], "dtype": options["dtype"], "device": str(getattr(model, "device", "cpu")),
+             "threads": threads}
+    if engines:  # measured on the engine: its backend, dtype and threads are its own, unknown here
+        engine = measured_model.engine if args.drafter_server else next(iter(measured_model.engines.values()))
+        ran = {"backend": "engine", "dtype": None, "device": None, "threads": None,
+               "engine": {"url": engine.url, "served_model": engine.model,
+                          "kind": "dsi serve" if engine.kind == "dsi" else "openai (vLLM or another)"},
+               "local_copy": local}
+        where = f"the engine at {engine.url} ({ran['engine']['kind']}); local copy {label}"
+    else:
+        ran, where = local, f"{label} / {threads or 'default'}"
     result = {
-        "kind": "latency", "model": args.model, "role": args.role, **engines,
-        "ttft_ms": measured["ttft_ms"], "tpot_ms": measured["tpot_ms"], "backend": options["backend"],
-        "dtype": options["dtype"], "device": str(getattr(model, "device", "cpu")), "prompts": len(prompts),
-        "threads": threads, "max_new_tokens": args.max_new_tokens, "per_prompt": measured["per_prompt"],
+        "kind": "latency", "model": args.model, "role": role, **engines,
+        "ttft_ms": measured["ttft_ms"], "tpot_ms": measured["tpot_ms"], **ran, "prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens, "per_prompt": measured["per_prompt"],
     }
     rows = [[i, r["prompt_tokens"], r["new_tokens"], r["ttft_ms"], r["tpot_ms"]]
             for i, r in enumerate(measured["per_prompt"])]
     _emit(result, args, ["prompt", "prompt tokens", "new tokens", "TTFT ms", "TPOT ms"], rows,
-          [("model", args.model), ("backend / threads", f"{label} / {threads or 'default'}"),
+          [("model", args.model), ("measured on" if engines else "backend / threads", where),
            ("TTFT ms (mean)", result["ttft_ms"]), ("TPOT ms (mean)", result["tpot_ms"])])
     return 0
 

@@ -179,6 +179,26 @@ class ServerState:
             return self.config.transport_options
         return {**(self.config.transport_options or {}), "devices": list(self.verifier.urls)}
 
+    def target_servers(self) -> dict:
+        """The target servers, counted for /health and /metrics: the engines of ``--target-servers`` (each
+        shared by every slot; a lost one is probed until it passes its start check again), else the slots'
+        own (a DSI slot's pool of servers, or the one target an SI or non-SI slot runs in this process)."""
+        health = getattr(self.verifier, "health", None)
+        if callable(health):
+            engines = health()
+            return {**engines, "lost": len(engines["lost"])}
+        configured = in_service = readmissions = 0
+        for slot in self.scheduler.slots if self.scheduler is not None else ():
+            pool = getattr(slot.decoder, "pool", None)
+            if pool is None:
+                configured, in_service = configured + 1, in_service + 1
+                continue
+            configured += pool.num_servers
+            in_service += pool.servers_in_service()
+            readmissions += getattr(pool, "readmissions", 0)
+        return {"configured": configured, "in_service": in_service, "lost": configured - in_service,
+                "readmissions": readmissions}
+
     def _build_slots(self) -> list[Slot]:
         slots: list[Slot] = []
         try:
@@ -613,19 +633,22 @@ def create_app(
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
         sched = state.scheduler
-        ok = sched is not None and not state.closing
+        servers = state.target_servers()
+        # serving with fewer target servers than configured is "degraded"; with none, requests would fail
+        ok = sched is not None and not state.closing and servers["in_service"] > 0
         status = 200 if ok else 503
         count(request, status)
-        return JSONResponse({  # the served name only: never a local path (this endpoint is open)
-            "status": "ok" if ok else "unavailable", "model": config.model_name,
-            "method": running_method()["method"],
+        return JSONResponse({  # the served name and counts only: never a path or an engine's address (open)
+            "status": ("degraded" if servers["in_service"] < servers["configured"] else "ok") if ok else "unavailable",
+            "model": config.model_name, "method": running_method()["method"],
             "slots": len(sched.slots) if sched else 0, "running": sched.running if sched else 0,
-            "queued": sched.queued if sched else 0, "preparing": state.preparing,
+            "queued": sched.queued if sched else 0, "preparing": state.preparing, "target_servers": servers,
         }, status_code=status)
 
     @app.get("/metrics")
     async def prometheus_metrics(request: Request) -> Response:
         count(request, 200)
+        metrics.set_target_servers(state.target_servers())
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     def running_method() -> dict:

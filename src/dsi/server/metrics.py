@@ -16,6 +16,9 @@ Series (all prefixed ``dsi_``):
   ``wasted_target_seconds_total`` (target time on tasks whose results were not used),
   ``target_busy_seconds_total`` and ``target_capacity_seconds_total`` (wall time x servers:
   ``rate(busy) / rate(capacity)`` is the pool's utilisation).
+- ``target_servers_configured``, ``target_servers_in_service``, ``target_servers_lost`` and
+  ``target_server_readmissions_total``: the target servers (the engines of ``--target-servers``, else the
+  slots' own), read at each scrape; a lost engine is probed until it passes its start check again.
 - histograms per request ``acceptance_rate``, ``mean_accepted_length``, ``target_utilisation``
   (acceptance: speculative methods only, non-SI has no drafts; utilisation: DSI's target pool).
 """
@@ -45,6 +48,17 @@ class ServerMetrics:
         self.queue_length = Gauge("dsi_queue_length", "Requests waiting for an engine slot", registry=r)
         self.running = Gauge("dsi_running_requests", "Requests being generated", registry=r)
         self.slots = Gauge("dsi_engine_slots", "Engine slots (decoders)", registry=r)
+        self.servers_configured = Gauge("dsi_target_servers_configured",
+                                        "Target servers configured (engines of --target-servers, else the slots')",
+                                        registry=r)
+        self.servers_in_service = Gauge("dsi_target_servers_in_service", "Target servers taking tasks now",
+                                        registry=r)
+        self.servers_lost = Gauge("dsi_target_servers_lost",
+                                  "Target servers out of service (a lost engine is probed until it is back)",
+                                  registry=r)
+        self.readmissions = Counter("dsi_target_server_readmissions",
+                                    "Lost target servers that passed their start check again", registry=r)
+        self._readmissions_seen = 0
         self.queue_time = Histogram("dsi_queue_time_seconds", "Time a request waited for a slot",
                                     buckets=_LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("dsi_time_to_first_token_seconds", "Arrival to first committed token (queue included)",
@@ -94,6 +108,15 @@ class ServerMetrics:
             self.busy.inc(stats.target_busy_s)
             self.capacity.inc(stats.wall_time_s * stats.num_target_servers)
             self.utilisation.observe(stats.target_utilisation)
+
+    def set_target_servers(self, health: dict) -> None:
+        """The target servers as ``health`` counts them (configured, in_service, lost, readmissions)."""
+        self.servers_configured.set(health["configured"])
+        self.servers_in_service.set(health["in_service"])
+        self.servers_lost.set(health["lost"])
+        if health["readmissions"] > self._readmissions_seen:
+            self.readmissions.inc(health["readmissions"] - self._readmissions_seen)
+            self._readmissions_seen = health["readmissions"]
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -103,8 +103,9 @@ ROUTES: dict[tuple[str, str], Route] = {
                                       "tokenizer reads it)", response=_TOKENIZER_INFO),
     ("get", "/version"): Route("vLLM's: dsi's version", response={
         "type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}}, auth=False),
-    ("get", "/health"): Route("Whether the server serves (503 while shutting down), its slots and queue",
-                              response={"type": "object"}, auth=False, errors=(503,)),
+    ("get", "/health"): Route("Whether the server serves ('ok'; 'degraded': fewer target servers in service than "
+                              "configured; 503 'unavailable': starting, shutting down, or none in service), its slots, "
+                              "queue and target servers", response={"type": "object"}, auth=False, errors=(503,)),
     ("get", "/metrics"): Route("Prometheus metrics", response={"type": "string"}, auth=False,
                                media_type="text/plain"),
     ("get", "/openapi.json"): Route("This document", response={"type": "object"}, auth=False),

@@ -40,14 +40,16 @@ MAX_RESTARTS = 5  # replacements of one server id within RESTART_WINDOW_S (witho
 RESTART_WINDOW_S = 10.0
 
 
-def death_note(restart: bool, alive: int, total: int, restart_dead: bool = True) -> str:
-    """The end of the one log line a pool writes when a server dies: what happens next and what is left
-    (``restart_dead``: the pool's option; off, no server is ever replaced)."""
+def death_note(restart: bool, in_service: int, starting: int, total: int, restart_dead: bool = True) -> str:
+    """The end of the one log line a pool writes when a server dies: what happens next and what is left:
+    servers taking tasks, and replacements still starting (``restart_dead``: the pool's option; off, no
+    server is ever replaced)."""
+    left = f"{in_service} of {total} servers in service" + (f", {starting} starting" if starting else "")
     if restart:
-        return f"; restarting it; {alive} of {total} servers in service or starting"
-    why = (f"it died {MAX_RESTARTS} times within {RESTART_WINDOW_S:.0f} s without answering, or the pool is closing"
-           if restart_dead else "restart_dead is off")
-    return f"; not restarted ({why}); {alive} of {total} servers left"
+        return f"; starting a replacement; {left}"
+    why = (f"its last {MAX_RESTARTS} replacements within {RESTART_WINDOW_S:.0f} s died before answering a task, "
+           "or the pool is closing" if restart_dead else "restart_dead is off")
+    return f"; not restarted ({why}); {left}"
 
 
 class Dispatcher:
@@ -192,6 +194,15 @@ class DispatchingPool:
             d.queue.remove(task)
             d.queue.appendleft(task)
         return None
+
+    def servers_in_service(self) -> int:
+        """Servers that take tasks now (not dead, restarting or lost)."""
+        with self._lock:
+            return 0 if self._closed else self._in_service()
+
+    def _in_service(self) -> int:
+        """Servers taking tasks now: neither dead nor still starting (lock held)."""
+        return self.num_servers - len(self._dispatch.dead)
 
     def _drain_waiting(self) -> None:
         """After a death: hand queued tasks to idle servers that may take them now (a task that

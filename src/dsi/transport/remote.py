@@ -334,8 +334,8 @@ class RemotePool(DispatchingPool):
                 self._threads.append(thread)
                 thread.start()
             self._drain_waiting()
-        log.warning("%s target server %d died (%s)%s", self._name, server, error,
-                    death_note(restart, self.alive_servers(), self.num_servers, self._restart_dead))
+            note = death_note(restart, self._in_service(), len(self._restarting), self.num_servers, self._restart_dead)
+        log.warning("%s target server %d died (%s)%s", self._name, server, error, note)
         for event in [ServerDied(server, error, restart), *events]:
             self._on_event(event)
         if kill:

@@ -17,6 +17,14 @@ Failures, on the same footing as the process and Ray transports (:mod:`dsi.trans
 - a thread past its task's liveness deadline (:mod:`dsi.transport.liveness`; a wedged accelerator
   call) is declared dead the same way and abandoned: a thread cannot be killed, so if it ever
   returns, it finds itself replaced and leaves without a word.
+
+Servers that can come back. Where the model says its servers are processes of their own that may
+return (``servers_can_return``: an :class:`~dsi.models.engines.target.EngineTarget`, whose servers are
+engines), a dead server is not replaced at once within a budget: it is *lost*, and probed in the
+background with exponential backoff (:data:`PROBE_FIRST_S` doubling to :data:`PROBE_MAX_S`) for as long
+as the pool lives. A probe is a new thread making its session, which for an engine is the start check
+(the model listed, and the canary once the engine was lost); the server is re-admitted when it passes.
+A lost server is out of service: it takes no task and does not count as alive.
 """
 
 from __future__ import annotations
@@ -41,6 +49,8 @@ log = logging.getLogger(__name__)
 OPTIONS = ("devices", "restart_dead", "liveness")
 
 _STOP = None
+PROBE_FIRST_S = 0.5  # the first probe of a lost server that can come back, after its loss
+PROBE_MAX_S = 30.0  # the longest wait between two probes (the wait doubles from PROBE_FIRST_S)
 
 
 class ThreadTargetPool(DispatchingPool):
@@ -73,6 +83,12 @@ class ThreadTargetPool(DispatchingPool):
         self._rates = ForwardRates(num_servers)
         self._restarts: list[list[float]] = [[] for _ in range(num_servers)]
         self._restarting: set[int] = set()  # dead servers whose replacement thread is making its session
+        # servers that can come back (see the module doc): lost ones are probed, never replaced within a budget
+        self._readmit = bool(getattr(model, "servers_can_return", False))
+        self._probing: set[int] = set()  # lost servers whose probe thread is making its session now
+        self._probe_wait: dict[int, float] = {}  # lost server -> the wait before its next probe
+        self._probe_timers: dict[int, threading.Timer] = {}
+        self.readmissions = 0  # lost servers brought back into service by a probe
         self._lock = threading.Lock()
         self._dispatch = Dispatcher(num_servers)
         self._cancel_flags: dict[int, threading.Event] = {}
@@ -105,6 +121,11 @@ class ThreadTargetPool(DispatchingPool):
         with self._lock:
             return 0 if self._closed else self._alive()
 
+    def lost_servers(self) -> list[int]:
+        """Servers out of service and probed until they come back (a model whose servers can return)."""
+        with self._lock:
+            return sorted(self._probe_wait)
+
     def cancel(self, task_ids: Iterable[int]) -> None:
         with self._lock:
             for server in self._dispatch.cancel(task_ids):
@@ -120,6 +141,9 @@ class ThreadTargetPool(DispatchingPool):
                 flag.set()
             for inbox in self._inboxes:
                 inbox.put(_STOP)
+            timers, self._probe_timers = list(self._probe_timers.values()), {}
+        for timer in timers:
+            timer.cancel()
         if self._watchdog is not None:
             self._watchdog.stop()
         deadline = time.monotonic() + timeout
@@ -197,15 +221,48 @@ class ThreadTargetPool(DispatchingPool):
             session.close()
 
     def _revive(self, server: int, generation: int) -> None:
-        """A replacement thread has its session: ``server`` is back in service."""
+        """A replacement (or a probe's) thread has its session: ``server`` is back in service."""
         with self._lock:
-            if server not in self._restarting or self._generation[server] != generation:
+            if self._generation[server] != generation or not (server in self._restarting or server in self._probing):
                 return
+            probed = server in self._probing
             self._restarting.discard(server)
+            self._probing.discard(server)
             if self._closed:
                 return
+            if probed:
+                self._probe_wait.pop(server, None)
+                self._probe_timers.pop(server, None)
+                self.readmissions += 1
             self._reinstate(server)
-        log.info("target server thread %d restarted", server)
+            in_service = self._in_service()
+        if probed:  # said at the level its loss was said at
+            log.warning("target server %s passes its start check again: re-admitted; %d of %d servers in service",
+                        self._server_name(server), in_service, self.num_servers)
+        else:
+            log.info("target server thread %d restarted", server)
+
+    def _server_name(self, server: int) -> str:
+        """``1``, or ``1 (http://host:8001/v1)`` where the server has a device (an engine's URL)."""
+        return f"{server} ({self._devices[server % len(self._devices)]})" if self._devices else str(server)
+
+    def _schedule_probe(self, server: int) -> float:
+        """Probe the lost ``server`` after its current wait, doubling the next one (lock held); returns the wait."""
+        wait = self._probe_wait.get(server, PROBE_FIRST_S)
+        self._probe_wait[server] = min(2 * wait, PROBE_MAX_S)
+        timer = threading.Timer(wait, self._probe, args=(server,))
+        timer.name, timer.daemon = f"dsi-target-{server}-probe", True
+        self._probe_timers[server] = timer
+        timer.start()
+        return wait
+
+    def _probe(self, server: int) -> None:
+        """A probe of the lost ``server``: a new thread whose session is the start check."""
+        with self._lock:
+            if self._closed or server not in self._probe_wait or server in self._probing:
+                return
+            self._probing.add(server)
+            self._start_thread(server)
 
     def _died(self, server: int, generation: int, error: str, charged_to_task: bool) -> None:
         """The thread of ``server`` is ending (or declared frozen): re-queue its task, report it,
@@ -214,6 +271,13 @@ class ThreadTargetPool(DispatchingPool):
         events: list[object] = []
         with self._lock:
             if self._closed or self._generation[server] != generation:
+                return
+            if server in self._probing:  # a probe of a lost server: still lost, probed again later
+                self._probing.discard(server)
+                self._generation[server] += 1
+                wait = self._schedule_probe(server)
+                log.debug("target server %s is still lost (%s); next probe in %.1f s", self._server_name(server),
+                          error, wait)
                 return
             self._restarting.discard(server)
             task = self._dispatch.mark_dead(server)
@@ -227,17 +291,26 @@ class ThreadTargetPool(DispatchingPool):
                         events.append(failed)
                 if flag is not None:
                     flag.set()  # a frozen forward that wakes up stops at its next check
-            restart = self._restart_dead and self._may_restart(server, charged_to_task and task is not None)
+            probe = self._restart_dead and self._readmit
+            restart = (self._restart_dead and not probe
+                       and self._may_restart(server, charged_to_task and task is not None))
             if restart:
                 self._restarting.add(server)
                 self._start_thread(server)
             else:
                 self._generation[server] += 1  # whatever the old thread does next is not reported
+                if probe:
+                    wait = self._schedule_probe(server)
             self._drain_waiting()
-            left = self._alive()
-        note = death_note(restart, left, self.num_servers, self._restart_dead)
-        log.error("target server thread %d died (%s)%s", server, error, note)
-        for event in [ServerDied(server, error, restart), *events]:
+            in_service, starting = self._in_service(), len(self._restarting)
+        if probe:
+            note = (f"; lost: probed in the background (first in {wait:.1f} s, then with backoff up to "
+                    f"{PROBE_MAX_S:.0f} s) and re-admitted when it passes the start check again; "
+                    f"{in_service} of {self.num_servers} servers in service")
+        else:
+            note = death_note(restart, in_service, starting, self.num_servers, self._restart_dead)
+        log.error("target server %s died (%s)%s", self._server_name(server), error, note)
+        for event in [ServerDied(server, error, restart), *events]:  # a lost server is probed, not restarted
             self._on_event(event)
 
     def _incarnation(self, server: int) -> int:

@@ -230,7 +230,11 @@ def test_generate_with_auto_picking_non_si_frees_the_drafter_before_decoding(pai
     monkeypatch.setattr(loading, "release", lambda model: released.append(model.name))
     base = ["generate", "--target", target, "--drafter", drafter, "--prompt", "def", "--max-new-tokens", "6",
             "--dtype", "fp32", "--json"]
-    auto = run_json(capsys, base)
+    assert main(base) == 0
+    captured = capsys.readouterr()
+    auto = json.loads(captured.out)
+    # with --json the measuring is quiet, and the pick is still said, on stderr
+    assert captured.err.count("[auto] picked non-SI: non-SI by test") == 1
     plain = run_json(capsys, base + ["--method", "ar"])
     assert auto["token_ids"] == plain["token_ids"] and auto["stats"]["method"] == "ar"
     assert auto["stats"]["auto"]["picked"] == "non-SI"

@@ -76,6 +76,11 @@ def test_models_and_health(server, client):
     assert card.id == MODEL and card.max_model_len == 256 and card.dsi["method"] == "dsi"
     health = httpx.get(url + "/health").json()
     assert health["status"] == "ok" and health["slots"] == 4
+    # 4 DSI slots of 2 target servers each, every one in service
+    assert health["target_servers"] == {"configured": 8, "in_service": 8, "lost": 0, "readmissions": 0}
+    metrics = httpx.get(url + "/metrics").text
+    assert "dsi_target_servers_configured 8.0" in metrics and "dsi_target_servers_in_service 8.0" in metrics
+    assert "dsi_target_servers_lost 0.0" in metrics and "dsi_target_server_readmissions_total 0.0" in metrics
 
 
 @pytest.mark.parametrize("stream", [False, True])

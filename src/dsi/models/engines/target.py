@@ -38,7 +38,10 @@ forward gives the engine's vocabulary size (the number of entries of a full row)
 
 Faults. A connection refused or reset, a timeout, a 5xx, a malformed or inconsistent answer (wrong
 row count, another model) raises :class:`~dsi.errors.ServerLost`: the pool treats the server as
-dead (its task re-queued, the server restarted within its budget). A 4xx is this request's fault:
+dead (its task re-queued) and the engine as *lost* (:meth:`EngineTarget.mark_lost`): an engine is a process
+of its own that may come back (``servers_can_return``), so the pool probes it with backoff, and a new session
+on a lost engine first passes the start check again, canary included (:meth:`EngineTarget.health` counts
+them for ``/health`` and ``/metrics``). A 4xx is this request's fault:
 a :class:`~dsi.errors.ModelError`, so the task fails. Cancellation closes the connection, which
 vLLM and ``dsi serve`` take as the client gone and abort the request.
 """
@@ -225,6 +228,28 @@ def _message(answer: Any) -> str:
     return json.dumps(answer)[:300]
 
 
+class CanaryMismatch(ConfigError):
+    """An engine's canary rows are not the local copy's: another model, or the same one in another dtype.
+
+    ``difference``: the largest |logprob difference| (nats); ``local_dtype``: the local copy's dtype where it
+    has one ("bf16", "fp32"), which the message names with the flag that changes it."""
+
+    def __init__(self, message: str, url: str, role: str, difference: float, local_dtype: str | None) -> None:
+        super().__init__(message)
+        self.url, self.role, self.difference, self.local_dtype = url, role, difference, local_dtype
+
+
+def dtype_hint(reference: object, role: str) -> str:
+    """What to try when an engine's rows differ from the local copy's: the local copy's dtype and the flag."""
+    dtype = getattr(reference, "dtype", None)
+    if not isinstance(dtype, str):
+        return ""
+    other = "fp32" if dtype != "fp32" else "bf16"
+    engine = "float32" if other == "fp32" else "bfloat16"
+    return (f". The local {role} runs {dtype}: if the engine runs another dtype (vLLM's --dtype, e.g. {engine}), "
+            f"load the local copy in it (--dtype {other}, or dtype={other!r} in Python)")
+
+
 @dataclass(frozen=True)
 class EngineInfo:
     """What one engine said about itself at start."""
@@ -341,6 +366,7 @@ class EngineTarget(LocalText):
     """
 
     deterministic = False  # an engine's rows depend on its own batching: nothing here can promise bits
+    servers_can_return = True  # an engine is a process of its own: a pool probes a lost one until it is back
 
     def __init__(self, urls: Sequence[str], reference: LanguageModel | None = None, *, vocab_size: int | None = None,
                  model: str | None = None, canary_tolerance: float = CANARY_TOLERANCE,
@@ -364,6 +390,9 @@ class EngineTarget(LocalText):
         self._model_name = model
         self._next = 0
         self._lock = threading.Lock()
+        self.lost: dict[str, str] = {}  # engine URL -> why it was lost, until it passes the start check again
+        self.readmissions = 0  # lost engines that passed the start check again
+        self._checking = {url: threading.Lock() for url in self.urls}  # one start check of an engine at a time
         self.engines = {url: self._describe(url) for url in self.urls}
         lens = [e.max_model_len for e in self.engines.values() if e.max_model_len]
         local = getattr(reference, "max_context", None)
@@ -399,7 +428,8 @@ class EngineTarget(LocalText):
             answer = conn.request("POST", "/completions", self._payload(name, prompt, -1, 1, kind))
         except EngineRefused as exc:
             full = False
-            log.info("%s server %s gives no whole-vocabulary rows (%s); sampling then needs top_k", self.role, url, exc)
+            log.info("%s server %s gives no whole-vocabulary rows (%s); %s", self.role, url, exc,
+                     self._partial_rows_note())
             try:
                 answer = conn.request("POST", "/completions", self._payload(name, prompt, 1, 1, kind))
             except (ServerLost, EngineRefused) as exc2:
@@ -436,13 +466,26 @@ class EngineTarget(LocalText):
                 difference = max(difference, float(np.abs(local[i, ids] - values).max()))
                 theirs, ours = int(ids[np.argmax(values)]), int(np.argmax(local[i]))
                 if theirs != ours and local[i, ours] - local[i, theirs] > self.canary_tolerance:  # not a near-tie
-                    raise ConfigError(f"{self.role} server {url}: {name!r} does not compute the local {self.role}'s "
-                                      f"rows (canary position {i}: argmax {theirs}, the local {self.role}'s {ours})")
+                    raise self._mismatch(url, f"{name!r} does not compute the local {self.role}'s rows (canary "
+                                              f"position {i}: argmax {theirs}, the local {self.role}'s {ours})",
+                                         max(difference, float(local[i, ours] - local[i, theirs])))
             if difference > self.canary_tolerance:
-                raise ConfigError(f"{self.role} server {url}: {name!r} does not compute the local {self.role}'s "
-                                  f"rows (canary logprobs differ by up to {difference:.3g} nats, more than "
-                                  f"{self.canary_tolerance})")
+                raise self._mismatch(url, f"{name!r} does not compute the local {self.role}'s rows (canary logprobs "
+                                          f"differ by up to {difference:.3g} nats, more than {self.canary_tolerance})",
+                                     difference)
         return EngineInfo(url, name, kind, max_len, vocab, full, None if full else 1, difference)
+
+    def _partial_rows_note(self) -> str:
+        """What rows of the top log-probabilities only mean for this role (said at start, at -v)."""
+        if self.role == "drafter":  # drafts are drawn from the law verification uses, whatever it is
+            return ("drafts are drawn from its top log-probabilities, which keeps any sampling exact (with top_k "
+                    "above them, drafts are accepted less often)")
+        return "sampling then needs top_k, and penalties, biases and constraints need whole rows"
+
+    def _mismatch(self, url: str, what: str, difference: float) -> CanaryMismatch:
+        dtype = getattr(self.reference, "dtype", None)
+        return CanaryMismatch(f"{self.role} server {url}: {what}{dtype_hint(self.reference, self.role)}", url,
+                              self.role, difference, dtype if isinstance(dtype, str) else None)
 
     @staticmethod
     def _payload(name: str, context: Sequence[int], n: int, first: int, kind: str) -> dict:
@@ -484,7 +527,40 @@ class EngineTarget(LocalText):
         url = check_url(device)
         if url not in self.engines:
             raise ConfigError(f"{url} is not one of this target's servers ({', '.join(self.urls)})")
+        if url in self.lost:
+            self._readmit(url)
         return EngineSession(self, self.engines[url])
+
+    # ---- engines lost and back ----------------------------------------------------------------------
+    def mark_lost(self, url: str, why: str) -> None:
+        """The engine at ``url`` failed like a lost server (:class:`~dsi.errors.ServerLost`): out of service
+        until a new session on it passes the start check again."""
+        with self._lock:
+            self.lost.setdefault(url, why)
+
+    def _readmit(self, url: str) -> None:
+        """The start check of the lost engine at ``url`` (its model listed, the canary): back in service if it
+        passes, else :class:`~dsi.errors.ServerLost` (a pool probes it again later)."""
+        with self._checking[url]:
+            if url not in self.lost:  # another session's check brought it back meanwhile
+                return
+            try:
+                info = self._describe(url)
+            except (ConfigError, ServerLost, ModelError) as exc:
+                raise ServerLost(f"{self.role} server {url} is still lost: {exc}") from None
+            with self._lock:
+                self.engines[url] = info  # as it is now: a restarted engine may allow other rows or ports
+                why = self.lost.pop(url, "")
+                self.readmissions += 1
+        log.warning("%s server %s passes its start check again (it was lost: %s): back in service", self.role, url,
+                    why)
+
+    def health(self) -> dict:
+        """Engines configured, in service and lost (with why), and how many came back, for /health and /metrics."""
+        with self._lock:
+            lost = dict(self.lost)
+            return {"configured": len(self.urls), "in_service": len(self.urls) - len(lost), "lost": lost,
+                    "readmissions": self.readmissions}
 
 
 class EngineSession:
@@ -500,7 +576,11 @@ class EngineSession:
         try:  # a server restarted by its pool must answer before it takes tasks (a dead one then stays down)
             listing = probe.request("GET", "/models")
         except EngineRefused as exc:
+            target.mark_lost(engine.url, str(exc))
             raise ServerLost(str(exc)) from None
+        except ServerLost as exc:
+            target.mark_lost(engine.url, str(exc))
+            raise
         finally:
             probe.close()
         self._conn = Connection(engine.url, target.connect_timeout, target.read_timeout)
@@ -549,7 +629,16 @@ class EngineSession:
     def extend_rows(self, tokens: Sequence[int], cancel: CancelFlag | None, num_rows: int, greedy: bool,
                     top: int | None = None) -> np.ndarray:
         """The last ``num_rows`` rows of a forward of ``tokens`` (see :func:`dsi.models.base.extend_rows`):
-        argmax ids with ``greedy``; else logit rows holding the ``top`` largest logits (all with None)."""
+        argmax ids with ``greedy``; else logit rows holding the ``top`` largest logits (all with None). An
+        engine that fails as a lost server does (:class:`~dsi.errors.ServerLost`) is marked lost."""
+        try:
+            return self._extend_rows(tokens, cancel, num_rows, greedy, top)
+        except ServerLost as exc:
+            self._target.mark_lost(self.engine.url, str(exc))
+            raise
+
+    def _extend_rows(self, tokens: Sequence[int], cancel: CancelFlag | None, num_rows: int, greedy: bool,
+                     top: int | None) -> np.ndarray:
         # checked here: an id an engine refuses (or fails on) would be taken for a lost server
         context = self._tokens + tuple(check_token_ids(tokens, self._target.vocab_size, "tokens", self.engine.url))
         limit = self._target.max_context
@@ -634,5 +723,5 @@ def wait_until_serving(url: str, timeout: float = 120.0, process: Any = None) ->
     raise ModelError(f"{url} did not serve within {timeout:.0f} s ({last})")
 
 
-__all__ = ["EngineTarget", "LocalText", "dense_rows", "model_cards", "read_row", "EngineSession", "EngineInfo",
+__all__ = ["CanaryMismatch", "EngineTarget", "LocalText", "dense_rows", "model_cards", "read_row", "EngineSession", "EngineInfo",
            "Connection", "check_url", "parse_rows", "wait_until_serving"]
