@@ -156,9 +156,10 @@ _cpu_lock = threading.Lock()
 _next_cpu = [0]
 
 
-def start_vllm(model_dir: str, name: str = "tiny", max_model_len: int = 256, port: int | None = None) -> EngineProcess:
+def start_vllm(model_dir: str, name: str = "tiny", max_model_len: int = 256, port: int | None = None,
+               extra: tuple[str, ...] = ()) -> EngineProcess:
     """vLLM's OpenAI server on a tiny fp32 model, as the engines issue measured it on this machine (``port``:
-    a given one, to restart an engine where it was)."""
+    a given one, to restart an engine where it was; ``extra``: more flags)."""
     python = vllm_python()
     assert python is not None, "no vllm venv (bash packaging/vllm-venv.sh)"
     with _cpu_lock:
@@ -167,6 +168,6 @@ def start_vllm(model_dir: str, name: str = "tiny", max_model_len: int = 256, por
     port = port or free_port()
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name", name,
             "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--max-logprobs", "-1",
-            "--enforce-eager", "--dtype", "float32", "--max-model-len", str(max_model_len)]
+            "--enforce-eager", "--dtype", "float32", "--max-model-len", str(max_model_len), *extra]
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(cpu), "VLLM_LOGGING_LEVEL": "WARNING"}
     return EngineProcess(argv, port, env, timeout=300.0)

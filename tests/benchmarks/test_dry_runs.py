@@ -59,8 +59,9 @@ def test_engines_http(dry_run):
 def test_engine_verify_cost_on_vllm(dry_run):
     needs_vllm()
     report = dry_run("engine_verify_cost.py", timeout=600)
-    assert set(report["seconds_per_verification"]) == {"vllm", "dsi serve"}
+    assert set(report["seconds_per_verification"]) == {"vllm", "vllm prefix cache", "dsi serve"}
     assert all(positive(s) for costs in report["seconds_per_verification"].values() for s in costs.values())
+    assert all(n == 0 for n in report["windows_as_prefixes"]["vllm"].values())  # prefix_cache=False: never
 
 
 def test_engine_cancel_and_batching_on_vllm(dry_run):

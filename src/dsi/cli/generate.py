@@ -476,14 +476,12 @@ def follow_the_engines(args: argparse.Namespace, models: tuple, load, hf: bool, 
 
     urls = target_servers(args)
     url = drafter_server(args) if models[1] is not None else None
-    if not (urls or url):
+    if not (urls or url) or not hf or args.dtype is not None:  # nothing to follow: the decoder's own check says
         return models
     try:
         check_engines(urls, url, *models)
         return models
     except CanaryMismatch as exc:
-        if not hf or args.dtype is not None:  # the dtype was chosen: the error names it and the flag
-            raise
         first = exc
     from dsi.models.loading import release
 

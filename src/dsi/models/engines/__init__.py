@@ -2,6 +2,8 @@
 
 - :mod:`~dsi.models.engines.target`: :class:`EngineTarget`, a target whose rows the engines compute
   (``prompt_logprobs``), one target server per engine;
+- :mod:`~dsi.models.engines.prefixes`: the same rows read from a vLLM engine's prefix cache, as one batch of
+  prefixes, where that computes less;
 - :mod:`~dsi.models.engines.drafter`: :class:`EngineDrafter`, a drafter whose tokens one engine streams;
 - :mod:`~dsi.models.engines.scoring_channel`: the binary scoring channel a ``dsi serve`` offers beside
   HTTP (rows as arrays, not JSON).

@@ -26,8 +26,9 @@ What a response determines, and so what stays exact:
 
 ``dsi serve`` also takes ``prompt_logprobs_from`` (the first position whose logprobs are wanted): it
 then computes only the rows asked for, on a slot whose KV cache is reused across requests. vLLM reads
-no prefix cache for a request with prompt logprobs, so every verification there recomputes its
-whole context (docs/engines.md). Where a ``dsi serve``'s model card advertises a scoring port
+no prefix cache for a request with prompt logprobs, so a verification that way recomputes its whole
+context; where the engine's prefix cache makes it cheaper, a session asks for the rows as one batch of
+prefixes instead (:mod:`dsi.models.engines.prefixes`, docs/engines.md). Where a ``dsi serve``'s model card advertises a scoring port
 (``dsi.scoring_port``) and a plain ``http://`` URL reaches it, a session verifies through that
 channel instead (:mod:`dsi.models.engines.scoring_channel`: the same rows, as raw logits, without HTTP's
 path through the server); where it cannot connect, it says so once and uses ``/v1/completions``.
@@ -63,7 +64,8 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from dsi.errors import ConfigError, ContextLengthError, ModelError, ServerLost, TaskCancelled
-from dsi.models.base import CancelFlag, LanguageModel, check_int, check_token_ids
+from dsi.models.base import CancelFlag, LanguageModel, check_int, check_token_ids, common_prefix_length
+from dsi.models.engines import prefixes
 from dsi.models.engines.scoring_channel import (
     BUSY,
     MODE_ARGMAX,
@@ -85,6 +87,7 @@ PLACEHOLDER = 0  # the token appended after the context so that its last positio
 TEXT_ATTRIBUTES = ("encode", "decode", "eos_token_ids")  # what an EngineTarget takes from its local reference
 CANARY_LENGTH = 8
 CANARY_TOLERANCE = 0.25  # nats: the most a canary logprob may differ from the local model's
+PREFIX_TOLERANCE = 1e-3  # nats: a row from a batch of prefixes against the same row from prompt_logprobs
 
 
 def check_url(url: object, role: str = "target") -> str:
@@ -265,6 +268,8 @@ class EngineInfo:
     max_logprobs: int | None
     canary_difference: float | None  # largest |logprob difference| against the local reference
     scoring_port: int | None = None  # a dsi serve's scoring channel, as its card advertised it at start
+    block_size: int | None = None  # a vLLM engine's KV block size (its /metrics), where it says
+    prefixes: bool = False  # verifies from its prefix cache as a batch of prefixes (dsi.models.engines.prefixes)
 
 
 def model_cards(conn: Connection, url: str, role: str = "target") -> list[dict]:
@@ -371,8 +376,10 @@ class EngineTarget(LocalText):
     def __init__(self, urls: Sequence[str], reference: LanguageModel | None = None, *, vocab_size: int | None = None,
                  model: str | None = None, canary_tolerance: float = CANARY_TOLERANCE,
                  connect_timeout: float = CONNECT_TIMEOUT_S, read_timeout: float = READ_TIMEOUT_S,
-                 role: str = "target", scoring_channel: bool = True) -> None:
+                 role: str = "target", scoring_channel: bool = True, prefix_cache: bool = True) -> None:
         self.role = role  # names the servers in errors: "target", or "drafter" (dsi.models.engines.drafter)
+        # verify from a vLLM engine's prefix cache where it is cheaper (dsi.models.engines.prefixes); False: never
+        self.prefix_cache = prefix_cache
         self.scoring_channel = scoring_channel  # verify on a dsi serve's scoring port where it advertises one
         self._channel_warned: set[str] = set()  # engines whose unusable scoring port was said (once each)
         if isinstance(urls, str) or not urls:
@@ -473,7 +480,38 @@ class EngineTarget(LocalText):
                 raise self._mismatch(url, f"{name!r} does not compute the local {self.role}'s rows (canary logprobs "
                                           f"differ by up to {difference:.3g} nats, more than {self.canary_tolerance})",
                                      difference)
-        return EngineInfo(url, name, kind, max_len, vocab, full, None if full else 1, difference)
+        reads_cache, block = self._prefix_check(conn, url, name, prompt, rows) if kind == "openai" else (False, None)
+        return EngineInfo(url, name, kind, max_len, vocab, full, None if full else 1, difference, block_size=block,
+                          prefixes=reads_cache)
+
+    def _prefix_check(self, conn: Connection, url: str, name: str, prompt: list[int],
+                      rows: list[dict[int, float]]) -> tuple[bool, int | None]:
+        """Whether the engine at ``url`` verifies from its prefix cache (:mod:`dsi.models.engines.prefixes`):
+        prefix caching on, its block size known, and a batch of the canary's prefixes answering the canary's rows
+        (their argmax and its log-probability); said once where it cannot. Returns it and the block size."""
+        if not self.prefix_cache:
+            return False, None
+        block, caching = prefixes.cache_config(url, min(self.connect_timeout, PROBE_TIMEOUT_S))
+        if block is None or not caching:
+            log.info("%s server %s shows no prefix cache in its /metrics: each verification recomputes its context "
+                     "(vLLM: --enable-prefix-caching)", self.role, url)
+            return False, block
+        try:
+            answer = conn.request("POST", "/completions", prefixes.payload(name, prompt, 1, len(prompt), 1))
+            got = [read_row(e, self.vocab_size) for e in prefixes.row_entries(answer, url, name, len(prompt),
+                                                                                self.role)]
+        except (EngineRefused, ServerLost, ValueError) as exc:
+            log.warning("%s server %s does not answer a batch of prefixes (%s): each verification recomputes its "
+                        "context", self.role, url, exc)
+            return False, block
+        for i, (theirs, ours) in enumerate(zip(got, rows, strict=True)):
+            t, o = _argmax(theirs), _argmax(ours)
+            if t != o or abs(theirs[t] - ours[o]) > PREFIX_TOLERANCE:
+                log.warning("%s server %s answers a batch of prefixes with other rows than its prompt_logprobs "
+                            "(position %d: %d %.6g against %d %.6g): each verification recomputes its context",
+                            self.role, url, i + 1, t, theirs[t], o, ours[o])
+                return False, block
+        return True, block
 
     def _partial_rows_note(self) -> str:
         """What rows of the top log-probabilities only mean for this role (said at start, at -v)."""
@@ -584,7 +622,9 @@ class EngineSession:
         finally:
             probe.close()
         self._conn = Connection(engine.url, target.connect_timeout, target.read_timeout)
-        self.counters = {"engine_requests": 0}
+        self.counters = {"engine_requests": 0, "prefix_requests": 0}
+        # the longest context this session sent the engine: what its prefix cache holds (eviction aside)
+        self._sent: tuple[int, ...] = ()
         # the card as it is now: a restarted dsi serve may listen on another scoring port
         self.channel = self._open_channel(listing) if target.scoring_channel else None
 
@@ -663,10 +703,17 @@ class EngineSession:
             self._tokens = context
             return rows
         first = len(context) - num_rows + 1  # position p: the distribution after the first p tokens
-        payload = EngineTarget._payload(self.engine.model, context, n, first, self.engine.kind)
-        answer = self._conn.request("POST", "/completions", payload, cancel)
         role = self._target.role
-        rows = parse_rows(answer, self.engine.url, self.engine.model, len(context) + 1, first, num_rows, vocab, role)
+        if self.engine.prefixes and prefixes.prefixes_cheaper(
+                len(context), first, num_rows, common_prefix_length(context, self._sent), self.engine.block_size):
+            rows = self._rows_from_prefixes(context, first, num_rows, n, cancel)
+        else:
+            payload = EngineTarget._payload(self.engine.model, context, n, first, self.engine.kind)
+            answer = self._conn.request("POST", "/completions", payload, cancel)
+            rows = parse_rows(answer, self.engine.url, self.engine.model, len(context) + 1, first, num_rows, vocab,
+                              role)
+        if len(context) > len(self._sent) or context[:len(self._sent)] != self._sent:
+            self._sent = context
         self._tokens = context
         if greedy:
             return np.array([_argmax(row) for row in rows], dtype=np.int64)
@@ -675,6 +722,20 @@ class EngineSession:
             raise ServerLost(f"{role} server {self.engine.url} answered inconsistently: a whole-vocabulary "
                              f"row of {short} entries, not {vocab}")
         return dense_rows(rows, vocab)
+
+    def _rows_from_prefixes(self, context: tuple[int, ...], first: int, num_rows: int, n: int,
+                            cancel: CancelFlag | None) -> list[dict[int, float]]:
+        """Rows ``first ..`` of ``context`` as one batch of prefixes, read from the engine's prefix cache."""
+        url, model = self.engine.url, self.engine.model
+        payload = prefixes.payload(model, context, first, num_rows, n)
+        answer = self._conn.request("POST", "/completions", payload, cancel)
+        self.counters["prefix_requests"] += 1
+        try:
+            return [read_row(e, self._target.vocab_size)
+                    for e in prefixes.row_entries(answer, url, model, num_rows, self._target.role)]
+        except ValueError as exc:
+            raise ServerLost(f"{self._target.role} server {url} answered a batch of prefixes inconsistently: "
+                             f"{exc}") from None
 
     def _score_on_channel(self, context: tuple[int, ...], num_rows: int, greedy: bool, n: int,
                           cancel: CancelFlag | None) -> np.ndarray:
@@ -723,5 +784,6 @@ def wait_until_serving(url: str, timeout: float = 120.0, process: Any = None) ->
     raise ModelError(f"{url} did not serve within {timeout:.0f} s ({last})")
 
 
-__all__ = ["CanaryMismatch", "EngineTarget", "LocalText", "dense_rows", "model_cards", "read_row", "EngineSession", "EngineInfo",
+__all__ = ["CanaryMismatch", "EngineTarget", "LocalText", "dense_rows", "model_cards", "read_row", "EngineSession",
+           "EngineInfo",
            "Connection", "check_url", "parse_rows", "wait_until_serving"]

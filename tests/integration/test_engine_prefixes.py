@@ -1,0 +1,129 @@
+"""Verification from a real vLLM engine's prefix cache (issue 62, dsi.models.engines.prefixes): the start check
+finds it, a batch of prefixes gives the rows ``prompt_logprobs`` gives, and greedy and seeded SI and DSI over
+two such engines give the local non-SI's and the local method's tokens, with the long windows read from the
+cache. Slow: vLLM starts in about 40 s here."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import dsi  # noqa: E402
+from dsi.models.engines.target import EngineSession, EngineTarget  # noqa: E402
+from dsi.sampling import SamplingParams  # noqa: E402
+from tests.engine_models import dirs, local  # noqa: E402,F401
+from tests.engine_servers import start_vllm, vllm_python  # noqa: E402
+
+pytestmark = [pytest.mark.hf, pytest.mark.slow]
+
+BLOCK = 32  # vLLM on a CPU: a multiple of 32 (its default is 128)
+LONG = 150  # prompt tokens: past it, windows of a few drafts read most of their context from the cache
+NEW = 40
+
+
+@pytest.fixture(scope="module")
+def engines(dirs):
+    if vllm_python() is None:
+        pytest.skip("no vLLM venv: bash packaging/vllm-venv.sh builds it (CI does)")
+    from tests.integration.test_engines import start_all
+
+    servers = start_all([lambda: start_vllm(dirs["target"], extra=("--enable-prefix-caching", "--block-size",
+                                                                   str(BLOCK))) for _ in range(2)])
+    yield servers
+    for s in servers:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def long_prompt(local):
+    rng = np.random.default_rng(3)
+    return [int(t) for t in rng.integers(1, local[0].vocab_size, LONG)]
+
+
+@pytest.fixture
+def prefix_requests(monkeypatch):
+    """How many verifications went as a batch of prefixes (the sessions run in this process's threads)."""
+    count = [0]
+    original = EngineSession._rows_from_prefixes
+
+    def counted(self, *args, **kwargs):
+        count[0] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(EngineSession, "_rows_from_prefixes", counted)
+    return count
+
+
+def test_the_start_check_finds_the_prefix_cache_and_its_rows_are_the_prompt_logprobs_rows(engines, local):
+    target = local[0]
+    url = engines[0].url
+    cached = EngineTarget([url], reference=target)
+    plain = EngineTarget([url], reference=target, prefix_cache=False)
+    info = cached.engines[url]
+    assert info.prefixes and info.block_size == BLOCK
+    assert not plain.engines[url].prefixes
+    context = [int(t) for t in np.random.default_rng(5).integers(1, target.vocab_size, 210)]
+    session, reference = cached.new_session(url), plain.new_session(url)
+    session.extend(context[:195])  # a first forward: nothing cached, the prompt_logprobs way
+    assert session.counters["prefix_requests"] == 0
+    for k, (greedy, top) in enumerate([(False, None), (False, 5), (True, None)]):
+        end = 200 + 5 * k
+        rows = session.extend_rows(context[end - 5:end], None, 5, greedy, top)
+        reference.truncate(0)
+        expected = reference.extend_rows(context[:end], None, 5, greedy, top)
+        if greedy:
+            assert rows.tolist() == expected.tolist()
+            continue
+        got = np.isfinite(rows)
+        if top is None:  # whole rows
+            assert got.all() and np.isfinite(expected).all()
+        else:  # the top 5 (prompt_logprobs also carry the token that follows: one more entry, outside the law)
+            assert (got.sum(-1) == top).all() and (got <= np.isfinite(expected)).all()
+            for mine, theirs in zip(rows, expected, strict=True):
+                assert set(np.argsort(-mine)[:top]) == set(np.argsort(-theirs)[:top])
+        np.testing.assert_allclose(rows[got], expected[got], atol=1e-4)
+        assert (rows.argmax(-1) == expected.argmax(-1)).all()
+    assert session.counters["prefix_requests"] == 3 and reference.counters["prefix_requests"] == 0
+    session.close()
+    reference.close()
+
+
+def vllm_greedy(url: str, prompt: list[int], tokens: int) -> list[int]:
+    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": tokens, "temperature": 0,
+                       "return_token_ids": True, "ignore_eos": True}).encode()
+    request = urllib.request.Request(url + "/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.load(response)["choices"][0]["token_ids"]
+
+
+@pytest.mark.parametrize("method, k", [("si", 3), ("dsi", 3), ("dsi", "auto")])
+def test_greedy_si_and_dsi_from_the_prefix_cache_equal_non_si_and_vllm(engines, local, long_prompt, method, k,
+                                                                        prefix_requests):
+    target, _, same = local  # the target's own weights as the drafter: long windows, all accepted
+    expected = dsi.generate(target=target, prompt=long_prompt, method="ar", max_new_tokens=NEW).tokens
+    assert vllm_greedy(engines[0].url, long_prompt, NEW) == expected
+    there = dsi.generate(target=target, drafter=same, prompt=long_prompt, method=method, lookahead=k,
+                         max_new_tokens=NEW, target_servers=[e.url for e in engines])
+    assert there.tokens == expected
+    if k != "auto":  # (event-driven windows grow while both engines are busy: their many prefixes may cost more)
+        assert prefix_requests[0] > 0, "no window was verified from the prefix cache"
+
+
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_seeded_sampling_from_the_prefix_cache_gives_the_local_tokens(engines, local, long_prompt, top_k,
+                                                                      prefix_requests):
+    target, drafter, _ = local
+    for seed in range(2):
+        params = SamplingParams(temperature=1.0, top_k=top_k, seed=seed)
+        kwargs = dict(target=target, drafter=drafter, prompt=long_prompt, method="dsi", lookahead=3,
+                      max_new_tokens=NEW, sampling=params)
+        here = dsi.generate(num_target_servers=2, **kwargs)
+        there = dsi.generate(target_servers=[e.url for e in engines], **kwargs)
+        assert there.tokens == here.tokens, seed
+    assert prefix_requests[0] > 0
