@@ -1,7 +1,8 @@
 """Verification from a real vLLM engine's prefix cache (issue 62, dsi.models.engines.prefixes): the start check
 finds it, a batch of prefixes gives the rows ``prompt_logprobs`` gives, and greedy and seeded SI and DSI over
 two such engines give the local non-SI's and the local method's tokens, with the long windows read from the
-cache. Slow: vLLM starts in about 40 s here."""
+cache; an engine that refuses a batched prompt is said once and verified the old way, exactly. Slow: vLLM
+starts in about 40 s here."""
 
 from __future__ import annotations
 
@@ -127,3 +128,74 @@ def test_seeded_sampling_from_the_prefix_cache_gives_the_local_tokens(engines, l
         there = dsi.generate(target_servers=[e.url for e in engines], **kwargs)
         assert there.tokens == here.tokens, seed
     assert prefix_requests[0] > 0
+
+
+class RefusesBatches:
+    """A real vLLM engine behind an HTTP proxy that refuses a batched prompt (400), as a gateway or an engine
+    of another make may: everything else, /metrics included, is relayed."""
+
+    def __init__(self, upstream: str) -> None:
+        import http.server
+        import threading
+
+        self.upstream, self.refused = upstream, 0
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def _send(self, status: int, data: bytes, kind: str = "application/json") -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):  # noqa: N802
+                root = proxy.upstream.removesuffix("/v1")
+                with urllib.request.urlopen(root + self.path, timeout=60) as response:
+                    self._send(200, response.read(), response.headers.get("Content-Type", "text/plain"))
+
+            def do_POST(self):  # noqa: N802
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                prompt = json.loads(body).get("prompt")
+                if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+                    proxy.refused += 1
+                    self._send(400, json.dumps({"error": {"message": "batched prompts are not served here",
+                                                          "code": 400}}).encode())
+                    return
+                request = urllib.request.Request(proxy.upstream.removesuffix("/v1") + self.path, body,
+                                                 {"Content-Type": "application/json"})
+                with urllib.request.urlopen(request, timeout=120) as response:
+                    self._send(200, response.read())
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_an_engine_that_refuses_a_batched_prompt_is_said_once_and_verified_the_old_way(engines, local, long_prompt,
+                                                                                        prefix_requests, caplog):
+    import logging
+
+    target, _, same = local
+    expected = dsi.generate(target=target, prompt=long_prompt, method="ar", max_new_tokens=NEW).tokens
+    proxy = RefusesBatches(engines[0].url)
+    caplog.set_level(logging.WARNING, logger="dsi.models.engines.target")
+    try:
+        there = dsi.generate(target=target, drafter=same, prompt=long_prompt, method="dsi", lookahead=3,
+                             max_new_tokens=NEW, target_servers=[proxy.url, engines[1].url])
+    finally:
+        proxy.close()
+    assert there.tokens == expected
+    assert proxy.refused == 1  # the start check's batch: never one in a verification
+    said = [r.getMessage() for r in caplog.records if "does not answer a batch of prefixes" in r.getMessage()]
+    assert len(said) == 1 and proxy.url in said[0] and "each verification recomputes its context" in said[0]
+    assert prefix_requests[0] > 0  # the other engine still reads its cache
