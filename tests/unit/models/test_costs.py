@@ -155,7 +155,8 @@ def test_auto_trees_branch_less_where_rows_cost(method, lookahead):
         return row  # the target's token 0.5, two others 0.3 and 0.15
 
     prompt, runs = [1, 2, 3], {}
-    for name, token_s in (("gpu", 0.0), ("cpu", 0.001), ("whole", 1.0)):
+    # "whole": no fixed cost, so a row costs a whole forward (its price is the ratio, 1, at any scale: 10 ms)
+    for name, token_s in (("gpu", 0.0), ("cpu", 0.001), ("whole", 0.01)):
         target = WithLatency(CallableLM(_logits, VOCAB), ttft=0.0 if name == "whole" else 0.008,
                              tpot=0.0 if name == "whole" else 0.008, token_s=token_s)
         out = dsi.generate(target=target, drafter=CallableLM(drafter_logits, VOCAB), prompt=prompt, method=method,
