@@ -68,6 +68,22 @@ class EngineProcess:
         self.log.close()
 
 
+class LocalHTTP:
+    """A test's own HTTP server on 127.0.0.1 (a proxy in front of an engine, say): :meth:`serve` starts it on a
+    handler class, ``url`` is its OpenAI base URL, :meth:`close` stops it."""
+
+    def serve(self, handler: type) -> None:
+        import http.server
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
 FAST_LIVENESS = {"floor_s": 2.0, "factor": 5.0, "unmeasured_s": 10.0}  # a frozen engine is caught in seconds
 
 

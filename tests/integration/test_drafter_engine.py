@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import signal
-import threading
 import time
 
 import pytest
@@ -32,7 +31,7 @@ from dsi.engine.api import make_request  # noqa: E402
 from dsi.errors import ConfigError, WorkerError  # noqa: E402
 from dsi.sampling import SamplingParams  # noqa: E402
 from tests.engine_models import PROMPTS, TOKENS, dirs, local, prompts, reference  # noqa: E402,F401
-from tests.engine_servers import (FAST_LIVENESS, Strike, free_port, start_dsi_serve, start_vllm,  # noqa: E402
+from tests.engine_servers import (FAST_LIVENESS, LocalHTTP, Strike, free_port, start_dsi_serve, start_vllm,  # noqa: E402
                                   vllm_python)
 from tests.unit.server.conftest import running_server  # noqa: E402
 
@@ -177,7 +176,7 @@ def test_measure_over_engines_gives_the_local_acceptance(drafter_engines, dirs, 
         assert "measures one model" in capsys.readouterr().err
 
 
-class GarbageStreams:
+class GarbageStreams(LocalHTTP):
     """A real drafter engine behind a proxy whose streams send a line that is not JSON (scoring requests,
     the start-up checks, are relayed honestly)."""
 
@@ -214,13 +213,7 @@ class GarbageStreams:
                 else:
                     self._relay(body)
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.serve(Handler)
 
 
 @pytest.mark.parametrize("method", ["si", "dsi"])

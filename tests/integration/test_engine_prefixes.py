@@ -19,7 +19,7 @@ import dsi  # noqa: E402
 from dsi.models.engines.target import EngineSession, EngineTarget  # noqa: E402
 from dsi.sampling import SamplingParams  # noqa: E402
 from tests.engine_models import dirs, local  # noqa: E402,F401
-from tests.engine_servers import start_vllm, vllm_python  # noqa: E402
+from tests.engine_servers import LocalHTTP, start_vllm, vllm_python  # noqa: E402
 
 pytestmark = [pytest.mark.hf, pytest.mark.slow]
 
@@ -130,13 +130,12 @@ def test_seeded_sampling_from_the_prefix_cache_gives_the_local_tokens(engines, l
     assert prefix_requests[0] > 0
 
 
-class RefusesBatches:
+class RefusesBatches(LocalHTTP):
     """A real vLLM engine behind an HTTP proxy that refuses a batched prompt (400), as a gateway or an engine
     of another make may: everything else, /metrics included, is relayed."""
 
     def __init__(self, upstream: str) -> None:
         import http.server
-        import threading
 
         self.upstream, self.refused = upstream, 0
         proxy = self
@@ -172,13 +171,7 @@ class RefusesBatches:
                 with urllib.request.urlopen(request, timeout=120) as response:
                     self._send(200, response.read())
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.serve(Handler)
 
 
 def test_an_engine_that_refuses_a_batched_prompt_is_said_once_and_verified_the_old_way(engines, local, long_prompt,

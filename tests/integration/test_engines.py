@@ -38,6 +38,7 @@ from dsi.sampling import SamplingParams, process_logits  # noqa: E402
 from tests.engine_models import PROMPTS, TOKENS, dirs, local, prompts, reference  # noqa: E402,F401
 from tests.engine_servers import (  # noqa: E402
     FAST_LIVENESS,
+    LocalHTTP,
     Strike,
     StrikeAfter,
     answered_requests,
@@ -371,7 +372,7 @@ def test_an_engine_lost_mid_request_with_default_liveness_never_shortens_the_ans
         lost.stop()
 
 
-class GarbageAfter:
+class GarbageAfter(LocalHTTP):
     """A real engine behind an HTTP proxy that, after ``good`` completions, answers rows of the wrong length.
     The proxy relays HTTP only, so the model cards it relays do not advertise the engine's scoring channel
     (a dsi would verify there, past the proxy): every verification goes through it."""
@@ -414,13 +415,7 @@ class GarbageAfter:
                     answer["choices"][0]["prompt_logprobs"] = answer["choices"][0]["prompt_logprobs"][:-1]
                 self._send(answer)
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+        self.serve(Handler)
 
 
 @pytest.mark.slow

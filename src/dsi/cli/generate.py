@@ -485,18 +485,19 @@ def follow_the_engines(args: argparse.Namespace, models: tuple, load, hf: bool, 
         first = exc
     from dsi.models.loading import release
 
+    def release_all(pair: tuple) -> None:
+        for model in pair:
+            if model is not None:
+                release(model)
+
     dtype = hf_dtype(args, hf_default_dtype)
     other = "fp32" if dtype != "fp32" else "bf16"
-    for model in models:
-        if model is not None:
-            release(model)
+    release_all(models)
     models = load(other)
     try:
         check_engines(urls, url, *models)
     except CanaryMismatch as exc:
-        for model in models:
-            if model is not None:
-                release(model)
+        release_all(models)
         raise ConfigError(f"{first}; the local copy in {other} does not match either ({exc.difference:.3g} nats): "
                           f"the engine serves another model, or other weights") from None
     print(f"dsi: {first.role} server {first.url} computes other rows than the local copy in {dtype} "

@@ -340,6 +340,18 @@ def read_row(entry: dict, vocab_size: int) -> dict[int, float]:
     return row
 
 
+def prefix_rows(conn: Connection, url: str, model: str, context: Sequence[int], first: int, count: int, n: int,
+                vocab_size: int, role: str = "target", cancel: CancelFlag | None = None) -> list[dict[int, float]]:
+    """Rows ``first .. first + count - 1`` of ``context`` (``n`` log-probabilities each, -1: all) as one batch of
+    prefixes (:mod:`dsi.models.engines.prefixes`): token id -> logprob. An answer that is not such rows is a
+    :class:`ServerLost`, as for the ``prompt_logprobs`` way."""
+    answer = conn.request("POST", "/completions", prefixes.payload(model, context, first, count, n), cancel)
+    try:
+        return [read_row(entry, vocab_size) for entry in prefixes.row_entries(answer, url, model, count, role)]
+    except ValueError as exc:
+        raise ServerLost(f"{role} server {url} answered a batch of prefixes inconsistently: {exc}") from None
+
+
 def dense_rows(rows: Sequence[dict[int, float]], vocab_size: int) -> np.ndarray:
     """Rows of token id -> log-probability as logit rows ``[len(rows), vocab_size]``, ``-inf`` where a
     row names no value (the processed law of a row's top entries is the law of the whole row's top)."""
@@ -497,10 +509,8 @@ class EngineTarget(LocalText):
                      "(vLLM: --enable-prefix-caching)", self.role, url)
             return False, block
         try:
-            answer = conn.request("POST", "/completions", prefixes.payload(name, prompt, 1, len(prompt), 1))
-            got = [read_row(e, self.vocab_size) for e in prefixes.row_entries(answer, url, name, len(prompt),
-                                                                                self.role)]
-        except (EngineRefused, ServerLost, ValueError) as exc:
+            got = prefix_rows(conn, url, name, prompt, 1, len(prompt), 1, self.vocab_size, self.role)
+        except (EngineRefused, ServerLost) as exc:
             log.warning("%s server %s does not answer a batch of prefixes (%s): each verification recomputes its "
                         "context", self.role, url, exc)
             return False, block
@@ -726,16 +736,9 @@ class EngineSession:
     def _rows_from_prefixes(self, context: tuple[int, ...], first: int, num_rows: int, n: int,
                             cancel: CancelFlag | None) -> list[dict[int, float]]:
         """Rows ``first ..`` of ``context`` as one batch of prefixes, read from the engine's prefix cache."""
-        url, model = self.engine.url, self.engine.model
-        payload = prefixes.payload(model, context, first, num_rows, n)
-        answer = self._conn.request("POST", "/completions", payload, cancel)
         self.counters["prefix_requests"] += 1
-        try:
-            return [read_row(e, self._target.vocab_size)
-                    for e in prefixes.row_entries(answer, url, model, num_rows, self._target.role)]
-        except ValueError as exc:
-            raise ServerLost(f"{self._target.role} server {url} answered a batch of prefixes inconsistently: "
-                             f"{exc}") from None
+        return prefix_rows(self._conn, self.engine.url, self.engine.model, context, first, num_rows, n,
+                           self._target.vocab_size, self._target.role, cancel)
 
     def _score_on_channel(self, context: tuple[int, ...], num_rows: int, greedy: bool, n: int,
                           cancel: CancelFlag | None) -> np.ndarray:
