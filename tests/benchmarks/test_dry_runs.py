@@ -64,6 +64,15 @@ def test_engine_verify_cost_on_vllm(dry_run):
     assert all(n == 0 for n in report["windows_as_prefixes"]["vllm"].values())  # prefix_cache=False: never
 
 
+def test_engine_long_context_on_vllm(dry_run):
+    needs_vllm()
+    report = dry_run("engine_long_context.py", timeout=900)
+    assert set(report["decode_seconds_per_token"]) == {"before", "after"}
+    for way in report["decode_seconds_per_token"].values():
+        assert all(positive(s) for row in way.values() for s in row.values())
+    assert report["exact"] and all(report["exact"].values())  # every method, both ways: the local non-SI tokens
+
+
 def test_engine_cancel_and_batching_on_vllm(dry_run):
     needs_vllm()
     report = dry_run("engine_cancel_and_batching.py", timeout=600)

@@ -132,12 +132,13 @@ def test_seeded_sampling_from_the_prefix_cache_gives_the_local_tokens(engines, l
 
 class RefusesBatches(LocalHTTP):
     """A real vLLM engine behind an HTTP proxy that refuses a batched prompt (400), as a gateway or an engine
-    of another make may: everything else, /metrics included, is relayed."""
+    of another make may, once it relayed ``allow`` of them (0: from the start check on); with ``garble``, it
+    answers them 200 with one choice left out instead. Everything else, /metrics included, is relayed."""
 
-    def __init__(self, upstream: str) -> None:
+    def __init__(self, upstream: str, allow: int = 0, garble: bool = False) -> None:
         import http.server
 
-        self.upstream, self.refused = upstream, 0
+        self.upstream, self.refused, self.relayed = upstream, 0, 0
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -161,7 +162,8 @@ class RefusesBatches(LocalHTTP):
             def do_POST(self):  # noqa: N802
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 prompt = json.loads(body).get("prompt")
-                if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+                batch = isinstance(prompt, list) and prompt and isinstance(prompt[0], list)
+                if batch and proxy.relayed >= allow and not garble:
                     proxy.refused += 1
                     self._send(400, json.dumps({"error": {"message": "batched prompts are not served here",
                                                           "code": 400}}).encode())
@@ -169,26 +171,83 @@ class RefusesBatches(LocalHTTP):
                 request = urllib.request.Request(proxy.upstream.removesuffix("/v1") + self.path, body,
                                                  {"Content-Type": "application/json"})
                 with urllib.request.urlopen(request, timeout=120) as response:
-                    self._send(200, response.read())
+                    data = response.read()
+                if batch and proxy.relayed >= allow:  # garble: a choice left out
+                    proxy.refused += 1
+                    answer = json.loads(data)
+                    answer["choices"] = answer["choices"][:-1]
+                    data = json.dumps(answer).encode()
+                elif batch:
+                    proxy.relayed += 1
+                self._send(200, data)
 
         self.serve(Handler)
+
+
+def through(proxy: RefusesBatches, local, long_prompt, method: str, others=()) -> tuple[list[int], list[int]]:
+    """The local non-SI tokens of ``long_prompt``, and ``method``'s over ``proxy`` (and the engines ``others``)
+    with the target's own weights as the drafter; the proxy closed after."""
+    target, _, same = local
+    expected = dsi.generate(target=target, prompt=long_prompt, method="ar", max_new_tokens=NEW).tokens
+    try:
+        there = dsi.generate(target=target, drafter=same, prompt=long_prompt, method=method, lookahead=3,
+                             max_new_tokens=NEW, target_servers=[proxy.url, *(e.url for e in others)])
+    finally:
+        proxy.close()
+    return there.tokens, expected
 
 
 def test_an_engine_that_refuses_a_batched_prompt_is_said_once_and_verified_the_old_way(engines, local, long_prompt,
                                                                                         prefix_requests, caplog):
     import logging
 
-    target, _, same = local
-    expected = dsi.generate(target=target, prompt=long_prompt, method="ar", max_new_tokens=NEW).tokens
     proxy = RefusesBatches(engines[0].url)
     caplog.set_level(logging.WARNING, logger="dsi.models.engines.target")
-    try:
-        there = dsi.generate(target=target, drafter=same, prompt=long_prompt, method="dsi", lookahead=3,
-                             max_new_tokens=NEW, target_servers=[proxy.url, engines[1].url])
-    finally:
-        proxy.close()
-    assert there.tokens == expected
+    tokens, expected = through(proxy, local, long_prompt, "dsi", engines[1:])
+    assert tokens == expected
     assert proxy.refused == 1  # the start check's batch: never one in a verification
     said = [r.getMessage() for r in caplog.records if "does not answer a batch of prefixes" in r.getMessage()]
     assert len(said) == 1 and proxy.url in said[0] and "each verification recomputes its context" in said[0]
     assert prefix_requests[0] > 0  # the other engine still reads its cache
+
+
+def test_an_engine_that_refuses_batches_after_its_start_check_is_said_once_and_verified_the_old_way(
+        engines, local, long_prompt, prefix_requests, caplog):
+    import logging
+
+    proxy = RefusesBatches(engines[0].url, allow=1)  # the start check's batch passes; every later one is refused
+    caplog.set_level(logging.WARNING, logger="dsi.models.engines.target")
+    tokens, expected = through(proxy, local, long_prompt, "si")
+    assert tokens == expected
+    assert proxy.relayed == 1 and proxy.refused == 1  # one verification refused: never a batch after it
+    said = [r.getMessage() for r in caplog.records if "refuses a batch of prefixes now" in r.getMessage()]
+    assert len(said) == 1 and proxy.url in said[0] and "batched prompts are not served here" in said[0]
+
+
+def test_garbled_batch_answers_fail_the_engine_over_and_the_output_stays_exact(engines, local, long_prompt):
+    proxy = RefusesBatches(engines[0].url, allow=1, garble=True)  # after the start check: a choice missing
+    tokens, expected = through(proxy, local, long_prompt, "dsi", engines[1:])
+    assert tokens == expected
+    assert proxy.refused > 0  # garbled answers were sent, and none reached the output
+
+
+def test_a_top_k_above_the_engines_logprobs_cap_fails_naming_the_engine_and_its_limit(dirs, local, long_prompt):
+    if vllm_python() is None:
+        pytest.skip("no vLLM venv: bash packaging/vllm-venv.sh builds it (CI does)")
+    target, drafter, _ = local
+    engine = start_vllm(dirs["target"], extra=("--enable-prefix-caching", "--block-size", str(BLOCK),
+                                               "--max-logprobs", "4"))
+    try:
+        kwargs = dict(target=target, drafter=drafter, prompt=long_prompt, method="dsi", lookahead=3,
+                      max_new_tokens=8, target_servers=[engine.url])
+        fine = dsi.generate(sampling=SamplingParams(temperature=1.0, top_k=4, seed=1), **kwargs)
+        here = dsi.generate(target=target, drafter=drafter, prompt=long_prompt, method="dsi", lookahead=3,
+                            max_new_tokens=8, sampling=SamplingParams(temperature=1.0, top_k=4, seed=1))
+        assert fine.tokens == here.tokens
+        with pytest.raises(dsi.errors.WorkerError) as failed:  # the task fails (a 4xx): no failover, no retry
+            dsi.generate(sampling=SamplingParams(temperature=1.0, top_k=5, seed=1), **kwargs)
+    finally:
+        engine.stop()
+    message = str(failed.value)
+    assert engine.url in message and "prompt_logprobs" in message and "max allowed: 4" in message
+    assert not isinstance(failed.value, dsi.errors.ServerLost)

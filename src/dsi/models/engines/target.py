@@ -221,6 +221,11 @@ class EngineRefused(ModelError):
         self.status = status
 
 
+def _message_of(refusal: EngineRefused) -> str:
+    """What an engine said in refusing a request, without the URL its message starts with."""
+    return str(refusal).split(": ", 1)[-1]
+
+
 def _message(answer: Any) -> str:
     if isinstance(answer, dict):
         error = answer.get("error", answer)
@@ -603,6 +608,18 @@ class EngineTarget(LocalText):
         log.warning("%s server %s passes its start check again (it was lost: %s): back in service", self.role, url,
                     why)
 
+    def stop_prefixes(self, url: str, why: str) -> EngineInfo:
+        """The engine at ``url`` refused a batch of prefixes after its start check accepted one, and serves the
+        ``prompt_logprobs`` way: it verifies that way from now on (said once). Returns its description."""
+        with self._lock:
+            info = self.engines[url]
+            first = info.prefixes
+            self.engines[url] = info = replace(info, prefixes=False)
+        if first:
+            log.warning("%s server %s refuses a batch of prefixes now (%s): each verification recomputes its context "
+                        "from now on", self.role, url, why)
+        return info
+
     def health(self) -> dict:
         """Engines configured, in service and lost (with why), and how many came back, for /health and /metrics."""
         with self._lock:
@@ -714,14 +731,15 @@ class EngineSession:
             return rows
         first = len(context) - num_rows + 1  # position p: the distribution after the first p tokens
         role = self._target.role
+        rows = None
         if self.engine.prefixes and prefixes.prefixes_cheaper(
                 len(context), first, num_rows, common_prefix_length(context, self._sent), self.engine.block_size):
-            rows = self._rows_from_prefixes(context, first, num_rows, n, cancel)
-        else:
-            payload = EngineTarget._payload(self.engine.model, context, n, first, self.engine.kind)
-            answer = self._conn.request("POST", "/completions", payload, cancel)
-            rows = parse_rows(answer, self.engine.url, self.engine.model, len(context) + 1, first, num_rows, vocab,
-                              role)
+            try:
+                rows = self._rows_from_prefixes(context, first, num_rows, n, cancel)
+            except EngineRefused as exc:  # as at start: the prompt_logprobs way, if the engine takes that
+                rows = self._rows_after_refusal(context, first, num_rows, n, cancel, exc)
+        if rows is None:
+            rows = self._prompt_logprobs_rows(context, first, num_rows, n, cancel)
         if len(context) > len(self._sent) or context[:len(self._sent)] != self._sent:
             self._sent = context
         self._tokens = context
@@ -732,6 +750,28 @@ class EngineSession:
             raise ServerLost(f"{role} server {self.engine.url} answered inconsistently: a whole-vocabulary "
                              f"row of {short} entries, not {vocab}")
         return dense_rows(rows, vocab)
+
+    def _prompt_logprobs_rows(self, context: tuple[int, ...], first: int, num_rows: int, n: int,
+                              cancel: CancelFlag | None) -> list[dict[int, float]]:
+        """Rows ``first ..`` of ``context`` from one request's ``prompt_logprobs`` (the whole context computed)."""
+        payload = EngineTarget._payload(self.engine.model, context, n, first, self.engine.kind)
+        answer = self._conn.request("POST", "/completions", payload, cancel)
+        return parse_rows(answer, self.engine.url, self.engine.model, len(context) + 1, first, num_rows,
+                          self._target.vocab_size, self._target.role)
+
+    def _rows_after_refusal(self, context: tuple[int, ...], first: int, num_rows: int, n: int,
+                            cancel: CancelFlag | None, refusal: EngineRefused) -> list[dict[int, float]]:
+        """The rows the ``prompt_logprobs`` way after the engine refused them as a batch of prefixes (it answered
+        one at start): where that way serves them, the engine verifies that way from now on (said once); where
+        it refuses them too, an :class:`EngineRefused` naming the engine and both requests' refusals (a limit of
+        the engine, such as ``--max-logprobs``: this request fails)."""
+        try:
+            rows = self._prompt_logprobs_rows(context, first, num_rows, n, cancel)
+        except EngineRefused as exc:
+            raise EngineRefused(exc.status, f"{exc} (the same rows as a batch of prefixes, field 'prompt' a list of "
+                                            f"prompts with 'logprobs': {n}: {_message_of(refusal)})") from None
+        self.engine = self._target.stop_prefixes(self.engine.url, _message_of(refusal))
+        return rows
 
     def _rows_from_prefixes(self, context: tuple[int, ...], first: int, num_rows: int, n: int,
                             cancel: CancelFlag | None) -> list[dict[int, float]]:
