@@ -316,6 +316,18 @@ def test_serve_load(dry_run):
         assert run["server_exit_code"] == 0 and positive(run["throughput_tok_s"])
 
 
+def test_serve_bench_under_vllms_load_generator(dry_run):
+    needs_vllm()
+    report = dry_run("serve_bench.py", timeout=600)
+    assert set(report["results"]) == {"ar", "default"}
+    for levels in report["results"].values():
+        assert levels.pop("serving")["method"] in ("ar", "si", "dsi")  # what the server runs, auto's pick included
+        (row,) = levels.values()
+        assert row["completed"] == 2 and row["failed"] == 0, row
+        assert positive(row["output_throughput"]) and positive(row["p50_ttft_ms"]) and positive(row["p50_tpot_ms"])
+        assert positive(row["server_cpu_s_per_token"])
+
+
 def test_serve_determinism(dry_run):
     needs(*LLAMA, *SERVER)
     report = dry_run("serve_determinism.py")

@@ -78,6 +78,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="engine slots: requests generated at once, each on its own decoder (1 to 256, default 1)")
     g.add_argument("--max-queue", type=Number(int, 0, 4096), default=64,  # dsi.server.config.MAX_QUEUE
                    help="requests that may wait for a slot, 0 to 4096; more get 429 (default 64)")
+    g.add_argument("--speculation-by-load", choices=["on", "off"], default="off",
+                   help="on: each slot of a speculative server also holds a plain (non-SI) decoder, and each request "
+                        "runs the way measured faster at the server's load when it starts (its dsi object's 'load' "
+                        "says which and why; /metrics counts them). Default off")
     g.add_argument("--max-body-bytes", type=COUNT, default=None,
                    help="largest request body in bytes; larger ones get 413 (default 16777216: 16 MiB)")
     g.add_argument("--api-key", default=None,
@@ -190,7 +194,7 @@ def run_serve(args: argparse.Namespace) -> int:
         shutdown_grace_s=args.shutdown_timeout, vocab_mode=args.vocab_mode, merges=args.merges,
         max_logprobs=args.max_logprobs, logprobs_mode=args.logprobs_mode, draft_tree=args.draft_tree,
         target_servers=tuple(urls) if (urls := target_servers(args)) else None, drafter_server=drafter_server(args),
-        synthetic=synthetic,
+        synthetic=synthetic, speculation_by_load=args.speculation_by_load == "on",
     )
     if not _is_loopback(args.host):
         log.warning("dsi serve: listening on %s, reachable from other machines%s", args.host,

@@ -54,6 +54,7 @@ from dsi.models.vocab.bridge import bridge_drafter
 from dsi.server.codec import Codec, HFCodec
 from dsi.server.config import ServeConfig
 from dsi.server.jobs import Job, Outcome
+from dsi.server.load_choice import LoadChooser, LoadChosenDecoder
 from dsi.server.limits import BodyLimit, check_json_content_type, content_length, read_body
 from dsi.server.logprobs import chat_logprobs, completion_logprobs, echo_logprobs, joined_logprobs, token_id_name
 from dsi.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -138,6 +139,8 @@ class ServerState:
             drafter = bridge_drafter(target, drafter, config.vocab_mode, merges=config.merges)
         self.drafter = drafter
         self.choice = None  # with method="auto": what it picked, once the first slot's decoder is built
+        # speculation chosen by load (dsi.server.load_choice): one chooser for every slot
+        self.chooser = LoadChooser() if config.speculation_by_load and config.method != "ar" else None
         self.free_unused_drafter = free_unused_drafter
         self.config = config
         self.codec = codec
@@ -157,6 +160,18 @@ class ServerState:
         self.scoring = ScoringListener(scoring_socket, self) if scoring_socket is not None else None
 
     def _new_decoder(self) -> object:
+        decoder = self._new_speculative_decoder()
+        if self.chooser is None or (self.choice is not None and self.choice.method == "ar"):
+            return decoder  # nothing to choose: the slots decode plainly, or one way was asked for
+        plain = build_decoder(target=self.verifier, method="ar",
+                              target_servers=True if self.config.target_servers else None)
+        return LoadChosenDecoder(decoder, plain, self.chooser, self._running)
+
+    def _running(self) -> int:
+        """Requests running now (the one asking included)."""
+        return self.scheduler.running if self.scheduler is not None else 1
+
+    def _new_speculative_decoder(self) -> object:
         c = self.config
         if self.choice is not None:  # method="auto" has chosen: every further slot (and rebuild) is its pick
             return build_chosen_decoder(self.choice, target=self.verifier, drafter=self.drafter,
@@ -372,7 +387,7 @@ def _dsi_info(outcome: Outcome) -> DSIInfo | None:
         cancelled_tasks=s.cancelled_tasks, wasted_target_s=s.wasted_target_s,
         target_utilisation=s.target_utilisation, num_target_servers=s.num_target_servers,
         lookahead=None if s.method == "ar" else s.lookahead,
-        mean_window=s.mean_window, auto=s.extra.get("auto"),
+        mean_window=s.mean_window, auto=s.extra.get("auto"), load=s.extra.get("load"),
         queue_time_s=outcome.queue_time_s, time_to_first_token_s=s.time_to_first_token_s if outcome.tokens else None,
         wall_time_s=s.wall_time_s,
     )
@@ -667,6 +682,8 @@ def create_app(
             **({"target_servers": list(config.target_servers)} if config.target_servers else {}),
             **({"drafter_server": config.drafter_server} if config.drafter_server else {}),
             **({"scoring_port": state.scoring.port} if state.scoring is not None else {}),
+            # speculation chosen by load: what each way measured at each load level so far
+            **({"speculation_by_load": state.chooser.snapshot()} if state.chooser is not None else {}),
             **({"synthetic": dict(zip(("scenario", "role"), config.synthetic, strict=True))}
                if config.synthetic else {}),
         })

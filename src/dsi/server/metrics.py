@@ -19,6 +19,8 @@ Series (all prefixed ``dsi_``):
 - ``target_servers_configured``, ``target_servers_in_service``, ``target_servers_lost`` and
   ``target_server_readmissions_total``: the target servers (the engines of ``--target-servers``, else the
   slots' own), read at each scrape; a lost engine is probed until it passes its start check again.
+- ``load_choices_total{way,level}``: generations by the way speculation chosen by load picked (``speculative``
+  or ``plain``) and the load level (running requests: 1, 2, 3-4, ...) they started at (:mod:`dsi.server.load_choice`).
 - histograms per request ``acceptance_rate``, ``mean_accepted_length``, ``target_utilisation``
   (acceptance: speculative methods only, non-SI has no drafts; utilisation: DSI's target pool).
 """
@@ -89,6 +91,9 @@ class ServerMetrics:
                                          buckets=_LENGTH_BUCKETS, registry=r)
         self.utilisation = Histogram("dsi_target_utilisation", "Per-request target pool utilisation",
                                      buckets=(*_RATIO_BUCKETS, 1.5, 2.0), registry=r)
+        self.load_choices = Counter("dsi_load_choices", "Generations by the way speculation chosen by load picked "
+                                    "(speculative or plain) and the load level they started at", ["way", "level"],
+                                    registry=r)
 
     def observe_generation(self, stats: GenerationStats, prompt_tokens: int, completion_tokens: int) -> None:
         """Record the statistics of one finished (or stopped, or cancelled) generation."""
@@ -104,6 +109,9 @@ class ServerMetrics:
         if stats.accepted_tokens + stats.rejections > 0:
             self.acceptance.observe(stats.acceptance_rate)
             self.accepted_length.observe(stats.mean_accepted_length)
+        load = stats.extra.get("load")
+        if load is not None:
+            self.load_choices.labels(load["way"], load["level"]).inc()
         if stats.method == "dsi" and stats.wall_time_s > 0:  # only DSI's target pool measures busy time
             self.busy.inc(stats.target_busy_s)
             self.capacity.inc(stats.wall_time_s * stats.num_target_servers)

@@ -562,6 +562,7 @@ class DSIInfo(BaseModel):
     lookahead: int | str | None  # k, or "auto" (event-driven windows); null for non-SI (it drafts nothing)
     mean_window: float  # drafts per verification window, on average
     auto: dict | None = None  # method="auto": what was picked and why
+    load: dict | None = None  # speculation chosen by load: the way picked, the load it saw, and why
     queue_time_s: float
     time_to_first_token_s: float | None  # null: no token was generated (max_tokens=0 scores the prompt only)
     wall_time_s: float
