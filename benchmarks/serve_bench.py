@@ -67,9 +67,10 @@ def tokenizer_folder(target: str, folder: Path) -> str:
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far (all its threads)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """On-CPU seconds of every thread of process ``pid`` so far."""
+    from dsi.evaluate.gpu_class import process_cpu_ns
+
+    return (process_cpu_ns(pid) or 0) / 1e9
 
 
 def bench_level(url: str, name: str, tokenizer: str, concurrency: int, args: argparse.Namespace,

@@ -83,7 +83,7 @@ def _schedstat_ns(path: str) -> int | None:
         return None
 
 
-def _process_cpu_ns(pid: int) -> int | None:
+def process_cpu_ns(pid: int) -> int | None:
     """Summed on-CPU time of every thread of process ``pid``."""
     try:
         tids = os.listdir(f"/proc/{pid}/task")
@@ -153,7 +153,7 @@ class _HostClock:
         me = _this_thread_cpu_ns()
         if me is None:
             return None
-        servers = sum(_process_cpu_ns(pid) or 0 for pid in _server_pids(self.pool._pool))
+        servers = sum(process_cpu_ns(pid) or 0 for pid in _server_pids(self.pool._pool))
         return {
             "orchestrator": me,
             "drafter": _threads_cpu_ns(["dsi-drafter"]),

@@ -91,7 +91,6 @@ class LoadChooser:
         self.min_samples, self.explore_every, self.smoothing = min_samples, explore_every, smoothing
         self._levels: dict[int, _Level] = {}
         self._lock = threading.Lock()
-        self.picks = {w: 0 for w in WAYS}  # requests each way was picked for
 
     def _level(self, level: int) -> _Level:
         return self._levels.setdefault(level, _Level())
@@ -116,7 +115,6 @@ class LoadChooser:
                     way, reason = other, f"trying again (once in {every:.0f} requests): {best} leads by {gap:.2f}x"
                 else:
                     way, reason = best, f"faster at this load by {gap:.2f}x"
-            self.picks[way] += 1
         pick = Pick(way, running, level, reason, rates)
         log.info("load choice: %d running (level %s): %s (%s)", running, level_label(level), way, reason)
         return pick

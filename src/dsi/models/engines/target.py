@@ -205,7 +205,8 @@ class Connection:
         if status >= 500:
             raise ServerLost(f"{self.role} server {self.url} answered {status}: {_message(answer)}")
         if status >= 400:
-            raise EngineRefused(status, f"{self.role} server {self.url} answered {status}: {_message(answer)}")
+            reason = _message(answer)
+            raise EngineRefused(status, f"{self.role} server {self.url} answered {status}: {reason}", reason)
         return answer
 
     def close(self) -> None:
@@ -214,16 +215,13 @@ class Connection:
 
 
 class EngineRefused(ModelError):
-    """An engine answered 4xx: this request's fault (too long, a limit of the engine), not the server's."""
+    """An engine answered 4xx: this request's fault (too long, a limit of the engine), not the server's.
+    ``reason``: what the engine said (the message without the engine named)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, reason: str | None = None) -> None:
         super().__init__(message)
         self.status = status
-
-
-def _message_of(refusal: EngineRefused) -> str:
-    """What an engine said in refusing a request, without the URL its message starts with."""
-    return str(refusal).split(": ", 1)[-1]
+        self.reason = message if reason is None else reason
 
 
 def _message(answer: Any) -> str:
@@ -769,8 +767,8 @@ class EngineSession:
             rows = self._prompt_logprobs_rows(context, first, num_rows, n, cancel)
         except EngineRefused as exc:
             raise EngineRefused(exc.status, f"{exc} (the same rows as a batch of prefixes, field 'prompt' a list of "
-                                            f"prompts with 'logprobs': {n}: {_message_of(refusal)})") from None
-        self.engine = self._target.stop_prefixes(self.engine.url, _message_of(refusal))
+                                            f"prompts with 'logprobs': {n}: {refusal.reason})", exc.reason) from None
+        self.engine = self._target.stop_prefixes(self.engine.url, refusal.reason)
         return rows
 
     def _rows_from_prefixes(self, context: tuple[int, ...], first: int, num_rows: int, n: int,
