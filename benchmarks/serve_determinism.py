@@ -110,7 +110,8 @@ def departure(default: list, deterministic: list) -> tuple[int, float]:
 
 def run_mode(args: argparse.Namespace, deterministic: bool) -> dict:
     argv = ["--target", args.target, "--drafter", args.drafter, "--backend", args.backend, "--method", "dsi",
-            "--lookahead", "auto", "--sp", "2", "--max-concurrent", "1", "--temperature", "0"]
+            "--lookahead", "auto", "--sp", "2", "--max-concurrent", "1", "--temperature", "0",
+            "--speculation-by-load", "off"]  # DSI's own cost, every request speculating
     if args.dtype:
         argv += ["--dtype", args.dtype]
     if deterministic:

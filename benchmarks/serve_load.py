@@ -112,7 +112,8 @@ def run_method(method: str, args: argparse.Namespace, target: str, drafter: str)
     argv = ["--target", target, "--drafter", drafter, "--dtype", args.dtype, "--method", method,
             "--lookahead", str(args.lookahead), "--sp", str(args.sp if method == "dsi" else 1),
             "--max-concurrent", str(args.max_concurrent),
-            "--max-queue", str(args.clients * args.requests + 8), "--temperature", "0"]
+            "--max-queue", str(args.clients * args.requests + 8), "--temperature", "0",
+            "--speculation-by-load", "off"]  # each method as it is (serve_bench.py measures the choice by load)
     threads = args.ar_threads if method == "ar" and args.ar_threads is not None else args.threads
     if threads:
         argv += ["--threads", str(threads)]

@@ -320,12 +320,17 @@ def test_serve_bench_under_vllms_load_generator(dry_run):
     needs_vllm()
     report = dry_run("serve_bench.py", timeout=600)
     assert set(report["results"]) == {"ar", "default"}
-    for levels in report["results"].values():
-        assert levels.pop("serving")["method"] in ("ar", "si", "dsi")  # what the server runs, auto's pick included
+    for name, levels in report["results"].items():
+        serving = levels.pop("serving")
+        assert serving["method"] in ("ar", "si", "dsi")  # what the server runs, auto's pick included
         (row,) = levels.values()
         assert row["completed"] == 2 and row["failed"] == 0, row
         assert positive(row["output_throughput"]) and positive(row["p50_ttft_ms"]) and positive(row["p50_tpot_ms"])
         assert positive(row["server_cpu_s_per_token"])
+        if name == "ar" or serving["method"] == "ar":  # nothing to choose
+            assert row["load_picks"] is None
+        else:  # the default chooses by load in process: the ways its requests ran, from /metrics
+            assert sum(v for k, v in row["load_picks"].items() if not k.startswith("handoffs")) >= 2, row
 
 
 def test_serve_determinism(dry_run):

@@ -77,3 +77,36 @@ def test_a_synthetic_engine_scores_comma_separated_ids(engines):
     assert body["model"] == "synthetic-default-target" and body["usage"]["prompt_tokens"] == 3
     choice = body["choices"][0]
     assert [int(t) for t in choice["text"].split(",")] == [int(t) for t in choice["logprobs"]["tokens"]]
+
+
+def test_a_speculative_front_over_an_emulated_batching_engine_gives_the_engines_own_output():
+    """``dsi serve --synthetic S --synthetic-steps TOKEN_MS``: an emulated batching engine (its slots' forwards share
+    steps); a speculative ``dsi serve --synthetic S --target-servers`` in front of it verifies there. Greedy: the
+    front's answers are the engine's own generation's, whichever way speculation by load (asked for: over engines it
+    is off by default) runs."""
+    import httpx
+
+    port = free_port()
+    engine = EngineProcess([sys.executable, "-m", "dsi.cli.main", "serve", "--synthetic", "default", "--method", "ar",
+                            "--synthetic-steps", "0.2", "--max-concurrent", "8", "--port", str(port)], port)
+    try:
+        port = free_port()
+        front = EngineProcess([sys.executable, "-m", "dsi.cli.main", "serve", "--synthetic", "default", "--method",
+                               "dsi", "--sp", "2", "--lookahead", "3", "--max-concurrent", "2",
+                               "--speculation-by-load", "on", "--target-servers",
+                               engine.url, "--port", str(port)], port)
+        try:
+            prompts = ["1,2,3", "4 5 6 7", "9,8"]
+            own = [httpx.post(engine.url + "/completions", timeout=60, json={
+                "prompt": p, "max_tokens": 24, "temperature": 0}).json()["choices"][0]["text"] for p in prompts]
+            answers = [httpx.post(front.url + "/completions", timeout=60, json={
+                "prompt": p, "max_tokens": 24, "temperature": 0}).json() for p in prompts * 2]
+            card = httpx.get(front.url + "/models", timeout=10).json()["data"][0]["dsi"]
+        finally:
+            front.stop()
+    finally:
+        engine.stop()
+    assert [a["choices"][0]["text"] for a in answers] == own * 2
+    assert {a["dsi"]["load"]["way"] for a in answers} <= {"speculative", "plain"}
+    assert answers[0]["dsi"]["load"]["way"] == "speculative" and answers[0]["dsi"]["drafted_tokens"] > 0
+    assert card["method"] == "dsi" and card["synthetic"] == {"scenario": "default", "role": "target"}

@@ -120,3 +120,62 @@ def test_the_chi_square_check_detects_a_biased_sampler():
     counts = np.bincount(draws, minlength=len(keys))
     _, p_value = chisquare(counts, np.array(list(law.values())) * N_SAMPLES)
     assert p_value < ALPHA
+
+
+class _HandOverSchedule:
+    """A load chooser that starts request i the way ``PLANS[i % 4]`` says and hands it over once at most
+    ``at`` tokens are left: speculative to plain and plain to speculative, after one and after two tokens."""
+
+    PLANS = (("speculative", 2), ("plain", 2), ("speculative", 1), ("plain", 1))
+
+    def __init__(self) -> None:
+        from dsi.server.load_choice import LoadChooser
+
+        self.inner, self.calls, self.at = LoadChooser(), 0, 0
+
+    def choose(self, running):
+        from dsi.server.load_choice import Pick
+
+        way, self.at = self.PLANS[self.calls % len(self.PLANS)]
+        self.calls += 1
+        return Pick(way, running, 1, "test", {})
+
+    def handoff(self, way, running, tokens, rate, remaining, bursts=0):
+        return "scheduled" if remaining <= self.at else None
+
+    def record_rate(self, *args) -> None:
+        pass
+
+
+@pytest.mark.parametrize("method, lookahead, servers", [("si", 2, 1), ("dsi", 2, 2)])
+def test_sampling_handed_over_between_speculation_and_plain_decoding_matches_the_target_law(
+        method, lookahead, servers, no_thread_leak):
+    """dsi serve's speculation chosen by load (dsi.server.load_choice) hands a request over at a decided position;
+    the next decoder goes on after the committed tokens. Handed over both ways at every position, penalties
+    reading the committed tokens as output, the law is still exactly the target's."""
+    from dsi.server.load_choice import LoadChosenDecoder
+
+    target = random_lm(VOCAB, seed=21, sharpness=1.0)
+    drafter = random_lm(VOCAB, seed=99, sharpness=1.5)
+    processing = dict(temperature=0.9, presence_penalty=0.8, repetition_penalty=1.3)
+    law = exact_sequence_law(target, PROMPT, LENGTH, dsi.SamplingParams(**processing, seed=0))
+    schedule = _HandOverSchedule()
+    decoder = LoadChosenDecoder(
+        build_decoder(target=target, drafter=drafter, method=method, lookahead=lookahead,
+                      num_target_servers=servers),
+        build_decoder(target=target, method="ar"), schedule, lambda: 1)
+    handed = [0, 0]
+    try:
+        index = {seq: i for i, seq in enumerate(law)}
+        counts = np.zeros(len(law))
+        for seed in range(N_SAMPLES):
+            result = decoder.generate(make_request(PROMPT, LENGTH, dsi.SamplingParams(**processing, seed=seed),
+                                                   None, VOCAB))
+            counts[index[tuple(result.tokens)]] += 1
+            for handoff in result.stats.extra["load"]["handoffs"]:
+                handed[handoff["to"] == "speculative"] += 1
+    finally:
+        decoder.close()
+    assert min(handed) > N_SAMPLES / 8  # both ways were handed over to, often
+    _, p_value = chisquare(counts, np.array(list(law.values())) * N_SAMPLES)
+    assert p_value > ALPHA, f"p={p_value:.2e}: counts {counts} vs expected {np.round(np.array(list(law.values())) * N_SAMPLES, 1)}"

@@ -43,7 +43,7 @@ API_KEY_VARIABLES = ("DSI_API_KEY", "VLLM_API_KEY")  # read in this order when -
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from dsi.evaluate.bench import SCENARIOS
+    from dsi.evaluate.bench import SERVE_SCENARIOS
 
     p = subparsers.add_parser(
         "serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, Prometheus metrics)",
@@ -78,10 +78,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="engine slots: requests generated at once, each on its own decoder (1 to 256, default 1)")
     g.add_argument("--max-queue", type=Number(int, 0, 4096), default=64,  # dsi.server.config.MAX_QUEUE
                    help="requests that may wait for a slot, 0 to 4096; more get 429 (default 64)")
-    g.add_argument("--speculation-by-load", choices=["on", "off"], default="off",
+    g.add_argument("--speculation-by-load", choices=["auto", "on", "off"], default="auto",
                    help="on: each slot of a speculative server also holds a plain (non-SI) decoder, and each request "
-                        "runs the way measured faster at the server's load when it starts (its dsi object's 'load' "
-                        "says which and why; /metrics counts them). Default off")
+                        "runs the way measured faster at the server's load when it starts, handed over to the other "
+                        "mid-generation where that one measured faster (its dsi object's 'load' says which and why; "
+                        "/metrics counts them). off: every request speculates the configured way. auto (default): on "
+                        "for in-process backends, off over --target-servers (where it measured slower)")
     g.add_argument("--max-body-bytes", type=COUNT, default=None,
                    help="largest request body in bytes; larger ones get 413 (default 16777216: 16 MiB)")
     g.add_argument("--api-key", default=None,
@@ -97,12 +99,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--max-logprobs", type=Number(int, -1), default=20,
                    help="the most logprobs / prompt_logprobs per token a request may ask (default 20, as vLLM; -1: the "
                         "whole vocabulary, which another dsi needs to sample over this server without top_k)")
-    g.add_argument("--synthetic", choices=sorted(SCENARIOS), metavar="SCENARIO", default=None,
+    g.add_argument("--synthetic", choices=sorted(SERVE_SCENARIOS), metavar="SCENARIO", default=None,
                    help="serve a dsi bench scenario's synthetic model instead of --target (its emulated latency; "
-                        "prompts as comma-separated token ids), as an engine for 'dsi bench --target-servers' "
-                        f"(with --method ar): one of {', '.join(SCENARIOS)}")
+                        "prompts as token ids separated by commas or spaces): with --method ar one model, an engine "
+                        "for 'dsi bench --target-servers' or another dsi serve; with a speculative method the "
+                        f"scenario's pair. One of {', '.join(SERVE_SCENARIOS)}")
     g.add_argument("--synthetic-role", choices=("target", "drafter"), default="target",
-                   help="with --synthetic: serve the scenario's target (default) or its drafter")
+                   help="with --synthetic --method ar: serve the scenario's target (default) or its drafter")
+    g.add_argument("--synthetic-steps", type=NON_NEGATIVE, default=None, metavar="TOKEN_MS",
+                   help="with --synthetic: the target's forwards, every slot's, share batched steps as a batching "
+                        "engine's do (an emulation): a step lasts the scenario's target time plus TOKEN_MS per token "
+                        "it computes, and a forward arriving during a step waits for the next (default: none, each "
+                        "forward its own time)")
     g.add_argument("--shutdown-timeout", type=NON_NEGATIVE, default=10.0,
                    help="on SIGINT/SIGTERM, seconds running requests may take before they are aborted (default 10; "
                         "a second Ctrl-C aborts them at once); "
@@ -169,6 +177,20 @@ def _bind(host: str, port: int) -> socket.socket:
     return listen(host, port, 2048, f"--host {host} --port {port}")
 
 
+def _synthetic_pair(args: argparse.Namespace):
+    """``--synthetic``'s (target, drafter), the target's forwards sharing batched steps with ``--synthetic-steps``."""
+    from dsi.evaluate.bench import SERVE_SCENARIOS, scenario_pair
+    from dsi.models.emulated.latency import WithLatency
+    from dsi.models.emulated.steps import SharedSteps
+
+    scenario = SERVE_SCENARIOS[args.synthetic]
+    target, drafter = scenario_pair(scenario)
+    if args.synthetic_steps is not None:
+        steps = SharedSteps(scenario.target_ms / 1000, args.synthetic_steps / 1000)
+        target = WithLatency(target.model, target.ttft, target.tpot, steps=steps)
+    return target, drafter
+
+
 def run_serve(args: argparse.Namespace) -> int:
     try:
         from dsi.server import ServeConfig, create_app
@@ -179,8 +201,11 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise ConfigError(f"--served-model-name={args.served_model_name!r} must name the model (clients send it)")
     limits = {} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}
-    if args.synthetic is not None and args.method != "ar":
-        raise ConfigError(f"--synthetic serves one model as an engine: add --method ar (not --method {args.method})")
+    if args.synthetic is not None and args.method != "ar" and args.synthetic_role != "target":
+        raise ConfigError(f"--synthetic-role {args.synthetic_role} serves one model: add --method ar (not --method "
+                          f"{args.method}); a speculative method serves the scenario's pair")
+    if args.synthetic_steps is not None and args.synthetic is None:
+        raise ConfigError("--synthetic-steps batches a synthetic model's forwards: add --synthetic SCENARIO")
     synthetic = (args.synthetic, args.synthetic_role) if args.synthetic is not None else None
     default_name = (served_name(args.target) if synthetic is None
                     else f"synthetic-{args.synthetic}-{args.synthetic_role}")
@@ -194,7 +219,7 @@ def run_serve(args: argparse.Namespace) -> int:
         shutdown_grace_s=args.shutdown_timeout, vocab_mode=args.vocab_mode, merges=args.merges,
         max_logprobs=args.max_logprobs, logprobs_mode=args.logprobs_mode, draft_tree=args.draft_tree,
         target_servers=tuple(urls) if (urls := target_servers(args)) else None, drafter_server=drafter_server(args),
-        synthetic=synthetic, speculation_by_load=args.speculation_by_load == "on",
+        synthetic=synthetic, speculation_by_load={"on": True, "off": False}.get(args.speculation_by_load),
     )
     if not _is_loopback(args.host):
         log.warning("dsi serve: listening on %s, reachable from other machines%s", args.host,
@@ -207,11 +232,14 @@ def run_serve(args: argparse.Namespace) -> int:
 
             scoring = bind(args.host, args.scoring_port)
         if synthetic is not None:
-            from dsi.evaluate.bench import SCENARIOS, SYNTHETIC_VOCAB, scenario_pair
+            from dsi.evaluate.bench import SYNTHETIC_VOCAB
             from dsi.server.codec import IdsCodec
 
-            model = scenario_pair(SCENARIOS[args.synthetic])[0 if args.synthetic_role == "target" else 1]
-            app = create_app(model, None, config, codec=IdsCodec(SYNTHETIC_VOCAB), scoring_socket=scoring)
+            target, drafter = _synthetic_pair(args)
+            if args.method == "ar" and args.synthetic_role == "drafter":
+                target, drafter = drafter, None
+            app = create_app(target, None if args.method == "ar" else drafter, config,
+                             codec=IdsCodec(SYNTHETIC_VOCAB), scoring_socket=scoring)
         else:
             app = create_app(*_load(args, need_drafter=args.method != "ar"), config, free_unused_drafter=True,
                              scoring_socket=scoring)

@@ -56,7 +56,11 @@ class Request:
 
     The decoder checks it when it receives it (:func:`check_request`, against the target's vocabulary) and
     refuses a bad one with the :class:`~dsi.errors.ConfigError` :func:`dsi.generate` would raise;
-    :func:`dsi.make_request` builds one and checks it at once."""
+    :func:`dsi.make_request` builds one and checks it at once.
+
+    ``committed``: the request's first new tokens, committed by another decoder (``dsi serve`` hands a request over
+    from speculation to plain decoding, or back, at a decided position: :mod:`dsi.server.load_choice`). This decoder
+    starts after them; its result's tokens include them (its logprobs and statistics cover only its own part)."""
 
     prompt: tuple[int, ...]
     max_new_tokens: int
@@ -64,6 +68,9 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()  # any of these, committed by the target, ends it
     logprobs: int | None = None  # report each new token's logprob and this many top ones (None: none)
     logprobs_mode: str = "raw"  # their distribution: "raw" or "processed" (dsi.logprobs)
+    # a continuation: new tokens another decoder already committed for this request; this one goes on after them
+    # (they count in max_new_tokens, and the logit processors see them as output, not prompt)
+    committed: tuple[int, ...] = ()
 
     def verify_task(self, task_id: int, context: Sequence[int], num_rows: int,
                     tree: DraftTree | None = None, draft_probs: Sequence[float] | None = None,
@@ -140,12 +147,18 @@ def check_request(request: object, vocab_size: int | None = None) -> Request:
     ok = logprobs is None or (is_int(logprobs) and logprobs >= 0 and (vocab_size is None or logprobs <= vocab_size))
     require(ok, f"logprobs={shown(logprobs)} must be None or an integer {allowed} (the top tokens reported per token)")
     check_mode(request.logprobs_mode)
+    committed = tuple(check_token_ids(request.committed, vocab_size, "committed"))
+    require(len(committed) < n, f"committed holds {len(committed)} tokens; a continuation needs fewer than "
+                                f"max_new_tokens={n}")
     # what ends generation: EOS (unless ignore_eos makes it an ordinary token) and the stop ids
     stops = (frozenset() if sampling.ignore_eos else eos) | frozenset(sampling.stop_token_ids)
+    require(not stops.intersection(committed[-1:]), f"committed ends with a stop id ({committed[-1:]}): the "
+                                                   "request is over, there is nothing to continue")
     if type(request.prompt) is tuple and prompt == request.prompt and sampling is request.sampling \
-            and type(request.eos_token_ids) is frozenset and stops == request.eos_token_ids:
+            and type(request.eos_token_ids) is frozenset and stops == request.eos_token_ids \
+            and type(request.committed) is tuple and committed == request.committed:
         return request
-    return replace(request, prompt=prompt, sampling=sampling, eos_token_ids=stops)
+    return replace(request, prompt=prompt, sampling=sampling, eos_token_ids=stops, committed=committed)
 
 
 class Output:
@@ -160,7 +173,7 @@ class Output:
     ) -> None:
         self.request = request
         self.stats = stats
-        self.tokens: list[int] = list(request.prompt)
+        self.tokens: list[int] = [*request.prompt, *request.committed]
         # with request.logprobs: one entry per new token, from the row that decided it
         self.logprobs: list[TokenLogprob] | None = [] if request.logprobs is not None else None
         self._on_tokens = on_tokens

@@ -60,6 +60,18 @@ SCENARIOS: dict[str, Scenario] = {
 }
 
 
+# what `dsi serve --synthetic` serves: the scenarios above, and the GPU-class latencies of `dsi bench --gpu-class`
+# (dsi.evaluate.gpu_class: a 14B target at an H200's bandwidth and a small drafter; a 3-7B target with captured graphs)
+# on the synthetic pair, whose drafter agrees with the target 80% of the time whatever the prompt
+SERVE_SCENARIOS: dict[str, Scenario] = {
+    **SCENARIOS,
+    **{s.name: s for s in [
+        Scenario("gpu-7/1", 7.0, 1.0, 0.8, 4, 4, "GPU-class forwards: dsi bench --gpu-class's gpu-7/1"),
+        Scenario("gpu-3/0.4", 3.0, 0.4, 0.8, 4, 4, "GPU-class forwards: dsi bench --gpu-class's gpu-3/0.4"),
+    ]},
+}
+
+
 def _table1_scenarios() -> list[Scenario]:
     from dsi.sim.table import TABLE1
 

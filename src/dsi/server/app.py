@@ -140,7 +140,7 @@ class ServerState:
         self.drafter = drafter
         self.choice = None  # with method="auto": what it picked, once the first slot's decoder is built
         # speculation chosen by load (dsi.server.load_choice): one chooser for every slot
-        self.chooser = LoadChooser() if config.speculation_by_load and config.method != "ar" else None
+        self.chooser = LoadChooser() if config.chooses_by_load else None
         self.free_unused_drafter = free_unused_drafter
         self.config = config
         self.codec = codec
@@ -366,7 +366,7 @@ class ServerState:
         """Queue a prepared request (429 if the queue is full) and start it."""
         self._check_open()
         job = Job(prepared.request, self.codec, self.metrics, stop=prepared.stop, stream=prepared.stream,
-                  scoring=prepared.scoring)
+                  scoring=prepared.scoring, pinned=prepared.seeded)
         try:
             job.start(self.scheduler)
         except QueueFull as exc:

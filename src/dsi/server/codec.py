@@ -181,7 +181,8 @@ def _decoding_copy(tokenizer: Any) -> Any:
 
 class IdsCodec:
     """The text side of a model with no tokenizer (the synthetic models of ``dsi serve --synthetic``):
-    a prompt is its token ids, comma-separated (``"1,2,3"``), and ids decode to the same form."""
+    a prompt is its token ids, separated by commas or whitespace (``"1,2,3"``, ``"1 2 3"``: what a load generator's
+    word-level tokenizer of the ids writes), and ids decode to the comma-separated form."""
 
     def __init__(self, vocab_size: int, eos_token_ids: Sequence[int] = (), max_context: int | None = None) -> None:
         self.vocab_size = vocab_size
@@ -189,10 +190,11 @@ class IdsCodec:
         self.max_context = max_context
 
     def encode(self, text: str, limit: int | None = None, add_special_tokens: bool = True) -> list[int]:
-        parts = [part for part in text.split(",") if part.strip()]
+        parts = [part for part in re.split(r"[,\s]", text) if part.strip()]
         # ASCII digits, at most 10 (int() alone reads "٥" as 5 and "1_0" as 10, and fails past 4300 digits)
         if not all(_ID_TEXT.fullmatch(part) for part in parts):
-            raise ConfigError(f"this model has no tokenizer: a prompt is comma-separated token ids (ASCII digits), "
+            raise ConfigError(f"this model has no tokenizer: a prompt is token ids (ASCII digits) separated by commas "
+                              f"or spaces, "
                               f"not {text[:40]!r}")
         ids = [int(part) for part in parts]
         if limit is not None and len(ids) > limit:

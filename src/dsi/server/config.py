@@ -72,9 +72,11 @@ class ServeConfig:
     synthetic: tuple[str, str] | None = None  # (scenario, role) of a synthetic model served (dsi serve --synthetic)
     max_logprobs: int = 20  # the most (prompt_)logprobs per position a request may ask (-1: the whole vocabulary)
     logprobs_mode: str = "raw"  # the distribution of generated tokens' logprobs: "raw" (vLLM's default) or "processed"
-    # each slot also holds a plain decoder, and each request runs the way measured faster at its load
-    # (dsi.server.load_choice); a non-SI server has nothing to choose
-    speculation_by_load: bool = False
+    # each slot also holds a plain decoder, and each request runs the way measured faster at its load, handed over
+    # mid-generation where the other way measured faster (dsi.server.load_choice); a non-SI server has nothing to
+    # choose. None: on for in-process backends, off over engines (--target-servers), where it measured slower
+    # (docs/results.md, "Serving under load on an emulated batching engine")
+    speculation_by_load: bool | None = None
     draft_tree: str | None = None  # spend each window's drafts as a tree (dsi.trees): None / "off", "auto", "branches", "best-first", "3,2,1"
 
     def __post_init__(self) -> None:
@@ -104,10 +106,18 @@ class ServeConfig:
         require(isinstance(self.max_logprobs, int) and not isinstance(self.max_logprobs, bool)
                 and self.max_logprobs >= -1,
                 f"max_logprobs={self.max_logprobs!r} must be an integer >= 0, or -1 (the whole vocabulary)")
-        require(isinstance(self.speculation_by_load, bool),
-                f"speculation_by_load={shown(self.speculation_by_load)} must be True or False")
+        require(self.speculation_by_load is None or isinstance(self.speculation_by_load, bool),
+                f"speculation_by_load={shown(self.speculation_by_load)} must be True, False or None (on in-process, "
+                "off over engines)")
         require(positive_int(self.retry_after_s),
                 f"retry_after_s={shown(self.retry_after_s)} must be an integer >= 1")
+
+    @property
+    def chooses_by_load(self) -> bool:
+        """Whether speculation is chosen by load (``speculation_by_load``, None resolved): a speculative server's."""
+        if self.method == "ar":
+            return False
+        return not self.target_servers if self.speculation_by_load is None else self.speculation_by_load
 
     @property
     def decoder(self) -> DecoderConfig:

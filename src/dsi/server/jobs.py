@@ -125,8 +125,10 @@ class Job:
         stop: Sequence[str] = (),
         stream: bool = False,
         scoring: PromptScoring | None = None,
+        pinned: bool = False,
     ) -> None:
         self.id = uuid.uuid4().hex[:12]  # names the job in the server log and in 500 answers
+        self.pinned = pinned  # runs the slot's configured way, not one chosen by load (a seeded sampled request)
         self.request = request
         self.codec = codec
         self.metrics = metrics
@@ -312,7 +314,8 @@ class Job:
             if self.scoring is not None:
                 scored, echoed, stats, reason = self._score(slot, self.scoring)
             if reason is None:  # no prompt logprobs, or more than the one token their forward gives
-                result = slot.decoder.generate(self.request, self._on_tokens, self.abort)
+                pinned = getattr(slot.decoder, "generate_configured", None) if self.pinned else None
+                result = (pinned or slot.decoder.generate)(self.request, self._on_tokens, self.abort)
                 stats = result.stats if stats is None else after_scoring(result.stats, stats)
                 reason = stats.finish_reason
         except (GenerationAborted, TaskCancelled) as exc:

@@ -20,7 +20,8 @@ Series (all prefixed ``dsi_``):
   ``target_server_readmissions_total``: the target servers (the engines of ``--target-servers``, else the
   slots' own), read at each scrape; a lost engine is probed until it passes its start check again.
 - ``load_choices_total{way,level}``: generations by the way speculation chosen by load picked (``speculative``
-  or ``plain``) and the load level (running requests: 1, 2, 3-4, ...) they started at (:mod:`dsi.server.load_choice`).
+  or ``plain``) and the load level (running requests: 1, 2, 3-4, ...) they started at (:mod:`dsi.server.load_choice`);
+  ``load_handoffs_total{to}``: requests it handed over mid-generation, by the way they went on.
 - histograms per request ``acceptance_rate``, ``mean_accepted_length``, ``target_utilisation``
   (acceptance: speculative methods only, non-SI has no drafts; utilisation: DSI's target pool).
 """
@@ -94,6 +95,8 @@ class ServerMetrics:
         self.load_choices = Counter("dsi_load_choices", "Generations by the way speculation chosen by load picked "
                                     "(speculative or plain) and the load level they started at", ["way", "level"],
                                     registry=r)
+        self.load_handoffs = Counter("dsi_load_handoffs", "Requests handed over mid-generation by speculation chosen "
+                                     "by load, by the way they went on (speculative or plain)", ["to"], registry=r)
 
     def observe_generation(self, stats: GenerationStats, prompt_tokens: int, completion_tokens: int) -> None:
         """Record the statistics of one finished (or stopped, or cancelled) generation."""
@@ -112,6 +115,8 @@ class ServerMetrics:
         load = stats.extra.get("load")
         if load is not None:
             self.load_choices.labels(load["way"], load["level"]).inc()
+            for handoff in load.get("handoffs", ()):
+                self.load_handoffs.labels(handoff["to"]).inc()
         if stats.method == "dsi" and stats.wall_time_s > 0:  # only DSI's target pool measures busy time
             self.busy.inc(stats.target_busy_s)
             self.capacity.inc(stats.wall_time_s * stats.num_target_servers)

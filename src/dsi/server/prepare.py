@@ -90,6 +90,9 @@ class Prepared:
     token_ids_as_names: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:{id}"
     n: int = 1  # choices: choice i samples with dsi.sampling.choice_seed(seed, i)
     tool_calling: ToolCalling | None = None  # the answer is tool calls (server/tools.py)
+    # a sampled request given a seed (by the client or the server's --seed): it runs the configured way, never one
+    # chosen by load, so the seed gives the same tokens whatever the load (dsi.server.load_choice)
+    seeded: bool = False
     # a batch of prompts (completions): each prompt's own Prepared, the fields above being the first's
     batch: tuple[Prepared, ...] = ()
 
@@ -448,6 +451,7 @@ class Preparer:
             if option is not None:  # a token id outside the vocabulary
                 raise APIError(400, str(exc), param=option, code="invalid_value") from exc
             raise APIError(400, str(exc), param=prompt_param, code="invalid_prompt") from exc
+        seeded = not sampling.greedy and (req.seed is not None or self.config.seed is not None)
         return Prepared(request, stop=req.stop_strings(), stream=req.stream, include_usage=req.include_usage(),
                         echo=echo, token_ids_as_names=req.return_tokens_as_token_ids, n=req.n or 1,
-                        tool_calling=calling)
+                        tool_calling=calling, seeded=seeded)

@@ -30,7 +30,8 @@ def server(tiny_pair):
 
     target, drafter = tiny_pair
     config = ServeConfig(method="dsi", lookahead=3, num_target_servers=2, max_concurrent=4, max_queue=64,
-                         api_key=KEY, model_name=MODEL, max_tokens=16)
+                         api_key=KEY, model_name=MODEL, max_tokens=16,
+                         speculation_by_load=False)  # DSI's own path through the API: every request speculates
     app = create_app(target, drafter, config)
     with running_server(app) as running:
         yield running.url, app

@@ -155,7 +155,8 @@ def dsi_server(tiny_pair):
     from dsi.server import ServeConfig, create_app
 
     target, drafter = tiny_pair
-    app = create_app(target, drafter, ServeConfig(method="dsi", lookahead=2, num_target_servers=2, model_name=MODEL))
+    app = create_app(target, drafter, ServeConfig(method="dsi", lookahead=2, num_target_servers=2, model_name=MODEL,
+                                                  speculation_by_load=False))  # every request speculates
     with running_server(app) as running:
         yield running.url
 

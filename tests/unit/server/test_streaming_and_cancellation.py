@@ -36,7 +36,8 @@ def make_app(tok, script_text, *, cycle=False, latency=None, max_concurrent=2, m
     if latency is not None:
         target, drafter = WithLatency(target, *latency[0]), WithLatency(drafter, *latency[1])
     config = ServeConfig(method="dsi", lookahead=3, num_target_servers=2, max_concurrent=max_concurrent,
-                         max_queue=max_queue, model_name="scripted", temperature=0.0)
+                         max_queue=max_queue, model_name="scripted", temperature=0.0,
+                         speculation_by_load=False)  # DSI's own streaming and cancellation: every request speculates
     return create_app(target, drafter, config, codec=TokenizerCodec(tok))
 
 

@@ -251,7 +251,9 @@ def test_a_prompt_of_ids_without_a_tokenizer_takes_ascii_digits_only(text):
 
     codec = IdsCodec(50)
     assert codec.encode(" 1, 2,3 ,") == [1, 2, 3]
-    with pytest.raises(ConfigError, match="a prompt is comma-separated token ids \\(ASCII digits\\)"):
+    assert codec.encode("1 2\n3  4") == [1, 2, 3, 4]  # a word-level tokenizer's text (vllm bench serve's prompts)
+    assert codec.decode([1, 2, 3]) == "1,2,3"
+    with pytest.raises(ConfigError, match="a prompt is token ids \\(ASCII digits\\) separated by commas or spaces"):
         codec.encode(text)
 
 

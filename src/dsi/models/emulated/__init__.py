@@ -5,6 +5,8 @@
   acceptance rate;
 - :mod:`~dsi.models.emulated.latency`: :class:`WithLatency`, any model whose forwards take a chosen time
   (the paper's TTFT / TPOT);
+- :mod:`~dsi.models.emulated.steps`: :class:`SharedSteps`, the batched steps of an emulated batching engine that
+  a :class:`WithLatency` model's sessions share (``dsi serve --synthetic-steps``);
 - :mod:`~dsi.models.emulated.replay`: :class:`ReplayLM`, a real model's compute with another pair's
   recorded greedy decisions.
 

@@ -15,6 +15,8 @@ decisions), as an accelerator samples and decides on the device within its forwa
 is interruptible: a set cancel flag ends it at once and restores the session. It sleeps to within
 50 us of its deadline and polls the rest (a 1 ns timer slack on Linux), so waiting forwards leave
 the cores to the threads that compute.
+With ``steps`` (a :class:`~dsi.models.emulated.steps.SharedSteps`), every session's forwards instead join the batched
+steps of one emulated engine: a forward lasts until the end of the step it joined, whose time the batch's tokens set.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from dsi.models.base import (
     tree_rows,
 )
 from dsi.models.costs import ForwardCosts
+from dsi.models.emulated.steps import SharedSteps
 
 _SPIN_S = 0.00005  # final stretch of a wait done by polling, for precision beyond the timer's
 _PR_SET_TIMERSLACK = 29  # Linux prctl: the slack the kernel may add to this thread's timed sleeps
@@ -91,7 +94,7 @@ class WithLatency:
     (times a random lognormal factor of mean 1 when ``cv > 0``)."""
 
     def __init__(self, model: LanguageModel, ttft: float, tpot: float, cv: float = 0.0, seed: int = 0,
-                 token_s: float = 0.0, one_forward_trees: bool = True) -> None:
+                 token_s: float = 0.0, one_forward_trees: bool = True, steps: SharedSteps | None = None) -> None:
         if not isinstance(one_forward_trees, bool):
             raise ConfigError(f"one_forward_trees={one_forward_trees!r} must be True (a tree costs one forward) "
                               "or False (one forward per root-to-leaf path)")
@@ -102,6 +105,9 @@ class WithLatency:
         self.cv = _check_latency("cv", cv)
         self.token_s = _check_latency("token_s", token_s)
         self.seed = seed
+        if steps is not None and not isinstance(steps, SharedSteps):
+            raise ConfigError(f"steps={steps!r} must be a dsi.models.emulated.steps.SharedSteps or None")
+        self.steps = steps  # forwards of every session share its batched steps (their own latency is unused)
         self._sessions = itertools.count()
         self._lock = threading.Lock()
 
@@ -115,7 +121,10 @@ class WithLatency:
         return self.model.vocab_size
 
     def forward_costs(self) -> ForwardCosts:
-        """What a forward costs here (:mod:`dsi.models.costs`): its TPOT and ``token_s`` per token it computes."""
+        """What a forward costs here (:mod:`dsi.models.costs`): its TPOT and ``token_s`` per token it computes (with
+        shared steps, a step alone: its fixed time and its per-token cost)."""
+        if self.steps is not None:
+            return ForwardCosts(one_token_s=self.steps.step_s + self.steps.token_s, per_row_s=self.steps.token_s)
         return ForwardCosts(one_token_s=self.tpot + self.token_s, per_row_s=self.token_s)
 
     @property
@@ -131,7 +140,7 @@ class WithLatency:
             with self._lock:
                 rng = np.random.default_rng([self.seed, next(self._sessions)])
         return LatencySession(self.model.new_session(), self.ttft, self.tpot, self.cv, rng, self.token_s,
-                              self.one_forward_trees)
+                              self.one_forward_trees, self.steps)
 
     def __getstate__(self) -> dict:  # picklable for process and Ray servers (locks are not)
         state = dict(self.__dict__)
@@ -147,13 +156,15 @@ class WithLatency:
         noise = f", cv={self.cv}, seed={self.seed}" if self.cv else ""
         per_token = f", token_s={self.token_s}" if self.token_s else ""
         paths = "" if self.one_forward_trees else ", one_forward_trees=False"
-        return f"WithLatency({self.model!r}, ttft={self.ttft}, tpot={self.tpot}{noise}{per_token}{paths})"
+        steps = "" if self.steps is None else f", steps={self.steps!r}"
+        return f"WithLatency({self.model!r}, ttft={self.ttft}, tpot={self.tpot}{noise}{per_token}{paths}{steps})"
 
 
 class LatencySession:
     def __init__(self, inner: ModelSession, ttft: float, tpot: float, cv: float = 0.0, rng=None,
-                 token_s: float = 0.0, one_forward_trees: bool = True) -> None:
+                 token_s: float = 0.0, one_forward_trees: bool = True, steps: SharedSteps | None = None) -> None:
         self._inner = inner
+        self._steps = steps
         self.one_forward_trees = one_forward_trees  # False: a tree costs one forward per root-to-leaf path
         self._ttft = ttft
         self._tpot = tpot
@@ -195,6 +206,13 @@ class LatencySession:
     def _timed(self, run, cancel: CancelFlag | None, computed: int) -> np.ndarray:
         """``run()`` on the inner session, lasting one forward's latency (of ``computed`` tokens); a cancel
         restores the session (to the longest prefix of what it held that it still holds)."""
+        if self._steps is not None:  # the engine's next batched step, shared with every waiting forward
+            before = self._inner.tokens
+            rows = run()
+            if self._steps.join(computed, cancel):
+                self._inner.truncate(common_prefix_length(before, self._inner.tokens))
+                raise TaskCancelled("forward cancelled")
+            return rows
         start = time.perf_counter()
         latency = self._tpot if self._prefilled else self._ttft
         if self._rng is not None:
