@@ -121,16 +121,20 @@ def bench_level(url: str, name: str, tokenizer: str, concurrency: int, args: arg
 def load_counts(url: str) -> dict[str, float]:
     """The server's speculation-by-load counters from ``/metrics``: requests started each way (all levels
     summed) and hand-overs to each way (nothing where the option is off)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     with urllib.request.urlopen(url.removesuffix("/v1") + "/metrics", timeout=30) as answer:
         text = answer.read().decode()
     counts: dict[str, float] = {}
-    for line in text.splitlines():
-        for prefix, key in (("dsi_load_choices_total{", "way"), ("dsi_load_handoffs_total{", "to")):
-            if line.startswith(prefix):
-                labels, value = line[len(prefix):].rsplit("} ", 1)
-                way = dict(part.split("=", 1) for part in labels.split(","))[key].strip('"')
-                name = way if key == "way" else f"handoffs to {way}"
-                counts[name] = counts.get(name, 0.0) + float(value)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "dsi_load_choices_total":
+                name = sample.labels["way"]
+            elif sample.name == "dsi_load_handoffs_total":
+                name = f"handoffs to {sample.labels['to']}"
+            else:
+                continue
+            counts[name] = counts.get(name, 0.0) + sample.value
     return counts
 
 

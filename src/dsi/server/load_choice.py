@@ -82,6 +82,11 @@ HANDOFF_MARGIN = 0.15  # the other way's average must beat the segment's rate by
 BURST_S = 0.005  # commits this close to a segment's first belong to its first burst (a window decided at once)
 
 
+def other_way(way: str) -> str:
+    """The way that is not ``way``."""
+    return PLAIN if way == SPECULATIVE else SPECULATIVE
+
+
 def level_of(running: int) -> int:
     """The load level of ``running`` requests (at least 1): 1, 2, then powers of two up (3-4 is 4, 5-8 is 8...)."""
     return 1 if running <= 1 else 1 << (running - 1).bit_length()
@@ -146,7 +151,7 @@ class LoadChooser:
     @staticmethod
     def _clearly_behind(ways: dict[str, _Way], way: str) -> bool:
         """Whether ``way``, measured, trails the other way (measured) by at least :data:`CLEAR_GAP`."""
-        other = ways[PLAIN if way == SPECULATIVE else SPECULATIVE]
+        other = ways[other_way(way)]
         mine = ways[way]
         return bool(mine.samples and other.samples and other.rate >= CLEAR_GAP * mine.rate)
 
@@ -170,7 +175,7 @@ class LoadChooser:
                     best, other, gap, why = PLAIN, SPECULATIVE, below, "a lower level measured plain decoding"
                 else:
                     best = max(WAYS, key=lambda w: (rates[w] or 0.0, w == PLAIN))
-                    other = PLAIN if best == SPECULATIVE else SPECULATIVE
+                    other = other_way(best)
                     gap = (rates[best] or 0.0) / rates[other] if rates[other] else math.inf
                     why = "faster at this load"
                 every = self.explore_every * min(gap, 8.0) ** 2
@@ -183,10 +188,6 @@ class LoadChooser:
         pick = Pick(way, running, level, reason, rates)
         log.info("load choice: %d running (level %s): %s (%s)", running, level_label(level), way, reason)
         return pick
-
-    def record(self, pick: Pick, tokens: int, seconds: float) -> None:
-        """What a segment run as ``pick`` (its way and level) gave: ``tokens`` decoded in ``seconds``."""
-        self.record_rate(pick.way, pick.level, tokens, seconds)
 
     def record_rate(self, way: str, level: int, tokens: int, seconds: float) -> None:
         """What a segment run ``way`` at ``level`` gave: ``tokens`` decoded in ``seconds`` (too few: nothing)."""
@@ -208,7 +209,7 @@ class LoadChooser:
                                remaining - HANDOFF_MIN_REMAINING) < 0:
             return None
         level = level_of(running)
-        other = PLAIN if way == SPECULATIVE else SPECULATIVE
+        other = other_way(way)
         with self._lock:
             state = self._levels.get(level)
             theirs = None if state is None or not state.ways[other].samples else state.ways[other].rate
@@ -288,9 +289,12 @@ class LoadChosenDecoder:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["speculative"], name)
 
+    def _running_now(self) -> int:
+        return max(1, int(self._running()))
+
     def generate(self, request: Request, on_tokens: Any = None, abort: Any = None) -> GenerationResult:
         start = time.perf_counter()
-        pick = self.chooser.choose(max(1, int(self._running())))
+        pick = self.chooser.choose(self._running_now())
         way, level = pick.way, pick.level
         entries: list = []  # every segment's logprob entries (a continuation's result holds only its own)
         handoffs: list[dict] = []
@@ -310,7 +314,7 @@ class LoadChosenDecoder:
                     on_tokens(tokens, logprobs)
                 if flag.reason is None and not handoffs:  # once at most
                     remaining = request.max_new_tokens - done - clock.count
-                    flag.reason = self.chooser.handoff(way, max(1, int(self._running())), clock.decoded,
+                    flag.reason = self.chooser.handoff(way, self._running_now(), clock.decoded,
                                                        clock.rate, remaining, clock.bursts)
 
             decoder = self.speculative if way == SPECULATIVE else self.plain
@@ -324,10 +328,10 @@ class LoadChosenDecoder:
                     raise GenerationAborted(str(exc), exc.tokens, merged) from exc
                 self.chooser.record_rate(way, level, clock.decoded, clock.seconds)
                 committed = tuple(exc.tokens)
-                other = PLAIN if way == SPECULATIVE else SPECULATIVE
+                other = other_way(way)
                 handoffs.append({"at": len(committed), "to": other, "reason": flag.reason})
                 log.info("load choice: hand-over after %d tokens to %s (%s)", len(committed), other, flag.reason)
-                way, level = other, level_of(max(1, int(self._running())))
+                way, level = other, level_of(self._running_now())
                 continue
             self.chooser.record_rate(way, level, clock.decoded, clock.seconds)
             merged = _merge(merged, result.stats)
@@ -339,7 +343,7 @@ class LoadChosenDecoder:
         """``request`` on the configured (speculative) way, whatever the load, handed over never: a sampled request
         with a seed (the same seed, the same tokens, as a server without the option gives)."""
         result = self.speculative.generate(request, on_tokens, abort)
-        result.stats.extra["load"] = {"way": SPECULATIVE, "running": int(self._running()), "level": "seeded",
+        result.stats.extra["load"] = {"way": SPECULATIVE, "running": self._running_now(), "level": "seeded",
                                       "reason": "seeded: the configured way, so its seed gives the same tokens "
                                                 "whatever the load", "rates": {}, "handoffs": []}
         return result

@@ -22,7 +22,7 @@ def feed(chooser: LoadChooser, running: int, rates: dict[str, float], count: int
     picked = []
     for _ in range(count):
         pick = chooser.choose(running)
-        chooser.record(pick, 100, 100 / rates[pick.way])
+        chooser.record_rate(pick.way, pick.level, 100, 100 / rates[pick.way])
         picked.append(pick.way)
     return picked
 
@@ -73,7 +73,7 @@ def test_above_a_level_where_plain_decoding_led_speculation_is_not_measured_firs
     every = round(EXPLORE_EVERY * 2.0 ** 2)
     first = chooser.choose(5)
     assert first.way == PLAIN and "lower level measured plain decoding 2.00x faster" in first.reason
-    chooser.record(first, 100, 10.0)
+    chooser.record_rate(first.way, first.level, 100, 10.0)
     picked = [first.way] + feed(chooser, 5, {SPECULATIVE: 2.0, PLAIN: 10.0}, every + 2)
     # plain decoding measured first (MIN_SAMPLES requests), then speculation tried at the every-th request after
     assert picked[:MIN_SAMPLES] == [PLAIN] * MIN_SAMPLES and picked.index(SPECULATIVE) == MIN_SAMPLES + every - 1
@@ -128,8 +128,8 @@ def test_by_default_speculation_is_chosen_by_load_in_process_and_not_over_engine
 def test_requests_too_short_to_show_a_rate_are_not_counted():
     chooser = LoadChooser()
     pick = chooser.choose(1)
-    chooser.record(pick, 1, 0.5)  # one token
-    chooser.record(pick, 10, 0.0)
+    chooser.record_rate(pick.way, pick.level, 1, 0.5)  # one token
+    chooser.record_rate(pick.way, pick.level, 10, 0.0)
     assert chooser.snapshot()["1"][SPECULATIVE]["samples"] == 0
     assert chooser.choose(1).way == SPECULATIVE  # still measuring it
 

@@ -42,7 +42,7 @@ from dsi.models.base import (
     tree_rows,
 )
 from dsi.models.costs import ForwardCosts
-from dsi.models.emulated.steps import SharedSteps
+from dsi.models.emulated.steps import SharedSteps, check_seconds
 
 _SPIN_S = 0.00005  # final stretch of a wait done by polling, for precision beyond the timer's
 _PR_SET_TIMERSLACK = 29  # Linux prctl: the slack the kernel may add to this thread's timed sleeps
@@ -63,12 +63,6 @@ def _fine_timer_slack() -> None:
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_TIMERSLACK, 1, 0, 0, 0)
         except (OSError, AttributeError):  # no prctl here: waits are 70 us coarser, and still right
             pass
-
-
-def _check_latency(name: str, value: float) -> float:
-    if not isinstance(value, int | float) or isinstance(value, bool) or not value >= 0:
-        raise ConfigError(f"{name}={value!r} must be a number of seconds >= 0")
-    return float(value)
 
 
 def precise_wait(seconds: float, cancel: CancelFlag | None) -> bool:
@@ -100,10 +94,10 @@ class WithLatency:
                               "or False (one forward per root-to-leaf path)")
         self.model = model
         self.one_forward_trees = one_forward_trees
-        self.ttft = _check_latency("ttft", ttft)
-        self.tpot = _check_latency("tpot", tpot)
-        self.cv = _check_latency("cv", cv)
-        self.token_s = _check_latency("token_s", token_s)
+        self.ttft = check_seconds("ttft", ttft)
+        self.tpot = check_seconds("tpot", tpot)
+        self.cv = check_seconds("cv", cv)
+        self.token_s = check_seconds("token_s", token_s)
         self.seed = seed
         if steps is not None and not isinstance(steps, SharedSteps):
             raise ConfigError(f"steps={steps!r} must be a dsi.models.emulated.steps.SharedSteps or None")
@@ -206,13 +200,6 @@ class LatencySession:
     def _timed(self, run, cancel: CancelFlag | None, computed: int) -> np.ndarray:
         """``run()`` on the inner session, lasting one forward's latency (of ``computed`` tokens); a cancel
         restores the session (to the longest prefix of what it held that it still holds)."""
-        if self._steps is not None:  # the engine's next batched step, shared with every waiting forward
-            before = self._inner.tokens
-            rows = run()
-            if self._steps.join(computed, cancel):
-                self._inner.truncate(common_prefix_length(before, self._inner.tokens))
-                raise TaskCancelled("forward cancelled")
-            return rows
         start = time.perf_counter()
         latency = self._tpot if self._prefilled else self._ttft
         if self._rng is not None:
@@ -220,7 +207,11 @@ class LatencySession:
         latency += self._token_s * computed
         before = self._inner.tokens
         rows = run()
-        if precise_wait(latency - (time.perf_counter() - start), cancel):
+        if self._steps is not None:  # the engine's next batched step, shared with every waiting forward
+            cancelled = self._steps.join(computed, cancel)
+        else:
+            cancelled = precise_wait(latency - (time.perf_counter() - start), cancel)
+        if cancelled:
             self._inner.truncate(common_prefix_length(before, self._inner.tokens))
             raise TaskCancelled("forward cancelled")
         self._prefilled = True

@@ -28,7 +28,8 @@ from dsi.errors import ConfigError
 GRACE_S = 0.002  # at most this long (and a fifth of a step) a step waits for the last one's forwards to come back
 
 
-def _seconds(name: str, value: object) -> float:
+def check_seconds(name: str, value: object) -> float:
+    """``value`` as float seconds, or a ConfigError naming ``name``: a number >= 0 (the emulated latencies' check)."""
     if not isinstance(value, int | float) or isinstance(value, bool) or not value >= 0:
         raise ConfigError(f"{name}={value!r} must be a number of seconds >= 0")
     return float(value)
@@ -45,8 +46,8 @@ class SharedSteps:
     """Batched steps shared by every forward that calls :meth:`join` (see the module doc); thread-safe."""
 
     def __init__(self, step_s: float, token_s: float) -> None:
-        self.step_s = _seconds("step_s", step_s)
-        self.token_s = _seconds("token_s", token_s)
+        self.step_s = check_seconds("step_s", step_s)
+        self.token_s = check_seconds("token_s", token_s)
         self._cond = threading.Condition()
         self._waiting: list[_Forward] = []
         self._thread: threading.Thread | None = None
