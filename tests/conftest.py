@@ -109,6 +109,30 @@ def exact_sequence_law(model: CallableLM, prompt, length: int, params: SamplingP
     return law
 
 
+class HandOverSchedule:
+    """A load chooser (the interface of :class:`dsi.server.load_choice.LoadChooser`) that starts request i the way
+    ``plans[i % len(plans)]`` says and hands it over once at most ``at`` tokens are left. The default plans hand
+    over both ways, speculative to plain and plain to speculative, after one and after two tokens."""
+
+    PLANS = (("speculative", 2), ("plain", 2), ("speculative", 1), ("plain", 1))
+
+    def __init__(self, plans=PLANS) -> None:
+        self.plans, self.calls, self.at = tuple(plans), 0, 0
+
+    def choose(self, running):
+        from dsi.server.load_choice import Pick
+
+        way, self.at = self.plans[self.calls % len(self.plans)]
+        self.calls += 1
+        return Pick(way, running, 1, "test", {})
+
+    def handoff(self, way, running, tokens, rate, remaining, bursts=0):
+        return "scheduled" if remaining <= self.at else None
+
+    def record_rate(self, *args) -> None:
+        pass
+
+
 @pytest.fixture
 def one_torch_thread():
     """Torch on one intra-op thread for the test (HF tests: reproducible and no oversubscription)."""

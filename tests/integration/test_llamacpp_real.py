@@ -182,3 +182,32 @@ def test_a_json_schema_on_the_embedded_pair_gives_valid_json_and_greedy_si_and_d
                 outputs[method] = out.tokens
             if temperature == 0.0:
                 assert outputs["si"] == outputs["ar"] == outputs["dsi"], task
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method, lookahead, servers", [("si", 4, 1), ("dsi", "auto", 2)])
+def test_in_the_mode_requests_handed_over_between_speculation_and_plain_decoding_equal_non_si(
+        pair, method, lookahead, servers, no_thread_leak):
+    """Speculation chosen by load on the real pair: requests started speculatively or plainly and handed over
+    to the other way with 16 or 8 of 32 tokens left give non-SI's greedy tokens (the continuation re-reads the
+    committed tokens as a prompt: a different cut, which only the mode makes bit-exact on llama.cpp)."""
+    from dsi.engine.api import build_decoder, make_request
+    from dsi.server.load_choice import LoadChosenDecoder
+    from tests.conftest import HandOverSchedule
+
+    target, drafter = pair
+    prompt = target.encode("def fibonacci(n):")
+    reference = dsi.generate(target=target, prompt=prompt, method="ar", max_new_tokens=32).tokens
+    schedule = HandOverSchedule((("speculative", 16), ("plain", 16), ("speculative", 8), ("plain", 8)))
+    decoder = LoadChosenDecoder(
+        build_decoder(target=target, drafter=drafter, method=method, lookahead=lookahead,
+                      num_target_servers=servers),
+        build_decoder(target=target, method="ar"), schedule, lambda: 1)
+    try:
+        for _ in schedule.plans:
+            result = decoder.generate(make_request(prompt, 32, dsi.SamplingParams(), None, target.vocab_size))
+            load = result.stats.extra["load"]
+            assert len(load["handoffs"]) == 1, load
+            assert result.tokens == reference, (load, first_divergence(target, prompt, reference, result.tokens))
+    finally:
+        decoder.close()

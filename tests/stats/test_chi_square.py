@@ -15,7 +15,7 @@ import dsi
 from dsi.engine.api import build_decoder, make_request
 from dsi.models import CallableLM
 from dsi.models.emulated.synthetic import SyntheticTarget
-from tests.conftest import exact_sequence_law, random_lm
+from tests.conftest import HandOverSchedule, exact_sequence_law, random_lm
 
 ALPHA = 1e-4
 N_SAMPLES = 2000  # seeds per test: enough power (the guard below), and the default run stays under 15 min
@@ -34,14 +34,14 @@ def sample_counts(decoder, params_for_seed, law, eos=None):
 
 
 def _law_cases():
-    """Every configuration with both processings; the plain-temperature DSI cases on fewer than 3 servers, and
-    event-driven DSI on 3 servers with top-k / top-p, run in CI's slow run (each of those configurations is
-    tested with the other processing in the default one)."""
+    """Every configuration with both processings. The default run keeps SI with both and two DSI cases: fixed k on
+    3 servers with plain temperature and event-driven on one with top-k / top-p; the other DSI cases run in CI's
+    slow run (each DSI case costs seconds: 2000 requests through a pool of threads)."""
+    default = {("dsi", 2, 3, False), ("dsi", "auto", 1, True)}
     for processing in (dict(temperature=1.0), dict(temperature=0.8, top_k=2, top_p=0.9)):
         for method, lookahead, servers in (("dsi", 1, 2), ("dsi", 2, 3), ("dsi", "auto", 1), ("dsi", "auto", 3),
                                            ("si", 2, 1), ("si", 3, 1)):
-            slow = method == "dsi" and servers < 3 and "top_k" not in processing
-            slow = slow or (method, lookahead, servers) == ("dsi", "auto", 3) and "top_k" in processing
+            slow = method == "dsi" and (method, lookahead, servers, "top_k" in processing) not in default
             yield pytest.param(method, lookahead, servers, processing, marks=[SLOW] if slow else [])
 
 
@@ -52,7 +52,8 @@ def test_sampling_matches_the_target_law(method, lookahead, servers, processing,
     assert_target_law(target, drafter, method, lookahead, servers, processing)
 
 
-@pytest.mark.parametrize("method, lookahead, servers", [("dsi", 2, 1), ("dsi", "auto", 2), ("dsi", 2, 3), ("si", 2, 1)])
+@pytest.mark.parametrize("method, lookahead, servers", [pytest.param("dsi", 2, 1, marks=SLOW), ("dsi", "auto", 2),
+                                                       pytest.param("dsi", 2, 3, marks=SLOW), ("si", 2, 1)])
 def test_sampling_with_penalties_bias_min_p_and_min_tokens_matches_the_processed_target_law(
         method, lookahead, servers, no_thread_leak):
     """Every row (target and drafter, drafts included in its prefix) is processed with the tokens
@@ -65,9 +66,9 @@ def test_sampling_with_penalties_bias_min_p_and_min_tokens_matches_the_processed
 
 
 @pytest.mark.parametrize("method, lookahead, servers, tree", [
-    ("dsi", 1, 1, "3"), pytest.param("dsi", "auto", 3, "auto", marks=SLOW),
+    pytest.param("dsi", 1, 1, "3", marks=SLOW), pytest.param("dsi", "auto", 3, "auto", marks=SLOW),
     pytest.param("si", 3, 1, "2,2", marks=SLOW), ("si", 3, 1, "auto"), pytest.param("si", 4, 1, "best-first", marks=SLOW),
-    ("si", 3, 1, "branches:0.05"), ("dsi", 2, 2, "branches:0.05"),
+    pytest.param("si", 3, 1, "branches:0.05", marks=SLOW), ("dsi", 2, 2, "branches:0.05"),
 ])
 def test_sampling_with_draft_trees_matches_the_target_law(method, lookahead, servers, tree, no_thread_leak):
     """Tree windows (issue 24): side children followed when the chain's correction is one of them, then
@@ -98,7 +99,8 @@ def assert_target_law(target, drafter, method, lookahead, servers, processing, e
     assert p_value > ALPHA, f"p={p_value:.2e}: counts {counts} vs expected {np.round(expected, 1)}"
 
 
-@pytest.mark.parametrize("method, lookahead, servers", [("dsi", 2, 2), ("dsi", "auto", 2), ("si", 2, 1)])
+@pytest.mark.parametrize("method, lookahead, servers", [pytest.param("dsi", 2, 2, marks=SLOW), ("dsi", "auto", 2),
+                                                       ("si", 2, 1)])
 def test_sampling_with_a_drafter_out_of_context_matches_the_target_law(method, lookahead, servers, no_thread_leak):
     """The drafter holds 3 tokens: after the 2-token prompt it drafts positions 2 and 3 at most,
     position 4 is always the target's own (bonus) token. The law is still exactly the target's."""
@@ -122,31 +124,6 @@ def test_the_chi_square_check_detects_a_biased_sampler():
     assert p_value < ALPHA
 
 
-class _HandOverSchedule:
-    """A load chooser that starts request i the way ``PLANS[i % 4]`` says and hands it over once at most
-    ``at`` tokens are left: speculative to plain and plain to speculative, after one and after two tokens."""
-
-    PLANS = (("speculative", 2), ("plain", 2), ("speculative", 1), ("plain", 1))
-
-    def __init__(self) -> None:
-        from dsi.server.load_choice import LoadChooser
-
-        self.inner, self.calls, self.at = LoadChooser(), 0, 0
-
-    def choose(self, running):
-        from dsi.server.load_choice import Pick
-
-        way, self.at = self.PLANS[self.calls % len(self.PLANS)]
-        self.calls += 1
-        return Pick(way, running, 1, "test", {})
-
-    def handoff(self, way, running, tokens, rate, remaining, bursts=0):
-        return "scheduled" if remaining <= self.at else None
-
-    def record_rate(self, *args) -> None:
-        pass
-
-
 @pytest.mark.parametrize("method, lookahead, servers", [("si", 2, 1), ("dsi", 2, 2)])
 def test_sampling_handed_over_between_speculation_and_plain_decoding_matches_the_target_law(
         method, lookahead, servers, no_thread_leak):
@@ -159,7 +136,7 @@ def test_sampling_handed_over_between_speculation_and_plain_decoding_matches_the
     drafter = random_lm(VOCAB, seed=99, sharpness=1.5)
     processing = dict(temperature=0.9, presence_penalty=0.8, repetition_penalty=1.3)
     law = exact_sequence_law(target, PROMPT, LENGTH, dsi.SamplingParams(**processing, seed=0))
-    schedule = _HandOverSchedule()
+    schedule = HandOverSchedule()
     decoder = LoadChosenDecoder(
         build_decoder(target=target, drafter=drafter, method=method, lookahead=lookahead,
                       num_target_servers=servers),

@@ -194,12 +194,13 @@ def chi_square_p(counts, law) -> float:
     return chisquare(observed, expected).pvalue
 
 
-CASES = [  # method, lookahead, servers, vocab_mode, processing
+SLOW = pytest.mark.slow  # in CI's slow run: each DSI case costs seconds, and the default run stays under 15 minutes
+CASES = [  # method, lookahead, servers, vocab_mode, processing (the default run: SI, and DSI with both modes)
     ("si", 2, 1, "intersection", dict(temperature=1.0)),
     ("si", 3, 1, "auto", dict(temperature=0.8, top_k=3, top_p=0.9)),
-    ("dsi", 2, 1, "auto", dict(temperature=1.0)),
-    ("dsi", 2, 3, "intersection", dict(temperature=0.8, top_k=3, top_p=0.9)),
-    ("dsi", "auto", 1, "intersection", dict(temperature=1.0)),
+    pytest.param("dsi", 2, 1, "auto", dict(temperature=1.0), marks=SLOW),
+    pytest.param("dsi", 2, 3, "intersection", dict(temperature=0.8, top_k=3, top_p=0.9), marks=SLOW),
+    pytest.param("dsi", "auto", 1, "intersection", dict(temperature=1.0), marks=SLOW),
     ("dsi", "auto", 2, "auto", dict(temperature=1.2, top_k=2)),
     # rows processed with their prefix; the bias is in target ids, so it reaches the drafter's row
     # through the intersection (its shared tokens), and the target's own row everywhere

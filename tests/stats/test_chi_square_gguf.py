@@ -56,7 +56,8 @@ def exact_law(model, prompt, params) -> dict:
 
 @pytest.mark.parametrize("method, lookahead, servers, deterministic, processing",
                          [("si", 2, 1, False, PROCESSING), ("dsi", 2, 2, False, PROCESSED),
-                          ("dsi", "auto", 2, False, PROCESSING), ("si", 2, 1, True, PROCESSED),
+                          pytest.param("dsi", "auto", 2, False, PROCESSING, marks=pytest.mark.slow),
+                          ("si", 2, 1, True, PROCESSED),
                           ("dsi", "auto", 2, True, PROCESSING)], ids=lambda v: "processed" if v is PROCESSED else None)
 def test_sampling_on_llama_cpp_matches_the_target_law(pair, method, lookahead, servers, deterministic, processing,
                                                       no_thread_leak):

@@ -6,8 +6,9 @@ drafts, rejected windows and preempted verifications cost more than they save. S
 holds two decoders over the same models (:class:`LoadChosenDecoder`): the configured one (DSI or SI, or
 ``--method auto``'s pick) and a plain (non-SI) one, and a :class:`LoadChooser` shared by the slots picks one per
 request, from what the server measured as it ran, and may hand a running request over to the other at a decided
-position. Both are lossless, so the output's law is the target's whatever it picks (greedy: the same tokens; sampled
-with a seed: the same tokens for the same picks and hand-overs).
+position. Both are lossless, so the output's law is the target's whatever it picks (greedy: the same tokens wherever a
+row's logits do not depend on how its forward was cut, as on llama.cpp or bf16 only in the deterministic mode:
+docs/serving.md; sampled with a seed: the same tokens for the same picks and hand-overs).
 
 What it measures. Each stretch of a request run one way (a *segment*: the whole request, or the part before or
 after a hand-over) gives that way's decode rate: the tokens committed after its first commit over the time since
@@ -45,8 +46,8 @@ request gives the same tokens for the same hand-overs.
 A sampled request with a seed (given by the client, or the server's ``--seed``) runs the configured way whatever
 the load, and is never handed over (:meth:`LoadChosenDecoder.generate_configured`, the server's choice): a seed
 then gives the same tokens however busy the server was and whatever ran before, as clients expect of a seed (lm-eval
-scores must not depend on request order). Greedy requests get the same tokens either way, and unseeded sampled ones
-the same law.
+scores must not depend on request order). Greedy requests get the same tokens either way (up to the near-ties above), and unseeded sampled
+ones the same law.
 
 A request tried the losing way runs next to requests running the winning one, whose compute it shares: at a high
 level such a lone speculative request can measure faster than it would be among its like. Its average then leads

@@ -174,12 +174,16 @@ class DispatchingPool:
         with self._lock:
             return [s for s, task in self._dispatch.running.items() if task is not None]
 
-    def _requeue(self, task: VerifyTask, server: int, error: str) -> TaskFailed | None:
-        """A dead server's task: first in line again, or failed if it is poison (lock held)."""
+    def _requeue(self, task: VerifyTask, server: int, error: str, charged: bool = True) -> TaskFailed | None:
+        """A dead server's task: first in line again, or failed if it is poison (lock held). A death not
+        ``charged`` to the task (the server never ran it: it died making its session, before the task could
+        start) re-queues it without counting toward the poison limit."""
         d = self._dispatch
-        deaths = d.deaths[task.task_id] = d.deaths.get(task.task_id, 0) + 1
+        deaths = d.deaths.get(task.task_id, 0) + charged
         died_on = d.died_on.setdefault(task.task_id, set())
-        died_on.add(server)
+        if charged:
+            d.deaths[task.task_id] = deaths
+            died_on.add(server)
         if len(d.deaths) > 4096:  # ids of long-finished tasks
             d.deaths, d.died_on = {task.task_id: deaths}, {task.task_id: died_on}
         if deaths >= MAX_TASK_DEATHS and len(died_on) >= min(MAX_TASK_DEATHS, self.num_servers):

@@ -286,7 +286,7 @@ class ThreadTargetPool(DispatchingPool):
                 if flag is not None and flag.is_set():
                     events.append(TaskAborted(task.task_id, server, 0.0))
                 else:
-                    failed = self._requeue(task, server, error)
+                    failed = self._requeue(task, server, error, charged_to_task)
                     if failed is not None:
                         events.append(failed)
                 if flag is not None:

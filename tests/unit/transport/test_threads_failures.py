@@ -75,6 +75,39 @@ def test_dead_threads_are_replaced_and_the_request_completes(no_thread_leak):
     assert out.stats.extra["dead_servers"] == 2
 
 
+class GatedBrokenSessions(BrokenSessions):
+    """BrokenSessions whose broken sessions fail only once ``gate`` opens (a task is handed to them first)."""
+
+    def __init__(self, model, broken: int) -> None:
+        super().__init__(model, broken)
+        self.gate = threading.Event()
+
+    def new_session(self):
+        with self._lock:
+            n = next(self._count)
+        if n < self._broken:
+            self.gate.wait(5)
+            raise MemoryError("no memory for a cache")
+        return self.model.new_session()
+
+
+def test_servers_dying_before_their_session_do_not_make_the_task_poison(no_thread_leak):
+    """A task handed to servers still making their sessions, which then fail, never ran on them: it is
+    re-queued as often as that happens and answered by a replacement, not failed as a poison task."""
+    target, _ = synthetic_pair(0.7, vocab_size=24, seed=2)
+    model = GatedBrokenSessions(target, 2)
+    events = queue.SimpleQueue()
+    with ThreadTargetPool(model, 2, events.put) as pool:
+        pool.submit(VerifyTask(0, (1, 2), 1, GREEDY))  # on server 0 (or 1) while it makes its session
+        model.gate.set()  # both sessions fail now: the task was on the first, then on the other
+        seen = []
+        while not seen or not isinstance(seen[-1], TaskResult | TaskFailed):
+            seen.append(events.get(timeout=10))
+    assert [type(e) for e in seen] == [ServerDied, ServerDied, TaskResult]
+    logits = target.new_session().extend([1, 2])
+    assert seen[-1].tokens.tolist() == [int(np.argmax(logits[-1]))]
+
+
 def test_a_server_that_never_gets_a_session_is_given_up_after_max_restarts(no_thread_leak):
     from dsi.transport.dispatch import MAX_RESTARTS
 
