@@ -41,11 +41,10 @@ METHODS = ("ar", "si", "dsi")
 BURST_S = 0.002  # tokens committed within this of the first one came from the same verification
 
 
-def run(engines, drafter, method: str, prompt: list[int], tokens: int, lookahead: int
-        ) -> tuple[float, float, int, list[int]]:
-    """One greedy request of ``method`` over ``engines`` (an EngineTarget): seconds to its first token (the
-    first verification, which holds the prefill), seconds after that verification's tokens to the last one, the
-    number of tokens in that time, and the output."""
+def run(engines, drafter, method: str, prompt: list[int], tokens: int, lookahead: int, sampling=None):
+    """One request of ``method`` over ``engines`` (an EngineTarget; greedy unless ``sampling`` says): seconds to
+    its first token (the first verification, which holds the prefill), seconds after that verification's tokens
+    to the last one, the number of tokens in that time, and the result."""
     import dsi
 
     options = {} if method == "ar" else {"drafter": drafter, "lookahead": lookahead}
@@ -57,12 +56,12 @@ def run(engines, drafter, method: str, prompt: list[int], tokens: int, lookahead
 
     try:
         began = time.perf_counter()
-        out = decoder.generate(dsi.make_request(prompt, tokens, vocab_size=engines.vocab_size), on_tokens)
+        out = decoder.generate(dsi.make_request(prompt, tokens, sampling, vocab_size=engines.vocab_size), on_tokens)
         ended = time.perf_counter()
     finally:
         decoder.close()
     first = [(t, n) for t, n in arrivals if t - arrivals[0][0] < BURST_S]
-    return first[0][0] - began, ended - first[-1][0], tokens - sum(n for _, n in first), list(out.tokens)
+    return first[0][0] - began, ended - first[-1][0], tokens - sum(n for _, n in first), out
 
 
 def first_layer_drafter(target_dir, drafter_dir, scale: float):
@@ -109,7 +108,7 @@ def main() -> int:
     import dsi
     from dsi.models.engines.target import EngineTarget
     from dsi.models.loading import load_model
-    from tests.integration.test_engines import start_all
+    from tests.engine_servers import start_all
 
     positions = max(args.lengths) + args.tokens + args.lookahead + 64
     folder = scratch()
@@ -145,7 +144,7 @@ def main() -> int:
                         times[method].append(rest / max(count, 1))
                         firsts[method].append(ttft)
                         exact.setdefault(f"{way} {method} {length}", True)
-                        exact[f"{way} {method} {length}"] &= out == list(local)
+                        exact[f"{way} {method} {length}"] &= list(out.tokens) == list(local)
                 seconds.setdefault(way, {})[length] = {m: statistics.median(t) for m, t in times.items()}
                 ttfts.setdefault(way, {})[length] = {m: statistics.median(t) for m, t in firsts.items()}
                 print(f"{way} {length}: " + ", ".join(f"{m} {s:.2f} s" for m, s in seconds[way][length].items()),

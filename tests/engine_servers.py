@@ -8,6 +8,8 @@ without it, and the vLLM tests skip with that reason.
 
 from __future__ import annotations
 
+import http.server
+import json
 import os
 import signal
 import socket
@@ -15,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,6 +85,52 @@ class LocalHTTP:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+class RelayProxy(LocalHTTP):
+    """A real engine behind an HTTP proxy that relays its JSON answers, each through :meth:`alter` first (a
+    subclass's faults). The proxy relays HTTP only, so the model cards it relays do not advertise the engine's
+    scoring channel (a dsi would verify there, past the proxy): every verification goes through it."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def _relay(self, method, body=None):
+                request = urllib.request.Request(proxy.upstream + self.path.removeprefix("/v1"), body,
+                                                 {"Content-Type": "application/json"}, method=method)
+                with urllib.request.urlopen(request, timeout=60) as response:
+                    return json.load(response)
+
+            def _send(self, answer):
+                data = json.dumps(answer).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                answer = self._relay("GET")
+                for card in answer.get("data", []):
+                    (card.get("dsi") or {}).pop("scoring_port", None)
+                self._send(answer)
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                self._send(proxy.alter(json.loads(body), self._relay("POST", body)))
+
+        self.serve(Handler)
+
+    def alter(self, request: dict, answer: dict) -> dict:
+        """The answer the proxy sends for a POST of ``request`` that the engine answered with ``answer``."""
+        return answer
 
 
 FAST_LIVENESS = {"floor_s": 2.0, "factor": 5.0, "unmeasured_s": 10.0}  # a frozen engine is caught in seconds
@@ -172,10 +221,14 @@ _cpu_lock = threading.Lock()
 _next_cpu = [0]
 
 
+DRAWS_PROCESSOR = "dsi_vllm.processor:CoupledDraws"  # the logits processor that makes coupled draws in vLLM
+
+
 def start_vllm(model_dir: str, name: str = "tiny", max_model_len: int = 256, port: int | None = None,
-               extra: tuple[str, ...] = ()) -> EngineProcess:
+               extra: tuple[str, ...] = (), draws: bool = False) -> EngineProcess:
     """vLLM's OpenAI server on a tiny fp32 model, as the engines issue measured it on this machine (``port``:
-    a given one, to restart an engine where it was; ``extra``: more flags)."""
+    a given one, to restart an engine where it was; ``extra``: more flags; ``draws``: with dsi_vllm's processor,
+    imported from this checkout's src, and its prefix cache, as docs/engines.md starts it)."""
     python = vllm_python()
     assert python is not None, "no vllm venv (bash packaging/vllm-venv.sh)"
     with _cpu_lock:
@@ -186,4 +239,30 @@ def start_vllm(model_dir: str, name: str = "tiny", max_model_len: int = 256, por
             "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--max-logprobs", "-1",
             "--enforce-eager", "--dtype", "float32", "--max-model-len", str(max_model_len), *extra]
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(cpu), "VLLM_LOGGING_LEVEL": "WARNING"}
+    if draws:
+        argv += ["--enable-prefix-caching", "--block-size", "32", "--logits-processors", DRAWS_PROCESSOR]
+        env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1] / "src")
     return EngineProcess(argv, port, env, timeout=300.0)
+
+
+def start_all(starters):
+    """Start servers at once (each start mostly waits); return them in order."""
+    out, errors = [None] * len(starters), []
+
+    def run(i, start):
+        try:
+            out[i] = start()
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i, s)) for i, s in enumerate(starters)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        for server in out:
+            if server is not None:
+                server.stop()
+        raise errors[0]
+    return out

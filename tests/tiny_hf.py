@@ -46,15 +46,16 @@ def perturb(model, noise: float, seed: int = 1):
 
 
 def make_model_dir(path: Path, arch: str = "llama", seed: int = 0, layers: int = 2, hidden: int = 32,
-                   positions: int = 256, init_std: float = 0.02) -> Path:
+                   positions: int = 256, init_std: float = 0.02, vocab_size: int | None = None) -> Path:
     """Save a random ``arch`` model with the test tokenizer to ``path`` (``positions``: its longest
     context; ``init_std``: its weights' standard deviation, transformers' ``initializer_range``: larger
-    weights make larger logits, whose bf16 rounding moves log-probabilities more); return ``path``."""
+    weights make larger logits, whose bf16 rounding moves log-probabilities more; ``vocab_size``: rows of its
+    embeddings and head, at least the tokenizer's, as a real model's padded vocabulary); return ``path``."""
     import torch
     import transformers
 
     tok = make_tokenizer()
-    vocab = len(tok)
+    vocab = max(len(tok), vocab_size or 0)
     torch.manual_seed(seed)
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     if arch == "llama":

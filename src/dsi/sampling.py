@@ -38,6 +38,7 @@ from functools import lru_cache
 import numpy as np
 
 from dsi.constraints import BoundConstraint, Constraint
+from dsi.coupling import coupled_draw
 from dsi.errors import ConfigError, DraftUnavailable, ModelError, require
 from dsi.errors import shown as _shown
 
@@ -115,6 +116,11 @@ class SamplingParams:
     - ``constraint``: structured output (:mod:`dsi.constraints`): every token the grammar does not allow
       after the output so far gets probability 0 (applied last among these processors). A
       :class:`~dsi.constraints.Constraint` is bound to the target's vocabulary when the request starts.
+
+    ``coupled`` (sampling only): draws share keyed Gumbel noise (:mod:`dsi.coupling`): every committed token is
+    the target's own draw, so one seed gives the same tokens whatever method, drafter or timing decodes it, and a
+    target server that draws where its rows are answers a row with one token; drafts are accepted less often
+    than by the standard rule (``min(1, p / q)`` and a residual draw), which is the default.
     """
 
     temperature: float = 0.0
@@ -130,6 +136,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     constraint: Constraint | BoundConstraint | None = None
+    coupled: bool = False
 
     def __post_init__(self) -> None:
         t, k, p, s = self.temperature, self.top_k, self.top_p, self.seed
@@ -161,6 +168,7 @@ class SamplingParams:
         require(isinstance(m, int) and not isinstance(m, bool) and m >= 0,
                 f"min_tokens={_shown(m)} must be an integer >= 0")
         require(isinstance(self.ignore_eos, bool), f"ignore_eos={_shown(self.ignore_eos)} must be true or false")
+        require(isinstance(self.coupled, bool), f"coupled={_shown(self.coupled)} must be true or false")
         object.__setattr__(self, "logit_bias", _bias_items(self.logit_bias))
         stops = self.stop_token_ids
         require(isinstance(stops, list | tuple | set | frozenset)
@@ -182,6 +190,11 @@ class SamplingParams:
         """Whether processing a row needs the tokens before it (penalties, ``min_tokens``)."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0 or self.min_tokens > 0 or self.constraint is not None)
+
+    @property
+    def coupled_draws(self) -> bool:
+        """Sampling with coupled draws (:mod:`dsi.coupling`): a position's token is the target law's draw."""
+        return self.coupled and not self.greedy
 
     @property
     def moves_argmax(self) -> bool:
@@ -812,6 +825,8 @@ def draft_token(q: np.ndarray, params: SamplingParams, position: int) -> int:
     """The drafter's token at absolute ``position`` from its processed distribution ``q``."""
     if params.greedy:
         return int(np.argmax(q))
+    if params.coupled:
+        return coupled_draw(q, params.seed, position)
     return sample_from(q, uniform(params.seed, position, Purpose.DRAFT))
 
 
@@ -872,6 +887,9 @@ def decide(
     if params.greedy:
         best = int(np.argmax(p))
         return Decision(best, best == draft)
+    if params.coupled:  # the target's own draw decides: the draft is kept where it is that draw
+        token = coupled_draw(p, params.seed, position)
+        return Decision(token, token == draft)
     if q is None:
         raise ConfigError("sampling decisions need the drafter distribution q")
     if accepts(float(p[draft]), float(q[draft]), params, position):
@@ -896,7 +914,10 @@ def correction(p: np.ndarray, q: np.ndarray, params: SamplingParams, position: i
 
 def decide_row(laws, row: int, draft: int, q: np.ndarray | None, params: SamplingParams, position: int) -> Decision:
     """:func:`decide` on row ``row`` of a verification's sampled ``laws`` (``[n, V]`` laws, a :class:`LazyLaws` or
-    a :class:`ReadLaws`), reading the row's whole law only at a rejection (its residual)."""
+    a :class:`ReadLaws`), reading the row's whole law only at a rejection (its residual; coupled draws: always)."""
+    if params.coupled:
+        token = coupled_draw(laws[row], params.seed, position)
+        return Decision(token, token == int(draft))
     if q is None:
         raise ConfigError("sampling decisions need the drafter distribution q")
     prob = getattr(laws, "prob", None)
@@ -976,7 +997,12 @@ class RowsRead:
     params: SamplingParams
     prompt_len: int
     stop_ids: frozenset[int] = frozenset()
-    on_device = True
+
+    @property
+    def on_device(self) -> bool:
+        """Whether a device may read these rows there: not for coupled draws, which the host makes
+        (:mod:`dsi.coupling`)."""
+        return not self.params.coupled_draws
 
 
 @dataclass(frozen=True)
@@ -991,7 +1017,7 @@ class ChainRead(RowsRead):
     @property
     def on_device(self) -> bool:
         """Whether a device can decide this chain: its drafts' probabilities came with it."""
-        return self.draft_probs is not None and not self.params.greedy
+        return self.draft_probs is not None and not self.params.greedy and not self.params.coupled
 
     def __call__(self, logits: np.ndarray) -> tuple[np.ndarray, LazyLaws | ReadLaws]:
         params = self.params
@@ -1047,4 +1073,6 @@ def bonus(p: np.ndarray, params: SamplingParams, position: int) -> int:
     """The target's own token at ``position`` (no draft to test): argmax or a sample from ``p``."""
     if params.greedy:
         return int(np.argmax(p))
+    if params.coupled:
+        return coupled_draw(p, params.seed, position)
     return sample_from(p, uniform(params.seed, position, Purpose.BONUS))

@@ -73,6 +73,16 @@ def test_engine_long_context_on_vllm(dry_run):
     assert report["exact"] and all(report["exact"].values())  # every method, both ways: the local non-SI tokens
 
 
+def test_engine_sampled_draws_on_vllm(dry_run):
+    needs_vllm()
+    report = dry_run("engine_sampled_draws.py", timeout=900)
+    assert set(report["tokens_per_second"]) == {"greedy", "sampled, whole rows", "sampled, engine draws"}
+    assert all(report["exact"].values())
+    rows, draws = report["bytes_back_per_draft"]["sampled, whole rows"], report["bytes_back_per_draft"][
+        "sampled, engine draws"]
+    assert draws["si"] < rows["si"]  # a token a row, not a row of the vocabulary
+
+
 def test_engine_cancel_and_batching_on_vllm(dry_run):
     needs_vllm()
     report = dry_run("engine_cancel_and_batching.py", timeout=600)

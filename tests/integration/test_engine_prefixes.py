@@ -32,7 +32,7 @@ NEW = 40
 def engines(dirs):
     if vllm_python() is None:
         pytest.skip("no vLLM venv: bash packaging/vllm-venv.sh builds it (CI does)")
-    from tests.integration.test_engines import start_all
+    from tests.engine_servers import start_all
 
     servers = start_all([lambda: start_vllm(dirs["target"], extra=("--enable-prefix-caching", "--block-size",
                                                                    str(BLOCK))) for _ in range(2)])

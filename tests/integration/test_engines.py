@@ -17,10 +17,8 @@ server takes about 40 s to start here); they skip with the reason when it is mis
 
 from __future__ import annotations
 
-import http.server
 import json
 import signal
-import threading
 import time
 import urllib.request
 
@@ -38,10 +36,11 @@ from dsi.sampling import SamplingParams, process_logits  # noqa: E402
 from tests.engine_models import PROMPTS, TOKENS, dirs, local, prompts, reference  # noqa: E402,F401
 from tests.engine_servers import (  # noqa: E402
     FAST_LIVENESS,
-    LocalHTTP,
+    RelayProxy,
     Strike,
     StrikeAfter,
     answered_requests,
+    start_all,
     start_dsi_serve,
     start_vllm,
     vllm_python,
@@ -49,29 +48,6 @@ from tests.engine_servers import (  # noqa: E402
 
 pytestmark = pytest.mark.hf
 
-
-
-def start_all(starters):
-    """Start servers at once (each start mostly waits); return them in order."""
-    out, errors = [None] * len(starters), []
-
-    def run(i, start):
-        try:
-            out[i] = start()
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i, s)) for i, s in enumerate(starters)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        for server in out:
-            if server is not None:
-                server.stop()
-        raise errors[0]
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -372,50 +348,18 @@ def test_an_engine_lost_mid_request_with_default_liveness_never_shortens_the_ans
         lost.stop()
 
 
-class GarbageAfter(LocalHTTP):
-    """A real engine behind an HTTP proxy that, after ``good`` completions, answers rows of the wrong length.
-    The proxy relays HTTP only, so the model cards it relays do not advertise the engine's scoring channel
-    (a dsi would verify there, past the proxy): every verification goes through it."""
+class GarbageAfter(RelayProxy):
+    """A real engine behind a relaying proxy that, after ``good`` completions, answers rows of the wrong length."""
 
     def __init__(self, upstream: str, good: int) -> None:
-        self.upstream, self.good, self.answered = upstream, good, 0
-        proxy = self
+        self.good, self.answered = good, 0
+        super().__init__(upstream)
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args):
-                pass
-
-            def _relay(self, method, body=None):
-                request = urllib.request.Request(proxy.upstream + self.path.removeprefix("/v1"), body,
-                                                 {"Content-Type": "application/json"}, method=method)
-                with urllib.request.urlopen(request, timeout=60) as response:
-                    return json.load(response)
-
-            def _send(self, answer):
-                data = json.dumps(answer).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):
-                answer = self._relay("GET")
-                for card in answer.get("data", []):
-                    (card.get("dsi") or {}).pop("scoring_port", None)
-                self._send(answer)
-
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                answer = self._relay("POST", body)
-                proxy.answered += 1
-                if proxy.answered > proxy.good:
-                    answer["choices"][0]["prompt_logprobs"] = answer["choices"][0]["prompt_logprobs"][:-1]
-                self._send(answer)
-
-        self.serve(Handler)
+    def alter(self, request: dict, answer: dict) -> dict:
+        self.answered += 1
+        if self.answered > self.good:
+            answer["choices"][0]["prompt_logprobs"] = answer["choices"][0]["prompt_logprobs"][:-1]
+        return answer
 
 
 @pytest.mark.slow

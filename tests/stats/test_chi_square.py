@@ -68,7 +68,7 @@ def test_sampling_with_penalties_bias_min_p_and_min_tokens_matches_the_processed
 @pytest.mark.parametrize("method, lookahead, servers, tree", [
     pytest.param("dsi", 1, 1, "3", marks=SLOW), pytest.param("dsi", "auto", 3, "auto", marks=SLOW),
     pytest.param("si", 3, 1, "2,2", marks=SLOW), ("si", 3, 1, "auto"), pytest.param("si", 4, 1, "best-first", marks=SLOW),
-    pytest.param("si", 3, 1, "branches:0.05", marks=SLOW), ("dsi", 2, 2, "branches:0.05"),
+    pytest.param("si", 3, 1, "branches:0.05", marks=SLOW), pytest.param("dsi", 2, 2, "branches:0.05", marks=SLOW),
 ])
 def test_sampling_with_draft_trees_matches_the_target_law(method, lookahead, servers, tree, no_thread_leak):
     """Tree windows (issue 24): side children followed when the chain's correction is one of them, then
@@ -109,6 +109,19 @@ def test_sampling_with_a_drafter_out_of_context_matches_the_target_law(method, l
     assert_target_law(target, drafter, method, lookahead, servers, dict(temperature=0.9, top_k=2))
 
 
+@pytest.mark.parametrize("method, lookahead, servers, tree", [
+    ("ar", 1, 1, None), ("si", 2, 1, None), pytest.param("dsi", "auto", 2, None, marks=SLOW),
+    pytest.param("dsi", 2, 3, None, marks=SLOW), pytest.param("si", 3, 1, "branches:0.05", marks=SLOW),
+])
+def test_coupled_draws_match_the_target_law(method, lookahead, servers, tree, no_thread_leak):
+    """Coupled draws (dsi.coupling): the drafter and the target draw with the same keyed Gumbel noise and the
+    target's draw decides; the law is still exactly the target's, top-p included."""
+    target = random_lm(VOCAB, seed=21, sharpness=1.0)
+    drafter = None if method == "ar" else random_lm(VOCAB, seed=99, sharpness=1.5)
+    assert_target_law(target, drafter, method, lookahead, servers, dict(temperature=0.9, top_p=0.95, coupled=True),
+                      draft_tree=tree)
+
+
 def test_the_chi_square_check_detects_a_biased_sampler():
     """Guard: the same check rejects a sampler that ignores the residual (draft always kept)."""
     target = random_lm(VOCAB, seed=21, sharpness=1.0)
@@ -124,7 +137,7 @@ def test_the_chi_square_check_detects_a_biased_sampler():
     assert p_value < ALPHA
 
 
-@pytest.mark.parametrize("method, lookahead, servers", [("si", 2, 1), ("dsi", 2, 2)])
+@pytest.mark.parametrize("method, lookahead, servers", [("si", 2, 1), pytest.param("dsi", 2, 2, marks=SLOW)])
 def test_sampling_handed_over_between_speculation_and_plain_decoding_matches_the_target_law(
         method, lookahead, servers, no_thread_leak):
     """dsi serve's speculation chosen by load (dsi.server.load_choice) hands a request over at a decided position;

@@ -44,7 +44,7 @@ def test_engine_sources_name_no_concrete_backend():
 # ("__init__" is the package root, ``import dsi``; "api" is the public entry that knows method="auto".)
 LAYERS = (
     {"errors", "allocator"},
-    {"constraints", "sampling", "windows", "text", "trees"},
+    {"constraints", "coupling", "sampling", "windows", "text", "trees"},
     {"logprobs"},
     {"models"},
     {"transport"},

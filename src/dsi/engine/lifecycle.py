@@ -42,7 +42,8 @@ def prepare_request(request: Request, target: object) -> Request:
     than its declared context), and its sampling's :class:`~dsi.constraints.Constraint` bound to ``target``'s
     vocabulary (the grammar compiled once per vocabulary; a grammar the library refuses is a ConfigError quoting it). A constrained request
     also ends at the vocabulary's EOS ids, the only tokens a complete grammar allows, whatever EOS ids it was given
-    (none, from Python: it would go on past the grammar's end, unconstrained)."""
+    (none, from Python: it would go on past the grammar's end, unconstrained). A sampled request on engines that
+    draw its rows themselves (``target.draws``: dsi_vllm's processor) runs with coupled draws (:mod:`dsi.coupling`)."""
     vocab = getattr(target, "vocab_size", None)
     request = check_request(request, vocab if isinstance(vocab, int) else None)
     limit = context_limit(target)
@@ -50,6 +51,10 @@ def prepare_request(request: Request, target: object) -> Request:
         raise ContextLengthError(
             f"prompt of {len(request.prompt)} tokens + max_new_tokens={request.max_new_tokens} exceeds the context "
             f"of {target!r} (max_context={limit} tokens); shorten the prompt or lower max_new_tokens")
+    draws = getattr(target, "draws", None)
+    if callable(draws) and not request.sampling.coupled and request.logprobs is None and draws(request.sampling):
+        # the engines draw sampled rows themselves: coupled draws, so a row crosses as one token (dsi.coupling)
+        request = replace(request, sampling=replace(request.sampling, coupled=True))
     constraint = request.sampling.constraint
     if constraint is None:
         return request

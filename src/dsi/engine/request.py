@@ -87,8 +87,9 @@ class Request:
     @property
     def decided_remotely(self) -> bool:
         """Whether a chain verification of this request may be decided on its target server (sampled): its tasks
-        then carry their drafts' drafter probabilities."""
-        return not self.sampling.greedy
+        then carry their drafts' drafter probabilities. Not with coupled draws: the target's draw decides, from its
+        whole law (dsi.coupling)."""
+        return not self.sampling.greedy and not self.sampling.coupled
 
     def tree_task(self, task_id: int, prefix: Sequence[int], tree: DraftTree, scope: int | None = None) -> VerifyTask:
         """The task of scoring the draft ``tree`` after ``prefix`` (its ``1 + len(tree)`` rows) for this request."""

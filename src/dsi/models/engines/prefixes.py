@@ -85,13 +85,14 @@ def payload(model: str, context: Sequence[int], first: int, count: int, n: int) 
             "temperature": 0.0, "logprobs": n, "return_tokens_as_token_ids": True}
 
 
-def row_entries(answer: Any, url: str, model: str, count: int, role: str = "target") -> list[dict]:
-    """The ``count`` rows of a batch-of-prefixes answer, in prompt order, as the engine wrote them (each choice's
-    ``logprobs.top_logprobs[0]``: :func:`dsi.models.engines.target.read_row` reads one). An answer of another
-    shape (another model, a choice missing or twice) is a :class:`~dsi.errors.ServerLost`, as for the
-    ``prompt_logprobs`` way."""
-    def lost(what: str) -> ServerLost:
-        return ServerLost(f"{role} server {url} answered a batch of prefixes inconsistently: {what}")
+def choices_by_prompt(answer: Any, url: str, model: str, count: int, what: str, read: Any, field: str,
+                      role: str = "target") -> list:
+    """What ``read(choice)`` makes of each of the ``count`` choices of an answer to a batch of prompts, in prompt
+    order (``read`` returns None for a choice without a usable ``field``). An answer of another shape (another
+    model, a choice missing or twice, or one ``read`` finds nothing in) is a :class:`~dsi.errors.ServerLost`, as
+    for the ``prompt_logprobs`` way; ``what`` names the request in it."""
+    def lost(why: str) -> ServerLost:
+        return ServerLost(f"{role} server {url} answered {what} inconsistently: {why}")
 
     if not isinstance(answer, dict):
         raise lost("the answer is not a JSON object")
@@ -100,14 +101,28 @@ def row_entries(answer: Any, url: str, model: str, count: int, role: str = "targ
     choices = answer.get("choices")
     if not isinstance(choices, list) or len(choices) != count:
         raise lost(f"{len(choices) if isinstance(choices, list) else 'no'} choices for {count} prompts")
-    rows: list[dict | None] = [None] * count
+    out: list = [None] * count
     for choice in choices:
         index = choice.get("index") if isinstance(choice, dict) else None
-        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < count or rows[index] is not None:
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < count or out[index] is not None:
             raise lost(f"a choice's index is {index!r}")
-        logprobs = choice.get("logprobs")
-        top = logprobs.get("top_logprobs") if isinstance(logprobs, dict) else None
-        if not isinstance(top, list) or not top or not isinstance(top[0], dict) or not top[0]:
-            raise lost(f"choice {index} has no top_logprobs")
-        rows[index] = top[0]
-    return rows  # type: ignore[return-value]
+        got = read(choice)
+        if got is None:
+            raise lost(f"choice {index} has no {field}")
+        out[index] = got
+    return out
+
+
+def _first_row(choice: dict) -> dict | None:
+    logprobs = choice.get("logprobs")
+    top = logprobs.get("top_logprobs") if isinstance(logprobs, dict) else None
+    if not isinstance(top, list) or not top or not isinstance(top[0], dict) or not top[0]:
+        return None
+    return top[0]
+
+
+def row_entries(answer: Any, url: str, model: str, count: int, role: str = "target") -> list[dict]:
+    """The ``count`` rows of a batch-of-prefixes answer, in prompt order, as the engine wrote them (each choice's
+    ``logprobs.top_logprobs[0]``: :func:`dsi.models.engines.target.read_row` reads one); see
+    :func:`choices_by_prompt` for an answer of another shape."""
+    return choices_by_prompt(answer, url, model, count, "a batch of prefixes", _first_row, "top_logprobs", role)

@@ -23,6 +23,11 @@ What a response determines, and so what stays exact:
 - any other sampling needs the whole vocabulary (N = -1, which vLLM allows with
   ``--max-logprobs -1``). Where the engine does not allow it, :meth:`EngineTarget.check_sampling`
   refuses the request before it starts, naming what would make it exact. Nothing is approximated.
+- sampling on engines that run dsi_vllm's logits processor (found at start: :meth:`EngineTarget._draw_check`):
+  no rows at all. The engine makes each row's coupled draw itself and answers it as a token
+  (:mod:`dsi.models.engines.draws`); the request runs with coupled draws (:mod:`dsi.coupling`), whose decisions
+  read only the target's draw, so the session hands back that draw's one-hot row. Processing the processor does
+  not make (penalties, bias, ``min_tokens``, constraints) and logprobs move rows as above.
 
 ``dsi serve`` also takes ``prompt_logprobs_from`` (the first position whose logprobs are wanted): it
 then computes only the rows asked for, on a slot whose KV cache is reused across requests. vLLM reads
@@ -63,9 +68,12 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from dsi.coupling import coupled_draw
 from dsi.errors import ConfigError, ContextLengthError, ModelError, ServerLost, TaskCancelled
 from dsi.models.base import CancelFlag, LanguageModel, check_int, check_token_ids, common_prefix_length
+from dsi.models.engines import draws as drawing
 from dsi.models.engines import prefixes
+from dsi.models.engines.draws import draw_tokens
 from dsi.models.engines.scoring_channel import (
     BUSY,
     MODE_ARGMAX,
@@ -76,6 +84,7 @@ from dsi.models.engines.scoring_channel import (
     ScoringChannel,
     advertised_port,
 )
+from dsi.sampling import BonusRead, ChainRead, SamplingParams, process_logits
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +96,7 @@ PLACEHOLDER = 0  # the token appended after the context so that its last positio
 TEXT_ATTRIBUTES = ("encode", "decode", "eos_token_ids")  # what an EngineTarget takes from its local reference
 CANARY_LENGTH = 8
 CANARY_TOLERANCE = 0.25  # nats: the most a canary logprob may differ from the local model's
+CANARY_DRAW_SEED = 1  # the seed of the draw an engine's dsi_vllm processor is checked with at start
 PREFIX_TOLERANCE = 1e-3  # nats: a row from a batch of prefixes against the same row from prompt_logprobs
 
 
@@ -273,6 +283,7 @@ class EngineInfo:
     scoring_port: int | None = None  # a dsi serve's scoring channel, as its card advertised it at start
     block_size: int | None = None  # a vLLM engine's KV block size (its /metrics), where it says
     prefixes: bool = False  # verifies from its prefix cache as a batch of prefixes (dsi.models.engines.prefixes)
+    draws: bool = False  # runs dsi_vllm's processor: a sampled row is answered by its coupled draw (dsi.coupling)
 
 
 def model_cards(conn: Connection, url: str, role: str = "target") -> list[dict]:
@@ -391,8 +402,11 @@ class EngineTarget(LocalText):
     def __init__(self, urls: Sequence[str], reference: LanguageModel | None = None, *, vocab_size: int | None = None,
                  model: str | None = None, canary_tolerance: float = CANARY_TOLERANCE,
                  connect_timeout: float = CONNECT_TIMEOUT_S, read_timeout: float = READ_TIMEOUT_S,
-                 role: str = "target", scoring_channel: bool = True, prefix_cache: bool = True) -> None:
+                 role: str = "target", scoring_channel: bool = True, prefix_cache: bool = True,
+                 engine_draws: bool = True) -> None:
         self.role = role  # names the servers in errors: "target", or "drafter" (dsi.models.engines.drafter)
+        # let engines that run dsi_vllm's processor draw sampled rows (dsi.models.engines.draws); False: never
+        self.engine_draws = engine_draws
         # verify from a vLLM engine's prefix cache where it is cheaper (dsi.models.engines.prefixes); False: never
         self.prefix_cache = prefix_cache
         self.scoring_channel = scoring_channel  # verify on a dsi serve's scoring port where it advertises one
@@ -496,8 +510,48 @@ class EngineTarget(LocalText):
                                           f"differ by up to {difference:.3g} nats, more than {self.canary_tolerance})",
                                      difference)
         reads_cache, block = self._prefix_check(conn, url, name, prompt, rows) if kind == "openai" else (False, None)
+        draws = (kind == "openai" and self.role == "target" and self.engine_draws
+                 and self._draw_check(conn, url, name, prompt, rows))
         return EngineInfo(url, name, kind, max_len, vocab, full, None if full else 1, difference, block_size=block,
-                          prefixes=reads_cache)
+                          prefixes=reads_cache, draws=draws)
+
+    def _draw_check(self, conn: Connection, url: str, name: str, prompt: list[int],
+                    rows: list[dict[int, float]]) -> bool:
+        """Whether the engine at ``url`` makes coupled draws itself (dsi_vllm's processor, :mod:`dsi.coupling`): it
+        answers a probe (``dsi_probe``, a token other than the canary's argmax) with the probed token and, where
+        its rows are whole, a seeded draw of the canary's last row with the draw dsi makes of that row. Said
+        once (INFO) either way; an engine that fails the second check (a processor of another version) is not
+        used for draws."""
+        last = rows[-1]
+        probe = (_argmax(last) + 1) % self.vocab_size
+        try:
+            got = draw_tokens(conn, url, name, [prompt], {drawing.PROBE: probe}, self.role)
+        except (EngineRefused, ServerLost) as exc:
+            log.info("%s server %s takes no draw arguments (%s): sampled verifications move rows", self.role, url, exc)
+            return False
+        if got != [probe]:
+            log.info("%s server %s runs no dsi_vllm processor: sampled verifications move rows (start it with "
+                     "--logits-processors dsi_vllm.processor:CoupledDraws: docs/engines.md)", self.role, url)
+            return False
+        if len(last) == self.vocab_size:
+            row = dense_rows([last], self.vocab_size)[0]
+            law = process_logits(row, SamplingParams(temperature=1.0))
+            expected = coupled_draw(law, CANARY_DRAW_SEED, len(prompt))
+            try:
+                got = draw_tokens(conn, url, name, [prompt], drawing.args(SamplingParams(temperature=1.0,
+                                                                                        seed=CANARY_DRAW_SEED)),
+                                  self.role)
+            except (EngineRefused, ServerLost) as exc:
+                log.warning("%s server %s answers a probe but not a draw (%s): sampled verifications move rows",
+                            self.role, url, exc)
+                return False
+            if got != [expected]:
+                log.warning("%s server %s draws token %s where dsi draws %d from the same row: its dsi_vllm is not "
+                            "this dsi's; sampled verifications move rows", self.role, url, got, expected)
+                return False
+        log.info("%s server %s draws sampled rows itself (dsi_vllm): a sampled verification moves a token a row",
+                 self.role, url)
+        return True
 
     def _prefix_check(self, conn: Connection, url: str, name: str, prompt: list[int],
                       rows: list[dict[int, float]]) -> tuple[bool, int | None]:
@@ -555,7 +609,7 @@ class EngineTarget(LocalText):
             raise ConfigError(
                 f"logprobs over target server(s) {', '.join(partial)} need whole rows: they return only the top "
                 "log-probabilities of a row. Start them with --max-logprobs -1 (the whole vocabulary)")
-        if params.raw_argmax:
+        if params.raw_argmax or (not whole_rows and self.draws(params)):
             return
         if partial and params.moves_argmax:
             raise ConfigError(
@@ -568,6 +622,14 @@ class EngineTarget(LocalText):
                 f"sampling with top_k=0 over target server(s) {', '.join(partial)} is not exact: they return only "
                 "the top log-probabilities of a row. Set top_k (it then asks for exactly top_k of them), or start "
                 "them with --max-logprobs -1 (the whole vocabulary)")
+
+    def draws(self, params: Any) -> bool:
+        """Whether every engine makes ``params``' draws itself (:attr:`EngineInfo.draws`): sampling whose
+        processing the engine's processor makes (temperature, top-k, top-p, min_p: no penalty, bias, ``min_tokens``
+        or constraint). A decoder then runs such a request with coupled draws (:mod:`dsi.coupling`), and each
+        sampled row crosses as one token."""
+        return (not params.greedy and not params.moves_argmax and bool(self.engines)
+                and all(e.draws for e in self.engines.values()))
 
     # ---- sessions ------------------------------------------------------------------------------
     def new_session(self, device: str | None = None) -> EngineSession:
@@ -630,6 +692,7 @@ class EngineSession:
     """One token sequence whose forwards run on one engine (the cache, if any, is the engine's)."""
 
     takes_top = True  # extend_rows(top=k) asks the engine for each row's k largest logits only
+    reads_rows = True  # a sampled read with coupled draws is answered by the engine's draws (one token a row)
 
     def __init__(self, target: EngineTarget, engine: EngineInfo) -> None:
         self._target = target
@@ -692,24 +755,68 @@ class EngineSession:
         return self.extend_rows(tokens, cancel, len(tokens), False)
 
     def extend_rows(self, tokens: Sequence[int], cancel: CancelFlag | None, num_rows: int, greedy: bool,
-                    top: int | None = None) -> np.ndarray:
+                    top: int | None = None, read: Any = None) -> Any:
         """The last ``num_rows`` rows of a forward of ``tokens`` (see :func:`dsi.models.base.extend_rows`):
-        argmax ids with ``greedy``; else logit rows holding the ``top`` largest logits (all with None). An
-        engine that fails as a lost server does (:class:`~dsi.errors.ServerLost`) is marked lost."""
+        argmax ids with ``greedy``; else logit rows holding the ``top`` largest logits (all with None); with
+        ``read``, what it makes of them. A sampled read with coupled draws on an engine that draws
+        (:attr:`EngineInfo.draws`) reads the one-hot rows of the engine's draws (:meth:`_drawn_rows`), which
+        decide each position as the whole rows would (:mod:`dsi.coupling`). An engine that fails as a lost
+        server does (:class:`~dsi.errors.ServerLost`) is marked lost."""
         try:
-            return self._extend_rows(tokens, cancel, num_rows, greedy, top)
+            if read is not None and self._draws(read, greedy):
+                return read(self._drawn_rows(tokens, cancel, num_rows, read.params))
+            rows = self._extend_rows(tokens, cancel, num_rows, greedy, top)
+            return rows if read is None else read(rows)
         except ServerLost as exc:
             self._target.mark_lost(self.engine.url, str(exc))
             raise
 
-    def _extend_rows(self, tokens: Sequence[int], cancel: CancelFlag | None, num_rows: int, greedy: bool,
-                     top: int | None) -> np.ndarray:
-        # checked here: an id an engine refuses (or fails on) would be taken for a lost server
+    def _draws(self, read: Any, greedy: bool) -> bool:
+        """Whether the engine draws what ``read`` reads: the decisions of a sampled chain or a plain draw, with
+        coupled draws (not logprobs, which read the rows themselves)."""
+        params = getattr(read, "params", None)
+        return (not greedy and self.engine.draws and isinstance(read, ChainRead | BonusRead) and params is not None
+                and params.coupled_draws and not params.moves_argmax)
+
+    def _context(self, tokens: Sequence[int]) -> tuple[int, ...]:
+        """The session's tokens and ``tokens`` (checked here: an id an engine refuses, or fails on, would be taken
+        for a lost server), within the context the engines leave."""
         context = self._tokens + tuple(check_token_ids(tokens, self._target.vocab_size, "tokens", self.engine.url))
         limit = self._target.max_context
         if limit is not None and len(context) > limit:
             raise ContextLengthError(f"{len(context)} tokens exceed the context of {limit} tokens that "
                                      f"{self._target.role} server {self.engine.url} leaves (its max_model_len minus 2)")
+        return context
+
+    def _drawn_rows(self, tokens: Sequence[int], cancel: CancelFlag | None, num_rows: int,
+                    params: Any) -> np.ndarray:
+        """The last ``num_rows`` rows after ``tokens`` as the one-hot rows (0 at the token, -inf elsewhere) of the
+        engine's coupled draws: one batch of prefixes whose answers are a token each (read from the prefix cache
+        where the engine keeps one)."""
+        context = self._context(tokens)
+        if cancel is not None and cancel.is_set():
+            raise TaskCancelled()
+        first = len(context) - num_rows + 1
+        self.counters["engine_requests"] += 1
+        self.counters["draw_requests"] = self.counters.get("draw_requests", 0) + 1
+        prompts = [list(context[:p]) for p in range(first, first + num_rows)]
+        drawn = draw_tokens(self._conn, self.engine.url, self.engine.model, prompts, drawing.args(params),
+                            self._target.role, cancel)
+        vocab = self._target.vocab_size
+        outside = next((t for t in drawn if t >= vocab), None)
+        if outside is not None:
+            raise ServerLost(f"{self._target.role} server {self.engine.url} answered a draw inconsistently: token "
+                             f"{outside}, outside the vocabulary of {vocab}")
+        if len(context) > len(self._sent) or context[:len(self._sent)] != self._sent:
+            self._sent = context
+        self._tokens = context
+        rows = np.full((num_rows, vocab), -np.inf, dtype=np.float32)
+        rows[np.arange(num_rows), drawn] = 0.0
+        return rows
+
+    def _extend_rows(self, tokens: Sequence[int], cancel: CancelFlag | None, num_rows: int, greedy: bool,
+                     top: int | None) -> np.ndarray:
+        context = self._context(tokens)
         vocab = self._target.vocab_size
         if greedy:
             n = 1
