@@ -55,9 +55,11 @@ def noisy_pair(build, plan: str = "dynamic"):
             HFModel(drafter_model, forward_plan=PLANS[plan]))
 
 
-@pytest.mark.parametrize("build, plan", [(llama, "dynamic"), (gpt2, "dynamic"), (llama, "static"), (llama, "padded"),
-                                         (gpt2, "padded")], ids=["llama", "gpt2", "llama-static", "llama-padded",
-                                                                 "gpt2-padded"])
+@pytest.mark.parametrize("build, plan", [
+    (llama, "dynamic"), (gpt2, "dynamic"), (llama, "static"),
+    pytest.param(llama, "padded", marks=pytest.mark.slow),  # padded plans: also tests/unit/models/test_hf_static.py
+    pytest.param(gpt2, "padded", marks=pytest.mark.slow)], ids=["llama", "gpt2", "llama-static", "llama-padded",
+                                                                "gpt2-padded"])
 def test_greedy_dsi_and_si_equal_transformers_generate(build, plan, no_thread_leak):
     target_model, target, drafter = noisy_pair(build, plan)
     rng = np.random.default_rng(0)

@@ -108,7 +108,8 @@ def test_sampled_dsi_with_a_tree_is_the_same_for_any_sp_lookahead_and_window_pol
         assert side_wins > adopted > 0, tree
 
 
-@pytest.mark.parametrize("wrap, depth", [("path by path", 1), ("one forward", 1), ("one forward", 3)])
+@pytest.mark.parametrize("wrap, depth", [("path by path", 1), ("one forward", 1),
+                                         pytest.param("one forward", 3, marks=pytest.mark.slow)])
 def test_sampled_dsi_with_branches_commits_autos_tokens_for_any_sp_lookahead_and_window_policy(wrap, depth,
                                                                                               monkeypatch,
                                                                                               no_thread_leak):

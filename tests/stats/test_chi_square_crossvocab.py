@@ -195,7 +195,7 @@ def chi_square_p(counts, law) -> float:
 
 
 SLOW = pytest.mark.slow  # in CI's slow run: each DSI case costs seconds, and the default run stays under 15 minutes
-CASES = [  # method, lookahead, servers, vocab_mode, processing (the default run: SI, and DSI with both modes)
+CASES = [  # method, lookahead, servers, vocab_mode, processing (the default run: SI in both modes, and DSI)
     ("si", 2, 1, "intersection", dict(temperature=1.0)),
     ("si", 3, 1, "auto", dict(temperature=0.8, top_k=3, top_p=0.9)),
     pytest.param("dsi", 2, 1, "auto", dict(temperature=1.0), marks=SLOW),
@@ -206,7 +206,8 @@ CASES = [  # method, lookahead, servers, vocab_mode, processing (the default run
     # through the intersection (its shared tokens), and the target's own row everywhere
     ("si", 2, 1, "intersection", dict(temperature=0.9, presence_penalty=0.7, repetition_penalty=1.3,
                                       logit_bias={"2": 1.0, "1": -0.5}, min_p=0.05)),
-    ("dsi", 2, 2, "auto", dict(temperature=0.9, frequency_penalty=0.6, logit_bias={"0": 0.8}, min_p=0.05)),
+    pytest.param("dsi", 2, 2, "auto", dict(temperature=0.9, frequency_penalty=0.6, logit_bias={"0": 0.8}, min_p=0.05),
+                 marks=SLOW),
 ]
 
 
@@ -218,7 +219,7 @@ def test_sampling_with_a_drafter_of_another_vocabulary_matches_the_target_law(
     assert_target_law(target, drafter, D_TEXTS, (0, 3), method, lookahead, servers, mode, processing)
 
 
-@pytest.mark.parametrize("method, lookahead, servers", [("si", 2, 1), ("dsi", "auto", 2)])
+@pytest.mark.parametrize("method, lookahead, servers", [("si", 2, 1), pytest.param("dsi", "auto", 2, marks=SLOW)])
 def test_the_law_holds_where_the_drafter_cannot_spell_the_text(method, lookahead, servers, no_thread_leak):
     """A drafter without "c": once the target writes c, the drafter has nothing to propose
     (DraftUnavailable) and the target's own tokens follow; the law is still the target's."""
@@ -301,7 +302,8 @@ def test_the_chi_square_check_detects_a_sampler_that_keeps_every_draft():
 
 
 @pytest.mark.parametrize("method, lookahead, servers, mode", [("si", 2, 1, "intersection"), ("dsi", 2, 2, "auto"),
-                                                              ("dsi", "auto", 3, "intersection")])
+                                                              pytest.param("dsi", "auto", 3, "intersection",
+                                                                           marks=SLOW)])
 def test_a_constrained_request_keeps_the_masked_target_law_across_vocabularies(method, lookahead, servers, mode,
                                                                                no_thread_leak):
     """A constraint (in the target's vocabulary: a, b, ab, c and an EOS) masks the target's law; the drafter's

@@ -55,7 +55,8 @@ def exact_law(model, prompt, params) -> dict:
 
 
 @pytest.mark.parametrize("method, lookahead, servers, deterministic, processing",
-                         [("si", 2, 1, False, PROCESSING), ("dsi", 2, 2, False, PROCESSED),
+                         [("si", 2, 1, False, PROCESSING),
+                          pytest.param("dsi", 2, 2, False, PROCESSED, marks=pytest.mark.slow),
                           pytest.param("dsi", "auto", 2, False, PROCESSING, marks=pytest.mark.slow),
                           ("si", 2, 1, True, PROCESSED),
                           ("dsi", "auto", 2, True, PROCESSING)], ids=lambda v: "processed" if v is PROCESSED else None)

@@ -200,7 +200,8 @@ def test_the_drafter_drafts_under_the_constraint_so_its_drafts_are_accepted_ofte
     assert out.stats.rejections == 0 and out.stats.accepted_tokens > 0
 
 
-@pytest.mark.parametrize("method, lookahead, servers", [("si", 2, 1), ("dsi", 2, 2),
+@pytest.mark.parametrize("method, lookahead, servers", [("si", 2, 1),
+                                                       pytest.param("dsi", 2, 2, marks=pytest.mark.slow),
                                                        pytest.param("dsi", "auto", 3, marks=pytest.mark.slow)])
 def test_constrained_sampling_follows_the_masked_renormalised_target_law(method, lookahead, servers,
                                                                          no_thread_leak):
