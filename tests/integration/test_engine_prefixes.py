@@ -225,9 +225,14 @@ def test_an_engine_that_refuses_batches_after_its_start_check_is_said_once_and_v
 
 
 def test_garbled_batch_answers_fail_the_engine_over_and_the_output_stays_exact(engines, local, long_prompt):
-    proxy = RefusesBatches(engines[0].url, allow=1, garble=True)  # after the start check: a choice missing
-    tokens, expected = through(proxy, local, long_prompt, "dsi", engines[1:])
-    assert tokens == expected
+    """Whether a window after the first reaches the proxied engine follows timing (DSI gives windows to the idle
+    server), so a run where none did is tried again, up to three runs; every run's output must be exact."""
+    for _ in range(3):
+        proxy = RefusesBatches(engines[0].url, allow=1, garble=True)  # after the start check: a choice missing
+        tokens, expected = through(proxy, local, long_prompt, "dsi", engines[1:])
+        assert tokens == expected
+        if proxy.refused:
+            break
     assert proxy.refused > 0  # garbled answers were sent, and none reached the output
 
 

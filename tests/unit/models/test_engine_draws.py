@@ -44,6 +44,9 @@ def test_a_draw_is_one_request_of_prompts_and_its_tokens_come_back_in_prompt_ord
     assert body["prompt"] == [[1], [1, 2], [1, 2, 3]] and body["max_tokens"] == 1 and body["temperature"] == 0.0
     assert body["logprobs"] == 0 and body["return_tokens_as_token_ids"] is True
     assert "return_token_ids" not in body  # it would echo every prompt's ids: an answer growing with the context
+    one = Conn(answer([6]))
+    assert draws.draw_tokens(one, "u", "m", [[4, 5]], {}) == [6]
+    assert one.sent[2]["prompt"] == [4, 5]  # one prompt: no batch (the start check's probe and draw)
     assert body["vllm_xargs"] == {"dsi_seed": 12, "dsi_temperature": 0.7, "dsi_top_k": 4, "dsi_top_p": 0.9,
                                   "dsi_min_p": 0.1}
 

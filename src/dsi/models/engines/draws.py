@@ -38,7 +38,9 @@ def draw_tokens(conn: Any, url: str, model: str, prompts: Sequence[Sequence[int]
     choice missing or twice, no token, a token that is no id) is a :class:`~dsi.errors.ServerLost`, as garbage
     from any engine is (:func:`~dsi.models.engines.prefixes.choices_by_prompt`); a refusal is the connection's
     :class:`~dsi.models.engines.target.EngineRefused`. An id outside the vocabulary is checked by the caller."""
-    payload = {"model": model, "prompt": [list(p) for p in prompts], "max_tokens": 1, "temperature": 0.0,
+    # one prompt goes as a list of ids (a batch of one is still a batch to a gateway that refuses batches)
+    prompt = list(prompts[0]) if len(prompts) == 1 else [list(p) for p in prompts]
+    payload = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
                "logprobs": 0, "return_tokens_as_token_ids": True, "vllm_xargs": xargs}
     answer = conn.request("POST", "/completions", payload, cancel)
     return choices_by_prompt(answer, url, model, len(prompts), "a draw", _drawn_token,
