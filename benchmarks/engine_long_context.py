@@ -86,6 +86,20 @@ def first_layer_drafter(target_dir, drafter_dir, scale: float):
     return drafter_dir
 
 
+def first_layer_pair(folder, layers: int, hidden: int, positions: int, depth_scale: float,
+                     vocab_size: int | None = None):
+    """A random fp32 Llama target (saved under ``folder``, its deeper layers scaled by ``depth_scale``) and its
+    first layer as the drafter (:func:`first_layer_drafter`), both loaded here: ``(target_dir, target, drafter)``."""
+    from dsi.models.loading import load_model
+
+    target_dir = make_model_dir(folder / "target", seed=0, layers=layers, hidden=hidden, positions=positions,
+                                vocab_size=vocab_size)
+    drafter_dir = first_layer_drafter(target_dir, folder / "drafter", depth_scale)
+    target = load_model(str(target_dir), dtype="fp32", progress=False, threads=1)
+    drafter = load_model(str(drafter_dir), role="drafter", dtype="fp32", progress=False, threads=1)
+    return target_dir, target, drafter
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[64, 512, 2048, 4096])
@@ -107,16 +121,10 @@ def main() -> int:
 
     import dsi
     from dsi.models.engines.target import EngineTarget
-    from dsi.models.loading import load_model
     from tests.engine_servers import start_all
 
     positions = max(args.lengths) + args.tokens + args.lookahead + 64
-    folder = scratch()
-    target_dir = make_model_dir(folder / "target", seed=0, layers=args.layers, hidden=args.hidden,
-                                positions=positions)
-    drafter_dir = first_layer_drafter(target_dir, folder / "drafter", args.depth_scale)
-    target = load_model(str(target_dir), dtype="fp32", progress=False, threads=1)
-    drafter = load_model(str(drafter_dir), role="drafter", dtype="fp32", progress=False, threads=1)
+    target_dir, target, drafter = first_layer_pair(scratch(), args.layers, args.hidden, positions, args.depth_scale)
     vllm = ("--enable-prefix-caching", "--block-size", str(args.block_size))
     servers = start_all([lambda: start_vllm(str(target_dir), max_model_len=positions, extra=vllm)
                          for _ in range(2)])

@@ -32,10 +32,9 @@ import statistics
 import threading
 
 from _common import add_options, emit, need_vllm, parse, scratch, shrink
-from engine_long_context import first_layer_drafter, run
+from engine_long_context import first_layer_pair, run
 
 from tests.engine_servers import start_all, start_vllm
-from tests.tiny_hf import make_model_dir
 
 METHODS = ("ar", "si", "dsi")
 WAYS = ("greedy", "sampled, whole rows", "sampled, engine draws")
@@ -88,15 +87,10 @@ def main() -> int:
 
     import dsi
     from dsi.models.engines.target import EngineTarget
-    from dsi.models.loading import load_model
 
     positions = args.context + args.tokens + args.lookahead + 64
-    folder = scratch()
-    target_dir = make_model_dir(folder / "target", seed=0, layers=args.layers, hidden=args.hidden,
-                                positions=positions, vocab_size=args.vocab)
-    drafter_dir = first_layer_drafter(target_dir, folder / "drafter", args.depth_scale)
-    target = load_model(str(target_dir), dtype="fp32", progress=False, threads=1)
-    drafter = load_model(str(drafter_dir), role="drafter", dtype="fp32", progress=False, threads=1)
+    target_dir, target, drafter = first_layer_pair(scratch(), args.layers, args.hidden, positions, args.depth_scale,
+                                                   vocab_size=args.vocab)
     servers = start_all([lambda: start_vllm(str(target_dir), max_model_len=positions, draws=True) for _ in range(2)])
     counter = ByteCount()
     prompt = [int(t) for t in np.random.default_rng(0).integers(3, target.vocab_size, args.context)]

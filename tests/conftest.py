@@ -89,10 +89,24 @@ def random_lm(vocab_size: int, seed: int, sharpness: float = 1.0) -> CallableLM:
     return CallableLM(SyntheticTarget(vocab_size, seed, sharpness), vocab_size, name=f"random(seed={seed})")
 
 
-def exact_sequence_law(model: CallableLM, prompt, length: int, params: SamplingParams,
+def exact_sequence_law(model, prompt, length: int, params: SamplingParams,
                        stops: frozenset[int] = frozenset()) -> dict:
     """P(next ``length`` tokens = y) for every y, from the model's processed distributions (each
-    row processed with the tokens before it); a sequence ends early at a token of ``stops``."""
+    row processed with the tokens before it); a sequence ends early at a token of ``stops``. ``model``: one with
+    ``next_logits(context)`` (a :class:`CallableLM`), or any language model (its rows from one session)."""
+    if hasattr(model, "next_logits"):
+        return _exact_sequence_law(model.next_logits, prompt, length, params, stops)
+    from dsi.models.base import forward_rows
+
+    session = model.new_session()
+    try:
+        return _exact_sequence_law(lambda context: np.asarray(forward_rows(session, list(context), 1)[-1]), prompt,
+                                   length, params, stops)
+    finally:
+        session.close()
+
+
+def _exact_sequence_law(next_logits, prompt, length: int, params: SamplingParams, stops: frozenset[int]) -> dict:
     law = {(): 1.0}
     for _ in range(length):
         nxt = {}
@@ -101,7 +115,7 @@ def exact_sequence_law(model: CallableLM, prompt, length: int, params: SamplingP
                 nxt[seq] = prob
                 continue
             context = tuple(prompt) + seq
-            p = process_logits(model.next_logits(context), params, Prefix(context, len(prompt), stops))
+            p = process_logits(next_logits(context), params, Prefix(context, len(prompt), stops))
             p = p / p.sum(dtype=np.float64)  # the float32 law, summing to 1 in float64 (the expected counts')
             for token in np.flatnonzero(p):
                 nxt[seq + (int(token),)] = prob * p[token]

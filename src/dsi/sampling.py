@@ -1017,7 +1017,7 @@ class ChainRead(RowsRead):
     @property
     def on_device(self) -> bool:
         """Whether a device can decide this chain: its drafts' probabilities came with it."""
-        return self.draft_probs is not None and not self.params.greedy and not self.params.coupled
+        return self.draft_probs is not None and not self.params.greedy and super().on_device
 
     def __call__(self, logits: np.ndarray) -> tuple[np.ndarray, LazyLaws | ReadLaws]:
         params = self.params

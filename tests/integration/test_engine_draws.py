@@ -81,20 +81,6 @@ def test_sampled_non_si_si_and_dsi_through_the_engines_give_the_local_coupled_to
     assert rows_moved[0] == 0
 
 
-class _NextLogits:
-    """A model as exact_sequence_law reads one: the row after a context."""
-
-    def __init__(self, model) -> None:
-        self.model = model
-
-    def next_logits(self, context):
-        session = self.model.new_session()
-        try:
-            return np.asarray(session.extend(list(context))[-1])
-        finally:
-            session.close()
-
-
 def test_the_law_through_the_engines_draws_is_the_targets(drawing_engines, local, prompts, no_thread_leak):
     """Chi-square of DSI over both engines against the local target's exact law of two tokens (top_k=2: four
     sequences)."""
@@ -103,7 +89,7 @@ def test_the_law_through_the_engines_draws_is_the_targets(drawing_engines, local
     target, drafter, _ = local
     prompt, length, samples = prompts[0], 2, 300
     processing = dict(temperature=1.0, top_k=2)
-    law = exact_sequence_law(_NextLogits(target), prompt, length, dsi.SamplingParams(**processing))
+    law = exact_sequence_law(target, prompt, length, dsi.SamplingParams(**processing))
     index = {seq: i for i, seq in enumerate(law)}
     counts = np.zeros(len(law))
     with dsi.build_decoder(target=target, drafter=drafter, method="dsi", lookahead=2, num_target_servers=2,

@@ -710,7 +710,7 @@ class EngineSession:
         finally:
             probe.close()
         self._conn = Connection(engine.url, target.connect_timeout, target.read_timeout)
-        self.counters = {"engine_requests": 0, "prefix_requests": 0}
+        self.counters = {"engine_requests": 0, "prefix_requests": 0, "draw_requests": 0}
         # the longest context this session sent the engine: what its prefix cache holds (eviction aside)
         self._sent: tuple[int, ...] = ()
         # the card as it is now: a restarted dsi serve may listen on another scoring port
@@ -788,6 +788,13 @@ class EngineSession:
                                      f"{self._target.role} server {self.engine.url} leaves (its max_model_len minus 2)")
         return context
 
+    def _sent_now(self, context: tuple[int, ...]) -> None:
+        """The engine computed ``context``: the session holds it, and it is what the engine's cache holds unless a
+        longer context that starts with it was sent before."""
+        if len(context) > len(self._sent) or context[:len(self._sent)] != self._sent:
+            self._sent = context
+        self._tokens = context
+
     def _drawn_rows(self, tokens: Sequence[int], cancel: CancelFlag | None, num_rows: int,
                     params: Any) -> np.ndarray:
         """The last ``num_rows`` rows after ``tokens`` as the one-hot rows (0 at the token, -inf elsewhere) of the
@@ -798,7 +805,7 @@ class EngineSession:
             raise TaskCancelled()
         first = len(context) - num_rows + 1
         self.counters["engine_requests"] += 1
-        self.counters["draw_requests"] = self.counters.get("draw_requests", 0) + 1
+        self.counters["draw_requests"] += 1
         prompts = [list(context[:p]) for p in range(first, first + num_rows)]
         drawn = draw_tokens(self._conn, self.engine.url, self.engine.model, prompts, drawing.args(params),
                             self._target.role, cancel)
@@ -807,9 +814,7 @@ class EngineSession:
         if outside is not None:
             raise ServerLost(f"{self._target.role} server {self.engine.url} answered a draw inconsistently: token "
                              f"{outside}, outside the vocabulary of {vocab}")
-        if len(context) > len(self._sent) or context[:len(self._sent)] != self._sent:
-            self._sent = context
-        self._tokens = context
+        self._sent_now(context)
         rows = np.full((num_rows, vocab), -np.inf, dtype=np.float32)
         rows[np.arange(num_rows), drawn] = 0.0
         return rows
@@ -845,9 +850,7 @@ class EngineSession:
                 rows = self._rows_after_refusal(context, first, num_rows, n, cancel, exc)
         if rows is None:
             rows = self._prompt_logprobs_rows(context, first, num_rows, n, cancel)
-        if len(context) > len(self._sent) or context[:len(self._sent)] != self._sent:
-            self._sent = context
-        self._tokens = context
+        self._sent_now(context)
         if greedy:
             return np.array([_argmax(row) for row in rows], dtype=np.int64)
         short = next((len(row) for row in rows if len(row) != vocab), None) if n == -1 else None
