@@ -120,7 +120,8 @@ def bench_level(url: str, name: str, tokenizer: str, concurrency: int, args: arg
 
 def load_counts(url: str) -> dict[str, float]:
     """The server's speculation-by-load counters from ``/metrics``: requests started each way (all levels
-    summed) and hand-overs to each way (nothing where the option is off)."""
+    summed), hand-overs to each way, and SI's windows by their number of drafts where its lookahead is chosen by
+    goodput (nothing where the option is off)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(url.removesuffix("/v1") + "/metrics", timeout=30) as answer:
@@ -132,6 +133,8 @@ def load_counts(url: str) -> dict[str, float]:
                 name = sample.labels["way"]
             elif sample.name == "dsi_load_handoffs_total":
                 name = f"handoffs to {sample.labels['to']}"
+            elif sample.name == "dsi_lookahead_windows_total":  # SI's windows by goodput, by their drafts
+                name = f"windows of {sample.labels['drafts']}"
             else:
                 continue
             counts[name] = counts.get(name, 0.0) + sample.value

@@ -6,7 +6,9 @@ supports), as module-scoped pytest fixtures: a module imports the ones it uses.
 - ``local``: (target, drafter, same) loaded here, ``same`` being the target's weights as a drafter
   (every draft accepted);
 - ``prompts``: :data:`PROMPTS` as target ids; ``reference``: the local non-SI greedy output of each,
-  :data:`TOKENS` tokens.
+  :data:`TOKENS` tokens;
+- ``dsi_engines``: two ``dsi serve --method ar`` engines of the target; ``vllm_engines``: two vLLM engines of it
+  (skipped without the vLLM venv); ``engines``: each of them in turn (vLLM in the slow run).
 """
 
 from __future__ import annotations
@@ -50,3 +52,30 @@ def reference(local, prompts):
 
     target = local[0]
     return [dsi.generate(target=target, prompt=p, method="ar", max_new_tokens=TOKENS).tokens for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def dsi_engines(dirs):
+    from tests.engine_servers import start_all, start_dsi_serve
+
+    servers = start_all([lambda: start_dsi_serve(dirs["target"]) for _ in range(2)])
+    yield servers
+    for s in servers:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def vllm_engines(dirs):
+    from tests.engine_servers import start_all, start_vllm, vllm_python
+
+    if vllm_python() is None:
+        pytest.skip("no vLLM venv: bash packaging/vllm-venv.sh builds it (CI does)")
+    servers = start_all([lambda: start_vllm(dirs["target"]) for _ in range(2)])
+    yield servers
+    for s in servers:
+        s.stop()
+
+
+@pytest.fixture(scope="module", params=["dsi-serve", pytest.param("vllm", marks=pytest.mark.slow)])
+def engines(request):
+    return request.getfixturevalue("dsi_engines" if request.param == "dsi-serve" else "vllm_engines")

@@ -124,13 +124,30 @@ class RelayProxy(LocalHTTP):
 
             def do_POST(self):
                 body = self.rfile.read(int(self.headers["Content-Length"]))
-                self._send(proxy.alter(json.loads(body), self._relay("POST", body)))
+                request = json.loads(body)
+                if request.get("stream"):  # server-sent events: relayed whole, or what stream() makes of them
+                    upstream = urllib.request.Request(proxy.upstream + self.path.removeprefix("/v1"), body,
+                                                      {"Content-Type": "application/json"}, method="POST")
+                    with urllib.request.urlopen(upstream, timeout=60) as response:
+                        data = proxy.stream(request, response.read())
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                    return
+                self._send(proxy.alter(request, self._relay("POST", body)))
 
         self.serve(Handler)
 
     def alter(self, request: dict, answer: dict) -> dict:
         """The answer the proxy sends for a POST of ``request`` that the engine answered with ``answer``."""
         return answer
+
+    def stream(self, request: dict, events: bytes) -> bytes:
+        """The server-sent events the proxy sends for a streamed POST of ``request`` that the engine answered with
+        ``events`` (the whole stream, relayed once it ended)."""
+        return events
 
 
 FAST_LIVENESS = {"floor_s": 2.0, "factor": 5.0, "unmeasured_s": 10.0}  # a frozen engine is caught in seconds

@@ -33,7 +33,17 @@ import dsi  # noqa: E402
 from dsi.errors import ConfigError, ContextLengthError, WorkerError  # noqa: E402
 from dsi.models.engines.target import EngineTarget  # noqa: E402
 from dsi.sampling import SamplingParams, process_logits  # noqa: E402
-from tests.engine_models import PROMPTS, TOKENS, dirs, local, prompts, reference  # noqa: E402,F401
+from tests.engine_models import (  # noqa: E402,F401
+    PROMPTS,
+    TOKENS,
+    dirs,
+    dsi_engines,
+    engines,
+    local,
+    prompts,
+    reference,
+    vllm_engines,
+)
 from tests.engine_servers import (  # noqa: E402
     FAST_LIVENESS,
     RelayProxy,
@@ -48,29 +58,6 @@ from tests.engine_servers import (  # noqa: E402
 
 pytestmark = pytest.mark.hf
 
-
-
-@pytest.fixture(scope="module")
-def dsi_engines(dirs):
-    servers = start_all([lambda: start_dsi_serve(dirs["target"]) for _ in range(2)])
-    yield servers
-    for s in servers:
-        s.stop()
-
-
-@pytest.fixture(scope="module")
-def vllm_engines(dirs):
-    if vllm_python() is None:
-        pytest.skip("no vLLM venv: bash packaging/vllm-venv.sh builds it (CI does)")
-    servers = start_all([lambda: start_vllm(dirs["target"]) for _ in range(2)])
-    yield servers
-    for s in servers:
-        s.stop()
-
-
-@pytest.fixture(scope="module", params=["dsi-serve", pytest.param("vllm", marks=pytest.mark.slow)])
-def engines(request):
-    return request.getfixturevalue("dsi_engines" if request.param == "dsi-serve" else "vllm_engines")
 
 
 CONFIGS = [

@@ -82,8 +82,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="on: each slot of a speculative server also holds a plain (non-SI) decoder, and each request "
                         "runs the way measured faster at the server's load when it starts, handed over to the other "
                         "mid-generation where that one measured faster (its dsi object's 'load' says which and why; "
-                        "/metrics counts them). off: every request speculates the configured way. auto (default): on "
-                        "for in-process backends, off over --target-servers (where it measured slower)")
+                        "/metrics counts them); with SI over --target-servers, each window's lookahead (up to -k) is "
+                        "chosen by goodput at the server's load instead, down to plain decoding. off: every request "
+                        "speculates the configured way. auto (default): on for in-process backends, off over "
+                        "--target-servers")
     g.add_argument("--max-body-bytes", type=COUNT, default=None,
                    help="largest request body in bytes; larger ones get 413 (default 16777216: 16 MiB)")
     g.add_argument("--api-key", default=None,

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from dsi.engine.drafter import capped_drafts, request_info
+from dsi.engine.goodput import LookaheadByLoad
 from dsi.engine.lifecycle import DecoderLifecycle, check_score, model_errors, prepare_request
 from dsi.engine.request import Output, Request, TokenCallback
 from dsi.engine.result import GenerationResult
@@ -55,6 +56,11 @@ class SpeculativeDecoder(DecoderLifecycle):
         super().__init__()
         self.lookahead = lookahead
         self.draft_tree = draft_tree
+        # where set (dsi serve with speculation by load): each window's lookahead, up to ``lookahead``, chosen by
+        # goodput under the server's load (dsi.engine.goodput), which this decoder's windows also measure. Greedy
+        # output and the sampled law never depend on it; a seeded sampled request's tokens do (a position is decided
+        # by a draft or by a bonus draw as windows end), so the server unsets it for those
+        self.policy: LookaheadByLoad | None = None
         self._target_model = target
         self._drafter_model = drafter
         self._target = target.new_session()
@@ -81,15 +87,22 @@ class SpeculativeDecoder(DecoderLifecycle):
     def _run(self, out: Output, request: Request, stats: GenerationStats) -> None:
         params = request.sampling
         shape = request_shape(self.draft_tree, self._drafter_model, params, stats)
+        policy = self.policy
         while not out.finished:
             out.check_abort()
             base = tuple(out.tokens)
-            wanted = min(self.lookahead, out.remaining - 1)
+            k = self.lookahead if policy is None else policy.choose(stats.accepted_tokens,
+                                                                    stats.accepted_tokens + stats.rejections)
+            wanted = min(k, out.remaining - 1)
             count = capped_drafts(self._drafter_model, len(base), wanted)
             if shape is not None and count > 0:
                 self._tree_iteration(out, request, stats, base, count, shape)
                 continue
+            drafting_s = stats.drafter_busy_s
             drafts, qs, limited = self._draft(base, count, request, stats)
+            if policy is not None:
+                policy.observe_drafts(len(drafts), stats.drafter_busy_s - drafting_s)
+                running, verifying_s = policy.running(), stats.target_busy_s
             if limited or count < wanted:
                 stats.extra["drafter_context_limited"] = stats.extra.get("drafter_context_limited", 0) + 1
             # sampled: the drafts' drafter probabilities go with the task, decided with the forward (read_chain_laws)
@@ -97,6 +110,9 @@ class SpeculativeDecoder(DecoderLifecycle):
                            if request.decided_remotely else None)
             result = self._verify(request.verify_task(0, base + tuple(drafts), len(drafts) + 1,
                                                       draft_probs=draft_probs), stats)
+            if policy is not None:
+                policy.observe_verification(len(drafts) + 1, running, stats.target_busy_s - verifying_s)
+                decided = (stats.accepted_tokens, stats.rejections)
             logprobs = result.logprobs
             for i, x in enumerate(drafts):
                 if params.greedy:
@@ -116,6 +132,10 @@ class SpeculativeDecoder(DecoderLifecycle):
                                                                                 len(out.tokens)),
                            None if logprobs is None else logprobs[last])
                 stats.bonus_tokens += 1
+            if policy is not None:
+                policy.observe_decisions(stats.accepted_tokens - decided[0], stats.rejections - decided[1])
+                windows = stats.extra.setdefault("lookaheads", {})  # k -> this request's windows of k drafts
+                windows[len(drafts)] = windows.get(len(drafts), 0) + 1
 
     def _verify(self, task: VerifyTask, stats: GenerationStats) -> TaskResult:
         """One verification, as a DSI target server runs it (greedy: the argmax ids of the processed rows;

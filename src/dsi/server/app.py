@@ -47,6 +47,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsi import __version__
 from dsi.api import build_chosen_decoder, build_decoder
+from dsi.engine.goodput import LookaheadByLoad
+from dsi.engine.si import SpeculativeDecoder
 from dsi.errors import ConfigError
 from dsi.models.base import LanguageModel
 from dsi.models.loading import release
@@ -141,6 +143,7 @@ class ServerState:
         self.choice = None  # with method="auto": what it picked, once the first slot's decoder is built
         # speculation chosen by load (dsi.server.load_choice): one chooser for every slot
         self.chooser = LoadChooser() if config.chooses_by_load else None
+        self.lookahead_policy: LookaheadByLoad | None = None  # SI's lookahead by goodput (over engines, by load)
         self.free_unused_drafter = free_unused_drafter
         self.config = config
         self.codec = codec
@@ -165,6 +168,11 @@ class ServerState:
             return decoder  # nothing to choose: the slots decode plainly, or one way was asked for
         plain = build_decoder(target=self.verifier, method="ar",
                               target_servers=True if self.config.target_servers else None)
+        if self.config.target_servers and isinstance(decoder, SpeculativeDecoder):
+            # SI over batching engines: each window's lookahead, up to the configured one, by goodput under load
+            if self.lookahead_policy is None:
+                self.lookahead_policy = LookaheadByLoad(decoder.lookahead, self._running)
+            decoder.policy = self.lookahead_policy
         return LoadChosenDecoder(decoder, plain, self.chooser, self._running)
 
     def _running(self) -> int:
@@ -684,6 +692,8 @@ def create_app(
             **({"scoring_port": state.scoring.port} if state.scoring is not None else {}),
             # speculation chosen by load: what each way measured at each load level so far
             **({"speculation_by_load": state.chooser.snapshot()} if state.chooser is not None else {}),
+            **({"lookahead_by_load": state.lookahead_policy.snapshot()}
+               if state.lookahead_policy is not None else {}),
             **({"synthetic": dict(zip(("scenario", "role"), config.synthetic, strict=True))}
                if config.synthetic else {}),
         })

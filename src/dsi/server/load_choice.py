@@ -49,6 +49,16 @@ then gives the same tokens however busy the server was and whatever ran before, 
 scores must not depend on request order). Greedy requests get the same tokens either way (up to the near-ties above), and unseeded sampled
 ones the same law.
 
+Over batching engines with SI (``--target-servers``; the slot's speculative decoder has a
+:class:`~dsi.engine.goodput.LookaheadByLoad`), the way is chosen by goodput instead (:meth:`LoadChooser.choose_by_goodput`):
+SI's lookahead follows the load window by window, from a measured line of a verification's latency against the
+positions the running requests put in the engines' steps, the drafter's step and the acceptance rate, down to
+windows of no draft; a request starts plainly (the engines' own generation) only where the rule predicts that no
+draft pays at the load it starts at, and is never handed over (its windows follow the load as it changes). Per-request
+rates mislead there: under a shared bottleneck a request run one way among requests run the other is slowed by them
+as much, so its rate does not show what its way costs the others; a batch-time model does (SmartSpec, arXiv
+2406.14066).
+
 A request tried the losing way runs next to requests running the winning one, whose compute it shares: at a high
 level such a lone speculative request can measure faster than it would be among its like. Its average then leads
 for a few requests, which then measure among their like and bring it back.
@@ -125,6 +135,12 @@ class Pick:
                 "rates": {w: None if r is None else round(r, 3) for w, r in self.rates.items()}}
 
 
+def _picked(way: str, running: int, level: int, reason: str, rates: dict[str, float | None]) -> Pick:
+    """The pick, said in the log (at ``-v``)."""
+    log.info("load choice: %d running (level %s): %s (%s)", running, level_label(level), way, reason)
+    return Pick(way, running, level, reason, rates)
+
+
 class LoadChooser:
     """Picks a way per request, and when to hand one over, from the rates measured by load level (see the module
     doc); thread-safe."""
@@ -186,9 +202,24 @@ class LoadChooser:
                     way, reason = other, f"trying again (once in {every:.0f} requests): {best} leads by {gap:.2f}x"
                 else:
                     way, reason = best, f"{why} by {gap:.2f}x"
-        pick = Pick(way, running, level, reason, rates)
-        log.info("load choice: %d running (level %s): %s (%s)", running, level_label(level), way, reason)
-        return pick
+        return _picked(way, running, level, reason, rates)
+
+    def choose_by_goodput(self, running: int, lookahead: Any) -> Pick:
+        """The way for a request that starts with ``running`` requests running, on a server whose speculation is SI
+        with its lookahead by goodput (``lookahead``: its :class:`~dsi.engine.goodput.LookaheadByLoad`): plain
+        decoding where the best lookahead at this load is none, else SI (which also runs while the inputs of the
+        rule are still being measured)."""
+        level = level_of(running)
+        with self._lock:
+            rates: dict[str, float | None] = {w: self._level(level).ways[w].rate for w in WAYS}
+        k = lookahead.best(running=running)
+        if k is None:
+            way, reason = SPECULATIVE, "goodput: measuring (SI's windows measure the engines)"
+        elif k == 0:
+            way, reason = PLAIN, f"goodput: no draft pays at {running} running"
+        else:
+            way, reason = SPECULATIVE, f"goodput: windows of {k} drafts pay most at {running} running"
+        return _picked(way, running, level, reason, rates)
 
     def record_rate(self, way: str, level: int, tokens: int, seconds: float) -> None:
         """What a segment run ``way`` at ``level`` gave: ``tokens`` decoded in ``seconds`` (too few: nothing)."""
@@ -295,7 +326,11 @@ class LoadChosenDecoder:
 
     def generate(self, request: Request, on_tokens: Any = None, abort: Any = None) -> GenerationResult:
         start = time.perf_counter()
-        pick = self.chooser.choose(self._running_now())
+        # SI over batching engines, its lookahead by goodput: the same rule picks the way, and no hand-over is made
+        # (SI's windows follow the load as it changes, down to none)
+        lookahead = getattr(self.speculative, "policy", None)
+        pick = (self.chooser.choose(self._running_now()) if lookahead is None
+                else self.chooser.choose_by_goodput(self._running_now(), lookahead))
         way, level = pick.way, pick.level
         entries: list = []  # every segment's logprob entries (a continuation's result holds only its own)
         handoffs: list[dict] = []
@@ -313,7 +348,7 @@ class LoadChosenDecoder:
                     on_tokens(tokens)
                 elif on_tokens is not None:
                     on_tokens(tokens, logprobs)
-                if flag.reason is None and not handoffs:  # once at most
+                if flag.reason is None and not handoffs and lookahead is None:  # once at most
                     remaining = request.max_new_tokens - done - clock.count
                     flag.reason = self.chooser.handoff(way, self._running_now(), clock.decoded,
                                                        clock.rate, remaining, clock.bursts)
@@ -343,7 +378,15 @@ class LoadChosenDecoder:
     def generate_configured(self, request: Request, on_tokens: Any = None, abort: Any = None) -> GenerationResult:
         """``request`` on the configured (speculative) way, whatever the load, handed over never: a sampled request
         with a seed (the same seed, the same tokens, as a server without the option gives)."""
-        result = self.speculative.generate(request, on_tokens, abort)
+        # SI's lookahead by load (dsi.engine.goodput) would move where windows end, and with them a seed's tokens
+        policy = getattr(self.speculative, "policy", None)
+        if policy is not None:
+            self.speculative.policy = None
+        try:
+            result = self.speculative.generate(request, on_tokens, abort)
+        finally:
+            if policy is not None:
+                self.speculative.policy = policy
         result.stats.extra["load"] = {"way": SPECULATIVE, "running": self._running_now(), "level": "seeded",
                                       "reason": "seeded: the configured way, so its seed gives the same tokens "
                                                 "whatever the load", "rates": {}, "handoffs": []}
@@ -355,6 +398,9 @@ class LoadChosenDecoder:
             return
         stats.new_tokens, stats.wall_time_s = tokens, time.perf_counter() - start
         stats.extra["load"] = {**pick.as_dict(), "handoffs": handoffs}
+        if "lookaheads" in stats.extra:  # SI's windows by goodput (dsi.engine.goodput): k -> windows
+            stats.extra["load"]["lookaheads"] = {str(k): n for k, n in sorted(stats.extra["lookaheads"].items())}
+            log.info("load choice: the request's windows by lookahead %s", stats.extra["load"]["lookaheads"])
 
     def healthy(self) -> bool:
         return all(getattr(d, "healthy", lambda: True)() for d in (self.speculative, self.plain))

@@ -97,6 +97,9 @@ class ServerMetrics:
                                     registry=r)
         self.load_handoffs = Counter("dsi_load_handoffs", "Requests handed over mid-generation by speculation chosen "
                                      "by load, by the way they went on (speculative or plain)", ["to"], registry=r)
+        self.lookahead_windows = Counter("dsi_lookahead_windows", "SI verification windows whose lookahead "
+                                         "speculation by load chose by goodput, by their number of drafts",
+                                         ["drafts"], registry=r)
 
     def observe_generation(self, stats: GenerationStats, prompt_tokens: int, completion_tokens: int) -> None:
         """Record the statistics of one finished (or stopped, or cancelled) generation."""
@@ -117,6 +120,8 @@ class ServerMetrics:
             self.load_choices.labels(load["way"], load["level"]).inc()
             for handoff in load.get("handoffs", ()):
                 self.load_handoffs.labels(handoff["to"]).inc()
+            for drafts, windows in (load.get("lookaheads") or {}).items():
+                self.lookahead_windows.labels(str(drafts)).inc(windows)
         if stats.method == "dsi" and stats.wall_time_s > 0:  # only DSI's target pool measures busy time
             self.busy.inc(stats.target_busy_s)
             self.capacity.inc(stats.wall_time_s * stats.num_target_servers)

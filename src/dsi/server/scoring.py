@@ -51,7 +51,7 @@ from dsi.server.scheduler import QueueFull, RequestCancelled
 
 log = logging.getLogger(__name__)
 
-MAX_CONNECTIONS = 256
+MAX_CONNECTIONS = 1024  # each an idle thread until it asks: every slot of every front verifying here holds one
 HELLO_TIMEOUT_S = 10.0
 ACCEPT_POLL_S = 0.25  # how often the accept thread looks whether the listener is stopping
 ENDPOINT = "scoring"  # the endpoint label of the channel's requests in /metrics

@@ -405,7 +405,9 @@ def test_tokenising_does_not_block_the_event_loop(tiny_tokenizer):
     with running_server(make_app(tiny_tokenizer, codec=Slow(tiny_tokenizer, delay=1.5))) as running:
         r, elapsed, latencies = generate_while_polling(running.url, {"prompt": "hi", "max_tokens": 4})
     assert r.status_code == 200 and elapsed >= 1.5
-    assert len(latencies) >= 10 and max(latencies) < 0.75, f"/health took up to {max(latencies):.2f} s"
+    # a blocked loop answers /health after the whole 1.5 s tokenisation; 1 s leaves room for a busy machine's pauses
+    # (0.75 s failed once at 0.755 s in a full run)
+    assert len(latencies) >= 10 and max(latencies) < 1.0, f"/health took up to {max(latencies):.2f} s"
 
 
 def test_a_small_token_id_completion_is_prepared_on_the_loop_and_text_on_the_threads(tiny_tokenizer):

@@ -4,6 +4,9 @@
   (``prompt_logprobs``), one target server per engine;
 - :mod:`~dsi.models.engines.prefixes`: the same rows read from a vLLM engine's prefix cache, as one batch of
   prefixes, where that computes less;
+- :mod:`~dsi.models.engines.draws`: sampled rows drawn inside vLLM by dsi_vllm's processor, answered as tokens;
+- :mod:`~dsi.models.engines.streams`: one streamed completion, read token by token;
+- :mod:`~dsi.models.engines.generation`: plain decoding through the engines' own generation (a stream a request);
 - :mod:`~dsi.models.engines.drafter`: :class:`EngineDrafter`, a drafter whose tokens one engine streams;
 - :mod:`~dsi.models.engines.scoring_channel`: the binary scoring channel a ``dsi serve`` offers beside
   HTTP (rows as arrays, not JSON).

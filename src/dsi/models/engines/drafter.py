@@ -40,29 +40,22 @@ wait within ``CANCEL_POLL_S``.
 
 from __future__ import annotations
 
-import http.client
-import json
 import logging
-import socket
-import threading
-import time
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import urlsplit
 
 import numpy as np
 
 from dsi.errors import ConfigError, ContextLengthError, ServerLost, TaskCancelled
 from dsi.models.base import CancelFlag, LanguageModel, check_int, check_token_ids
+from dsi.models.engines.streams import CompletionStream
 from dsi.models.engines.target import (
-    CANCEL_POLL_S,
     CONNECT_TIMEOUT_S,
     READ_TIMEOUT_S,
     EngineTarget,
     LocalText,
     check_url,
     dense_rows,
-    read_row,
 )
 
 log = logging.getLogger(__name__)
@@ -118,159 +111,13 @@ class EngineDrafter(LocalText):
         return StreamingSession(self)
 
 
-class _Stream:
-    """One streamed completion after ``start``: the tokens and rows it sent so far, read by a thread."""
-
-    def __init__(self, drafter: EngineDrafter, start: tuple[int, ...], n: int, max_tokens: int) -> None:
-        self.start, self.n = start, n  # n: log-probabilities per row (1: the ids only)
-        self.tokens: list[int] = []
-        self.rows: list[dict[int, float]] = []
-        self.ended = False  # the engine finished it (its max_tokens): nothing more comes
-        self.error: BaseException | None = None
-        self._progress_at = time.monotonic()  # when the stream last sent a token (or was opened)
-        self._cond = threading.Condition()
-        self._drafter = drafter
-        self._closed = False
-        parts = urlsplit(drafter.url)
-        cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-        self._conn = cls(parts.hostname, parts.port, timeout=drafter.connect_timeout)
-        payload = {"model": drafter.engine.model, "prompt": list(start), "max_tokens": max_tokens,
-                   "temperature": 0.0, "stream": True, "logprobs": n, "return_tokens_as_token_ids": True,
-                   "ignore_eos": True}
-        self._body = json.dumps(payload).encode()
-        self._path = parts.path + "/completions"
-        self._thread = threading.Thread(target=self._read, name="dsi-drafter-stream", daemon=True)
-        self._thread.start()
-
-    def _fail(self, what: str) -> ServerLost:
-        return ServerLost(f"drafter server {self._drafter.url}: {what}")
-
-    def _read(self) -> None:
-        try:
-            self._conn.connect()
-            self._conn.sock.settimeout(self._drafter.read_timeout)
-            self._conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._conn.request("POST", self._path, body=self._body, headers={"Content-Type": "application/json"})
-            response = self._conn.getresponse()
-            if response.status != 200:
-                raise self._fail(f"answered {response.status}: {response.read(300)!r}")
-            for raw in response:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
-                self._add(self._parse(data))
-        except BaseException as exc:  # noqa: BLE001 - handed to the reader of the rows
-            with self._cond:
-                if not self._closed:
-                    self.error = exc if isinstance(exc, ServerLost) else self._fail(f"{type(exc).__name__}: {exc}")
-                self._cond.notify_all()
-            return
-        finally:
-            with self._cond:
-                self.ended = True
-                self._cond.notify_all()
-
-    def _parse(self, data: bytes) -> list[tuple[int, dict[int, float]]]:
-        """The (token, row) pairs of one streamed chunk."""
-        try:
-            chunk = json.loads(data)
-        except (ValueError, RecursionError):  # (RecursionError: nested too deep)
-            raise self._fail(f"streamed a line that is not JSON: {data[:120]!r}") from None
-        if isinstance(chunk, dict) and "error" in chunk:
-            raise self._fail(f"streamed an error: {str(chunk['error'])[:300]}")
-        try:
-            choices = chunk.get("choices") or []  # a usage chunk has none
-            logprobs = choices[0].get("logprobs") if choices else None
-            if not logprobs:
-                return []
-            names, tops = logprobs["tokens"], logprobs["top_logprobs"]
-            vocab = self._drafter.vocab_size
-            out = []
-            for name, top in zip(names, tops, strict=True):
-                token = int(str(name).removeprefix("token_id:"))
-                if not 0 <= token < vocab:
-                    raise ValueError(f"token {token} is outside the vocabulary [0, {vocab})")
-                if not top:
-                    raise ValueError(f"token {token} comes with no log-probabilities")
-                out.append((token, read_row(top, vocab)))
-            return out
-        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
-            raise self._fail(f"streamed an inconsistent chunk ({exc}): {data[:160]!r}") from None
-
-    def _add(self, items: list[tuple[int, dict[int, float]]]) -> None:
-        if not items:
-            return
-        with self._cond:
-            for token, row in items:
-                self.tokens.append(token)
-                self.rows.append(row)
-            self._progress_at = time.monotonic()
-            self._cond.notify_all()
-
-    def _wait(self, cancel: CancelFlag | None) -> None:
-        """Wait (holding the condition) for the stream to move, within the cancel poll and the stall limit."""
-        if cancel is not None and cancel.is_set():
-            raise TaskCancelled("drafter stream wait abandoned")
-        silent = time.monotonic() - self._progress_at
-        if silent > self._drafter.stall_s:
-            raise self._fail(f"sent no token for {silent:.0f} s (frozen?)")
-        self._cond.wait(CANCEL_POLL_S if cancel is not None else min(1.0, self._drafter.stall_s))
-
-    def row(self, j: int, cancel: CancelFlag | None) -> tuple[int, dict[int, float]] | None:
-        """Token j of the stream and its row (waiting for it), or None if the stream ended before it."""
-        with self._cond:
-            while len(self.tokens) <= j and not self.ended and self.error is None:
-                self._wait(cancel)
-            if len(self.tokens) > j:
-                return self.tokens[j], self.rows[j]
-            if self.error is not None:
-                raise self.error
-            return None
-
-    def follows(self, context: tuple[int, ...], cancel: CancelFlag | None) -> int | None:
-        """Where ``context`` is on this stream (the index of the token after it), or None if it is not.
-
-        A context longer than what has arrived (the engine has not streamed its last tokens yet, e.g. a
-        bonus token the target committed) waits for them while every token that arrived matches."""
-        j = len(context) - len(self.start)
-        if j < 0 or context[:len(self.start)] != self.start:
-            return None
-        tail = context[len(self.start):]
-        checked = 0
-        with self._cond:
-            while True:
-                have = min(len(self.tokens), j)
-                if tuple(self.tokens[checked:have]) != tail[checked:have]:
-                    return None
-                checked = have
-                if checked == j:
-                    return j
-                if self.ended or self.error is not None:
-                    return None
-                self._wait(cancel)
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-        sock = self._conn.sock
-        if sock is not None:
-            try:  # the engine sees the client gone and aborts the request; the reader wakes
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        self._conn.close()
-
-
 class StreamingSession:
     """One token sequence whose rows come from the drafter engine's streams (see the module doc)."""
 
     def __init__(self, drafter: EngineDrafter) -> None:
         self._drafter = drafter
         self._tokens: tuple[int, ...] = ()
-        self._stream: _Stream | None = None
+        self._stream: CompletionStream | None = None
         self._scoring = None  # an EngineSession for forwards of several rows, made on first use
         # streams opened, and rows read from them (a request's stats carry the changes)
         self.counters = {"drafter_streams": 0, "drafter_stream_tokens": 0}
@@ -328,11 +175,15 @@ class StreamingSession:
                     self.counters["drafter_stream_tokens"] += 1
                     return got
             self._close_stream()  # off the stream (or it ended there): a new one from this context
-        limit = self._drafter.max_context
-        room = self._drafter.horizon if limit is None else min(self._drafter.horizon, limit + 1 - len(context))
+        drafter = self._drafter
+        limit = drafter.max_context
+        room = drafter.horizon if limit is None else min(self._drafter.horizon, limit + 1 - len(context))
         if room < 1:
             raise ContextLengthError(f"the drafter server {self._drafter.url} has no room after {len(context)} tokens")
-        self._stream = stream = _Stream(self._drafter, context, needed, room)
+        self._stream = stream = CompletionStream(
+            drafter.url, drafter.engine.model, context, needed, room, drafter.vocab_size,
+            connect_timeout=drafter.connect_timeout, read_timeout=drafter.read_timeout, stall_s=drafter.stall_s,
+            role="drafter")
         self.counters["drafter_streams"] += 1
         got = stream.row(0, cancel)
         if got is None:

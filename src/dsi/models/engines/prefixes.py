@@ -123,6 +123,6 @@ def _first_row(choice: dict) -> dict | None:
 
 def row_entries(answer: Any, url: str, model: str, count: int, role: str = "target") -> list[dict]:
     """The ``count`` rows of a batch-of-prefixes answer, in prompt order, as the engine wrote them (each choice's
-    ``logprobs.top_logprobs[0]``: :func:`dsi.models.engines.target.read_row` reads one); see
+    ``logprobs.top_logprobs[0]``: :func:`dsi.models.engines.streams.read_row` reads one); see
     :func:`choices_by_prompt` for an answer of another shape."""
     return choices_by_prompt(answer, url, model, count, "a batch of prefixes", _first_row, "top_logprobs", role)

@@ -84,6 +84,7 @@ from dsi.models.engines.scoring_channel import (
     ScoringChannel,
     advertised_port,
 )
+from dsi.models.engines.streams import CANCEL_POLL_S, read_row
 from dsi.sampling import BonusRead, ChainRead, SamplingParams, process_logits
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,6 @@ log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 600.0  # a single forward; a frozen engine is caught sooner by the pool's liveness deadline
 PROBE_TIMEOUT_S = 10.0  # a new session first asks the engine for its models, within this
-CANCEL_POLL_S = 0.01  # how often a waiting forward looks at its cancel flag (its answer wakes it at once)
 PLACEHOLDER = 0  # the token appended after the context so that its last position gets prompt logprobs
 TEXT_ATTRIBUTES = ("encode", "decode", "eos_token_ids")  # what an EngineTarget takes from its local reference
 CANARY_LENGTH = 8
@@ -334,26 +334,6 @@ def parse_rows(answer: Any, url: str, model: str, context_length: int, first: in
     return out
 
 
-def read_row(entry: dict, vocab_size: int) -> dict[int, float]:
-    """A logprobs object of one position as token id -> log-probability. Keys are ids or vLLM's
-    ``token_id:N``; values are numbers or vLLM's ``{"logprob": ...}``. ``ValueError`` names the entry
-    that is not an id of the vocabulary with a log-probability (an engine's answers are never believed
-    past one)."""
-    row: dict[int, float] = {}
-    for key, value in entry.items():
-        try:
-            token = int(str(key).removeprefix("token_id:"))
-            logprob = float(value["logprob"] if isinstance(value, dict) else value)
-        except (TypeError, ValueError, KeyError):
-            raise ValueError(f"holds {key!r}: {value!r}") from None
-        if not 0 <= token < vocab_size:
-            raise ValueError(f"names token {token}, outside the vocabulary [0, {vocab_size})")
-        if np.isnan(logprob) or logprob > 1e-4:
-            raise ValueError(f"gives token {token} {logprob}, which is not a log-probability")
-        row[token] = logprob
-    return row
-
-
 def prefix_rows(conn: Connection, url: str, model: str, context: Sequence[int], first: int, count: int, n: int,
                 vocab_size: int, role: str = "target", cancel: CancelFlag | None = None) -> list[dict[int, float]]:
     """Rows ``first .. first + count - 1`` of ``context`` (``n`` log-probabilities each, -1: all) as one batch of
@@ -403,8 +383,10 @@ class EngineTarget(LocalText):
                  model: str | None = None, canary_tolerance: float = CANARY_TOLERANCE,
                  connect_timeout: float = CONNECT_TIMEOUT_S, read_timeout: float = READ_TIMEOUT_S,
                  role: str = "target", scoring_channel: bool = True, prefix_cache: bool = True,
-                 engine_draws: bool = True) -> None:
+                 engine_draws: bool = True, engine_generation: bool = True) -> None:
         self.role = role  # names the servers in errors: "target", or "drafter" (dsi.models.engines.drafter)
+        # plain decoding streams the engines' own generation where it is exact (dsi.models.engines.generation)
+        self.engine_generation = engine_generation
         # let engines that run dsi_vllm's processor draw sampled rows (dsi.models.engines.draws); False: never
         self.engine_draws = engine_draws
         # verify from a vLLM engine's prefix cache where it is cheaper (dsi.models.engines.prefixes); False: never
@@ -630,6 +612,36 @@ class EngineTarget(LocalText):
         sampled row crosses as one token."""
         return (not params.greedy and not params.moves_argmax and bool(self.engines)
                 and all(e.draws for e in self.engines.values()))
+
+    def generation(self, params: Any, logprobs: bool = False) -> Any:
+        """Plain decoding of a request with sampling ``params`` through the engines' own generation
+        (:class:`~dsi.models.engines.generation.EngineGeneration`), or None where that would not be exact or was
+        turned off (``engine_generation=False``): logprobs, and processing that moves the argmax unless the engines
+        draw it. Greedy on raw rows, and sampling every engine draws (the request runs with coupled draws)."""
+        if not self.engine_generation or logprobs:
+            return None
+        coupled = self.draws(params)
+        if not (params.raw_argmax or coupled):
+            return None
+        from dsi.models.engines.generation import EngineGeneration
+
+        return EngineGeneration(self, params, coupled)
+
+    def engine_in_service(self) -> EngineInfo:
+        """The next engine in turn that is in service (a lost one passes its start check again first), or
+        :class:`~dsi.errors.ServerLost` when none is."""
+        why = []
+        for _ in range(len(self.urls)):
+            with self._lock:
+                url, self._next = self.urls[self._next % len(self.urls)], self._next + 1
+            if url in self.lost:
+                try:
+                    self._readmit(url)
+                except ServerLost as exc:
+                    why.append(str(exc))
+                    continue
+            return self.engines[url]
+        raise ServerLost(f"every {self.role} server is lost: {'; '.join(why)}")
 
     # ---- sessions ------------------------------------------------------------------------------
     def new_session(self, device: str | None = None) -> EngineSession:
