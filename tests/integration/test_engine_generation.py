@@ -205,7 +205,7 @@ def test_an_engine_killed_before_the_stream_is_lost_and_the_decoder_serves_on(di
             s.stop()
 
 
-def test_a_server_over_engines_chooses_sis_lookahead_by_load_and_serves_the_local_text(dsi_engines, local, prompts,
+def test_a_server_over_engines_chooses_sis_lookahead_by_load_and_serves_the_local_text(engines, local, prompts,
                                                                                         reference):
     """dsi serve over the engines with SI and speculation by load: each request runs SI with windows whose k the
     goodput rule chose, or plain decoding through the engines' stream where it predicts no draft pays; the text is
@@ -217,12 +217,12 @@ def test_a_server_over_engines_chooses_sis_lookahead_by_load_and_serves_the_loca
 
     target, drafter, _ = local
     config = ServeConfig(method="si", lookahead=4, model_name="front", speculation_by_load=True,
-                         target_servers=tuple(e.url for e in dsi_engines), temperature=0.0)
+                         target_servers=tuple(e.url for e in engines), temperature=0.0)
     app = create_app(target, drafter, config)
     eos = set(target.eos_token_ids)
     ways, reasons, windows = [], [], 0
     with running_server(app) as front:
-        for i in (0, 1, 2, 0, 1, 2):
+        for i in (0, 1, 2) * 3:  # each prompt three times on one fresh server: one answer, non-SI's
             r = httpx.post(front.url + "/v1/completions", timeout=60,
                            json={"model": "front", "prompt": prompts[i], "max_tokens": TOKENS, "temperature": 0})
             assert r.status_code == 200, r.text
@@ -242,7 +242,8 @@ def test_a_server_over_engines_chooses_sis_lookahead_by_load_and_serves_the_loca
     assert set(ways) <= {"speculative", "plain"}
     assert all(reason.startswith("goodput") for reason in reasons)
     assert card["lookahead_by_load"]["windows"] >= windows > 0
-    assert card["lookahead_by_load"]["latency_line_s"]["base"] > 0
+    line = card["lookahead_by_load"]["latency_line_s"]  # its intercept may clamp at 0 where latency grows steeply
+    assert line["base"] >= 0 and line["per_position"] >= 0 and line["base"] + line["per_position"] > 0
     counted = sum(float(line.split()[-1]) for line in metrics.splitlines()
                   if line.startswith("dsi_lookahead_windows_total{"))
     assert counted >= windows

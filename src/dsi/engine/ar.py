@@ -10,6 +10,7 @@ the tokens it streams and closes the stream where dsi's stop rules end the outpu
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Sequence
@@ -95,12 +96,9 @@ class AutoregressiveDecoder(DecoderLifecycle):
         stream = plan.tokens(tuple(out.tokens), out.remaining, abort)  # type: ignore[attr-defined]
         try:
             with model_errors("target"):
-                for chunk in stream:
-                    for token in chunk:
-                        out.commit(int(token))
-                        stats.bonus_tokens += 1
-                        if out.finished:
-                            break
+                for token in itertools.chain.from_iterable(stream):  # type: ignore[call-overload]
+                    out.commit(int(token))
+                    stats.bonus_tokens += 1
                     if out.finished:
                         break
         except TaskCancelled:

@@ -117,41 +117,45 @@ class LookaheadByLoad:
             server = self.accepted / self.decided if self.decided > 0 else accepted / decided
         return (accepted + PRIOR_DECISIONS * server) / (decided + PRIOR_DECISIONS)
 
-    def rate(self, k: int, running: int, acceptance: float) -> float | None:
-        """A request's predicted tokens per second with windows of ``k`` drafts while ``running`` requests run."""
+    def _rates(self, running: int, acceptance: float) -> dict[int, float] | None:
+        """Each k's predicted rate (tokens per second of a request) while ``running`` requests run, from one reading
+        of the line and the drafter's step; None until both were measured."""
         with self._lock:
             line, draft_s = self._line(), self.draft_s
-        if line is None or (k > 0 and draft_s is None):
+        if line is None or draft_s is None:
             return None
         a0, slope = line
-        seconds = (k * draft_s if k else 0.0) + a0 + slope * running * (k + 1)
-        return expected_tokens(k, acceptance) / seconds if seconds > 0 else None
+        rates = {}
+        for k in range(self.max_lookahead + 1):
+            seconds = k * draft_s + a0 + slope * running * (k + 1)
+            rates[k] = expected_tokens(k, acceptance) / seconds if seconds > 0 else 0.0
+        return rates
+
+    def rate(self, k: int, running: int, acceptance: float) -> float | None:
+        """A request's predicted tokens per second with windows of ``k`` drafts while ``running`` requests run."""
+        rates = self._rates(running, acceptance)
+        return None if rates is None else rates[k]
 
     def best(self, accepted: int = 0, decided: int = 0, running: int | None = None) -> int | None:
         """The lookahead of the highest predicted rate for a request with ``accepted`` of ``decided`` drafts kept,
         while ``running`` requests run (None: now); None until every input was measured."""
-        running = self.running() if running is None else running
         acceptance = self.acceptance(accepted, decided)
-        if acceptance is None:
-            return None
-        rates = {k: self.rate(k, running, acceptance) for k in range(self.max_lookahead + 1)}
-        if any(r is None for r in rates.values()):
-            return None
-        return max(rates, key=lambda j: (rates[j], -j))  # type: ignore[arg-type]
+        rates = None if acceptance is None else self._rates(self.running() if running is None else running,
+                                                             acceptance)
+        return None if rates is None else max(rates, key=lambda j: (rates[j], -j))
 
     def choose(self, accepted: int = 0, decided: int = 0) -> int:
         """The lookahead of a request's next window (``accepted`` of its ``decided`` drafts kept so far): the
         configured largest until every input was measured, then the goodput rule (see the module doc)."""
         k = self.best(accepted, decided)
+        with self._lock:
+            window = self.windows
+            self.windows += 1
         if k is None:
             k = self.max_lookahead
-        else:
-            with self._lock:
-                explore = self.windows % self.explore_every == self.explore_every - 1
-            if explore:
-                k = k + 1 if k < self.max_lookahead and (self.windows // self.explore_every) % 2 == 0 else max(k - 1, 0)
+        elif window % self.explore_every == self.explore_every - 1:  # a neighbour: above, then below, in turn
+            k = k + 1 if k < self.max_lookahead and (window // self.explore_every) % 2 == 0 else max(k - 1, 0)
         with self._lock:
-            self.windows += 1
             self.chosen[k] = self.chosen.get(k, 0) + 1
         return k
 

@@ -177,9 +177,9 @@ class StreamingSession:
             self._close_stream()  # off the stream (or it ended there): a new one from this context
         drafter = self._drafter
         limit = drafter.max_context
-        room = drafter.horizon if limit is None else min(self._drafter.horizon, limit + 1 - len(context))
+        room = drafter.horizon if limit is None else min(drafter.horizon, limit + 1 - len(context))
         if room < 1:
-            raise ContextLengthError(f"the drafter server {self._drafter.url} has no room after {len(context)} tokens")
+            raise ContextLengthError(f"the drafter server {drafter.url} has no room after {len(context)} tokens")
         self._stream = stream = CompletionStream(
             drafter.url, drafter.engine.model, context, needed, room, drafter.vocab_size,
             connect_timeout=drafter.connect_timeout, read_timeout=drafter.read_timeout, stall_s=drafter.stall_s,

@@ -44,7 +44,7 @@ class EngineGeneration:
     ``coupled``: the engines draw (dsi_vllm's processor), else greedy. Counts the streams it opened."""
 
     def __init__(self, target: Any, params: Any, coupled: bool, stall_s: float = STALL_S) -> None:
-        self.target, self.params, self.coupled = target, params, coupled
+        self.target = target
         self.stall_s = float(stall_s)
         self.extra = {"vllm_xargs": draw_args(params)} if coupled else {}
         self.streams = 0

@@ -54,7 +54,6 @@ def read_row(entry: dict, vocab_size: int) -> dict[int, float]:
     return row
 
 
-
 class CompletionStream:
     """One streamed completion after ``start`` on the engine at ``url`` (see the module doc): the tokens it sent so
     far, and with ``n >= 1`` each token's row of its top ``n`` log-probabilities (``{id: logprob}``).
@@ -173,27 +172,26 @@ class CompletionStream:
             raise self._fail(f"sent no token for {silent:.0f} s (frozen?)")
         self._cond.wait(CANCEL_POLL_S if cancel is not None else min(1.0, self.stall_s))
 
+    def _arrived(self, j: int, cancel: CancelFlag | None) -> bool:
+        """Whether token j arrived, waiting for it (holding the condition); False if the stream ended before it, its
+        error if it broke."""
+        while len(self.tokens) <= j and not self.ended and self.error is None:
+            self._wait(cancel)
+        if len(self.tokens) > j:
+            return True
+        if self.error is not None:
+            raise self.error
+        return False
+
     def token(self, j: int, cancel: CancelFlag | None) -> int | None:
         """Token j of the stream (waiting for it), or None if the stream ended before it."""
         with self._cond:
-            while len(self.tokens) <= j and not self.ended and self.error is None:
-                self._wait(cancel)
-            if len(self.tokens) > j:
-                return self.tokens[j]
-            if self.error is not None:
-                raise self.error
-            return None
+            return self.tokens[j] if self._arrived(j, cancel) else None
 
     def tokens_from(self, j: int, cancel: CancelFlag | None) -> list[int]:
         """The tokens from j on that have arrived, waiting until at least one has; [] if the stream ended first."""
         with self._cond:
-            while len(self.tokens) <= j and not self.ended and self.error is None:
-                self._wait(cancel)
-            if len(self.tokens) > j:
-                return self.tokens[j:]
-            if self.error is not None:
-                raise self.error
-            return []
+            return self.tokens[j:] if self._arrived(j, cancel) else []
 
     def row(self, j: int, cancel: CancelFlag | None) -> tuple[int, dict[int, float]] | None:
         """Token j of the stream and its row (``n >= 1``; waiting for it), or None if the stream ended before it."""

@@ -627,13 +627,18 @@ class EngineTarget(LocalText):
 
         return EngineGeneration(self, params, coupled)
 
+    def _next_url(self) -> str:
+        """The next engine's URL in turn (sessions and streams are spread over the engines in one rotation)."""
+        with self._lock:
+            url, self._next = self.urls[self._next % len(self.urls)], self._next + 1
+        return url
+
     def engine_in_service(self) -> EngineInfo:
         """The next engine in turn that is in service (a lost one passes its start check again first), or
         :class:`~dsi.errors.ServerLost` when none is."""
         why = []
         for _ in range(len(self.urls)):
-            with self._lock:
-                url, self._next = self.urls[self._next % len(self.urls)], self._next + 1
+            url = self._next_url()
             if url in self.lost:
                 try:
                     self._readmit(url)
@@ -646,10 +651,7 @@ class EngineTarget(LocalText):
     # ---- sessions ------------------------------------------------------------------------------
     def new_session(self, device: str | None = None) -> EngineSession:
         """A session on the engine at ``device`` (a URL of :attr:`urls`), or on the next one in turn."""
-        if device is None:
-            with self._lock:
-                device, self._next = self.urls[self._next % len(self.urls)], self._next + 1
-        url = check_url(device)
+        url = self._next_url() if device is None else check_url(device)
         if url not in self.engines:
             raise ConfigError(f"{url} is not one of this target's servers ({', '.join(self.urls)})")
         if url in self.lost:
